@@ -1,0 +1,162 @@
+"""HF <-> Megatron checkpoint conversion (the logic behind ``tools/convert_*.py``).
+
+HF -> Megatron runs one process per TP x PP rank (spawned here, or the ranks of an enclosing torchrun). Each
+rank reads from the HF safetensors only the rows of its own shard, so the job as a whole holds one copy of the
+weights. Megatron -> HF loads at TP=1/PP=1 in one process and moves tensors one by one from the model into
+safetensors shards, so it too holds about one copy.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.models.checkpoint_io import (MANIFEST, atomic_dir, load_model, read_manifest, save_model,
+                                       spec_from_manifest, write_manifest)
+from rlhf.models.hf_io import HFCheckpointReader, HFShardedWriter, copy_tokenizer_files, torch_dtype
+from rlhf.models.hf_llama import check_hf_names, hf_from_megatron, megatron_shard_from_hf
+from rlhf.models.spec import (CAUSAL_LM_ARCHS, SEQ_CLS_ARCHS, ModelSpec, check_parallel_fit, load_hf_config,
+                              padded_vocab_size, spec_from_hf_config)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HFToMegatronPlan:
+    hf: str
+    out: str
+    tp: int
+    pp: int
+    spec: ModelSpec
+    hf_config: dict
+    padded_vocab: int
+    dtype: str
+
+
+def plan_hf_to_megatron(hf: str, out: str, tp: int, pp: int, overwrite: bool = False,
+                        vocab_divisible_by: int = 128) -> HFToMegatronPlan:
+    """Every check that can fail, before any process is started or any weight is read."""
+    if not os.path.isdir(hf):
+        raise ValueError(f"--hf folder not found: {hf}")
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tp and --pp must be >= 1, got --tp {tp} --pp {pp}")
+    cfg = load_hf_config(hf)
+    spec = spec_from_hf_config(cfg, source=os.path.join(hf, "config.json"))
+    padded = padded_vocab_size(spec.vocab_size, vocab_divisible_by)
+    check_parallel_fit(spec, tp, pp, padded)
+    reader = HFCheckpointReader(hf)
+    check_hf_names(reader.keys(), spec, hf)
+    if os.path.exists(out) and not overwrite:
+        raise ValueError(f"--out folder already exists: {out}")
+    dtype = str(reader.get("model.embed_tokens.weight", rows=(0, 1)).dtype).replace("torch.", "")
+    torch_dtype(dtype)
+    return HFToMegatronPlan(hf, out, tp, pp, spec, cfg, padded, dtype)
+
+
+def _fill_from_hf(model: torch.nn.Module, plan: HFToMegatronPlan, tp_rank: int, pp_rank: int) -> None:
+    reader = HFCheckpointReader(plan.hf)
+    layer_offset = pp_rank * (plan.spec.num_layers // plan.pp)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shard = megatron_shard_from_hf(name, reader.get, plan.spec, tp_rank=tp_rank, tp=plan.tp,
+                                           layer_offset=layer_offset, padded_vocab=plan.padded_vocab)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ValueError(f"{name}: HF shard shape {tuple(shard.shape)} != megatron {tuple(param.shape)}")
+            param.copy_(shard)
+    spec = plan.spec
+    if spec.tie_word_embeddings and not spec.is_seq_cls and "lm_head.weight" in reader.keys():
+        if not torch.equal(reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")):
+            raise ValueError(f"{plan.hf}: tie_word_embeddings=True but lm_head.weight differs from the embedding")
+
+
+def hf_to_megatron_rank(plan: HFToMegatronPlan, tmp_dir: str) -> None:
+    """The per-rank body: build this rank's stage, fill it from HF, write its shards. Process group must exist."""
+    from rlhf.distributed import initialize_mesh
+    from rlhf.models.gpt import build_model
+
+    mesh = initialize_mesh(plan.tp, plan.pp)
+    model = build_model(plan.spec, tp=plan.tp, pp=plan.pp, pp_rank=mesh.pp_rank,
+                        params_dtype=torch_dtype(plan.dtype), padded_vocab=plan.padded_vocab)
+    _fill_from_hf(model, plan, mesh.tp_rank, mesh.pp_rank)
+    save_model(model, os.path.join(tmp_dir, "model"))
+
+
+def _spawned(local_rank: int, plan: HFToMegatronPlan, tmp_dir: str, port: int) -> None:
+    from rlhf.distributed import DistEnv
+    from rlhf.distributed.mesh import destroy_mesh
+
+    torch.set_num_threads(1)
+    DistEnv(local_rank, plan.tp * plan.pp, local_rank, "127.0.0.1", port, "spawn").export()
+    try:
+        hf_to_megatron_rank(plan, tmp_dir)
+    finally:
+        destroy_mesh()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def convert_hf_to_megatron(plan: HFToMegatronPlan, overwrite: bool = False) -> float:
+    """Spawn TP x PP local ranks (gloo) that write the dist checkpoint; publish it atomically. Returns seconds."""
+    import torch.multiprocessing as mp
+
+    t0 = time.time()
+    with atomic_dir(plan.out, overwrite=overwrite) as tmp:
+        mp.spawn(_spawned, args=(plan, tmp, free_port()), nprocs=plan.tp * plan.pp, join=True)
+        copy_tokenizer_files(plan.hf, tmp)
+        write_manifest(tmp, spec=plan.spec, hf_config=plan.hf_config, padded_vocab=plan.padded_vocab,
+                       source=os.path.abspath(plan.hf), tp=plan.tp, pp=plan.pp, dtype=plan.dtype)
+    return time.time() - t0
+
+
+def megatron_to_hf(ckpt: str, out: str, overwrite: bool = False, max_shard_bytes: int = 2 << 30) -> float:
+    """Load a checkpoint at TP=1/PP=1 in this process and write an HF folder. Returns seconds."""
+    from rlhf.distributed import DistEnv, initialize_mesh
+    from rlhf.distributed.mesh import destroy_mesh
+    from rlhf.models.gpt import build_model
+
+    t0 = time.time()
+    manifest = read_manifest(ckpt)
+    spec = spec_from_manifest(manifest)
+    if os.path.exists(out) and not overwrite:
+        raise ValueError(f"--out folder already exists: {out}")
+    dtype = torch_dtype(manifest["dtype"])
+    initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
+    try:
+        model = build_model(spec, tp=1, pp=1, pp_rank=0, params_dtype=dtype,
+                            padded_vocab=manifest["padded_vocab_size"])
+        load_model(model, os.path.join(ckpt, "model"))
+        with atomic_dir(out, overwrite=overwrite) as tmp:
+            writer = HFShardedWriter(tmp, max_shard_bytes)
+            params = dict(model.named_parameters())
+            del model
+            for name in list(params):
+                tensor = params.pop(name).detach()
+                for hf_name, t in hf_from_megatron(name, tensor, spec):
+                    writer.add(hf_name, t.to(dtype).clone())
+                del tensor
+            writer.finalize()
+            cfg = dict(manifest["hf_config"])
+            arch = SEQ_CLS_ARCHS if spec.is_seq_cls else CAUSAL_LM_ARCHS
+            cfg["architectures"] = [arch[spec.model_type]]
+            for key in ("rlhf",):
+                if key in manifest:
+                    cfg[key] = manifest[key]
+            import json
+
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(cfg, f, indent=2)
+            copy_tokenizer_files(ckpt, tmp)
+    finally:
+        destroy_mesh()
+    return time.time() - t0
+
+
+__all__ = ["plan_hf_to_megatron", "convert_hf_to_megatron", "megatron_to_hf", "MANIFEST"]

@@ -1,0 +1,5 @@
+"""Distributed runtime: launcher-independent rank discovery, the megatron mesh and the CPU shim."""
+from rlhf.distributed.env import DistEnv
+from rlhf.distributed.mesh import ParallelMesh, destroy_mesh, initialize_mesh, validate_layout
+
+__all__ = ["DistEnv", "ParallelMesh", "initialize_mesh", "destroy_mesh", "validate_layout"]

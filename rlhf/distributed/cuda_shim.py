@@ -1,0 +1,193 @@
+"""Let megatron-core run on a CPU-only torch build.
+
+megatron-core 0.16 assumes CUDA in a handful of places (see ../shared/FACTS.md): ``torch.cuda.current_device()``
+as a device argument, literal ``device="cuda"`` in the pipeline schedule, optimizer and grad clipping,
+``Tensor.cuda()``, ``param.type() == 'torch.cuda.FloatTensor'`` checks, and the CUDA RNG state used by the
+tensor-parallel RNG tracker.
+
+The shim is scoped to megatron: every loaded ``megatron.core.*`` module gets its global name ``torch`` rebound
+to a copy of the torch module in which
+
+* the tensor factories map ``device="cuda"`` (or ``cuda:N``) to the CPU,
+* ``torch.cuda`` is a small namespace whose ``current_device`` is the CPU, ``synchronize`` is a no-op and whose
+  RNG functions drive the CPU generator.
+
+So vLLM, transformers and our own code see the real torch and pay nothing (a process-wide
+``TorchFunctionMode`` slowed vLLM generation by ~35%). Two patches cannot be scoped to modules and are global,
+on CPU-only builds only: ``Tensor.cuda()`` returns the tensor itself (on a CPU build it can only raise), and
+the ``'torch.cuda.FloatTensor'`` type checks run inside a narrow ``TorchFunctionMode`` entered only by the three
+megatron functions that make them.
+
+Nothing here is installed when CUDA is available.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import types
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_INSTALLED = False
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "zeros_like", "ones_like",
+              "empty_like", "full_like", "as_tensor")
+
+
+def _cpu_device(device: Any) -> Any:
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    dev = torch.device(device)
+    return torch.device("cpu") if dev.type == "cuda" else device
+
+
+def _rewrite_device(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _make_cuda_namespace() -> types.SimpleNamespace:
+    real = torch.cuda
+    ns = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    ns.current_device = lambda: torch.device("cpu")
+    ns.synchronize = lambda *a, **k: None
+    ns.is_available = lambda: False
+    ns.device_count = lambda: 0
+    # The tensor-parallel RNG tracker keeps named "cuda" generator states; on the CPU they are CPU states.
+    ns.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    ns.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    ns.manual_seed = lambda seed: torch.manual_seed(seed)
+    ns.FloatTensor = torch.FloatTensor
+    ns.empty_cache = lambda: None
+    ns.memory_allocated = lambda *a, **k: 0
+    ns.max_memory_allocated = lambda *a, **k: 0
+    ns.reset_peak_memory_stats = lambda *a, **k: None
+    ns.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
+                                    range=lambda *a, **k: contextlib.nullcontext())
+    return ns
+
+
+def _make_cpu_torch() -> types.ModuleType:
+    mod = types.ModuleType("torch")
+    mod.__dict__.update(torch.__dict__)
+    for name in _FACTORIES:
+        setattr(mod, name, _rewrite_device(getattr(torch, name)))
+    mod.cuda = _make_cuda_namespace()
+    return mod
+
+
+class _CudaTypeNames(TorchFunctionMode):
+    """Answer ``t.type()`` as a CUDA build would (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: A002 (torch's signature)
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        return func(*args, **kwargs)
+
+
+def _with_cuda_type_names(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _CudaTypeNames():
+            return fn(*args, **kwargs)
+
+    wrapper.__rlhf_shimmed__ = True
+    return wrapper
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _import_megatron_modules() -> None:
+    # Import every megatron module that we drive, so that their globals can be rebound before first use.
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.async_utils  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.optimizer.clip_grads  # noqa: F401
+    import megatron.core.optimizer.distrib_optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401
+    import megatron.core.tensor_parallel.random  # noqa: F401
+
+
+def rebind_megatron_modules() -> int:
+    """Point the global ``torch`` of every loaded megatron module at the CPU copy. Returns how many changed.
+
+    Idempotent; call again after importing more megatron modules.
+    """
+    cpu_torch = _CPU_TORCH
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("megatron.") and mod is not None and getattr(mod, "torch", None) is torch:
+            mod.torch = cpu_torch
+            n += 1
+    return n
+
+
+_CPU_TORCH: types.ModuleType | None = None
+
+
+def install() -> bool:
+    """Install the shim if this process has no CUDA. Returns True when the shim is active."""
+    global _INSTALLED, _CPU_TORCH
+    if torch.cuda.is_available():
+        return False
+    if _INSTALLED:
+        rebind_megatron_modules()
+        return True
+    _CPU_TORCH = _make_cpu_torch()
+    _import_megatron_modules()
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = _cpu_get_rng_state
+    mrandom._set_cuda_rng_state = _cpu_set_rng_state
+    optimizer.Float16OptimizerWithFloat16Params.__init__ = _with_cuda_type_names(
+        optimizer.Float16OptimizerWithFloat16Params.__init__)
+    build = distrib_optimizer.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+    distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups = classmethod(
+        _with_cuda_type_names(build.__func__))
+    clip_grads.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    for mod_name, mod in list(sys.modules.items()):
+        # Modules that imported the function by name before we wrapped it.
+        if mod_name.startswith("megatron.") and mod is not None and \
+                getattr(mod, "clip_grad_by_total_norm_fp32", None) is not None and \
+                not getattr(mod.clip_grad_by_total_norm_fp32, "__rlhf_shimmed__", False):
+            mod.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
+    torch.Tensor.cuda = _tensor_cuda_noop
+    n = rebind_megatron_modules()
+    _INSTALLED = True
+    log.info("CPU shim for megatron-core installed (%d modules rebound to a CPU torch namespace)", n)
+    return True
+
+
+def _tensor_cuda_noop(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
+                      memory_format: Any = None) -> torch.Tensor:
+    return self
+
+
+def is_installed() -> bool:
+    return _INSTALLED

@@ -1,0 +1,1 @@
+"""Model stack: HF config -> megatron-core GPTModel (Llama family), HF <-> Megatron mapping, checkpoint I/O."""

@@ -1,0 +1,175 @@
+"""Build a megatron-core GPTModel for Llama-family architectures (llama, qwen2, mistral).
+
+The same class serves the policy/reference (vocab-parallel logits, or final hidden states for the fused
+log-prob kernel) and the critic/reward (a scalar ``score`` head, laid out like HF ``*ForSequenceClassification``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from rlhf.models.spec import ModelSpec, check_parallel_fit, padded_vocab_size
+
+log = logging.getLogger(__name__)
+_SPEC_LOGGED = False
+
+# Padded vocab columns get this logit: exp() underflows to exactly 0 in fp32 (so softmax ignores them), yet
+# p * log p stays 0 * finite = 0, which -inf would turn into nan. It also fits in fp16/bf16.
+PAD_LOGIT = -1.0e4
+
+
+def te_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def layer_spec(use_te: bool | None = None):
+    """transformer-engine spec when TE and CUDA are there, megatron's local (torch) spec otherwise."""
+    global _SPEC_LOGGED
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+
+    use_te = te_available() if use_te is None else use_te
+    if not _SPEC_LOGGED:
+        log.info("layer spec: %s", "transformer-engine" if use_te else "local (torch; transformer-engine absent "
+                 "or no CUDA)")
+        _SPEC_LOGGED = True
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch.dtype = torch.float32,
+                       bf16: bool = False, init_weights: bool = False, recompute: bool = False):
+    """The megatron ``TransformerConfig`` equivalent to an HF Llama-family config."""
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = {}
+    if spec.sliding_window is not None:
+        # HF: query i sees keys j with i - j < W; megatron's window (left, right) allows i - j <= left.
+        kwargs["window_size"] = (spec.sliding_window - 1, 0)
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0,
+        attention_dropout=spec.attention_dropout, init_method_std=spec.initializer_range,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=params_dtype,
+        pipeline_dtype=params_dtype, bf16=bf16, use_cpu_initialization=True, perform_initialization=init_weights,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
+        sequence_parallel=False, **kwargs)
+
+
+class ScoreHead(torch.nn.Module):
+    """HF ``score`` head: ``Linear(hidden, 1, bias=False)``, replicated over TP ranks.
+
+    It stands in for GPTModel's ``output_layer`` (same call signature) so that megatron's pipeline and checkpoint
+    code treat it like any last-stage layer.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, std: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
+        torch.nn.init.normal_(self.weight, std=std)
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        return F.linear(hidden_states, self.weight), None  # (S, B, 1)
+
+
+def _gpt_model_class():
+    from megatron.core.models.gpt import GPTModel
+
+    class LlamaGPT(GPTModel):
+        """GPTModel with padded-vocab masking, a hidden-state output and an optional scalar head."""
+
+        def __init__(self, spec: ModelSpec, config, padded_vocab: int, pre_process: bool, post_process: bool,
+                     value_head: bool, use_te: bool | None = None):
+            super().__init__(config=config, transformer_layer_spec=layer_spec(use_te), vocab_size=padded_vocab,
+                             max_sequence_length=spec.max_position_embeddings, pre_process=pre_process,
+                             post_process=post_process, parallel_output=True,
+                             share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
+                             position_embedding_type="rope", rotary_base=spec.rope_theta)
+            self.spec = spec
+            self.value_head = value_head
+            self.true_vocab_size = spec.vocab_size
+            if value_head and post_process:
+                # The LM head is never used by a critic/reward model: drop it (and its vocab x hidden memory).
+                del self.output_layer
+                self.output_layer = ScoreHead(spec.hidden_size, config.params_dtype, spec.initializer_range)
+
+        def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                    attention_mask: torch.Tensor | None = None, *, packed_seq_params=None,
+                    output: Literal["logits", "hidden"] = "logits") -> torch.Tensor:
+            """input_ids (B, S). Returns, on the last stage: logits (B, S, V_local) for a causal LM with padded
+            vocab columns at ``PAD_LOGIT``; values (B, S) for a value head; hidden (B, S, H) when asked.
+            On other stages: the hidden states (S, B, H) for the next stage."""
+            if position_ids is None and input_ids is not None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            pre = self._preprocess(input_ids=input_ids, position_ids=position_ids,
+                                   packed_seq_params=packed_seq_params)
+            decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = pre[:5]
+            hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                                  rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                                  rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
+                                  sequence_len_offset=sequence_len_offset)
+            if not self.post_process:
+                return hidden
+            if output == "hidden":
+                return hidden.transpose(0, 1)  # (B, S, H)
+            if self.value_head:
+                values, _ = self.output_layer(hidden)
+                return values.squeeze(-1).transpose(0, 1).contiguous()  # (B, S)
+            weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+            logits, _ = self.output_layer(hidden, weight=weight)
+            return mask_padded_vocab(logits.transpose(0, 1), self.true_vocab_size)  # (B, S, V_local)
+
+        def output_weight(self) -> torch.Tensor:
+            """The (vocab-parallel) LM head weight [V_local, H], for the fused linear log-prob kernel."""
+            if self.share_embeddings_and_output_weights:
+                return self.shared_embedding_or_output_weight()
+            return self.output_layer.weight
+
+    return LlamaGPT
+
+
+def mask_padded_vocab(logits: torch.Tensor, true_vocab: int) -> torch.Tensor:
+    """Set the logits of padded vocab columns on this TP rank to ``PAD_LOGIT``. logits (..., V_local)."""
+    from megatron.core import parallel_state as ps
+
+    v_local = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * v_local
+    n_valid = max(0, min(v_local, true_vocab - start))
+    if n_valid == v_local:
+        return logits
+    keep = torch.arange(v_local, device=logits.device) < n_valid
+    return logits.masked_fill(~keep, PAD_LOGIT)
+
+
+def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: bool | None = None,
+                params_dtype: torch.dtype = torch.float32, bf16: bool = False, init_weights: bool = False,
+                recompute: bool = False, padded_vocab: int | None = None, use_te: bool | None = None):
+    """One pipeline stage of the model for the current rank (megatron's parallel state must be initialised).
+
+    ``init_weights=False`` leaves parameters uninitialised (they are about to be loaded from a checkpoint);
+    True gives megatron's CPU initialisation, identical for every TP size.
+    """
+    value_head = spec.is_seq_cls if value_head is None else value_head
+    padded_vocab = padded_vocab or padded_vocab_size(spec.vocab_size)
+    check_parallel_fit(spec, tp, pp, padded_vocab)
+    config = transformer_config(spec, tp, pp, params_dtype=params_dtype, bf16=bf16, init_weights=init_weights,
+                                recompute=recompute)
+    cls = _gpt_model_class()
+    model = cls(spec, config, padded_vocab, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                value_head=value_head, use_te=use_te)
+    return model

@@ -1,0 +1,172 @@
+"""HF <-> Megatron parameter mapping for the Llama family (llama, qwen2, mistral share one layout).
+
+Megatron-side names are those of a *local* model state dict (local layer index, this rank's TP shard). The two
+directions are pure functions:
+
+* ``megatron_shard_from_hf(name, ...)`` builds one rank's shard of one megatron parameter from HF tensors, read
+  lazily through ``get(hf_name, rows=None, cols=None)`` so that a rank never loads more than it needs;
+* ``hf_from_megatron(name, tensor, ...)`` turns one full (TP-gathered, TP=1) megatron parameter into HF tensors.
+
+Layouts (see ../shared/FACTS.md): ``linear_qkv`` stacks, per KV group, ``[q heads of the group | k | v]``
+and TP splits whole groups; ``linear_fc1`` is ``[gate ; up]`` per TP shard. Unknown names raise.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterator
+
+import torch
+
+from rlhf.models.spec import ModelSpec
+
+# get(hf_name, rows) -> tensor; rows is a (start, stop) slice of dim 0 or None for the whole tensor.
+HFGetter = Callable[..., torch.Tensor]
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+_LAYER_SIMPLE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+}
+
+
+def hf_head_name(spec: ModelSpec) -> str:
+    return "score.weight" if spec.is_seq_cls else "lm_head.weight"
+
+
+def _shard_rows(n: int, tp_rank: int, tp: int) -> tuple[int, int]:
+    assert n % tp == 0, (n, tp)
+    size = n // tp
+    return tp_rank * size, (tp_rank + 1) * size
+
+
+def megatron_shard_from_hf(name: str, get: HFGetter, spec: ModelSpec, *, tp_rank: int, tp: int, layer_offset: int,
+                           padded_vocab: int) -> torch.Tensor:
+    """This rank's shard of megatron parameter ``name`` (local naming), from HF tensors."""
+    h, d = spec.hidden_size, spec.head_dim
+    if name == "embedding.word_embeddings.weight" or (name == "output_layer.weight" and not spec.is_seq_cls):
+        hf_name = "model.embed_tokens.weight" if (name.startswith("embedding") or spec.tie_word_embeddings) \
+            else "lm_head.weight"
+        lo, hi = _shard_rows(padded_vocab, tp_rank, tp)
+        real_hi = min(hi, spec.vocab_size)
+        out = torch.zeros(hi - lo, h, dtype=_dtype_of(get, hf_name))
+        if real_hi > lo:
+            out[: real_hi - lo] = get(hf_name, rows=(lo, real_hi))
+        return out
+    if name == "output_layer.weight":  # scalar head, replicated over TP
+        return get("score.weight")
+    if name == "decoder.final_layernorm.weight":
+        return get("model.norm.weight")
+    m = _LAYER.match(name)
+    if not m:
+        raise ValueError(f"unknown megatron parameter {name!r}")
+    layer, rest = int(m.group(1)) + layer_offset, m.group(2)
+    p = f"model.layers.{layer}."
+    if rest in _LAYER_SIMPLE:
+        return get(p + _LAYER_SIMPLE[rest])
+    groups, per_group = spec.num_kv_heads, spec.num_attention_heads // spec.num_kv_heads
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        suffix = rest.rsplit(".", 1)[1]
+        g_lo, g_hi = _shard_rows(groups, tp_rank, tp)
+        q = get(p + f"self_attn.q_proj.{suffix}", rows=(g_lo * per_group * d, g_hi * per_group * d))
+        k = get(p + f"self_attn.k_proj.{suffix}", rows=(g_lo * d, g_hi * d))
+        v = get(p + f"self_attn.v_proj.{suffix}", rows=(g_lo * d, g_hi * d))
+        n = g_hi - g_lo
+        q = q.reshape(n, per_group * d, *q.shape[1:])
+        k = k.reshape(n, d, *k.shape[1:])
+        v = v.reshape(n, d, *v.shape[1:])
+        return torch.cat([q, k, v], dim=1).reshape(n * (per_group + 2) * d, *q.shape[2:])
+    if rest == "self_attention.linear_proj.weight":
+        lo, hi = _shard_rows(spec.num_attention_heads * d, tp_rank, tp)
+        return get(p + "self_attn.o_proj.weight")[:, lo:hi].contiguous()
+    if rest == "mlp.linear_fc1.weight":
+        lo, hi = _shard_rows(spec.intermediate_size, tp_rank, tp)
+        return torch.cat([get(p + "mlp.gate_proj.weight", rows=(lo, hi)), get(p + "mlp.up_proj.weight", rows=(lo, hi))])
+    if rest == "mlp.linear_fc2.weight":
+        lo, hi = _shard_rows(spec.intermediate_size, tp_rank, tp)
+        return get(p + "mlp.down_proj.weight")[:, lo:hi].contiguous()
+    raise ValueError(f"unknown megatron parameter {name!r}")
+
+
+def _dtype_of(get: HFGetter, hf_name: str) -> torch.dtype:
+    return get(hf_name, rows=(0, 1)).dtype
+
+
+def hf_from_megatron(name: str, tensor: torch.Tensor, spec: ModelSpec, *,
+                     layer_offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors from one full (TP=1) megatron parameter. Padded vocab rows are dropped."""
+    h, d = spec.hidden_size, spec.head_dim
+    if name == "embedding.word_embeddings.weight":
+        yield "model.embed_tokens.weight", tensor[: spec.vocab_size]
+        return
+    if name == "output_layer.weight":
+        if spec.is_seq_cls:
+            yield "score.weight", tensor
+        elif not spec.tie_word_embeddings:
+            yield "lm_head.weight", tensor[: spec.vocab_size]
+        return
+    if name == "decoder.final_layernorm.weight":
+        yield "model.norm.weight", tensor
+        return
+    m = _LAYER.match(name)
+    if not m:
+        raise ValueError(f"unknown megatron parameter {name!r}")
+    layer, rest = int(m.group(1)) + layer_offset, m.group(2)
+    p = f"model.layers.{layer}."
+    if rest in _LAYER_SIMPLE:
+        yield p + _LAYER_SIMPLE[rest], tensor
+        return
+    groups, per_group = spec.num_kv_heads, spec.num_attention_heads // spec.num_kv_heads
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        suffix = rest.rsplit(".", 1)[1]
+        t = tensor.reshape(groups, (per_group + 2) * d, *tensor.shape[1:])
+        q, k, v = torch.split(t, [per_group * d, d, d], dim=1)
+        yield p + f"self_attn.q_proj.{suffix}", q.reshape(groups * per_group * d, *tensor.shape[1:])
+        yield p + f"self_attn.k_proj.{suffix}", k.reshape(groups * d, *tensor.shape[1:])
+        yield p + f"self_attn.v_proj.{suffix}", v.reshape(groups * d, *tensor.shape[1:])
+        return
+    if rest == "self_attention.linear_proj.weight":
+        yield p + "self_attn.o_proj.weight", tensor
+        return
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        yield p + "mlp.gate_proj.weight", gate
+        yield p + "mlp.up_proj.weight", up
+        return
+    if rest == "mlp.linear_fc2.weight":
+        yield p + "mlp.down_proj.weight", tensor
+        return
+    raise ValueError(f"unknown megatron parameter {name!r}")
+
+
+def expected_hf_names(spec: ModelSpec) -> set[str]:
+    """Every HF tensor name a checkpoint of this spec must contain (and may contain, nothing else)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if spec.is_seq_cls:
+        names.add("score.weight")
+    elif not spec.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                  p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight",
+                  p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                  p + "mlp.down_proj.weight"}
+        if spec.qkv_bias:
+            names |= {p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"}
+    return names
+
+
+def check_hf_names(found: set[str], spec: ModelSpec, source: str) -> None:
+    """Raise on any HF tensor we would not consume, or any we need and do not find."""
+    expected = expected_hf_names(spec)
+    # A tied model may still carry an lm_head copy (some exporters write it); it must then equal the embedding.
+    optional = {"lm_head.weight"} if (spec.tie_word_embeddings and not spec.is_seq_cls) else set()
+    optional |= {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(spec.num_layers)}
+    unknown = sorted(found - expected - optional)
+    if unknown:
+        raise ValueError(f"{source}: unknown checkpoint key(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+    missing = sorted(expected - found)
+    if missing:
+        raise ValueError(f"{source}: missing checkpoint key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")

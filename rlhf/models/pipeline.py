@@ -1,0 +1,60 @@
+"""Run micro-batches through a (possibly pipelined) model with megatron's schedules.
+
+The contract is megatron-core's: a loss function ``loss_fn(batch, output) -> (loss, metrics)`` plugs in
+without touching pipeline code. ``output`` is whatever the last stage's ``model(...)`` returns: vocab-parallel
+logits (B, S, V_local), values (B, S), or hidden states (B, S, H).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import torch
+
+LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def _forward_step(loss_fn: LossFn | None, output: str, data_iterator, model):
+    batch = next(data_iterator)
+    out = model(batch["input_ids"], batch.get("position_ids"), batch.get("attention_mask"), output=output,
+                packed_seq_params=batch.get("packed_seq_params"))
+
+    def loss_func(output_tensor):
+        if loss_fn is None:  # forward only: hand the output back through megatron's data store
+            return torch.zeros((), device=output_tensor.device), {"output": output_tensor.detach()}
+        return loss_fn(batch, output_tensor)
+
+    return out, loss_func
+
+
+def run_microbatches(model: torch.nn.Module, microbatches: Sequence[dict], *, loss_fn: LossFn | None = None,
+                     forward_only: bool = False, output: str = "logits") -> list[dict[str, Any]]:
+    """Forward (and backward unless ``forward_only``) over ``microbatches``; each holds ``input_ids`` (B, S)
+    and optionally ``attention_mask``/``position_ids``; every micro-batch must have the same shape when PP > 1.
+
+    Returns, on the last pipeline stage, one metrics dict per micro-batch (``{"output": ...}`` when
+    ``loss_fn`` is None); an empty list on other stages. Losses are averaged over micro-batches.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not microbatches:
+        return []
+    b, s = microbatches[0]["input_ids"].shape
+    config = model.config
+    config.variable_seq_lengths = False
+    fb = get_forward_backward_func()
+    return fb(forward_step_func=partial(_forward_step, loss_fn, output), data_iterator=iter(microbatches),
+              model=[model], num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+              forward_only=forward_only or loss_fn is None)
+
+
+def gather_vocab_parallel(logits: torch.Tensor) -> torch.Tensor:
+    """All-gather vocab-parallel logits (..., V_local) over the TP group into (..., V_padded). No grad."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(tp)]
+    torch.distributed.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,189 @@
+"""Architecture description read from a Hugging Face ``config.json``, checked before any weight is touched.
+
+``ModelSpec`` is the one place that knows which HF fields we honour. A field that would change the math and that
+we do not implement (rope scaling, a non-SiLU activation, MLP biases, ...) raises ``ValueError`` naming it, and
+so does any key we have never heard of: nothing is silently dropped.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+SEQ_CLS_ARCHS = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+                 "mistral": "MistralForSequenceClassification"}
+
+# Keys that carry no math for us (generation defaults, bookkeeping, generic PretrainedConfig attributes).
+_BENIGN_KEYS = {
+    "_name_or_path", "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "use_cache",
+    "initializer_range", "id2label", "label2id", "num_labels", "problem_type", "output_attentions",
+    "output_hidden_states", "return_dict", "is_encoder_decoder", "is_decoder", "chunk_size_feed_forward",
+    "tokenizer_class", "prefix", "task_specific_params", "finetuning_task", "cross_attention_hidden_size",
+    "add_cross_attention", "tie_encoder_decoder", "torchscript", "pruned_heads", "tf_legacy_loss",
+    "use_bfloat16", "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "temperature",
+    "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "num_beam_groups",
+    "diversity_penalty", "quantization_config", "max_window_layers", "layer_types", "use_sliding_window",
+    "sliding_window", "pretraining_tp", "mlp_bias", "attention_bias", "attention_dropout", "hidden_act",
+    "rope_scaling", "rope_parameters", "rope_theta", "head_dim", "tie_word_embeddings", "rms_norm_eps",
+    "max_position_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "embedding_multiplier", "_attn_implementation_autoset",
+    "rlhf",  # our own block: reward normalisation statistics etc.
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The dimensions and options of a Llama-family decoder."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None = None
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    pad_token_id: int | None = None
+    is_seq_cls: bool = False
+    torch_dtype: str = "float32"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
+
+    @property
+    def num_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h
+        head = h if self.is_seq_cls else (0 if self.tie_word_embeddings else emb)
+        return self.num_layers * per_layer + emb + h + head
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    for block, name in ((params, "rope_parameters"), (scaling, "rope_scaling")):
+        if isinstance(block, dict):
+            rope_type = block.get("rope_type", block.get("type", "default"))
+            if rope_type not in (None, "default"):
+                raise ValueError(f"unsupported config field {name}.rope_type={rope_type!r}: only plain RoPE "
+                                 "(rope_type 'default') is implemented")
+            extra = set(block) - {"rope_type", "type", "rope_theta"}
+            if extra:
+                raise ValueError(f"unsupported config field(s) {name}.{sorted(extra)}")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(cfg.get("rope_theta", 10000.0))
+
+
+def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    """Validate an HF config dict and turn it into a ``ModelSpec``. Raises ``ValueError`` naming the field."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{source}: unsupported model_type={model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    unknown = sorted(set(cfg) - _BENIGN_KEYS)
+    if unknown:
+        raise ValueError(f"{source}: unknown config field(s) {unknown} for model_type={model_type!r}")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in cfg:
+            raise ValueError(f"{source}: missing required config field {key!r}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: unsupported config field hidden_act={cfg['hidden_act']!r} (only 'silu')")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{source}: unsupported config field mlp_bias=True")
+    if cfg.get("pretraining_tp", 1) not in (None, 1):
+        raise ValueError(f"{source}: unsupported config field pretraining_tp={cfg['pretraining_tp']}")
+    archs = cfg.get("architectures") or []
+    is_seq_cls = any(a.endswith("ForSequenceClassification") for a in archs)
+    if is_seq_cls and int(cfg.get("num_labels", len(cfg.get("id2label", {}) or {}) or 1)) != 1:
+        raise ValueError(f"{source}: unsupported config field num_labels={cfg.get('num_labels')} (a scalar head "
+                         "has num_labels=1)")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    sliding = _sliding_window(cfg, model_type, max_pos, source)
+    qkv_bias = True if model_type == "qwen2" else bool(cfg.get("attention_bias", False))
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    return ModelSpec(model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+                     intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+                     num_attention_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                     head_dim=head_dim, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                     rope_theta=_rope_theta(cfg), max_position_embeddings=max_pos,
+                     tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
+                     sliding_window=sliding, attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
+                     initializer_range=float(cfg.get("initializer_range", 0.02)),
+                     pad_token_id=cfg.get("pad_token_id"), is_seq_cls=is_seq_cls, torch_dtype=str(dtype),
+                     extra={k: cfg[k] for k in ("bos_token_id", "eos_token_id", "rlhf") if k in cfg})
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str, max_pos: int, source: str) -> int | None:
+    if model_type == "qwen2":
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{source}: unsupported config field use_sliding_window=True (qwen2)")
+        types = cfg.get("layer_types")
+        if types and any(t != "full_attention" for t in types):
+            raise ValueError(f"{source}: unsupported config field layer_types={sorted(set(types))}")
+        return None
+    window = cfg.get("sliding_window") if model_type == "mistral" else None
+    if model_type == "llama" and cfg.get("sliding_window") is not None:
+        raise ValueError(f"{source}: unsupported config field sliding_window for llama")
+    if window is None or int(window) >= max_pos:
+        return None
+    return int(window)
+
+
+def load_hf_config(path: str) -> dict[str, Any]:
+    """Read ``config.json`` from an HF folder (or the file itself). Raises ValueError if it is not there."""
+    cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(cfg_path):
+        what = "folder" if not os.path.exists(path) else "config.json"
+        raise ValueError(f"{what} not found: {cfg_path if what == 'config.json' else path}")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, padded_vocab: int | None = None) -> None:
+    """TP must divide heads, KV heads and the (padded) vocab; PP must divide the layers."""
+    if spec.num_attention_heads % tp:
+        raise ValueError(f"--tp {tp} does not divide num_attention_heads={spec.num_attention_heads}")
+    if spec.num_kv_heads % tp:
+        raise ValueError(f"--tp {tp} does not divide num_key_value_heads={spec.num_kv_heads}")
+    vocab = padded_vocab or spec.vocab_size
+    if vocab % tp:
+        raise ValueError(f"--tp {tp} does not divide the vocab size {vocab}")
+    if spec.intermediate_size % tp:
+        raise ValueError(f"--tp {tp} does not divide intermediate_size={spec.intermediate_size}")
+    if spec.num_layers % pp:
+        raise ValueError(f"--pp {pp} does not divide num_hidden_layers={spec.num_layers}")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int = 128) -> int:
+    """Megatron's vocab-parallel layers need V % TP == 0; pad once, independently of TP, so that one checkpoint
+    loads at every TP that divides the padded size."""
+    return ((vocab_size + divisible_by - 1) // divisible_by) * divisible_by

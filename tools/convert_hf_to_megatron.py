@@ -1,0 +1,40 @@
+"""Convert an HF Llama/Qwen2/Mistral folder (CausalLM or SequenceClassification) to a megatron-core checkpoint.
+
+    python tools/convert_hf_to_megatron.py --hf DIR --out DIR --tp 2 --pp 2
+
+The result is a ``dist_checkpointing`` folder that loads at any TP/PP that fits the model, with the tokenizer
+files and ``rlhf_manifest.json`` beside it. TP x PP local processes write it, each reading only its shard.
+"""
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
+    p.add_argument("--out", required=True, help="output checkpoint folder (must not exist)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to write at")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to write at")
+    p.add_argument("--make_vocab_size_divisible_by", type=int, default=128)
+    p.add_argument("--overwrite", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rlhf.convert import convert_hf_to_megatron, plan_hf_to_megatron
+
+    try:
+        plan = plan_hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.overwrite,
+                                   args.make_vocab_size_divisible_by)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    seconds = convert_hf_to_megatron(plan, overwrite=args.overwrite)
+    print(f"converted {args.hf} -> {args.out} at tp={args.tp} pp={args.pp} in {seconds:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
