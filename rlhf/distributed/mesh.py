@@ -111,8 +111,13 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
     from megatron.core import tensor_parallel
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        _destroy_megatron_groups()
+    before = _live_groups()
+    # On gloo every group already is a gloo group: megatron's extra *_gloo copies would double the threads.
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 create_gloo_process_groups=backend_is_nccl())
+    global _MEGATRON_GROUPS
+    _MEGATRON_GROUPS = [g for g in _live_groups() if g not in before]
     cuda_shim.install()  # rebind modules that megatron imported lazily
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     backend = dist.get_backend()
@@ -128,11 +133,36 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
     return mesh
 
 
+_MEGATRON_GROUPS: list = []
+
+
+def backend_is_nccl() -> bool:
+    return dist.get_backend() == "nccl"
+
+
+def _live_groups() -> list:
+    return [g for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD]
+
+
+def _destroy_megatron_groups() -> None:
+    """megatron's ``destroy_model_parallel`` forgets its groups without destroying them; each gloo group keeps
+    its threads, so re-initialising a layout (tests, layout changes) would pile up thousands of threads."""
+    from megatron.core import parallel_state as ps
+
+    global _MEGATRON_GROUPS
+    ps.destroy_model_parallel()
+    live = set(_live_groups())
+    for g in _MEGATRON_GROUPS:
+        if g in live:
+            dist.destroy_process_group(g)
+    _MEGATRON_GROUPS = []
+
+
 def destroy_mesh() -> None:
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        _destroy_megatron_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
 

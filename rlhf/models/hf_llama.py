@@ -170,3 +170,22 @@ def check_hf_names(found: set[str], spec: ModelSpec, source: str) -> None:
     missing = sorted(expected - found)
     if missing:
         raise ValueError(f"{source}: missing checkpoint key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def full_from_tp_shards(name: str, shards: list[torch.Tensor], partition_dim: int | None) -> torch.Tensor:
+    """Rebuild the TP=1 tensor of megatron parameter ``name`` from its TP shards (rank order).
+
+    Column-parallel shards concatenate along dim 0, except ``linear_fc1`` whose shards are each ``[gate; up]``;
+    row-parallel along dim 1; replicated parameters (``partition_dim`` None) are taken from rank 0.
+    """
+    if partition_dim is None or len(shards) == 1:
+        return shards[0]
+    if name.endswith("mlp.linear_fc1.weight"):
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=partition_dim)
+
+
+def tp_partition_dim(param: torch.Tensor) -> int | None:
+    """Megatron marks TP-sharded parameters with ``tensor_model_parallel`` and ``partition_dim``."""
+    return int(param.partition_dim) if getattr(param, "tensor_model_parallel", False) else None

@@ -1,0 +1,116 @@
+"""Triton kernels against naive references; run in a child pytest process by test_kernels_triton.py.
+
+Not collected by the main session (no test_ prefix): on CPU it needs TRITON_INTERPRET=1 and
+RLHF_KERNELS_FORCE_TRITON=1 in the environment before triton is imported. KERNELS_TEST_DEVICE=cuda runs the
+same cases compiled on a GPU. Shapes are tiny because the interpreter costs ~2 ms per loop iteration per program.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kernels
+from _kernels_testlib import ATTN_TOL, FWD_TOL, GRAD_TOL, grads_of, naive_logprobs, packed_qkv, padded_attention
+from kernels import reference
+
+DEVICE = torch.device(os.environ.get("KERNELS_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_kernels_triton.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
+
+
+def test_dispatch_picks_triton():
+    assert kernels._select("token_logprobs", torch.zeros(1, device=DEVICE)) == "triton"
+    assert kernels._select("varlen_attention", torch.zeros(1, device=DEVICE)) in ("triton", "flash_attn",
+                                                                                  "transformer_engine")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("return_entropy", [True, False])
+def test_token_logprobs(dtype, return_entropy):
+    n, v, vocab_size, temperature = 5, 300, 280, 0.7
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(n, v, generator=g) * 3).to(dtype)
+    logits[:, vocab_size:] = 50.0
+    targets = torch.randint(0, vocab_size, (n,), generator=g)
+    gl, ge = torch.randn(n, generator=g).double(), torch.randn(n, generator=g).double()
+
+    def fn(x):
+        out = kernels.token_logprobs(x, targets.to(DEVICE), temperature=temperature, vocab_size=vocab_size,
+                                     return_entropy=return_entropy)
+        return out if return_entropy else (out, out.new_zeros(n))
+
+    ge_used = ge.to(DEVICE) if return_entropy else None
+    lp, ent, (grad,) = grads_of(fn, [logits.to(DEVICE)], gl.to(DEVICE), ge_used)
+    ref_lp, ref_ent, (ref_grad,) = grads_of(lambda x: naive_logprobs(x, targets, temperature, vocab_size),
+                                            [logits.double()], gl, ge if return_entropy else None)
+    torch.testing.assert_close(lp.cpu().double(), ref_lp, **FWD_TOL)
+    if return_entropy:
+        torch.testing.assert_close(ent.cpu().double(), ref_ent, **FWD_TOL)
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad.cpu().double(), ref_grad, **GRAD_TOL[dtype])
+    assert torch.all(grad[:, vocab_size:] == 0)
+
+
+@pytest.mark.parametrize("n_valid", [0, 70, 128])
+def test_shard_ops_match_reference(n_valid):
+    """The per-shard ops as tensor parallelism calls them: foreign targets (-1), partial and empty shards."""
+    from kernels.logprobs_triton import logprob_chunk_grad_triton, logprob_chunk_stats_triton
+
+    g = torch.Generator().manual_seed(n_valid)
+    logits = torch.randn(4, 128, generator=g).to(DEVICE)
+    tloc = torch.tensor([3, -1, min(n_valid, 128) - 1, -1]).clamp(min=-1).to(DEVICE)
+    tloc = torch.where(tloc < n_valid, tloc, -1)
+    got = logprob_chunk_stats_triton(logits, tloc, n_valid, 0.5, True)
+    ref = reference.logprob_chunk_stats(logits, tloc, n_valid, 0.5, True)
+    for name in ("s", "u", "tgt") + (("m",) if n_valid else ()):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), atol=1e-5, rtol=1e-5, msg=name)
+    if n_valid == 0:
+        assert torch.all(got.m == float("-inf"))
+    logz, ent = torch.randn(4, generator=g).to(DEVICE) + 5, torch.rand(4, generator=g).to(DEVICE)
+    gl, ge = torch.randn(4, generator=g).to(DEVICE), torch.randn(4, generator=g).to(DEVICE)
+    args = (tloc, n_valid, 0.5, logz, ent, gl, ge)
+    out = logprob_chunk_grad_triton(logits, *args, out=torch.empty_like(logits))
+    expected = reference.logprob_chunk_grad(logits, *args, out=torch.empty_like(logits))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # In place (the fused path overwrites each logits chunk with its gradient).
+    inplace = logits.clone()
+    logprob_chunk_grad_triton(inplace, *args, out=inplace)
+    torch.testing.assert_close(inplace, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_linear_logprobs():
+    n, h, v = 6, 16, 200
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) / 4
+    targets = torch.randint(0, 190, (n,), generator=g)
+    gl, ge = torch.randn(n, generator=g).double(), torch.randn(n, generator=g).double()
+    lp, ent, (gh, gw) = grads_of(
+        lambda x, w: kernels.fused_linear_logprobs(x, w, targets.to(DEVICE), return_entropy=True, chunk_size=4,
+                                                   vocab_size=190),
+        [hidden.to(DEVICE), weight.to(DEVICE)], gl.to(DEVICE), ge.to(DEVICE))
+    ref_lp, ref_ent, (ref_gh, ref_gw) = grads_of(lambda x, w: naive_logprobs(x @ w.t(), targets, 1.0, 190),
+                                                 [hidden.double(), weight.double()], gl, ge)
+    tol = dict(atol=1e-4, rtol=1e-4)  # tf32 matmuls on GPUs
+    for a, b in ((lp, ref_lp), (ent, ref_ent), (gh, ref_gh), (gw, ref_gw)):
+        torch.testing.assert_close(a.cpu().double(), b, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,hq,hkv,d", [([5, 17, 1, 9], 4, 2, 16), ([3, 0, 40], 2, 1, 24)])
+def test_varlen_attention_packed_matches_padded(dtype, lens, hq, hkv, d):
+    q, k, v, grad_out, cu = packed_qkv(lens, hq, hkv, d, dtype)
+    leaves = [t.to(DEVICE, copy=True).requires_grad_(True) for t in (q, k, v)]
+    out = kernels.varlen_attention(*leaves, cu.to(DEVICE), max(lens))
+    out.backward(grad_out.to(DEVICE))
+    ref_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = padded_attention(*ref_leaves, cu)
+    ref.backward(grad_out.double())
+    tol = ATTN_TOL[dtype]
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        torch.testing.assert_close(out[s:e].cpu().double(), ref[s:e], **tol, msg=lambda m: f"seq {i} out: {m}")
+        for name, a, b in zip("qkv", leaves, ref_leaves):
+            torch.testing.assert_close(a.grad[s:e].cpu().double(), b.grad[s:e], **tol,
+                                       msg=lambda m: f"seq {i} d{name}: {m}")
