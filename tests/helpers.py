@@ -1,0 +1,40 @@
+"""Helpers shared by tests: run a script under torchrun, make tiny HF models once per session."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV_BIN = os.path.dirname(sys.executable)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env.update(extra)
+    return env
+
+
+def run_torchrun(script: str, nproc: int, args: list[str], timeout: float = 600, **env: str):
+    """Run ``torchrun --nproc_per_node nproc script args``; returns the CompletedProcess (text)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), script, *args]
+    return subprocess.run(cmd, cwd=REPO, env=test_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def run_python(args: list[str], timeout: float = 600, **env: str):
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=test_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def tail(proc, n: int = 3000) -> str:
+    return (proc.stdout[-n:] + "\n--- stderr ---\n" + proc.stderr[-n:])

@@ -1,0 +1,83 @@
+"""The converter and compare_logits command lines: round trip, TP2xPP2 logits on 4 ranks, bad input."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from helpers import REPO, run_python, run_torchrun, tail
+from safetensors.torch import load_file
+
+CONVERT = os.path.join(REPO, "tools/convert_hf_to_megatron.py")
+BACK = os.path.join(REPO, "tools/convert_megatron_to_hf.py")
+COMPARE = os.path.join(REPO, "tools/compare_logits.py")
+
+
+@pytest.mark.parametrize("name,auto", [("llama", "AutoModelForCausalLM"),
+                                       ("qwen2-cls", "AutoModelForSequenceClassification")])
+def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_models, tmp_path, name, auto):
+    import transformers
+
+    hf = os.path.join(tiny_models, "hf", name)
+    mg, back = str(tmp_path / "mg"), str(tmp_path / "back")
+    p = run_python([CONVERT, "--hf", hf, "--out", mg, "--tp", "2", "--pp", "2"])
+    assert p.returncode == 0, tail(p)
+    manifest = json.load(open(os.path.join(mg, "rlhf_manifest.json")))
+    assert (manifest["saved_at_tp"], manifest["saved_at_pp"], manifest["model_type"]) == (2, 2, name.split("-")[0])
+    assert os.path.exists(os.path.join(mg, "tokenizer.json"))
+    p = run_python([BACK, "--ckpt", mg, "--out", back])
+    assert p.returncode == 0, tail(p)
+    a, b = load_file(os.path.join(hf, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    model = getattr(transformers, auto).from_pretrained(back)
+    assert type(model).__name__ == json.load(open(os.path.join(hf, "config.json")))["architectures"][0]
+    assert transformers.AutoTokenizer.from_pretrained(back)("hello world").input_ids
+
+
+def test_compare_logits_tp2pp2_on_4_ranks(tiny_models, tmp_path):
+    hf = os.path.join(tiny_models, "hf", "llama")
+    mg = str(tmp_path / "mg")
+    assert run_python([CONVERT, "--hf", hf, "--out", mg, "--tp", "1", "--pp", "1"]).returncode == 0
+    p = run_torchrun(COMPARE, 4, ["--hf", hf, "--ckpt", mg, "--tp", "2", "--pp", "2"])
+    assert p.returncode == 0, tail(p)
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("max_abs_logit_diff="), last
+    assert float(last.split("=")[1]) <= 1e-4
+
+
+def _one_line_error(p, needle):
+    assert p.returncode != 0
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0], p.stderr[-2000:]
+
+
+def test_bad_input_fails_fast_with_one_line(tiny_models, tmp_path):
+    hf = os.path.join(tiny_models, "hf", "llama")  # 4 heads, 2 KV heads, vocab 259 -> padded 384
+    out = str(tmp_path / "out")
+    _one_line_error(run_python([CONVERT, "--hf", str(tmp_path / "nope"), "--out", out]), "not found")
+    _one_line_error(run_python([CONVERT, "--hf", hf, "--out", out, "--tp", "4"]), "num_key_value_heads=2")
+    _one_line_error(run_python([CONVERT, "--hf", hf, "--out", out, "--tp", "3"]), "num_attention_heads=4")
+    _one_line_error(run_python([CONVERT, "--hf", hf, "--out", out, "--tp", "2",
+                                "--make_vocab_size_divisible_by", "259"]), "vocab size 259")
+    weird = tmp_path / "gpt2"
+    shutil.copytree(hf, weird)
+    cfg = json.load(open(weird / "config.json"))
+    cfg["model_type"] = "gpt2"
+    json.dump(cfg, open(weird / "config.json", "w"))
+    _one_line_error(run_python([CONVERT, "--hf", str(weird), "--out", out]), "model_type='gpt2'")
+    _one_line_error(run_python([BACK, "--ckpt", str(tmp_path / "nope"), "--out", out]), "not found")
+    assert not os.path.exists(out)  # nothing half-written
+
+
+def test_unknown_checkpoint_key_is_named(tiny_models, tmp_path):
+    from safetensors.torch import save_file
+
+    src = os.path.join(tiny_models, "hf", "llama")
+    bad = tmp_path / "extra"
+    shutil.copytree(src, bad)
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    sd["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
+    save_file(sd, str(bad / "model.safetensors"))
+    _one_line_error(run_python([CONVERT, "--hf", str(bad), "--out", str(tmp_path / "o")]), "extra_proj")
