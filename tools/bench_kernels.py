@@ -14,7 +14,9 @@ allocation >= 64 KiB with its own mmap and return it to the OS on free, so the r
 tensors. After one warm-up step and a gc, the subprocess resets the kernel's peak-RSS counter (write "5" to
 /proc/self/clear_refs), runs one step, and reports VmHWM minus the RSS at the reset: the peak of everything
 the step allocated, including the gradients it hands back (e.g. the [N, V] grad of the logits). Linux only.
-Time is the median over --repeats steps in another fresh subprocess with the default allocator.
+"workspace" is that peak minus the size of those gradients, which every implementation must return.
+Time is the median over --repeats steps in another fresh subprocess with the default allocator, both
+wall-clock and process CPU time (the latter is robust to other jobs sharing the machine).
 
 Part (b) (packed vs padded training) is reserved: add it to PARTS.
 """
@@ -104,14 +106,16 @@ def _worker(args: argparse.Namespace) -> None:
         peak = _proc_status_kib("VmHWM")
         print(json.dumps({"extra_mib": (peak - rss0) / 1024}))
     else:
-        times = []
+        wall, cpu = [], []
         for _ in range(args.repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             _step(args.worker, inputs, targets, grad_lp, grad_ent, args.temperature, args.chunk_size)
-            times.append(time.perf_counter() - t0)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             for t in inputs:
                 t.grad = None
-        print(json.dumps({"time_s": statistics.median(times), "times": times}))
+        grad_mib = sum(t.numel() * t.element_size() for t in inputs) / 2**20
+        print(json.dumps({"time_s": statistics.median(wall), "cpu_s": statistics.median(cpu), "grad_mib": grad_mib}))
 
 
 def _run_variant(args: argparse.Namespace, variant: str, mode: str) -> dict:
@@ -134,17 +138,22 @@ def run_part_a(args: argparse.Namespace) -> None:
     for variant in VARIANTS:
         res[variant] = {**_run_variant(args, variant, "mem"), **_run_variant(args, variant, "time")}
     print(f"part (a): N={args.n} H={args.h} V={args.v} dtype={args.dtype} T={args.temperature} "
-          f"threads={args.threads}, forward+backward with entropy, time = median of {args.repeats}")
-    print(f"{'variant':<18}{'peak extra MiB':>16}{'time s':>10}")
+          f"threads={args.threads}, one forward+backward with entropy; times are medians of {args.repeats}")
+    print(f"{'variant':<17}{'peak extra MiB':>15}{'of which grads':>15}{'workspace MiB':>15}{'wall s':>9}{'cpu s':>9}")
     for variant in VARIANTS:
-        print(f"{variant:<18}{res[variant]['extra_mib']:>16.1f}{res[variant]['time_s']:>10.3f}")
+        r = res[variant]
+        print(f"{variant:<17}{r['extra_mib']:>15.1f}{r['grad_mib']:>15.1f}{r['extra_mib'] - r['grad_mib']:>15.1f}"
+              f"{r['time_s']:>9.3f}{r['cpu_s']:>9.3f}")
     print()
-    print(f"{'op':<24}{'memory kernel/naive':>22}{'time kernel/naive':>20}   targets: memory <= 0.125, time <= 1.2")
+    print("kernel / naive ratios (targets: peak extra memory <= 0.125, time <= 1.2)")
+    print(f"{'op':<24}{'peak extra':>12}{'workspace':>12}{'wall':>8}{'cpu':>8}")
     for op, (naive, kernel) in {"token_logprobs": ("naive_logprobs", "kernel_logprobs"),
                                 "fused_linear_logprobs": ("naive_fused", "kernel_fused")}.items():
-        mem = res[kernel]["extra_mib"] / res[naive]["extra_mib"]
-        tim = res[kernel]["time_s"] / res[naive]["time_s"]
-        print(f"{op:<24}{mem:>22.3f}{tim:>20.3f}")
+        n, k = res[naive], res[kernel]
+        ratios = (k["extra_mib"] / n["extra_mib"],
+                  (k["extra_mib"] - k["grad_mib"]) / (n["extra_mib"] - n["grad_mib"]),
+                  k["time_s"] / n["time_s"], k["cpu_s"] / n["cpu_s"])
+        print(f"{op:<24}" + "".join(f"{x:>{w}.3f}" for x, w in zip(ratios, (12, 12, 8, 8))))
 
 
 PARTS = {"a": run_part_a}

@@ -39,7 +39,8 @@ def test_softmax_scale_and_sequence_isolation():
     # Changing the second sequence must not move the first one's output.
     k2 = k.clone()
     k2[4:] += 1.0
-    torch.testing.assert_close(kernels.varlen_attention(q, k2, v, cu, 6)[:4], varlen_attention_reference(q, k, v, cu, 6)[:4])
+    torch.testing.assert_close(kernels.varlen_attention(q, k2, v, cu, 6)[:4],
+                               varlen_attention_reference(q, k, v, cu, 6)[:4])
 
 
 def test_shape_errors():

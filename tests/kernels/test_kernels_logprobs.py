@@ -136,13 +136,18 @@ def test_dispatch_logs_path_once(caplog, monkeypatch):
     assert msgs == ["kernels.token_logprobs: using the torch path (cpu tensors)"]
 
 
-def test_force_torch_env_wins(monkeypatch):
+def test_env_switches(monkeypatch):
+    cpu = torch.zeros(1)
     monkeypatch.setenv("RLHF_KERNELS_FORCE_TORCH", "1")
     monkeypatch.setenv("RLHF_KERNELS_FORCE_TRITON", "1")
-    assert kernels._select("token_logprobs", torch.zeros(1)) == "torch"
+    assert kernels._select("token_logprobs", cpu) == "torch"  # FORCE_TORCH wins
     monkeypatch.delenv("RLHF_KERNELS_FORCE_TORCH")
-    if kernels._importable("triton"):  # only looks for triton, never imports it
-        assert kernels._select("token_logprobs", torch.zeros(1)) == "triton"
-    else:
+    if not kernels._importable("triton"):  # only looks for triton, never imports it
         with pytest.raises(RuntimeError, match="not installed"):
-            kernels._select("token_logprobs", torch.zeros(1))
+            kernels._select("token_logprobs", cpu)
+        return
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels._select("token_logprobs", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # _select only reads it
+    assert kernels._select("token_logprobs", cpu) == "triton"
