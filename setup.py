@@ -16,6 +16,7 @@ INSTALL_REQUIRES = [
     "tqdm>=4.67",  # same, for its static inference engine
     "tensorboard>=2.20",
     "numpy>=2.0",
+    "pyarrow>=15",  # parquet datasets
 ]
 
 EXTRAS = {

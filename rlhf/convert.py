@@ -57,20 +57,27 @@ def plan_hf_to_megatron(hf: str, out: str, tp: int, pp: int, overwrite: bool = F
     return HFToMegatronPlan(hf, out, tp, pp, spec, cfg, padded, dtype)
 
 
-def _fill_from_hf(model: torch.nn.Module, plan: HFToMegatronPlan, tp_rank: int, pp_rank: int) -> None:
-    reader = HFCheckpointReader(plan.hf)
-    layer_offset = pp_rank * (plan.spec.num_layers // plan.pp)
+def fill_from_hf(model: torch.nn.Module, hf_dir: str, spec: ModelSpec, padded_vocab: int, *, tp: int, pp: int,
+                 tp_rank: int, pp_rank: int, skip_head: bool = False) -> None:
+    """Fill this rank's stage of ``model`` from an HF folder, reading only this rank's rows of each tensor.
+
+    ``skip_head``: leave the (freshly initialised) score head alone, for a value model made from a causal LM.
+    """
+    reader = HFCheckpointReader(hf_dir)
+    check_hf_names(reader.keys(), spec, hf_dir)
+    layer_offset = pp_rank * (spec.num_layers // pp)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            shard = megatron_shard_from_hf(name, reader.get, plan.spec, tp_rank=tp_rank, tp=plan.tp,
-                                           layer_offset=layer_offset, padded_vocab=plan.padded_vocab)
+            if skip_head and name == "output_layer.weight":
+                continue
+            shard = megatron_shard_from_hf(name, reader.get, spec, tp_rank=tp_rank, tp=tp,
+                                           layer_offset=layer_offset, padded_vocab=padded_vocab)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: HF shard shape {tuple(shard.shape)} != megatron {tuple(param.shape)}")
             param.copy_(shard)
-    spec = plan.spec
     if spec.tie_word_embeddings and not spec.is_seq_cls and "lm_head.weight" in reader.keys():
         if not torch.equal(reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")):
-            raise ValueError(f"{plan.hf}: tie_word_embeddings=True but lm_head.weight differs from the embedding")
+            raise ValueError(f"{hf_dir}: tie_word_embeddings=True but lm_head.weight differs from the embedding")
 
 
 def hf_to_megatron_rank(plan: HFToMegatronPlan, tmp_dir: str) -> None:
@@ -81,7 +88,8 @@ def hf_to_megatron_rank(plan: HFToMegatronPlan, tmp_dir: str) -> None:
     mesh = initialize_mesh(plan.tp, plan.pp)
     model = build_model(plan.spec, tp=plan.tp, pp=plan.pp, pp_rank=mesh.pp_rank,
                         params_dtype=torch_dtype(plan.dtype), padded_vocab=plan.padded_vocab)
-    _fill_from_hf(model, plan, mesh.tp_rank, mesh.pp_rank)
+    fill_from_hf(model, plan.hf, plan.spec, plan.padded_vocab, tp=plan.tp, pp=plan.pp, tp_rank=mesh.tp_rank,
+                 pp_rank=mesh.pp_rank)
     save_model(model, os.path.join(tmp_dir, "model"))
 
 

@@ -18,7 +18,17 @@ the step allocated, including the gradients it hands back (e.g. the [N, V] grad 
 Time is the median over --repeats steps in another fresh subprocess with the default allocator, both
 wall-clock and process CPU time (the latter is robust to other jobs sharing the machine).
 
-Part (b) (packed vs padded training) is reserved: add it to PARTS.
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_kernels.py --part b --repeats 1    # about 75 s
+
+Part (b): one training forward + backward (sum of next-token log-probs, through `run_microbatches`) of a small
+Llama in megatron (local spec, TP1, fp32 by default, 8 layers, hidden 512, 8 heads, --b-kv-heads KV heads,
+vocab 1000) on the same sequences, lengths uniform in [16, 512] (fixed seed), as padded micro-batches (each
+padded to its longest sequence, causal mask, megatron's DotProductAttention) and as packed micro-batches
+(the same sequences per micro-batch in one THD row, `kernels.varlen_attention`). Sequences are taken in
+their random order, as a rollout batch arrives, not sorted by length. A third variant, padded+varlen, runs
+the padded rows (padding included) through the packed path, which splits the speed-up into its attention-
+kernel part and its padding part. It reports real (non-padding) tokens per second for each and the ratio
+packed / padded, from the median wall and CPU time of --repeats passes.
 """
 
 from __future__ import annotations
@@ -156,7 +166,116 @@ def run_part_a(args: argparse.Namespace) -> None:
         print(f"{op:<24}" + "".join(f"{x:>{w}.3f}" for x, w in zip(ratios, (12, 12, 8, 8))))
 
 
-PARTS = {"a": run_part_a}
+def _part_b_model(args: argparse.Namespace):
+    import torch
+
+    from rlhf.distributed import initialize_mesh
+    from rlhf.models.gpt import build_model
+    from rlhf.models.spec import ModelSpec, padded_vocab_size
+
+    torch.set_num_threads(args.threads)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    initialize_mesh(1, 1)
+    spec = ModelSpec(model_type="llama", vocab_size=1000, hidden_size=512, intermediate_size=1376, num_layers=8,
+                     num_attention_heads=8, num_kv_heads=args.b_kv_heads, head_dim=64, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False, qkv_bias=False)
+    dtype = getattr(torch, args.dtype)
+    model = build_model(spec, tp=1, pp=1, pp_rank=0, padded_vocab=padded_vocab_size(spec.vocab_size),
+                        params_dtype=dtype, bf16=dtype == torch.bfloat16, init_weights=True)
+    return spec, model
+
+
+B_VARIANTS = ("padded", "padded+varlen", "packed")
+
+
+def _part_b_microbatch(variant: str, group: list):
+    """One micro-batch of `group` (1-D token tensors) for `variant`:
+    padded: [B, L] right-padded rows through megatron's DotProductAttention (causal mask, so real tokens never
+        see the padding);
+    padded+varlen: the same padded rows, each packed as one full-length sequence (same tokens as padded, but
+        kernels.varlen_attention): separates the attention kernel's share of the speed-up from the padding's;
+    packed: the sequences in one THD row, no padding."""
+    import torch
+
+    import kernels
+    from rlhf.models.packing import make_packed_batch
+
+    if variant == "packed":
+        mb = make_packed_batch(group)
+        targets, valid = kernels.packed_next_tokens(mb["input_ids"][0], mb["cu_seqlens"])
+        return {**mb, "targets": targets.unsqueeze(0), "valid": valid.unsqueeze(0)}
+    width = max(s.numel() for s in group)
+    ids = torch.zeros(len(group), width, dtype=torch.long)
+    valid = torch.zeros(len(group), width, dtype=torch.bool)
+    for r, s in enumerate(group):
+        ids[r, : s.numel()] = s
+        valid[r, : s.numel() - 1] = True
+    targets = torch.zeros_like(ids)
+    targets[:, :-1] = ids[:, 1:]
+    if variant == "padded":
+        return {"input_ids": ids, "targets": targets, "valid": valid}
+    return make_packed_batch(ids, per_token={"targets": targets, "valid": valid})
+
+
+def run_part_b(args: argparse.Namespace) -> None:
+    if str(REPO) not in sys.path:  # part (b) runs in this process: the repo must be importable
+        sys.path.insert(0, str(REPO))
+    import torch
+
+    import kernels
+    from rlhf.models.pipeline import run_microbatches
+
+    spec, model = _part_b_model(args)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(16, 513, (args.b_seqs,), generator=g).tolist()
+    seqs = [torch.randint(3, spec.vocab_size, (n,), generator=g) for n in lengths]
+    groups = [seqs[i:i + args.b_mbs] for i in range(0, len(seqs), args.b_mbs)]
+    n_real = sum(lengths)
+
+    def loss_fn(batch, logits):  # logits (B, S, V_local); sum of next-token log-probs, as in training
+        lp = kernels.token_logprobs(logits, batch["targets"], vocab_size=spec.vocab_size)
+        return -(lp * batch["valid"]).sum() / n_real, {}
+
+    def step(mbs):
+        run_microbatches(model, mbs, loss_fn=loss_fn)
+        for p in model.parameters():
+            p.grad = None
+
+    res = {}
+    for variant in B_VARIANTS:
+        mbs = [_part_b_microbatch(variant, grp) for grp in groups]
+        step([_part_b_microbatch(variant, [s[:64] for s in groups[0][:2]])])  # warm-up: lazy initialisation
+        wall, cpu = [], []
+        for _ in range(args.repeats):
+            gc.collect()
+            t0, c0 = time.perf_counter(), time.process_time()
+            step(mbs)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        processed = sum(mb["input_ids"].numel() for mb in mbs)
+        res[variant] = {"wall": statistics.median(wall), "cpu": statistics.median(cpu), "processed": processed}
+    print(f"part (b): megatron Llama, 8 layers, hidden 512, heads 8, kv heads {args.b_kv_heads}, vocab 1000, "
+          f"{args.dtype}, threads={args.threads}; {len(lengths)} sequences, lengths U[16, 512] (seed 0, mean "
+          f"{n_real / len(lengths):.0f}, {n_real} real tokens), {args.b_mbs} per micro-batch; one forward+backward "
+          f"over all micro-batches, median of {args.repeats}")
+    print(f"{'variant':<15}{'tokens run':>11}{'padding':>9}{'wall s':>9}{'cpu s':>9}{'real tok/s wall':>17}"
+          f"{'real tok/s cpu':>16}")
+    for name, r in res.items():
+        print(f"{name:<15}{r['processed']:>11}{1 - n_real / r['processed']:>9.1%}{r['wall']:>9.2f}{r['cpu']:>9.2f}"
+              f"{n_real / r['wall']:>17.0f}{n_real / r['cpu']:>16.0f}")
+    pad, var, pk = res["padded"], res["padded+varlen"], res["packed"]
+    print(f"packed / padded tokens/s (target >= 1.7): wall {pad['wall'] / pk['wall']:.2f}x, "
+          f"cpu {pad['cpu'] / pk['cpu']:.2f}x")
+    print(f"  of which varlen attention (padded+varlen / padded): cpu {pad['cpu'] / var['cpu']:.2f}x; "
+          f"dropping the padding (packed / padded+varlen): cpu {var['cpu'] / pk['cpu']:.2f}x")
+
+
+PARTS = {"a": run_part_a, "b": run_part_b}
 
 
 def main() -> None:
@@ -170,6 +289,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per variant (median reported)")
     p.add_argument("--chunk-size", type=int, default=None, help="rows per chunk (default: the library's)")
+    p.add_argument("--b-seqs", type=int, default=16, help="part b: number of sequences")
+    p.add_argument("--b-mbs", type=int, default=8, help="part b: sequences per micro-batch")
+    p.add_argument("--b-kv-heads", type=int, default=4, choices=[4, 8], help="part b: KV heads (8 heads)")
     p.add_argument("--_worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_mode", choices=["mem", "time"], default="time", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -34,17 +34,19 @@ def te_available() -> bool:
 def layer_spec(use_te: bool | None = None):
     """transformer-engine spec when TE and CUDA are there, megatron's local (torch) spec otherwise."""
     global _SPEC_LOGGED
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     use_te = te_available() if use_te is None else use_te
     if not _SPEC_LOGGED:
         log.info("layer spec: %s", "transformer-engine" if use_te else "local (torch; transformer-engine absent "
-                 "or no CUDA)")
+                 "or no CUDA; packed THD batches via kernels.varlen_attention)")
         _SPEC_LOGGED = True
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    # Packed (THD) sequences without TE: megatron's local spec with a varlen core attention (see that module).
+    from rlhf.models.packed_attention import local_spec_with_packed_attention
+
+    return local_spec_with_packed_attention()
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch.dtype = torch.float32,

@@ -16,7 +16,9 @@ LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
 def _forward_step(loss_fn: LossFn | None, output: str, data_iterator, model):
     batch = next(data_iterator)
-    out = model(batch["input_ids"], batch.get("position_ids"), batch.get("attention_mask"), output=output,
+    # Batches are right-padded, so the causal mask alone is exact for every real token; ``attention_mask`` (B, S)
+    # is the padding mask the losses use, not megatron's 4-D mask.
+    out = model(batch["input_ids"], batch.get("position_ids"), batch.get("megatron_attention_mask"), output=output,
                 packed_seq_params=batch.get("packed_seq_params"))
 
     def loss_func(output_tensor):

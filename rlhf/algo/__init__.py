@@ -1,0 +1,1 @@
+"""Pure loss / advantage functions: tensors in, tensors and metrics out."""

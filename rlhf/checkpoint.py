@@ -1,0 +1,136 @@
+"""Resumable training checkpoints: every trainable role, optimizer, scheduler, data position and RNG state.
+
+Layout under ``--ckpt_path``::
+
+    iter_0000100/state/          one dist_checkpointing save of {role: {model, optimizer}} (reshardable)
+    iter_0000100/trainer.json    steps, schedulers, sampler position, anything the loop adds
+    iter_0000100/rng/rank_N.pt   python / numpy / torch / megatron-tracker RNG of each rank
+    latest                       the name of the newest complete iteration folder
+
+Publishing is atomic: a save goes to ``iter_X.tmp``; after every rank has finished, rank 0 renames it and only
+then rewrites ``latest`` (through a temporary file and ``os.replace``). A run killed mid-save leaves the
+previous checkpoint as ``latest``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlhf.distributed.mesh import ParallelMesh
+
+log = logging.getLogger(__name__)
+
+
+def rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    def __init__(self, mesh: ParallelMesh, ckpt_path: str, max_ckpt_num: int = 3):
+        self.mesh, self.path, self.max_ckpt_num = mesh, ckpt_path, max_ckpt_num
+
+    def latest(self) -> str | None:
+        p = os.path.join(self.path, "latest")
+        if not os.path.exists(p):
+            return None
+        with open(p) as f:
+            name = f.read().strip()
+        folder = os.path.join(self.path, name)
+        return folder if os.path.isdir(folder) else None
+
+    def save(self, step: int, engines: Mapping[str, Any], extra: dict[str, Any]) -> str:
+        from megatron.core import dist_checkpointing
+
+        from rlhf.distributed import cuda_shim
+
+        cuda_shim.install()
+        name = f"iter_{step:07d}"
+        final, tmp = os.path.join(self.path, name), os.path.join(self.path, name + ".tmp")
+        if self.mesh.is_rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "rng"))
+            os.makedirs(os.path.join(tmp, "state"))
+        dist.barrier()
+        sd = {role: eng.sharded_state_dict() for role, eng in engines.items()}
+        dist_checkpointing.save(sd, os.path.join(tmp, "state"))
+        torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{self.mesh.rank}.pt"))
+        if self.mesh.is_rank0:
+            state = {"step": step, "world_size": self.mesh.world_size, "tp": self.mesh.tp, "pp": self.mesh.pp,
+                     "roles": {role: eng.trainer_state() for role, eng in engines.items()}, "extra": extra}
+            with open(os.path.join(tmp, "trainer.json"), "w") as f:
+                json.dump(state, f, indent=2, default=_json_default)
+        dist.barrier()
+        if self.mesh.is_rank0:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            with open(os.path.join(self.path, "latest.tmp"), "w") as f:
+                f.write(name)
+            os.replace(os.path.join(self.path, "latest.tmp"), os.path.join(self.path, "latest"))
+            self._prune(keep=name)
+        dist.barrier()
+        return final
+
+    def _prune(self, keep: str) -> None:
+        iters = sorted(d for d in os.listdir(self.path) if d.startswith("iter_") and not d.endswith(".tmp"))
+        for d in iters[:-self.max_ckpt_num] if self.max_ckpt_num > 0 else []:
+            if d != keep:
+                shutil.rmtree(os.path.join(self.path, d), ignore_errors=True)
+
+    def load(self, engines: Mapping[str, Any], folder: str | None = None) -> dict[str, Any]:
+        """Restore engines, RNG and return the trainer state (``extra`` holds what the loop saved)."""
+        from megatron.core import dist_checkpointing
+
+        folder = folder or self.latest()
+        if folder is None:
+            raise ValueError(f"--load_checkpoint: no complete checkpoint under --ckpt_path {self.path}")
+        with open(os.path.join(folder, "trainer.json")) as f:
+            state = json.load(f)
+        with torch.no_grad():
+            sd = {role: eng.sharded_state_dict(is_loading=True) for role, eng in engines.items()}
+            loaded = dist_checkpointing.load(sd, os.path.join(folder, "state"))
+        for role, eng in engines.items():
+            eng.load_sharded(loaded[role])
+            eng.load_trainer_state(state["roles"][role])
+        rng_file = os.path.join(folder, "rng", f"rank_{self.mesh.rank}.pt")
+        if state["world_size"] == self.mesh.world_size and os.path.exists(rng_file):
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            log.warning("checkpoint was written by %d ranks, now %d: RNG states are not restored",
+                        state["world_size"], self.mesh.world_size)
+        dist.barrier()
+        log.info("resumed from %s (step %d)", folder, state["step"]) if self.mesh.is_rank0 else None
+        return state
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, (np.integer, np.floating)):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o)}")

@@ -1,0 +1,253 @@
+"""One model role on the megatron stack: build, load, optimizer, scheduler, train step, forward, checkpoint state.
+
+SFT, the reward model and each PPO role are a ``ModelEngine``. The trainer loops only see
+``engine.train_step(microbatches, loss_fn)`` and ``engine.forward(microbatches)``.
+
+Losses follow megatron's per-token contract (``calculate_per_token_loss``): a loss function returns
+``(loss_sum, n, {"name": [sum, n], ...})`` for its micro-batch, and megatron divides the gradients by the
+total ``n`` over every micro-batch and DP rank. So the step's loss is the exact mean over the global batch,
+whatever the micro-batch size, DP or PP layout.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rlhf.distributed.mesh import ParallelMesh
+from rlhf.models.checkpoint_io import read_manifest, spec_from_manifest
+from rlhf.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[dict, torch.Tensor], tuple]
+
+
+@dataclass
+class OptimConfig:
+    """Adam + warmup/decay schedule. ``total_steps`` is set by the trainer once the data size is known."""
+
+    lr: float = 1e-5
+    min_lr_ratio: float = 0.1
+    """The schedule decays to ``lr * min_lr_ratio``."""
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_ratio: float = 0.03
+    scheduler: str = "cosine"
+    """cosine | linear | constant (OpenRLHF's ``--lr_scheduler`` values ``cosine_with_min_lr``/``cosine``
+    map to cosine)."""
+    total_steps: int = 1
+    use_distributed_optimizer: bool = False
+    """ZeRO-1 style sharding of the optimizer states over DP (``--zero_stage >= 1``)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"--learning_rate must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"--lr_warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        aliases = {"cosine_with_min_lr": "cosine", "cosine": "cosine", "linear": "linear", "constant": "constant",
+                   "constant_with_warmup": "constant"}
+        if self.scheduler not in aliases:
+            raise ValueError(f"--lr_scheduler must be one of {sorted(aliases)}, got {self.scheduler!r}")
+        self.scheduler = aliases[self.scheduler]
+
+
+class ModelEngine:
+    """A (possibly trainable) megatron model for one role, at this rank's TP/PP position."""
+
+    def __init__(self, mesh: ParallelMesh, ckpt_dir: str, *, optim: OptimConfig | None = None,
+                 value_head: bool | None = None, bf16: bool = False, recompute: bool = False,
+                 name: str = "model"):
+        from rlhf.models.checkpoint_io import load_model
+        from rlhf.models.gpt import build_model
+
+        self.mesh, self.name, self.bf16 = mesh, name, bf16
+        self.source = describe_source(ckpt_dir)
+        self.spec: ModelSpec = self.source["spec"]
+        self.padded_vocab = int(self.source["padded_vocab"])
+        model = build_model(self.spec, tp=mesh.tp, pp=mesh.pp, pp_rank=mesh.pp_rank, value_head=value_head,
+                            params_dtype=torch.float32, padded_vocab=self.padded_vocab, recompute=recompute,
+                            init_weights=False)
+        self.value_head = model.value_head
+        if value_head and not self.spec.is_seq_cls:
+            _seeded_score_init(model, self.spec)
+        if self.source["kind"] == "megatron":
+            load_model(model, os.path.join(ckpt_dir, "model"))
+        else:  # an HF folder: every rank reads only its own shard of each tensor
+            from rlhf.convert import fill_from_hf
+
+            fill_from_hf(model, ckpt_dir, self.spec, self.padded_vocab, tp=mesh.tp, pp=mesh.pp,
+                         tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, skip_head=value_head and not self.spec.is_seq_cls)
+        if value_head and not self.spec.is_seq_cls:
+            log.info("%s: %s is a causal LM; its score head starts from a seeded random init", name, ckpt_dir)
+        self.model = model  # the bare LlamaGPT
+        self.module: torch.nn.Module = model
+        self.config = model.config
+        self.config.calculate_per_token_loss = True
+        if bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            self.config.bf16 = True
+            self.module = Float16Module(self.config, model)
+        self.optimizer = self.scheduler = None
+        self.ddp = None
+        self.steps = 0
+        if optim is not None:
+            self._setup_training(optim)
+        else:
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            self.module.eval()
+
+    # ----------------------------------------------------------------------------------------------- training
+    def _setup_training(self, optim: OptimConfig) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from rlhf.models.ddp import wrap_ddp
+
+        self.optim_cfg = optim
+        self.ddp = wrap_ddp(self.module, use_distributed_optimizer=optim.use_distributed_optimizer)
+        self.module = self.ddp
+        ocfg = OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.lr * optim.min_lr_ratio,
+                               weight_decay=optim.weight_decay, adam_beta1=optim.adam_betas[0],
+                               adam_beta2=optim.adam_betas[1], adam_eps=optim.adam_eps, clip_grad=optim.clip_grad,
+                               bf16=self.bf16, params_dtype=torch.float32,
+                               use_distributed_optimizer=optim.use_distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(ocfg, [self.ddp], use_gloo_process_groups=False)
+        total = max(1, optim.total_steps)
+        warmup = int(math.ceil(optim.warmup_ratio * total))
+        style = {"cosine": "cosine", "linear": "linear", "constant": "constant"}[optim.scheduler]
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if warmup else optim.lr, max_lr=optim.lr,
+            min_lr=optim.lr * (optim.min_lr_ratio if style != "constant" else 1.0), lr_warmup_steps=warmup,
+            lr_decay_steps=total, lr_decay_style=style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+            wd_incr_steps=total, wd_incr_style="constant")
+
+    def train_step(self, microbatches: Sequence[dict], loss_fn: LossFn, metric_keys: Sequence[str],
+                   output: str = "logits") -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches. Returns metrics averaged over the global batch
+        (identical on every rank): each ``metric_keys`` entry, plus ``grad_norm`` and ``lr``."""
+        from rlhf.models.pipeline import run_microbatches
+
+        assert self.optimizer is not None, f"{self.name} is frozen"
+        self.module.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outs = run_microbatches(self.module, microbatches, loss_fn=loss_fn, output=output)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError(f"{self.name}: optimizer step failed (inf/nan gradients)")
+        self.scheduler.step(increment=1)
+        self.steps += 1
+        metrics = self.reduce_metrics(outs, metric_keys)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    def forward(self, microbatches: Sequence[dict], output: str = "logits",
+                loss_fn: LossFn | None = None) -> list[dict[str, Any]]:
+        """Forward only. With ``loss_fn``: its metrics per micro-batch; else ``{"output": tensor}`` per
+        micro-batch. Both on the last pipeline stage only (empty elsewhere)."""
+        from rlhf.models.pipeline import run_microbatches
+
+        self.module.eval()
+        with torch.no_grad():
+            return run_microbatches(self.module, microbatches, loss_fn=loss_fn, forward_only=True, output=output)
+
+    def reduce_metrics(self, outs: list[dict], keys: Sequence[str]) -> dict[str, float]:
+        """Each metric is ``[sum, count]`` per micro-batch: total sums / total counts over micro-batches, DP
+        ranks and (from the last stage) pipeline stages. The same numbers on every rank."""
+        vec = torch.zeros(2 * len(keys), dtype=torch.float64)
+        if self.mesh.is_last_stage and self.mesh.tp_rank == 0:
+            for o in outs:
+                for i, k in enumerate(keys):
+                    s, n = o[k]
+                    vec[2 * i] += float(s)
+                    vec[2 * i + 1] += float(n)
+        dist.all_reduce(vec)  # one contribution per (DP rank) from the last stage's TP rank 0
+        return {k: (vec[2 * i] / vec[2 * i + 1]).item() if vec[2 * i + 1] > 0 else float("nan")
+                for i, k in enumerate(keys)}
+
+    # -------------------------------------------------------------------------------------------- checkpoint
+    def sharded_state_dict(self, include_optimizer: bool = True, is_loading: bool = False) -> dict:
+        model_sd = self.model.sharded_state_dict(prefix="")
+        sd = {"model": model_sd}
+        if include_optimizer and self.optimizer is not None:
+            if is_loading:
+                _init_optimizer_state(self.optimizer)
+            sd["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        return sd
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"steps": self.steps, "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def load_sharded(self, loaded: dict) -> None:
+        self.model.load_state_dict(loaded["model"], strict=False)
+        if "optimizer" in loaded and self.optimizer is not None:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            _unshare_adam_steps(self.optimizer)
+
+
+def describe_source(path: str) -> dict[str, Any]:
+    """What ``--pretrain``-style paths point at: a converted megatron checkpoint (``rlhf_manifest.json``) or an
+    HF folder (``config.json``). Validates the config; raises ValueError naming the path otherwise."""
+    from rlhf.models.checkpoint_io import MANIFEST
+    from rlhf.models.spec import load_hf_config, padded_vocab_size, spec_from_hf_config
+
+    if not os.path.isdir(path):
+        raise ValueError(f"model folder not found: {path}")
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        m = read_manifest(path)
+        return {"kind": "megatron", "spec": spec_from_manifest(m), "padded_vocab": m["padded_vocab_size"],
+                "hf_config": m["hf_config"], "dtype": m["dtype"]}
+    cfg = load_hf_config(path)
+    spec = spec_from_hf_config(cfg, source=os.path.join(path, "config.json"))
+    return {"kind": "hf", "spec": spec, "padded_vocab": padded_vocab_size(spec.vocab_size), "hf_config": cfg,
+            "dtype": str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")}
+
+
+def _seeded_score_init(model: torch.nn.Module, spec: ModelSpec) -> None:
+    """A reward/critic model started from a causal LM gets a fresh score head, the same on every rank."""
+    if model.post_process:
+        g = torch.Generator().manual_seed(1234)
+        with torch.no_grad():
+            model.output_layer.weight.copy_(torch.randn(model.output_layer.weight.shape, generator=g)
+                                            / spec.hidden_size ** 0.5)
+
+
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Adam creates its state lazily at the first step; a load needs the tensors to exist to load into."""
+    for opt in _inner_optimizers(optimizer):
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            opt._init_optimizer_states_with_dummy_values()
+        elif hasattr(opt, "init_state_fn") and opt.init_state_fn is not None:
+            opt.init_state_fn(opt.optimizer, getattr(opt, "config", None))
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """After a load, megatron may give every parameter the *same* ``step`` tensor; torch's Adam then bumps it
+    once per parameter per step and bias correction goes wrong silently (../shared/FACTS.md). One each."""
+    for opt in _inner_optimizers(optimizer):
+        torch_opt = getattr(opt, "optimizer", None)
+        if torch_opt is None:
+            continue
+        for state in torch_opt.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()

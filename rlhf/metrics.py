@@ -1,0 +1,60 @@
+"""Rank-0 logging: one progress line per logged step (with ETA) and TensorBoard scalars."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Mapping
+
+log = logging.getLogger("rlhf")
+
+
+class MetricsLogger:
+    def __init__(self, enabled: bool, total_steps: int, tensorboard_dir: str | None = None, prefix: str = "train"):
+        self.enabled, self.total, self.prefix = enabled, total_steps, prefix
+        self.start = time.time()
+        self.start_step: int | None = None
+        self.writer = None
+        if enabled and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(tensorboard_dir)
+
+    def log(self, step: int, metrics: Mapping[str, float], prefix: str | None = None, progress: bool = True) -> None:
+        if not self.enabled:
+            return
+        prefix = prefix or self.prefix
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(f"{prefix}/{k}", v, step)
+            self.writer.flush()
+        if not progress:
+            log.info("[%s step %d] %s", prefix, step, _fmt(metrics))
+            return
+        if self.start_step is None:
+            self.start_step, self.start = step - 1, time.time()
+        done = step - self.start_step
+        elapsed = time.time() - self.start
+        eta = elapsed / max(done, 1) * (self.total - step)
+        log.info("[%s %d/%d %3.0f%% eta %s] %s", prefix, step, self.total, 100.0 * step / max(self.total, 1),
+                 _hms(eta), _fmt(metrics))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _fmt(metrics: Mapping[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+
+
+def _hms(s: float) -> str:
+    s = int(max(s, 0))
+    return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def setup_logging(rank: int) -> None:
+    """INFO on rank 0, WARNING elsewhere; megatron's chatter at WARNING."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for noisy in ("megatron", "megatron.core", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

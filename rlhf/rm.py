@@ -1,0 +1,65 @@
+"""Reward-model training: pairwise ``-log sigmoid(r_chosen - r_rejected - margin)`` on a scalar head."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf.algo.losses import pairwise_rm_loss, sequence_rewards
+
+
+class RMTask:
+    name = "rm"
+    value_head = True
+    metric_keys = ("loss", "acc", "reward_gap", "chosen_reward", "rejected_reward")
+    output = "logits"  # a value-head model returns (B, S) values
+
+    def load_data(self, args: argparse.Namespace, tokenizer):
+        from rlhf.data import build_rm_dataset
+        from rlhf.trainer import load_split
+
+        return load_split(args, tokenizer, build_rm_dataset)
+
+    def collate(self, samples: list, tokenizer) -> dict[str, torch.Tensor]:
+        from rlhf.data import collate_rm, pad_token_id
+
+        return collate_rm(samples, pad_token_id(tokenizer))
+
+    def loss_fn(self, engine):
+        def fn(batch: dict, values: torch.Tensor):
+            return pairwise_rm_loss(values, batch["attention_mask"], batch.get("margin"))
+
+        return fn
+
+    def evaluate(self, engine, batches: list[dict]) -> dict[str, float]:
+        outs = engine.forward(batches, loss_fn=self.loss_fn(engine))
+        m = engine.reduce_metrics(outs, self.metric_keys)
+        return {"acc": m["acc"], "reward_gap": m["reward_gap"], "loss": m["loss"]}
+
+    def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]:
+        """Mean and std of the trained model's rewards over the training responses (chosen and rejected), for
+        PPO's ``--normalize_reward``."""
+        outs = engine.forward(batches)
+        s = torch.zeros(3, dtype=torch.float64)
+        if engine.mesh.is_last_stage and engine.mesh.tp_rank == 0:
+            for b, o in zip(batches, outs):
+                r = sequence_rewards(o["output"], b["attention_mask"]).double()
+                s += torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=torch.float64)])
+        dist.all_reduce(s)
+        mean = (s[0] / s[2]).item()
+        std = max((s[1] / s[2]).item() - mean * mean, 0.0) ** 0.5
+        return {"reward_mean": mean, "reward_std": std, "reward_stats_samples": int(s[2].item())}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from rlhf.config import add_common_args
+
+    add_common_args(p, lr=9e-6, epochs=1)
+    p.add_argument("--prompt_key", default="prompt")
+    p.add_argument("--chosen_key", default="chosen")
+    p.add_argument("--rejected_key", default="rejected")
+    p.add_argument("--margin_key", default=None, help="optional per-pair margin field")
+    p.add_argument("--input_key", default="input", help=argparse.SUPPRESS)
+    p.add_argument("--output_key", default=None, help=argparse.SUPPRESS)

@@ -1,0 +1,54 @@
+"""Supervised fine-tuning: next-token loss on the response tokens only."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from rlhf.algo.losses import sft_loss
+
+
+class SFTTask:
+    name = "sft"
+    value_head = False
+    metric_keys = ("loss",)
+    output = "logits"
+
+    def load_data(self, args: argparse.Namespace, tokenizer):
+        from rlhf.data import build_sft_dataset
+        from rlhf.trainer import load_split
+
+        return load_split(args, tokenizer, build_sft_dataset)
+
+    def collate(self, samples: list, tokenizer) -> dict[str, torch.Tensor]:
+        from rlhf.data import collate_sft, pad_token_id
+
+        return collate_sft(samples, pad_token_id(tokenizer))
+
+    def loss_fn(self, engine):
+        tp_group = engine.mesh.tp_group if engine.mesh.tp > 1 else None
+        vocab = engine.spec.vocab_size
+
+        def fn(batch: dict, logits: torch.Tensor):
+            return sft_loss(logits, batch["input_ids"], batch["loss_mask"], tp_group=tp_group, vocab_size=vocab)
+
+        return fn
+
+    def evaluate(self, engine, batches: list[dict]) -> dict[str, float]:
+        outs = engine.forward(batches, loss_fn=self.loss_fn(engine))
+        return {"loss": engine.reduce_metrics(outs, self.metric_keys)["loss"]}
+
+    def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]:
+        return {}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from rlhf.config import add_common_args
+
+    add_common_args(p, lr=5e-6, epochs=2)
+    p.add_argument("--input_key", default="input")
+    p.add_argument("--output_key", default="output")
+    p.add_argument("--prompt_key", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--chosen_key", default="chosen", help=argparse.SUPPRESS)
+    p.add_argument("--rejected_key", default="rejected", help=argparse.SUPPRESS)

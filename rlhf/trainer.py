@@ -1,0 +1,212 @@
+"""The supervised training loop shared by SFT and reward-model training.
+
+A ``Task`` supplies what differs (data formatting, collate, loss, eval, what to export); this loop does the
+rest: mesh, engine, resumable sampler, checkpoints, logging, HF export. Readable on two screens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("rlhf")
+
+
+class Task(Protocol):
+    name: str
+    value_head: bool
+    metric_keys: Sequence[str]
+    output: str
+
+    def load_data(self, args: argparse.Namespace, tokenizer) -> tuple[list, list, dict[str, int]]: ...
+
+    def collate(self, samples: list, tokenizer) -> dict[str, torch.Tensor]: ...
+
+    def loss_fn(self, engine) -> Any: ...
+
+    def evaluate(self, engine, batches: list[dict]) -> dict[str, float]: ...
+
+    def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]: ...
+
+
+def load_split(args: argparse.Namespace, tokenizer, build) -> tuple[list, list, dict[str, float]]:
+    """Train samples from --dataset; eval samples from --eval_dataset, or the last --eval_split of --dataset."""
+    from rlhf.data import DataConfig
+
+    train, stats = build(DataConfig.from_args(args), tokenizer)
+    if stats.num_truncated:
+        import logging
+
+        logging.getLogger("rlhf").info("%d samples truncated to --max_len %d (%d dropped: no response token left)",
+                                       stats.num_truncated, args.max_len, stats.num_dropped)
+    evals: list = []
+    if args.eval_dataset:
+        evals, _ = build(DataConfig.from_args(args, dataset=args.eval_dataset, dataset_probs=None,
+                                              max_samples=None), tokenizer)
+    elif args.eval_split > 0:
+        n = int(len(train) * args.eval_split)
+        train, evals = train[: len(train) - n], train[len(train) - n:]
+    return train, evals, {k.split("/", 1)[1]: v for k, v in stats.as_metrics().items() if "/mixed/" not in k}
+
+
+def tokens_in(microbatches: Sequence[dict]) -> int:
+    return int(sum(int(mb["attention_mask"].sum()) for mb in microbatches))
+
+
+def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from rlhf.checkpoint import Checkpointer
+    from rlhf.config import log_compat_mappings, validate_common
+    from rlhf.data import BatchConfig, DistributedBatchSampler
+    from rlhf.distributed import DistEnv, initialize_mesh
+    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.metrics import MetricsLogger, setup_logging
+
+    env = DistEnv.from_environ()
+    setup_logging(env.rank)
+    dp = validate_common(args, env.world_size)  # before the process group and any model
+    tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
+    train, evals, stats = task.load_data(args, tokenizer)
+    if not train:
+        raise ValueError(f"--dataset {args.dataset}: no training samples after filtering")
+    steps_per_epoch = len(train) // args.train_batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(f"--train_batch_size {args.train_batch_size} is larger than the dataset "
+                         f"({len(train)} samples after filtering)")
+    total_steps = steps_per_epoch * args.max_epochs
+
+    torch.manual_seed(args.seed)
+    mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, env, seed=args.seed)
+    log_compat_mappings(args)
+    if mesh.is_rank0:
+        log.info("%s: %d train / %d eval samples (%s); %d steps of %d samples on dp=%d tp=%d pp=%d", task.name,
+                 len(train), len(evals), ", ".join(f"{k}={v:g}" for k, v in stats.items()), total_steps,
+                 args.train_batch_size, dp, mesh.tp, mesh.pp)
+    optim = OptimConfig(lr=args.learning_rate, weight_decay=args.l2, adam_betas=tuple(args.adam_betas),
+                        clip_grad=args.max_norm, warmup_ratio=args.lr_warmup_ratio, scheduler=args.lr_scheduler,
+                        total_steps=total_steps, use_distributed_optimizer=args.zero_stage >= 1)
+    engine = ModelEngine(mesh, args.pretrain, optim=optim, value_head=task.value_head, bf16=args.bf16,
+                         recompute=args.gradient_checkpointing, name=task.name)
+    sampler = DistributedBatchSampler(len(train), BatchConfig(args.train_batch_size, args.micro_train_batch_size,
+                                                              dp, mesh.dp_rank), seed=args.seed)
+    ckpt = Checkpointer(mesh, args.ckpt_path or os.path.join(args.save_path, "checkpoints"), args.max_ckpt_num)
+    step = 0
+    if args.load_checkpoint:
+        state = ckpt.load({task.name: engine})
+        step = state["step"]
+        sampler.load_state_dict(state["extra"]["sampler"])
+    metrics_log = MetricsLogger(mesh.is_rank0, total_steps, args.tensorboard, prefix=task.name)
+    eval_batches = [task.collate(evals[i:i + args.micro_train_batch_size], tokenizer)
+                    for i in range(0, len(evals), args.micro_train_batch_size)]
+    eval_batches = eval_batches[mesh.dp_rank::dp] if len(eval_batches) >= dp else eval_batches[:0]
+    result: dict[str, Any] = {}
+    loss_fn = task.loss_fn(engine)
+    start_step = step
+    while step < total_steps:
+        if 0 <= args.stop_after_steps <= step - start_step:
+            log.info("stopping after %d steps (--stop_after_steps)", args.stop_after_steps)
+            metrics_log.close()
+            from rlhf.distributed.mesh import destroy_mesh
+
+            destroy_mesh()
+            return result
+        if sampler.step >= sampler.steps_per_epoch:
+            sampler.set_epoch(sampler.epoch + 1)
+        micro_idx = sampler.batch_at(sampler.epoch, sampler.step)
+        sampler.step += 1
+        microbatches = [task.collate([train[i] for i in idx], tokenizer) for idx in micro_idx]
+        t0 = time.time()
+        m = engine.train_step(microbatches, loss_fn, task.metric_keys, output=task.output)
+        step += 1
+        ntok = torch.tensor([tokens_in(microbatches)], dtype=torch.float64)
+        dist.all_reduce(ntok)
+        m["tokens_per_s"] = ntok.item() / mesh.tp / mesh.pp / max(time.time() - t0, 1e-9)
+        m["epoch"] = sampler.epoch + sampler.step / sampler.steps_per_epoch
+        if step % args.logging_steps == 0 or step == total_steps:
+            metrics_log.log(step, m)
+        result["train"] = m
+        if args.eval_steps > 0 and step % args.eval_steps == 0 and step < total_steps:
+            metrics_log.log(step, task.evaluate(engine, eval_batches), prefix="eval", progress=False)
+        if (args.save_steps > 0 and step % args.save_steps == 0) or step == total_steps:
+            ckpt.save(step, {task.name: engine}, {"sampler": sampler.state_dict()})
+    if eval_batches:
+        result["eval"] = task.evaluate(engine, eval_batches)
+        metrics_log.log(step, result["eval"], prefix="eval", progress=False)
+    train_batches = [task.collate(train[i:i + args.micro_train_batch_size], tokenizer)
+                     for i in range(0, len(train), args.micro_train_batch_size)]
+    extra = task.export_extra(engine, train_batches[mesh.dp_rank::dp])
+    result.update(extra)
+    export_hf(args, engine, mesh, extra)
+    metrics_log.close()
+    if mesh.is_rank0:
+        with open(os.path.join(args.save_path, "train_result.json"), "w") as f:
+            json.dump(result, f, indent=2)
+    from rlhf.distributed.mesh import destroy_mesh
+
+    destroy_mesh()
+    return result
+
+
+def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> None:
+    """Final export to ``--save_path``: a megatron model checkpoint (``<save_path>/megatron``) converted to HF
+    by rank 0 in a subprocess, with ``extra`` (e.g. reward statistics) in config.json under ``rlhf``."""
+    from rlhf.models.checkpoint_io import save_model, write_manifest
+
+    mg = os.path.join(args.save_path, "megatron")
+    tmp = mg + ".tmp"
+    if mesh.is_rank0:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "model"))
+    dist.barrier()
+    save_model(engine.model, os.path.join(tmp, "model"))
+    dist.barrier()
+    if mesh.is_rank0:
+        import shutil
+
+        from rlhf.models.hf_io import copy_tokenizer_files
+        from rlhf.models.spec import SEQ_CLS_ARCHS
+
+        cfg = dict(engine.source["hf_config"])
+        if engine.value_head:
+            cfg["architectures"] = [SEQ_CLS_ARCHS[engine.spec.model_type]]
+            cfg["num_labels"] = 1
+            cfg.pop("id2label", None), cfg.pop("label2id", None)
+            cfg.setdefault("pad_token_id", cfg.get("eos_token_id"))
+        if extra:
+            cfg["rlhf"] = {**cfg.get("rlhf", {}), **extra}
+        from rlhf.models.spec import spec_from_hf_config
+
+        spec = spec_from_hf_config(cfg)
+        write_manifest(tmp, spec=spec, hf_config=cfg, padded_vocab=engine.padded_vocab, source=args.pretrain,
+                       tp=mesh.tp, pp=mesh.pp, dtype="float32")
+        copy_tokenizer_files(args.pretrain, tmp)
+        shutil.rmtree(mg, ignore_errors=True)
+        os.replace(tmp, mg)
+        hf_tmp = os.path.join(args.save_path, "hf.tmp")
+        tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                            "convert_megatron_to_hf.py")
+        # A clean environment: torchrun's RANK/WORLD_SIZE/TORCHELASTIC_* would make the child join our rendezvous.
+        child_env = {k: v for k, v in os.environ.items()
+                     if not k.startswith("TORCHELASTIC") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                        "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                                                        "MASTER_ADDR", "MASTER_PORT")}
+        proc = subprocess.run([sys.executable, tool, "--ckpt", mg, "--out", hf_tmp, "--overwrite"],
+                              capture_output=True, text=True, env=child_env, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"HF export failed: {proc.stderr[-2000:]}")
+        for name in os.listdir(hf_tmp):  # HF files land in --save_path itself, beside checkpoints/ and megatron/
+            os.replace(os.path.join(hf_tmp, name), os.path.join(args.save_path, name))
+        os.rmdir(hf_tmp)
+        log.info("exported HF model to %s", args.save_path)
+    dist.barrier()

@@ -1,0 +1,108 @@
+"""SFT and RM end to end through launch/*.py on 2 ranks: learning, HF export, resume exactness, bad data."""
+import json
+import os
+
+import pytest
+import torch
+from helpers import REPO, run_torchrun, tail
+
+SFT = os.path.join(REPO, "launch/sft.py")
+RM = os.path.join(REPO, "launch/rm.py")
+
+
+def common(save, **kw):
+    args = {"--save_path": save, "--train_batch_size": "16", "--micro_train_batch_size": "4",
+            "--max_len": "64", "--lr_warmup_ratio": "0.0", "--seed": "7"}
+    args.update({k: str(v) for k, v in kw.items()})
+    out = []
+    for k, v in args.items():
+        out += [k] if v == "" else [k, v]
+    return out
+
+
+def test_sft_loss_falls_tp2(train_setup, tmp_path):
+    save = str(tmp_path / "sft")
+    p = run_torchrun(SFT, 2, ["--pretrain", train_setup["model"], "--dataset", train_setup["sft"],
+                              "--eval_dataset", train_setup["sft_eval"], "--max_epochs", "3",
+                              "--learning_rate", "3e-3", "--tensor_model_parallel_size", "2"] + common(save))
+    assert p.returncode == 0, tail(p)
+    res = json.load(open(os.path.join(save, "train_result.json")))
+    first = [ln for ln in p.stderr.splitlines() + p.stdout.splitlines() if "[sft 1/" in ln]
+    assert first, tail(p)
+    loss0 = float(first[0].split("loss=")[1].split()[0])
+    assert res["eval"]["loss"] < 0.5 * loss0, (loss0, res)
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(save)
+    assert model.config.architectures == ["LlamaForCausalLM"]
+
+
+def test_rm_accuracy_export_and_scores(train_setup, tmp_path):
+    save = str(tmp_path / "rm")
+    p = run_torchrun(RM, 2, ["--pretrain", train_setup["model"], "--dataset", train_setup["rm"],
+                             "--eval_dataset", train_setup["rm_eval"], "--max_epochs", "2",
+                             "--learning_rate", "2e-3", "--prompt_key", "prompt", "--chosen_key", "chosen",
+                             "--rejected_key", "rejected"] + common(save))
+    assert p.returncode == 0, tail(p)
+    res = json.load(open(os.path.join(save, "train_result.json")))
+    assert res["eval"]["acc"] >= 0.9, res
+    assert res["reward_std"] > 0
+    import transformers
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(save).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(save)
+    assert model.config.rlhf["reward_mean"] == pytest.approx(res["reward_mean"])
+    # The exported HF model prefers the held-out chosen answers as the trained model did.
+    rows = [json.loads(ln) for ln in open(train_setup["rm_eval"])][:16]
+    wins = 0
+    with torch.no_grad():
+        for r in rows:
+            c = model(**tok(r["prompt"] + r["chosen"] + tok.eos_token, return_tensors="pt")).logits.item()
+            j = model(**tok(r["prompt"] + r["rejected"] + tok.eos_token, return_tensors="pt")).logits.item()
+            wins += c > j
+    assert wins / len(rows) >= 0.9
+
+
+def _final_weights(save):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(save, "model.safetensors"))
+
+
+def test_resume_is_exact(train_setup, tmp_path):
+    """6 steps straight == 3 steps, stop, resume to 6: bit-identical weights (DP2, 2 ranks)."""
+    base = ["--pretrain", train_setup["model"], "--dataset", train_setup["sft"], "--max_epochs", "1",
+            "--learning_rate", "1e-3", "--max_samples", "96"]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    p = run_torchrun(SFT, 2, base + common(straight))
+    assert p.returncode == 0, tail(p)
+    p = run_torchrun(SFT, 2, base + common(resumed, **{"--save_steps": 3, "--stop_after_steps": 3}))
+    assert p.returncode == 0, tail(p)
+    assert open(os.path.join(resumed, "checkpoints", "latest")).read().strip() == "iter_0000003"
+    p = run_torchrun(SFT, 2, base + common(resumed, **{"--save_steps": 3, "--load_checkpoint": ""}))
+    assert p.returncode == 0, tail(p)
+    a, b = _final_weights(straight), _final_weights(resumed)
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("row,needle", [({"input": "hi"}, "output"), ({"input": "hi", "output": "  "}, "output")])
+def test_bad_data_names_file_line_key(train_setup, tmp_path, row, needle):
+    path = tmp_path / "bad.jsonl"
+    good = json.dumps({"input": "a", "output": "b"})
+    path.write_text("\n".join([good, good, json.dumps(row)]) + "\n")
+    p = run_torchrun(SFT, 1, ["--pretrain", train_setup["model"], "--dataset", str(path)] +
+                     common(str(tmp_path / "o"), **{"--train_batch_size": 1, "--micro_train_batch_size": 1}))
+    assert p.returncode != 0
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert err and "bad.jsonl" in err[0] and "3" in err[0] and needle in err[0], p.stderr[-2000:]
+
+
+def test_bad_flags_fail_before_loading(train_setup, tmp_path):
+    p = run_torchrun(SFT, 2, ["--pretrain", train_setup["model"], "--dataset", train_setup["sft"]] +
+                     common(str(tmp_path / "o"), **{"--train_batch_size": 10, "--micro_train_batch_size": 4}))
+    assert p.returncode != 0 and "--train_batch_size 10" in p.stderr
+    p = run_torchrun(SFT, 2, ["--pretrain", str(tmp_path / "missing"), "--dataset", train_setup["sft"]] +
+                     common(str(tmp_path / "o")))
+    assert p.returncode != 0 and "--pretrain" in p.stderr
