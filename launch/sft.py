@@ -5,7 +5,6 @@
 
 See `python launch/sft.py --help` for the flags (OpenRLHF names).
 """
-import argparse
 import os
 import sys
 
@@ -13,18 +12,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
-    from rlhf import sft as task_mod
-    from rlhf.trainer import run
+    from rlhf import sft
+    from rlhf.trainer import main as run_main
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    task_mod.add_args(p)
-    args = p.parse_args(argv)
-    try:
-        run(args, task_mod.SFTTask())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_main(sft, argv)
 
 
 if __name__ == "__main__":

@@ -63,3 +63,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--margin_key", default=None, help="optional per-pair margin field")
     p.add_argument("--input_key", default="input", help=argparse.SUPPRESS)
     p.add_argument("--output_key", default=None, help=argparse.SUPPRESS)
+
+
+TASK = RMTask

@@ -52,3 +52,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt_key", default=None, help=argparse.SUPPRESS)
     p.add_argument("--chosen_key", default="chosen", help=argparse.SUPPRESS)
     p.add_argument("--rejected_key", default="rejected", help=argparse.SUPPRESS)
+
+
+TASK = SFTTask

@@ -119,10 +119,7 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
 
             destroy_mesh()
             return result
-        if sampler.step >= sampler.steps_per_epoch:
-            sampler.set_epoch(sampler.epoch + 1)
-        micro_idx = sampler.batch_at(sampler.epoch, sampler.step)
-        sampler.step += 1
+        micro_idx = sampler.next_step()
         microbatches = [task.collate([train[i] for i in idx], tokenizer) for idx in micro_idx]
         t0 = time.time()
         m = engine.train_step(microbatches, loss_fn, task.metric_keys, output=task.output)
@@ -130,7 +127,7 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
         ntok = torch.tensor([tokens_in(microbatches)], dtype=torch.float64)
         dist.all_reduce(ntok)
         m["tokens_per_s"] = ntok.item() / mesh.tp / mesh.pp / max(time.time() - t0, 1e-9)
-        m["epoch"] = sampler.epoch + sampler.step / sampler.steps_per_epoch
+        m["epoch"] = sampler.epoch_float
         if step % args.logging_steps == 0 or step == total_steps:
             metrics_log.log(step, m)
         result["train"] = m
@@ -154,6 +151,21 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
 
     destroy_mesh()
     return result
+
+
+def main(task_mod, argv=None) -> int:
+    """The body of ``launch/sft.py`` and ``launch/rm.py``: flags of ``task_mod``, run its task, ``error:`` line
+    and exit 2 on bad input."""
+    p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    task_mod.add_args(p)
+    args = p.parse_args(argv)
+    try:
+        run(args, task_mod.TASK())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> None:
