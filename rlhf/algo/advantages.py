@@ -1,0 +1,188 @@
+"""Advantage estimators (GAE, REINFORCE++, GRPO) as small pure functions behind one registry.
+
+All tensors are right-padded response-token tensors (B, T) with ``action_mask`` 1 on real response tokens;
+``rewards`` is the scalar reward per sequence (B,). Outputs are at least fp32 (fp64 inputs stay fp64) and zero
+on padding.
+
+The PPO loop calls any estimator the same way::
+
+    est = get_estimator(args.advantage_estimator)
+    out = est(rewards=r, kl=kl, values=v if est.needs_critic else None, action_mask=m, kl_coef=kl_ctl.value,
+              gamma=args.gamma, lambd=args.lambd, n_samples_per_prompt=args.n_samples_per_prompt)
+    out["advantages"], out["returns"], out["token_rewards"]  # each (B, T)
+
+GAE and REINFORCE++ put the KL penalty into the per-token reward (OpenRLHF). GRPO leaves it out: the usual
+recipe adds ``kl_coef * kl`` to the loss instead (``rlhf.algo.ppo_losses.kl_loss``).
+
+Batch-level statistics (REINFORCE++ whitening, ``whiten_advantages``) are over the tensors passed in; pass the
+whole rollout batch to get global statistics. GRPO groups must not be split across calls.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from rlhf.algo.ppo_losses import upcast, masked_whiten
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {}
+
+
+def _register(name: str, needs_critic: bool):
+    def wrap(fn):
+        fn.needs_critic = needs_critic
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+    return wrap
+
+
+def get_estimator(name: str) -> Callable[..., dict[str, torch.Tensor]]:
+    """The registered estimator ``name``; each has a ``needs_critic`` attribute."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"--advantage_estimator {name!r}: expected one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+def last_token_index(action_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real token of each right-padded row. (B, T) -> (B,) long (T - 1 for an empty row)."""
+    t = action_mask.shape[1]
+    return t - 1 - (action_mask != 0).long().fliplr().argmax(dim=1)
+
+
+@torch.no_grad()
+def compute_token_rewards(rewards: torch.Tensor, kl: torch.Tensor | None, action_mask: torch.Tensor,
+                          kl_coef: float | torch.Tensor) -> torch.Tensor:
+    """``-kl_coef * kl`` per token plus the sequence reward on the last real token (OpenRLHF ``compute_reward``).
+
+    rewards (B,); kl (B, T) or None (no penalty); action_mask (B, T) -> (B, T), zero on padding.
+    """
+    mask = action_mask != 0
+    b, t = mask.shape
+    token_rewards = torch.zeros(b, t, dtype=upcast(rewards).dtype, device=mask.device)
+    if kl is not None:
+        token_rewards = token_rewards - kl_coef * upcast(kl)
+    token_rewards.scatter_add_(1, last_token_index(mask).unsqueeze(1), upcast(rewards).view(b, 1))
+    return torch.where(mask, token_rewards, torch.zeros_like(token_rewards))
+
+
+def whiten_advantages(advantages: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Masked whitening over the whole batch (the caller's ``whiten_advantages`` flag). (B, T) -> (B, T)."""
+    return masked_whiten(advantages, action_mask, shift_mean=True)
+
+
+@torch.no_grad()
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, gamma: float,
+        lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation, backward over T and vectorized over B. Not whitened.
+
+    token_rewards, values, action_mask (B, T) -> (advantages, returns), each (B, T), zero on padding.
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with V = 0 after the last real token;
+    ``A_t = delta_t + gamma * lambd * A_{t+1}``; ``returns = A + V``.
+    """
+    r = upcast(token_rewards)
+    mask = (action_mask != 0).to(r.dtype)
+    r = r * mask  # (B, T)
+    v = torch.where(mask.bool(), upcast(values).to(r.dtype), torch.zeros((), dtype=r.dtype, device=r.device))  # (B, T)
+    b, t = r.shape
+    advantages = torch.zeros_like(r)
+    last = torch.zeros(b, dtype=r.dtype, device=r.device)
+    next_v = torch.zeros(b, dtype=r.dtype, device=r.device)
+    for i in reversed(range(t)):
+        delta = r[:, i] + gamma * next_v - v[:, i]
+        # Padding carries no advantage backwards: on right-padded rows it is already 0, the mask keeps it so.
+        last = (delta + gamma * lambd * last) * mask[:, i]
+        advantages[:, i] = last
+        next_v = v[:, i]
+    returns = (advantages + v) * mask
+    return advantages, returns
+
+
+def _discounted_return_to_go(token_rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    r = upcast(token_rewards)
+    mask = (action_mask != 0).to(r.dtype)
+    r = r * mask  # (B, T)
+    returns = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
+    for i in reversed(range(r.shape[1])):
+        running = r[:, i] + gamma * running
+        returns[:, i] = running
+    return returns * mask
+
+
+@torch.no_grad()
+def reinforce_plus_plus(token_rewards: torch.Tensor, action_mask: torch.Tensor,
+                        gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted return-to-go, whitened over all masked tokens of the batch.
+
+    token_rewards, action_mask (B, T) -> (advantages, returns), each (B, T), zero on padding.
+    """
+    returns = _discounted_return_to_go(token_rewards, action_mask, gamma)
+    return masked_whiten(returns, action_mask), returns
+
+
+@torch.no_grad()
+def grpo(rewards: torch.Tensor, action_mask: torch.Tensor, n_samples_per_prompt: int, eps: float = 1e-6,
+         std_normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO group-relative advantage ``(r - mean_g) / (std_g + eps)`` broadcast over each row's response tokens.
+
+    rewards (B,), rows prompt-major: rows [k*n, (k+1)*n) are the n samples of prompt k. action_mask (B, T).
+    std is the unbiased group std; ``std_normalize=False`` subtracts the mean only (Dr. GRPO).
+    Returns (advantages, returns), each (B, T) and zero on padding; returns == advantages (no critic).
+    No KL here: GRPO adds it to the loss.
+    """
+    n, b = n_samples_per_prompt, rewards.shape[0]
+    if n < 2:
+        raise ValueError(f"--n_samples_per_prompt {n}: GRPO needs at least 2 samples per prompt for a group baseline")
+    if b % n:
+        raise ValueError(f"--n_samples_per_prompt {n}: the batch of {b} rows is not a whole number of groups")
+    grouped = upcast(rewards).view(b // n, n)  # (G, n)
+    scores = grouped - grouped.mean(dim=1, keepdim=True)
+    if std_normalize:
+        scores = scores / (grouped.std(dim=1, keepdim=True) + eps)
+    advantages = scores.view(b, 1) * (action_mask != 0).to(scores.dtype)  # (B, T)
+    return advantages, advantages.clone()
+
+
+# ---- uniform entry points (registry) ----
+
+@_register("gae", needs_critic=True)
+def gae_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                  action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
+                  n_samples_per_prompt: int = 1) -> dict[str, torch.Tensor]:
+    """PPO with a critic: KL-penalised token rewards, then :func:`gae`."""
+    if values is None:
+        raise ValueError("--advantage_estimator 'gae' needs critic values (a critic model)")
+    token_rewards = compute_token_rewards(rewards, kl, action_mask, kl_coef)
+    advantages, returns = gae(token_rewards, values, action_mask, gamma, lambd)
+    return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
+
+
+@_register("reinforce_plus_plus", needs_critic=False)
+def reinforce_plus_plus_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None,
+                                  values: torch.Tensor | None = None, action_mask: torch.Tensor,
+                                  kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
+                                  n_samples_per_prompt: int = 1) -> dict[str, torch.Tensor]:
+    """KL-penalised token rewards, then :func:`reinforce_plus_plus`."""
+    token_rewards = compute_token_rewards(rewards, kl, action_mask, kl_coef)
+    advantages, returns = reinforce_plus_plus(token_rewards, action_mask, gamma)
+    return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
+
+
+@_register("grpo", needs_critic=False)
+def grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                   action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
+                   n_samples_per_prompt: int = 1) -> dict[str, torch.Tensor]:
+    """:func:`grpo`; ``kl``/``kl_coef`` are ignored (KL goes in the loss). token_rewards has no KL term."""
+    advantages, returns = grpo(rewards, action_mask, n_samples_per_prompt)
+    token_rewards = compute_token_rewards(rewards, None, action_mask, 0.0)
+    return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
+
+
+@_register("dr_grpo", needs_critic=False)
+def dr_grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                      action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
+                      n_samples_per_prompt: int = 1) -> dict[str, torch.Tensor]:
+    """:func:`grpo` without the std division (Dr. GRPO); KL handled as for ``grpo``."""
+    advantages, returns = grpo(rewards, action_mask, n_samples_per_prompt, std_normalize=False)
+    token_rewards = compute_token_rewards(rewards, None, action_mask, 0.0)
+    return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}

@@ -1,0 +1,171 @@
+"""PPO losses in megatron's per-token contract: ``(loss_sum, n_tokens, {name: [sum, count]})``.
+
+Every tensor is a right-padded response-token tensor of shape (B, T); ``action_mask`` is 1 on real response
+tokens and 0 on the padding after EOS. The losses return the SUM over masked tokens and the token count, so the
+trainer can divide by the count summed over all micro-batches and DP ranks (exact token-level mean, as in
+megatron's ``calculate_per_token_loss``). Metrics are ``[detached sum, count]`` pairs reduced the same way.
+
+Masked helpers follow TRL / OpenRLHF. Positions where ``action_mask == 0`` may hold anything (even inf/NaN from a
+padded forward): they are excluded with ``torch.where`` rather than multiplied by 0, so they never leak into sums
+or gradients.
+"""
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """Compute in at least fp32 (bf16/fp16 -> fp32; fp64 stays fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _count(mask: torch.Tensor) -> torch.Tensor:
+    return _bool_mask(mask).sum().to(torch.int)
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``x`` where ``mask`` is set. x, mask (B, T) -> scalar, or reduced over ``dim``."""
+    masked = torch.where(_bool_mask(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return masked.sum() if dim is None else masked.sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over the masked entries. x, mask (B, T) -> scalar, or reduced over ``dim``.
+
+    An empty mask (or an empty row with ``dim``) gives 0 instead of NaN.
+    """
+    n = _bool_mask(mask).sum() if dim is None else _bool_mask(mask).sum(dim=dim)
+    return masked_sum(x, mask, dim) / n.clamp(min=1).to(x.dtype)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over all masked entries. x, mask (B, T) -> scalar.
+
+    ``unbiased`` applies Bessel's correction n / (n - 1). Unlike TRL this does not raise on n < 2 (that would need
+    a host sync); it returns 0 there.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = _bool_mask(mask).sum().to(x.dtype)
+        var = var * n / (n - 1).clamp(min=1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + 1e-8)`` with mean/var over the masked entries. x, mask (B, T) -> (B, T).
+
+    With ``shift_mean=False`` the mean is added back (scale only). Padding positions are set to 0 (not left
+    untouched), so whitened advantages can be fed to the loss without re-masking.
+    """
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(_bool_mask(mask), whitened, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str,
+                action_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3). (B, T) -> (B, T), at least fp32.
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1 with log r = logprobs - ref_logprobs; k3 clamps
+    log r to [-10, 10] so exp cannot overflow (OpenRLHF). Zero where ``action_mask == 0``.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"--kl_estimator {estimator!r}: expected one of {', '.join(KL_ESTIMATORS)}")
+    log_ratio = upcast(logprobs) - upcast(ref_logprobs)  # (B, T)
+    if action_mask is not None:
+        # Zero padding before exp so garbage there cannot make inf/NaN in values or gradients.
+        log_ratio = torch.where(_bool_mask(action_mask), log_ratio, torch.zeros_like(log_ratio))
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2
+    neg = -log_ratio.clamp(-10.0, 10.0)  # log(ref / p)
+    return neg.exp() - neg - 1
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                action_mask: torch.Tensor, eps_clip: float = 0.2, eps_clip_high: float | None = None,
+                rollout_is_weights: torch.Tensor | None = None):
+    """PPO clipped surrogate, token-level: ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)``.
+
+    logprobs (B, T) with grad; old_logprobs, advantages, action_mask (B, T). ``eps_clip_high`` (DAPO clip-higher)
+    defaults to ``eps_clip``. ``rollout_is_weights`` (B, T), optional, multiplies the per-token loss
+    (truncated importance sampling for rollout/trainer mismatch); it is treated as a constant.
+
+    Returns ``(loss_sum, n_tokens, metrics)``: loss summed over masked tokens, the int token count, and
+    ``{"policy_loss", "clip_frac", "approx_kl", "ratio"}`` as ``[sum, n]``. A token counts as clipped when the
+    clipped term is the active one (its gradient is 0). approx_kl is ``0.5 * (logprobs - old_logprobs)^2``.
+    """
+    mask = _bool_mask(action_mask)
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    log_ratio = torch.where(mask, upcast(logprobs) - upcast(old_logprobs), torch.zeros((), device=logprobs.device))
+    ratio = log_ratio.exp()  # (B, T)
+    adv = upcast(advantages)
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1.0 - eps_clip, 1.0 + eps_high) * adv
+    loss = -torch.min(surr1, surr2)  # (B, T)
+    if rollout_is_weights is not None:
+        loss = loss * upcast(rollout_is_weights.detach())
+    loss_sum = masked_sum(loss, mask)
+    n = _count(mask)
+    with torch.no_grad():
+        clipped = (surr2 < surr1).float()
+        metrics = {
+            "policy_loss": [loss_sum.detach(), n],
+            "clip_frac": [masked_sum(clipped, mask), n],
+            "approx_kl": [masked_sum(0.5 * log_ratio ** 2, mask), n],
+            "ratio": [masked_sum(ratio, mask), n],
+        }
+    return loss_sum, n, metrics
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,
+               value_clip: float | None = None):
+    """Critic loss ``0.5 * max((v - R)^2, (clip(v, old - c, old + c) - R)^2)``, or ``0.5 * (v - R)^2`` when
+    ``value_clip`` is None. values (B, T) with grad; old_values, returns, action_mask (B, T).
+
+    Returns ``(loss_sum, n_tokens, metrics)`` with ``{"value_loss", "vf_clip_frac", "values"}`` as ``[sum, n]``;
+    vf_clip_frac counts tokens where the clipped term is the larger (active) one.
+    """
+    mask = _bool_mask(action_mask)
+    v, r = upcast(values), upcast(returns)
+    unclipped = (v - r) ** 2  # (B, T)
+    if value_clip is not None:
+        old = upcast(old_values)
+        v_clipped = old + (v - old).clamp(-value_clip, value_clip)
+        clipped = (v_clipped - r) ** 2
+        loss = 0.5 * torch.max(unclipped, clipped)
+        clip_ind = (clipped > unclipped).float()
+    else:
+        loss = 0.5 * unclipped
+        clip_ind = torch.zeros_like(unclipped)
+    loss_sum = masked_sum(loss, mask)
+    n = _count(mask)
+    with torch.no_grad():
+        metrics = {
+            "value_loss": [loss_sum.detach(), n],
+            "vf_clip_frac": [masked_sum(clip_ind, mask), n],
+            "values": [masked_sum(v.detach(), mask), n],
+        }
+    return loss_sum, n, metrics
+
+
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor, estimator: str = "k3"):
+    """KL to the reference policy as a loss term (GRPO's ``use_kl_loss`` recipe), not a reward penalty.
+
+    logprobs (B, T) with grad; ref_logprobs, action_mask (B, T). Returns ``(kl_sum, n_tokens, {"kl_loss": [...]})``;
+    the caller scales it by the KL coefficient and adds it to the policy loss sum.
+    """
+    kl = kl_estimate(logprobs, ref_logprobs, estimator, action_mask)
+    kl_sum = masked_sum(kl, action_mask)
+    n = _count(action_mask)
+    return kl_sum, n, {"kl_loss": [kl_sum.detach(), n]}
