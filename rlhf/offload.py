@@ -1,0 +1,251 @@
+"""Give device memory back between PPO phases: a role's params, grads and optimizer states go to host and return.
+
+PPO colocates actor, critic, reference and reward models (and vLLM) on every GPU. The flags OpenRLHF/AIAK users
+know decide what stays resident: ``--colocate_all`` (each phase keeps only what it uses), ``--ref_reward_offload``
+(the frozen ref and reward params live on host outside experience making) and ``--adam_offload`` (optimizer states
+live on host outside their own update).
+
+Mechanics follow verl's ``offload_megatron_model_to_cpu`` / ``load_megatron_model_to_gpu`` /
+``offload_megatron_optimizer``, but work on *storages*, not tensors. Megatron DDP makes params views into
+``buffer.param_data`` (distributed optimizer) and ``param.main_grad`` views into ``buffer.grad_data``; the
+distributed optimizer's fp32 shards are views into the params again. Each storage is copied into a host buffer
+(pinned on CUDA, allocated once and reused) and freed in place with ``untyped_storage().resize_(0)``; every view
+keeps its shape and stride and is valid again once the storage is resized back and refilled. Shared memory is
+moved and counted once. On CPU "device" and host are the same memory, but the same copy/free/restore runs, so the
+bookkeeping is exercised by the CPU tests.
+
+    managers = {role: OffloadManager(engine) for role, engine in engines.items()}
+    sched = MemoryScheduler(managers, colocate_all=True, adam_offload=True)
+    sched.enter("make_experience")   # offloads what the phase does not use, then onloads what it does
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PARTS = ("params", "grads", "optimizer")
+PHASES = ("rollout", "make_experience", "actor_update", "critic_update", "weight_sync")
+_MiB = 2 ** 20
+
+
+def _inner_optimizers(optimizer: Any) -> list:
+    """The torch optimizers inside a megatron (possibly chained) optimizer."""
+    if optimizer is None:
+        return []
+    outs = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = getattr(opt, "optimizer", opt)
+        if isinstance(torch_opt, torch.optim.Optimizer):
+            outs.append(torch_opt)
+    return outs
+
+
+def _param_tensors(engine: Any) -> Iterator[torch.Tensor]:
+    ddp = getattr(engine, "ddp", None)
+    if ddp is not None:  # megatron DDP shadows nn.Module.buffers() with its list of _ParamAndGradBuffer
+        for buf in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
+            if buf.param_data is not None:
+                yield buf.param_data
+    yield from engine.model.parameters()
+    yield from engine.model.buffers()
+
+
+def _grad_tensors(engine: Any) -> Iterator[torch.Tensor]:
+    ddp = getattr(engine, "ddp", None)
+    if ddp is not None:
+        for buf in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
+            yield buf.grad_data
+    main_params = [p for opt in _inner_optimizers(engine.optimizer) for g in opt.param_groups for p in g["params"]]
+    for p in list(engine.model.parameters()) + main_params:
+        yield getattr(p, "main_grad", None)
+        yield p.grad
+
+
+def _optimizer_tensors(engine: Any) -> Iterator[torch.Tensor]:
+    for opt in _inner_optimizers(engine.optimizer):
+        for group in opt.param_groups:
+            yield from group["params"]  # fp32 main params of mixed-precision optimizers (else the params again)
+        for state in opt.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))  # exp_avg, exp_avg_sq, step
+
+
+_FINDERS = {"params": _param_tensors, "grads": _grad_tensors, "optimizer": _optimizer_tensors}
+
+
+def _bytes_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over the first ``nbytes`` of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+
+
+class OffloadManager:
+    """Moves one ``ModelEngine``'s params / grads / optimizer states between its device and host buffers.
+
+    Calls are idempotent: offloading a part that is already on host (or onloading one on device) does nothing.
+    Grads and optimizer are empty parts for a frozen engine.
+    """
+
+    def __init__(self, engine: Any, name: str | None = None):
+        self.engine = engine
+        self.name = name or getattr(engine, "name", "model")
+        first = next(iter(engine.model.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self._host: dict[int, torch.Tensor] = {}  # storage id -> host bytes, reused across cycles
+        self._off: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}  # part -> (storage, nbytes) on host
+        self._announced = False
+
+    @property
+    def state(self) -> dict[str, bool]:
+        """Which parts are on the device."""
+        return {part: part not in self._off for part in PARTS}
+
+    def storages(self) -> dict[str, list[torch.UntypedStorage]]:
+        """Each part's storages on this engine's device, each counted once: a storage shared by two parts belongs
+        to the first of params, grads, optimizer (the distributed optimizer's fp32 shards are views into the
+        params; an fp32 optimizer's main params *are* the params)."""
+        seen: set[int] = set()
+        out: dict[str, list[torch.UntypedStorage]] = {}
+        for part in PARTS:
+            out[part] = []
+            for t in _FINDERS[part](self.engine):
+                if t is None or t.device != self.device:  # e.g. Adam's CPU step counters on a GPU
+                    continue
+                s = t.untyped_storage()
+                if s._cdata not in seen:
+                    seen.add(s._cdata)
+                    out[part].append(s)
+        return out
+
+    def bytes_on_device(self) -> int:
+        """Live bytes of this engine's params, grads and optimizer states on its device."""
+        return sum(s.nbytes() for group in self.storages().values() for s in group)
+
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
+        """Copy the chosen parts to host and free their device storage. Returns the bytes moved."""
+        parts = [p for p, on in zip(PARTS, (params, grads, optimizer)) if on and p not in self._off]
+        if not parts:
+            return 0
+        t0 = time.perf_counter()
+        groups = self.storages()
+        live = {s._cdata for group in groups.values() for s in group}
+        self._host = {k: v for k, v in self._host.items() if k in live}  # drop buffers of storages that died
+        moving = {p: [(s, s.nbytes()) for s in groups[p] if s.nbytes() > 0] for p in parts}
+        for part, slots in moving.items():
+            for s, n in slots:
+                if not s.resizable():
+                    raise RuntimeError(f"{self.name}: a {part} storage of {n} bytes cannot be resized (memory-"
+                                       "mapped or shared from numpy?); copy the tensor before offloading")
+        for slots in moving.values():
+            for s, n in slots:
+                host = self._host.get(s._cdata)
+                if host is None or host.numel() != n:
+                    host = self._host[s._cdata] = torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda)
+                host.copy_(_bytes_view(s, n), non_blocking=self.cuda)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # the copies must land before the memory can be reused
+        for slots in moving.values():
+            for s, _ in slots:
+                s.resize_(0)
+        self._off.update(moving)
+        if self.cuda:
+            torch.cuda.empty_cache()  # hand the blocks back to the driver, where vLLM can allocate them
+        return self._report("offload", moving, t0)
+
+    def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
+        """Re-allocate the chosen parts on the device and copy them back. Returns the bytes moved."""
+        parts = [p for p, on in zip(PARTS, (params, grads, optimizer)) if on and p in self._off]
+        if not parts:
+            return 0
+        t0 = time.perf_counter()
+        moving = {p: self._off.pop(p) for p in parts}
+        for slots in moving.values():
+            for s, n in slots:
+                s.resize_(n)
+                _bytes_view(s, n).copy_(self._host[s._cdata], non_blocking=self.cuda)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return self._report("onload", moving, t0)
+
+    def _report(self, what: str, moving: dict[str, list[tuple[Any, int]]], t0: float) -> int:
+        nbytes = sum(n for slots in moving.values() for _, n in slots)
+        dt = time.perf_counter() - t0
+        if not self._announced:
+            self._announced = True
+            log.info("%s: offloading %s to %s host buffers (%s); first %s moved %.1f MiB in %.3f s",
+                     self.name, "+".join(moving), "pinned" if self.cuda else "plain", self.device, what,
+                     nbytes / _MiB, dt)
+        log.debug("%s: %s %s %.1f MiB in %.3f s (%.2f GB/s)", self.name, what, "+".join(moving), nbytes / _MiB,
+                  dt, nbytes / max(dt, 1e-9) / 1e9)
+        return nbytes
+
+
+@dataclass(frozen=True)
+class Residency:
+    """What of one role a phase needs on the device."""
+
+    params: bool = True
+    grads: bool = True
+    optimizer: bool = True
+
+
+def plan_residency(phase: str, roles: Iterable[str], *, colocate_all: bool = False,
+                   ref_reward_offload: bool = False, adam_offload: bool = False) -> dict[str, Residency]:
+    """Per role, the parts ``phase`` keeps on the device. Pure; the flags combine.
+
+    Without flags everything stays resident. ``colocate_all``: rollout keeps nothing (vLLM owns the weights it
+    generates with), make_experience keeps every role's params (forward only), ``<role>_update`` keeps that role's
+    params, grads and optimizer, weight_sync keeps the actor's params. ``ref_reward_offload``: ref and reward params
+    only during make_experience. ``adam_offload``: a role's optimizer states only during its own update.
+    """
+    if phase not in PHASES:
+        raise ValueError(f"unknown PPO phase {phase!r}; expected one of {PHASES}")
+    plan = {}
+    for role in roles:
+        updating = phase == f"{role}_update"
+        params = grads = optimizer = True
+        if colocate_all:
+            params = updating or phase == "make_experience" or (phase == "weight_sync" and role == "actor")
+            grads = optimizer = updating
+        if ref_reward_offload and role in ("ref", "reward"):
+            params = params and phase == "make_experience"
+        if adam_offload:
+            optimizer = optimizer and updating
+        plan[role] = Residency(params, grads, optimizer)
+    return plan
+
+
+class MemoryScheduler:
+    """Applies ``plan_residency`` to one ``OffloadManager`` per role as the PPO loop moves between phases."""
+
+    def __init__(self, managers: Mapping[str, OffloadManager], *, colocate_all: bool = False,
+                 ref_reward_offload: bool = False, adam_offload: bool = False):
+        self.managers = dict(managers)
+        self.flags = dict(colocate_all=colocate_all, ref_reward_offload=ref_reward_offload,
+                          adam_offload=adam_offload)
+        self.current: str | None = None
+
+    def enter(self, phase: str) -> dict[str, Residency]:
+        """Offload everything ``phase`` does not use first, then onload what it does, so that peak memory never
+        holds the leaving and the arriving parts at once."""
+        plan = plan_residency(phase, self.managers, **self.flags)
+        t0 = time.perf_counter()
+        out = sum(m.offload(params=not plan[r].params, grads=not plan[r].grads, optimizer=not plan[r].optimizer)
+                  for r, m in self.managers.items())
+        back = sum(m.onload(params=plan[r].params, grads=plan[r].grads, optimizer=plan[r].optimizer)
+                   for r, m in self.managers.items())
+        self.current = phase
+        log.debug("phase %s: offloaded %.1f MiB, onloaded %.1f MiB in %.3f s", phase, out / _MiB, back / _MiB,
+                  time.perf_counter() - t0)
+        return plan
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[dict[str, Residency]]:
+        """``with sched.phase("actor_update"): ...``. Leaving changes nothing: the next phase decides what moves."""
+        yield self.enter(name)

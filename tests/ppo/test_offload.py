@@ -1,0 +1,129 @@
+"""rlhf.offload: megatron engines at TP2 survive an offload/onload cycle bit for bit and train on as if nothing
+happened (2 gloo ranks, tests/ppo/_offload_worker.py); the phase scheduler keeps the right parts resident."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import helpers
+from helpers import REPO, free_port
+
+from rlhf.offload import PHASES, MemoryScheduler, OffloadManager, Residency, plan_residency
+
+WORKER = os.path.join(REPO, "tests/ppo/_offload_worker.py")
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                  "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="module")
+def worker_result(tmp_path_factory):
+    from rlhf.models.tiny import make_tiny_hf
+
+    work = tmp_path_factory.mktemp("offload")
+    hf = make_tiny_hf(str(work / "hf"), "llama", seed=0, num_hidden_layers=2, hidden_size=64)
+    out = str(work / "result.json")
+    # A pytest run inside a torchrun/elastic job must not hand its rank to the child job.
+    env = {k: v for k, v in helpers.test_env().items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), WORKER, hf, out]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-5000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+CYCLE_CHECKS = ["found_optimizer_state", "bytes_on_device_positive", "offload_moves_all", "storages_released",
+                "bytes_on_device_zero", "state_off", "offload_idempotent", "onload_idempotent", "bit_identical",
+                "bytes_restored", "partial_state", "partial_bytes", "host_buffers_reused",
+                "bit_identical_after_partial"]
+TRAIN_CHECKS = ["twins_agree_before", "views_into_param_data", "second_step_metrics_equal",
+                "second_step_weights_equal"]
+
+
+@pytest.mark.parametrize("tag", ["fp32", "bf16_distopt"])
+def test_trainable_engine_cycle_is_invisible(worker_result, tag):
+    names = [f"{tag}/{c}" for c in CYCLE_CHECKS + TRAIN_CHECKS]
+    if tag == "bf16_distopt":
+        names.append(f"{tag}/fp32_main_params_moved_with_optimizer")
+    missing = [n for n in names if n not in worker_result]
+    assert not missing, missing
+    failed = {n: worker_result[n] for n in names if worker_result[n]}
+    assert not failed, failed
+
+
+def test_frozen_engine_cycle(worker_result):
+    names = [f"frozen/{c}" for c in CYCLE_CHECKS] + ["frozen/forward_equal"]
+    failed = {n: worker_result.get(n, "missing") for n in names if worker_result.get(n, "missing")}
+    assert not failed, failed
+
+
+# ------------------------------------------------------------------------------------- phase scheduling, 1 process
+ROLES = ("actor", "critic", "ref", "reward")
+ALL, NONE, PARAMS = Residency(True, True, True), Residency(False, False, False), Residency(True, False, False)
+
+
+def test_plan_no_flags_keeps_everything():
+    for phase in PHASES:
+        assert plan_residency(phase, ROLES) == {r: ALL for r in ROLES}
+
+
+def test_plan_colocate_all():
+    plan = {p: plan_residency(p, ROLES, colocate_all=True) for p in PHASES}
+    assert plan["rollout"] == {r: NONE for r in ROLES}
+    assert plan["make_experience"] == {r: PARAMS for r in ROLES}
+    assert plan["actor_update"] == {"actor": ALL, "critic": NONE, "ref": NONE, "reward": NONE}
+    assert plan["critic_update"] == {"actor": NONE, "critic": ALL, "ref": NONE, "reward": NONE}
+    assert plan["weight_sync"] == {"actor": PARAMS, "critic": NONE, "ref": NONE, "reward": NONE}
+
+
+def test_plan_ref_reward_and_adam_offload():
+    plan = {p: plan_residency(p, ROLES, ref_reward_offload=True, adam_offload=True) for p in PHASES}
+    grads_no_opt = Residency(True, True, False)
+    for p in PHASES:
+        for r in ("ref", "reward"):
+            assert plan[p][r].params == (p == "make_experience"), (p, r)
+        for r in ("actor", "critic"):
+            assert plan[p][r] == (ALL if p == f"{r}_update" else grads_no_opt), (p, r)
+    with pytest.raises(ValueError, match="phase"):
+        plan_residency("generate", ROLES)
+
+
+def _engine(name: str, trainable: bool):
+    """Enough of a ModelEngine for OffloadManager: ``model``, and an optimizer whose ``.optimizer`` is torch's."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(len(name))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    eng = SimpleNamespace(name=name, model=model, ddp=None, optimizer=None)
+    if trainable:
+        eng.optimizer = SimpleNamespace(optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
+        model(torch.randn(4, 8)).sum().backward()
+        eng.optimizer.optimizer.step()
+    else:
+        model.requires_grad_(False)
+    return eng
+
+
+@pytest.mark.parametrize("flags", [dict(colocate_all=True, adam_offload=True),
+                                   dict(ref_reward_offload=True, adam_offload=True)])
+def test_scheduler_moves_parts_per_phase(flags):
+    engines = {r: _engine(r, r in ("actor", "critic")) for r in ROLES}
+    snap = {r: [t.clone() for t in e.model.state_dict().values()] for r, e in engines.items()}
+    sched = MemoryScheduler({r: OffloadManager(e) for r, e in engines.items()}, **flags)
+    for phase in ("rollout", "make_experience", "actor_update", "critic_update", "weight_sync", "make_experience"):
+        with sched.phase(phase) as plan:
+            for role, m in sched.managers.items():
+                want = plan_residency(phase, ROLES, **flags)[role]
+                assert plan[role] == want
+                assert m.state == {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}
+                groups = m.storages()
+                for part in ("params", "grads", "optimizer"):
+                    live = all(s.nbytes() > 0 for s in groups[part])
+                    dead = all(s.nbytes() == 0 for s in groups[part])
+                    assert live if getattr(want, part) else dead, (phase, role, part)
+                if want.params:
+                    got = list(engines[role].model.state_dict().values())
+                    assert all(torch.equal(a, b) for a, b in zip(got, snap[role])), (phase, role)
+        assert sched.current == phase
