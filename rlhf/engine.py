@@ -99,6 +99,8 @@ class ModelEngine:
         self.optimizer = self.scheduler = None
         self.ddp = None
         self.steps = 0
+        self.ckpt_prefix = ""
+        """Prefix of this engine's keys in a dist checkpoint; several roles in one checkpoint need distinct ones."""
         if optim is not None:
             self._setup_training(optim)
         else:
@@ -178,7 +180,7 @@ class ModelEngine:
 
     # -------------------------------------------------------------------------------------------- checkpoint
     def sharded_state_dict(self, include_optimizer: bool = True, is_loading: bool = False) -> dict:
-        model_sd = self.model.sharded_state_dict(prefix="")
+        model_sd = self.model.sharded_state_dict(prefix=self.ckpt_prefix)
         sd = {"model": model_sd}
         if include_optimizer and self.optimizer is not None:
             if is_loading:
@@ -195,7 +197,15 @@ class ModelEngine:
             self.scheduler.load_state_dict(state["scheduler"])
 
     def load_sharded(self, loaded: dict) -> None:
-        self.model.load_state_dict(loaded["model"], strict=False)
+        model_sd = loaded["model"]
+        if self.ckpt_prefix:
+            n = len(self.ckpt_prefix)
+            model_sd = {k[n:] if k.startswith(self.ckpt_prefix) else k: v for k, v in model_sd.items()}
+        missing, unexpected = self.model.load_state_dict(model_sd, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"{self.name}: checkpoint does not match the model: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
         if "optimizer" in loaded and self.optimizer is not None:
             self.optimizer.load_state_dict(loaded["optimizer"])
             _unshare_adam_steps(self.optimizer)

@@ -1,0 +1,394 @@
+"""PPO (and GRPO / REINFORCE++) in one SPMD job: actor, critic, reference and reward model plus vLLM on every rank.
+
+One step, each phase timed by name:
+
+    weight_sync   actor shards -> vLLM (only after the actor changed)     rlhf.rollout.weight_sync
+    rollout       vLLM generates n_samples_per_prompt per prompt          rlhf.rollout.vllm_engine
+    actor_fwd / ref_fwd / reward_fwd / critic_fwd                         rlhf.experience.forward_role
+    advantages    KL penalty, GAE / GRPO / REINFORCE++ over the global batch   rlhf.algo.advantages
+    critic_update, actor_update   --max_epochs passes, --train_batch_size per optimizer step
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("rlhf")
+
+
+def load_prompts(args: argparse.Namespace, tokenizer) -> tuple[list, dict]:
+    """Prompts from --prompt_data; the data layer's errors are re-worded with the PPO flag names."""
+    from rlhf.data import DataConfig, build_prompt_dataset
+
+    try:
+        cfg = DataConfig.from_args(args, dataset=args.prompt_data, dataset_probs=args.prompt_data_probs,
+                                   output_key=None, max_len=args.prompt_max_len + args.generate_max_len)
+        prompts, stats = build_prompt_dataset(cfg, tokenizer)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--dataset_probs", "--prompt_data_probs")
+                         .replace("--dataset", "--prompt_data")) from None
+    if not prompts:
+        raise ValueError(f"--prompt_data {args.prompt_data}: no prompts")
+    if stats.num_truncated:
+        log.warning("%d prompts longer than --prompt_max_len %d were truncated (kept their last tokens)",
+                    stats.num_truncated, args.prompt_max_len)
+    return prompts, {"num_prompts": len(prompts), "num_truncated": stats.num_truncated}
+
+
+def vllm_model_dir(args: argparse.Namespace, actor, mesh) -> str:
+    """vLLM needs an HF config + tokenizer folder; it starts from dummy weights and gets the actor's by sync."""
+    if actor.source["kind"] == "hf":
+        return args.pretrain
+    from rlhf.models.hf_io import copy_tokenizer_files
+
+    out = os.path.join(args.save_path, "vllm_config")
+    if mesh.is_rank0:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(actor.source["hf_config"], f, indent=2)
+        copy_tokenizer_files(args.pretrain, out)
+    dist.barrier()
+    return out
+
+
+class PPOTrainer:
+    def __init__(self, args: argparse.Namespace, sizes: dict, prompts: list, tokenizer):
+        from rlhf.algo.advantages import get_estimator
+        from rlhf.algo.kl import make_kl_controller
+        from rlhf.checkpoint import Checkpointer
+        from rlhf.data import BatchConfig, DistributedBatchSampler, pad_token_id
+        from rlhf.distributed import DistEnv, initialize_mesh
+        from rlhf.engine import ModelEngine, OptimConfig
+        from rlhf.offload import MemoryScheduler, OffloadManager
+        from rlhf.ppo_args import log_compat
+        from rlhf.rollout import RolloutConfig, build_rollout
+        from rlhf.rollout.weight_sync import WeightSync
+
+        self.args, self.sizes, self.prompts = args, sizes, prompts
+        self.pad_id = pad_token_id(tokenizer)
+        self.estimator = get_estimator(args.advantage_estimator)
+        self.kl_in_loss = args.advantage_estimator in ("grpo", "dr_grpo")
+        steps_per_episode = len(prompts) // args.rollout_batch_size
+        self.total_steps = steps_per_episode * args.num_episodes
+        updates = sizes["samples"] // args.train_batch_size * args.max_epochs * self.total_steps
+        torch.manual_seed(args.seed)
+        self.mesh = mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                           DistEnv.from_environ(), seed=args.seed)
+        log_compat(args)
+
+        def optim(lr: float) -> OptimConfig:
+            return OptimConfig(lr=lr, weight_decay=args.l2, adam_betas=tuple(args.adam_betas), clip_grad=args.max_norm,
+                               warmup_ratio=args.lr_warmup_ratio, scheduler=args.lr_scheduler, total_steps=updates,
+                               use_distributed_optimizer=args.zero_stage >= 1)
+
+        common = dict(bf16=args.bf16, recompute=args.gradient_checkpointing)
+        self.actor = ModelEngine(mesh, args.pretrain, optim=optim(args.actor_learning_rate), value_head=False,
+                                 name="actor", **common)
+        self.ref = (ModelEngine(mesh, args.pretrain, value_head=False, name="ref", bf16=args.bf16)
+                    if args.init_kl_coef > 0 else None)
+        self.reward = ModelEngine(mesh, args.reward_pretrain, value_head=True, name="reward", bf16=args.bf16)
+        self.critic = (ModelEngine(mesh, args.critic_pretrain or args.reward_pretrain, value_head=True, name="critic",
+                                   optim=optim(args.critic_learning_rate), **common)
+                       if self.estimator.needs_critic else None)
+        stats = self.reward.source["hf_config"].get("rlhf", {})
+        self.reward_norm = (float(stats["reward_mean"]), max(float(stats["reward_std"]), 1e-6)) \
+            if args.normalize_reward else None
+        self.roles = {k: v for k, v in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref),
+                                        ("reward", self.reward)) if v is not None}
+        self.managers = {k: OffloadManager(v, name=k) for k, v in self.roles.items()}
+        self.memory = MemoryScheduler(self.managers, colocate_all=args.colocate_all,
+                                      ref_reward_offload=args.ref_reward_offload, adam_offload=args.adam_offload)
+        rcfg = RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size, num_engines=args.vllm_num_engines,
+                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                             kv_cache_bytes=args.vllm_kv_cache_mb << 20,
+                             max_model_len=args.prompt_max_len + args.generate_max_len,
+                             dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
+                             enforce_eager=args.vllm_enforce_eager, backend=args.rollout_backend,
+                             weight_sync_bucket_mb=args.weight_sync_bucket_mb)
+        self.rollout = build_rollout(mesh, self.actor, rcfg, vllm_model_dir(args, self.actor, mesh))
+        torch.manual_seed(args.seed)
+        self.weight_sync = WeightSync(self.actor, mesh, rcfg.weight_sync_bucket_mb << 20)
+        self.kl_ctl = make_kl_controller(args.init_kl_coef, args.kl_target, args.kl_horizon)
+        self.sampler = DistributedBatchSampler(len(prompts), BatchConfig(args.rollout_batch_size,
+                                                                         args.rollout_batch_size), seed=args.seed)
+        self.ckpt = Checkpointer(mesh, args.ckpt_path or os.path.join(args.save_path, "checkpoints"),
+                                 args.max_ckpt_num)
+        self.trainable = {k: v for k, v in (("actor", self.actor), ("critic", self.critic)) if v is not None}
+        for role, eng in self.trainable.items():
+            eng.ckpt_prefix = f"{role}."
+        self.step = 0
+        if args.load_checkpoint:
+            self._all_on_device()
+            state = self.ckpt.load(self.trainable)
+            self.step = state["step"]
+            self.sampler.load_state_dict(state["extra"]["sampler"])
+            self.kl_ctl.load_state_dict(state["extra"]["kl_ctl"])
+        self.actor_changed = True  # vLLM starts from dummy weights
+
+    def _all_on_device(self) -> None:
+        for m in self.managers.values():
+            m.onload()
+        self.memory.current = None
+
+    # ----------------------------------------------------------------------------------------------- one step
+    def train_step(self, timer) -> dict[str, float]:
+        from rlhf.experience import Experience, collate_sequences, forward_role, select_rows
+
+        args, mesh = self.args, self.mesh
+        prompt_idx = self.sampler.next_step()[0]
+        prompts = [self.prompts[i].prompt_ids.tolist() for i in prompt_idx]
+        metrics: dict[str, float] = {}
+        if self.actor_changed:
+            self.memory.enter("weight_sync")
+            with timer.phase("weight_sync"):
+                self.rollout.wake_up(["weights"])
+                metrics.update(self.weight_sync.sync(self.rollout))
+            self.actor_changed = False
+        self.memory.enter("rollout")
+        with timer.phase("rollout"):
+            self.rollout.wake_up(["kv_cache"])
+            samples = self.rollout.generate(prompts, n=args.n_samples_per_prompt, temperature=args.temperature,
+                                            top_p=args.top_p, max_tokens=args.generate_max_len,
+                                            seed=args.seed * 100_003 + self.step)
+            self.rollout.sleep()
+        n_gen = sum(len(s.response_ids) for s in samples)
+        timer.metrics["tokens_per_s/rollout"] = n_gen / timer.metrics["time/rollout"]
+
+        # This DP rank's contiguous share of the prompt-major samples.
+        per = len(samples) // mesh.dp
+        local = samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
+        T = args.generate_max_len
+        batch = collate_sequences(local, self.pad_id, T)
+        trim = mesh.pp == 1
+        mrb = args.micro_rollout_batch_size
+        mbs = [select_rows(batch, range(i, i + mrb), trim) for i in range(0, per, mrb)]
+        tokens = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+        self.memory.enter("make_experience")
+        out = {}
+        for role in ("actor", "ref", "reward", "critic"):
+            eng = self.roles.get(role)
+            if eng is not None:
+                with timer.phase(f"{role}_fwd", tokens=tokens):
+                    out[role] = forward_role(eng, role, mbs, args.temperature if role in ("actor", "ref") else 1.0)
+        mask = batch["action_mask"]
+        vllm_lp = torch.zeros(per, T)
+        for b, s in enumerate(local):
+            vllm_lp[b, : len(s.logprobs)] = torch.tensor(s.logprobs)
+        raw_rewards = out["reward"]
+        rewards = (raw_rewards - self.reward_norm[0]) / self.reward_norm[1] if self.reward_norm else raw_rewards
+        exp = Experience(local, batch, out["actor"], vllm_lp, rewards, ref_logprobs=out.get("ref"),
+                         values=out.get("critic"))
+        with timer.phase("advantages"):
+            metrics.update(self._advantages(exp, raw_rewards))
+        update_metrics = self._update(exp, timer, trim, tokens)
+        metrics.update(update_metrics)
+        self.kl_ctl.update(metrics["kl"], len(samples))
+        metrics["kl_coef"] = self.kl_ctl.value
+        metrics["response_length"] = n_gen / len(samples)
+        metrics["finished_frac"] = sum(s.finished for s in samples) / len(samples)
+        metrics["weight_version"] = float(self.weight_sync.version)
+        return metrics
+
+    def _advantages(self, exp, raw_rewards: torch.Tensor) -> dict[str, float]:
+        from rlhf.algo.ppo_losses import kl_estimate, masked_mean, masked_whiten
+        from rlhf.experience import dp_all_gather
+
+        args, mesh = self.args, self.mesh
+        mask = exp.batch["action_mask"]
+        if exp.ref_logprobs is not None:
+            exp.kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, args.kl_estimator, mask)
+        else:
+            exp.kl = torch.zeros_like(exp.old_logprobs)
+        g = lambda t: dp_all_gather(t, mesh) if t is not None else None  # noqa: E731
+        gmask, gkl = g(mask), g(exp.kl)
+        res = self.estimator(rewards=g(exp.rewards), kl=gkl, values=g(exp.values), action_mask=gmask,
+                             kl_coef=0.0 if self.kl_in_loss else self.kl_ctl.value, gamma=args.gamma,
+                             lambd=args.lambd, n_samples_per_prompt=args.n_samples_per_prompt)
+        adv = res["advantages"]
+        if args.advantage_estimator == "gae":
+            adv = masked_whiten(adv, gmask)
+        B = mask.shape[0]
+        lo = mesh.dp_rank * B
+        exp.advantages, exp.returns = adv[lo:lo + B], res["returns"][lo:lo + B]
+        graw = g(raw_rewards)
+        gdiff = (g(exp.vllm_logprobs) - g(exp.old_logprobs)).abs()
+        drift = masked_mean(gdiff, gmask)
+        return {"reward": graw.mean().item(), "reward_std": graw.std().item() if graw.numel() > 1 else 0.0,
+                "kl": masked_mean(gkl, gmask).item(), "rollout_logprob_drift": drift.item(),
+                "rollout_logprob_drift_max": gdiff.masked_fill(~gmask, 0).max().item(),
+                "advantages_abs": masked_mean(adv.abs(), gmask).item()}
+
+    def _update(self, exp, timer, trim: bool, tokens: float) -> dict[str, float]:
+        args, mesh = self.args, self.mesh
+        B = exp.old_logprobs.shape[0]
+        per_update = args.train_batch_size // mesh.dp // args.micro_train_batch_size
+        m = args.micro_train_batch_size
+        plans = []
+        for epoch in range(args.max_epochs):
+            gen = torch.Generator().manual_seed(args.seed * 7919 + self.step * 31 + epoch)
+            perm = torch.randperm(B, generator=gen).tolist()
+            micro = [perm[i:i + m] for i in range(0, B, m)]
+            plans += [micro[i:i + per_update] for i in range(0, len(micro), per_update)]
+        out: dict[str, float] = {}
+        sums: dict[str, float] = {}
+        if self.critic is not None:
+            self.memory.enter("critic_update")
+            with timer.phase("critic_update", tokens=tokens * args.max_epochs):
+                for plan in plans:
+                    r = self.critic.train_step([exp.select(ix, trim) for ix in plan], self._critic_loss,
+                                               ("value_loss", "vf_clip_frac", "values"), output="logits")
+                    for k, v in r.items():
+                        sums[f"critic/{k}"] = sums.get(f"critic/{k}", 0.0) + v
+        self.memory.enter("actor_update")
+        keys = ("policy_loss", "clip_frac", "approx_kl", "ratio", "entropy") + (("kl_loss",) if self.kl_in_loss
+                                                                                 else ())
+        with timer.phase("actor_update", tokens=tokens * args.max_epochs):
+            for plan in plans:
+                r = self.actor.train_step([exp.select(ix, trim) for ix in plan], self._actor_loss, keys,
+                                          output="hidden")
+                for k, v in r.items():
+                    sums[f"actor/{k}"] = sums.get(f"actor/{k}", 0.0) + v
+        self.actor_changed = True
+        for k, v in sums.items():
+            out[k] = v / len(plans)
+        out["entropy"] = out.pop("actor/entropy")
+        return out
+
+    def _actor_loss(self, batch: dict, hidden: torch.Tensor):
+        from rlhf.algo.ppo_losses import kl_loss, masked_sum, policy_loss
+        from rlhf.experience import actor_logprobs
+
+        args = self.args
+        lp, ent = actor_logprobs(self.actor, batch, hidden, args.temperature, entropy=True)
+        mask = batch["action_mask"]
+        tis = None
+        if args.use_tis:
+            tis = torch.exp(batch["old_logprobs"] - batch["vllm_logprobs"]).clamp(max=args.tis_cap)
+        loss, n, metrics = policy_loss(lp, batch["old_logprobs"], batch["advantages"], mask, eps_clip=args.eps_clip,
+                                       rollout_is_weights=tis)
+        metrics["entropy"] = [masked_sum(ent.detach(), mask), n]
+        if self.kl_in_loss and "ref_logprobs" in batch:
+            kl_sum, _, km = kl_loss(lp, batch["ref_logprobs"], mask, estimator=args.kl_estimator)
+            loss = loss + self.kl_ctl.value * kl_sum
+            metrics.update(km)
+        elif self.kl_in_loss:
+            metrics["kl_loss"] = [torch.zeros(()), n]
+        return loss, n, metrics
+
+    def _critic_loss(self, batch: dict, values: torch.Tensor):
+        from rlhf.algo.ppo_losses import value_loss
+
+        v = values.gather(1, batch["resp_pos"]).float()  # (B, T)
+        return value_loss(v, batch["values"], batch["returns"], batch["action_mask"], value_clip=self.args.value_clip)
+
+    # ------------------------------------------------------------------------------------------------- loop
+    def save(self) -> None:
+        self._all_on_device()
+        self.ckpt.save(self.step, self.trainable, {"sampler": self.sampler.state_dict(),
+                                                   "kl_ctl": self.kl_ctl.state_dict()})
+
+    def fit(self) -> dict[str, Any]:
+        from rlhf.metrics import MetricsLogger, PhaseTimer
+
+        args, mesh = self.args, self.mesh
+        if mesh.is_rank0:
+            log.info("ppo: %d prompts, %d steps of %d prompts x %d samples; %s; dp=%d tp=%d pp=%d; generation: %s",
+                     len(self.prompts), self.total_steps, args.rollout_batch_size, args.n_samples_per_prompt,
+                     args.advantage_estimator, mesh.dp, mesh.tp, mesh.pp, self.rollout.name)
+        logger = MetricsLogger(mesh.is_rank0, self.total_steps, args.tensorboard, prefix="ppo")
+        timer = PhaseTimer()
+        history: list[dict[str, float]] = []
+        start = self.step
+        while self.step < self.total_steps:
+            if 0 <= args.stop_after_steps <= self.step - start:
+                log.info("stopping after %d steps (--stop_after_steps)", args.stop_after_steps)
+                logger.close()
+                return {"history": history, "stopped": True}
+            timer.reset()
+            m = self.train_step(timer)
+            self.step += 1
+            m.update(timer.metrics)
+            m["time/step"] = sum(v for k, v in timer.metrics.items() if k.startswith("time/"))
+            history.append(m)
+            if self.step % args.logging_steps == 0 or self.step == self.total_steps:
+                logger.log(self.step, m)
+            if (args.save_steps > 0 and self.step % args.save_steps == 0) or self.step == self.total_steps:
+                self.save()
+        logger.close()
+        from rlhf.trainer import export_hf
+
+        self._all_on_device()
+        export_hf(args, self.actor, mesh, {"ppo_steps": self.step})
+        if mesh.is_rank0:
+            with open(os.path.join(args.save_path, "ppo_result.json"), "w") as f:
+                json.dump({"history": history}, f, indent=1)
+        return {"history": history, "stopped": False}
+
+    def close(self) -> None:
+        """megatron groups first, then vLLM (whose deletion takes the default group with it), then the rest."""
+        from megatron.core import parallel_state as ps
+
+        from rlhf.distributed.mesh import _destroy_megatron_groups
+
+        if ps.model_parallel_is_initialized():
+            _destroy_megatron_groups()
+        self.rollout.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from rlhf.distributed import DistEnv
+    from rlhf.metrics import setup_logging
+    from rlhf.ppo_args import validate
+
+    env = DistEnv.from_environ()
+    setup_logging(env.rank)
+    sizes = validate(args, env.world_size)  # flags, files and model configs: before any model is loaded
+    if sizes["engines"] and args.rollout_backend != "megatron":
+        from rlhf.rollout.vllm_engine import check_vllm_fit, vllm_available
+
+        if vllm_available():
+            from rlhf.rollout.types import RolloutConfig
+
+            check_vllm_fit(sizes["sources"]["--pretrain"]["spec"],
+                           RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size,
+                                         num_engines=args.vllm_num_engines), env.world_size)
+        elif args.rollout_backend == "vllm":
+            raise ValueError("--rollout_backend vllm: vllm is not installed")
+    tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
+    prompts, stats = load_prompts(args, tokenizer)
+    if len(prompts) < args.rollout_batch_size:
+        raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} is larger than the number of prompts "
+                         f"({len(prompts)} in --prompt_data)")
+    trainer = PPOTrainer(args, sizes, prompts, tokenizer)
+    try:
+        result = trainer.fit()
+        result["data"] = stats
+    finally:
+        trainer.close()
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rlhf.ppo_args import add_args
+
+    add_args(p)
+    args = p.parse_args(argv)
+    try:
+        run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

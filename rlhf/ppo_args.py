@@ -1,0 +1,187 @@
+"""``launch/ppo.py`` flags: the PPO parameter table users know from OpenRLHF / AIAK-RLHF, checked before any
+model is loaded. Each check raises ``ValueError`` naming the flag and its value."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models and data")
+    g.add_argument("--pretrain", required=True, help="actor (and reference) model: HF folder or megatron checkpoint")
+    g.add_argument("--reward_pretrain", required=True, help="reward model: HF *ForSequenceClassification folder")
+    g.add_argument("--critic_pretrain", default=None, help="critic init (default: --reward_pretrain)")
+    g.add_argument("--save_path", required=True, help="the final actor is exported here in HF format")
+    g.add_argument("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>/checkpoints)")
+    g.add_argument("--max_ckpt_num", type=int, default=3)
+    g.add_argument("--prompt_data", required=True, help="comma-separated jsonl/json/parquet files or HF disk folders")
+    g.add_argument("--prompt_data_probs", default=None, help="mixing probabilities, one per --prompt_data entry")
+    g.add_argument("--input_key", default="input", help="the prompt field")
+    g.add_argument("--label_key", default=None, help="optional field passed through with each prompt")
+    g.add_argument("--input_template", default=None)
+    g.add_argument("--apply_chat_template", action="store_true")
+    g.add_argument("--max_samples", type=int, default=100_000_000)
+    g.add_argument("--skip_bad_samples", action="store_true")
+    g = p.add_argument_group("batching")
+    g.add_argument("--micro_train_batch_size", type=int, default=8, help="samples per forward/backward per rank")
+    g.add_argument("--train_batch_size", type=int, default=128, help="samples (responses) per optimizer step")
+    g.add_argument("--micro_rollout_batch_size", type=int, default=8, help="samples per experience forward per rank")
+    g.add_argument("--rollout_batch_size", type=int, default=512, help="prompts per rollout (global)")
+    g.add_argument("--n_samples_per_prompt", type=int, default=1)
+    g.add_argument("--max_epochs", type=int, default=1, help="PPO passes over each rollout batch")
+    g.add_argument("--num_episodes", type=int, default=1, help="passes over the prompt data")
+    g.add_argument("--generate_max_len", type=int, default=1024)
+    g.add_argument("--prompt_max_len", type=int, default=1024)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top_p", type=float, default=1.0)
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--actor_learning_rate", type=float, default=1e-6)
+    g.add_argument("--critic_learning_rate", type=float, default=9e-6)
+    g.add_argument("--lr_warmup_ratio", type=float, default=0.03)
+    g.add_argument("--lr_scheduler", default="cosine_with_min_lr")
+    g.add_argument("--l2", type=float, default=0.0)
+    g.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
+    g.add_argument("--max_norm", type=float, default=1.0, help="gradient clipping")
+    g.add_argument("--init_kl_coef", type=float, default=0.01)
+    g.add_argument("--kl_target", type=float, default=None, help="adaptive KL target (default: fixed coefficient)")
+    g.add_argument("--kl_horizon", type=float, default=10000)
+    g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"])
+    g.add_argument("--normalize_reward", action="store_true",
+                   help="normalize rewards with the reward model's saved mean/std (config.json 'rlhf')")
+    g.add_argument("--eps_clip", type=float, default=0.2)
+    g.add_argument("--value_clip", type=float, default=0.2)
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--lambd", type=float, default=1.0)
+    g.add_argument("--advantage_estimator", default="gae",
+                   help="gae | grpo | dr_grpo | reinforce_plus_plus")
+    g.add_argument("--use_tis", action="store_true",
+                   help="truncated importance sampling: weight the policy loss by min(p_trainer/p_vllm, --tis_cap)")
+    g.add_argument("--tis_cap", type=float, default=2.0)
+    g = p.add_argument_group("placement and memory")
+    g.add_argument("--colocate_all", "--colocate_all_models", action=argparse.BooleanOptionalAction, default=True,
+                   help="all four roles and vLLM share every rank (the only layout of this trainer)")
+    g.add_argument("--ref_reward_offload", action="store_true", help="keep ref/reward weights on host between uses")
+    g.add_argument("--adam_offload", action="store_true", help="keep optimizer states on host outside updates")
+    g.add_argument("--vllm_num_engines", type=int, default=None, help="must equal world size / vLLM TP")
+    g.add_argument("--vllm_tensor_parallel_size", type=int, default=1)
+    g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.95)
+    g.add_argument("--vllm_kv_cache_mb", type=int, default=256, help="vLLM KV cache on CPU (MB per rank)")
+    g.add_argument("--vllm_enforce_eager", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--rollout_backend", default="auto", help="auto (vLLM if installed) | vllm | megatron (fallback)")
+    g.add_argument("--weight_sync_bucket_mb", type=int, default=512)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--gradient_checkpointing", action="store_true")
+    g.add_argument("--packing_samples", action="store_true")
+    g.add_argument("--zero_stage", type=int, default=0,
+                   help="compatibility: >=1 maps to megatron's distributed optimizer (ZeRO-1)")
+    g.add_argument("--flash_attn", action="store_true", help="compatibility: TE/flash attention when installed")
+    g.add_argument("--tensor_model_parallel_size", "--tp", type=int, default=1)
+    g.add_argument("--pipeline_model_parallel_size", "--pp", type=int, default=1)
+    g = p.add_argument_group("running")
+    g.add_argument("--save_steps", type=int, default=-1, help="checkpoint every N PPO steps (-1: only at the end)")
+    g.add_argument("--logging_steps", type=int, default=1)
+    g.add_argument("--tensorboard", "--use_tensorboard", dest="tensorboard", default=None)
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--load_checkpoint", action="store_true")
+    g.add_argument("--stop_after_steps", type=int, default=-1, help="stop (as if killed) after N steps; for tests")
+
+
+def _exists(flag: str, value: str | None) -> None:
+    if value is None:
+        return
+    for path in value.split(","):
+        if not os.path.exists(path.split("@")[0]):
+            raise ValueError(f"{flag}: not found: {path}")
+
+
+def validate(args: argparse.Namespace, world_size: int) -> dict:
+    """Flag-only checks (plus model configs). Returns the derived sizes."""
+    from rlhf.algo.advantages import get_estimator
+    from rlhf.distributed.mesh import validate_layout
+    from rlhf.engine import describe_source
+    from rlhf.models.spec import check_parallel_fit
+
+    if not args.colocate_all:
+        raise ValueError("--no-colocate_all: this trainer runs every role in one SPMD job on every rank; separate "
+                         "placement (Ray-style) is not supported")
+    dp = validate_layout(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    for name in ("micro_train_batch_size", "train_batch_size", "micro_rollout_batch_size", "rollout_batch_size",
+                 "n_samples_per_prompt", "max_epochs", "num_episodes", "generate_max_len", "prompt_max_len",
+                 "logging_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    estimator = get_estimator(args.advantage_estimator)
+    if args.advantage_estimator in ("grpo", "dr_grpo") and args.n_samples_per_prompt < 2:
+        raise ValueError(f"--advantage_estimator {args.advantage_estimator} needs --n_samples_per_prompt >= 2, "
+                         f"got {args.n_samples_per_prompt}")
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature must be > 0 for sampling, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top_p must be in (0, 1], got {args.top_p}")
+    if args.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero_stage must be 0..3, got {args.zero_stage}")
+    if args.vllm_tensor_parallel_size < 1:
+        raise ValueError(f"--vllm_tensor_parallel_size must be >= 1, got {args.vllm_tensor_parallel_size}")
+    engines = (world_size // args.vllm_tensor_parallel_size if args.rollout_backend != "megatron" else dp)
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    checks = [
+        (args.rollout_batch_size % max(engines, 1) == 0,
+         f"--rollout_batch_size {args.rollout_batch_size} must be divisible by the number of generation engines "
+         f"{engines} (world size {world_size} / --vllm_tensor_parallel_size {args.vllm_tensor_parallel_size})"),
+        (samples % dp == 0, f"--rollout_batch_size x --n_samples_per_prompt = {samples} must be divisible by the "
+                            f"data-parallel size {dp}"),
+        ((samples // dp) % args.micro_rollout_batch_size == 0,
+         f"--micro_rollout_batch_size {args.micro_rollout_batch_size} must divide the samples per data-parallel rank "
+         f"({samples} / dp {dp} = {samples // dp})"),
+        (samples % args.train_batch_size == 0,
+         f"--train_batch_size {args.train_batch_size} must divide --rollout_batch_size x --n_samples_per_prompt "
+         f"= {samples}"),
+        (args.train_batch_size % (args.micro_train_batch_size * dp) == 0,
+         f"--train_batch_size {args.train_batch_size} is not divisible by --micro_train_batch_size "
+         f"{args.micro_train_batch_size} x data-parallel size {dp}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+    _exists("--prompt_data", args.prompt_data)
+    if args.load_checkpoint:
+        ckpt = args.ckpt_path or os.path.join(args.save_path, "checkpoints")
+        if not os.path.exists(os.path.join(ckpt, "latest")):
+            raise ValueError(f"--load_checkpoint: no 'latest' checkpoint under --ckpt_path {ckpt}")
+    sources = {}
+    critic = args.critic_pretrain or args.reward_pretrain
+    for flag, path in (("--pretrain", args.pretrain), ("--reward_pretrain", args.reward_pretrain),
+                       ("--critic_pretrain", critic if estimator.needs_critic else None)):
+        if path is None:
+            continue
+        try:
+            src = describe_source(path)
+        except ValueError as e:
+            raise ValueError(f"{flag} {path}: {e}") from None
+        check_parallel_fit(src["spec"], args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                           src["padded_vocab"])
+        sources[flag] = src
+    if not sources["--reward_pretrain"]["spec"].is_seq_cls:
+        raise ValueError(f"--reward_pretrain {args.reward_pretrain}: expected a *ForSequenceClassification model "
+                         f"(a trained reward model), got {sources['--reward_pretrain']['hf_config'].get('architectures')}")
+    if args.normalize_reward:
+        stats = sources["--reward_pretrain"]["hf_config"].get("rlhf", {})
+        if "reward_mean" not in stats or "reward_std" not in stats:
+            raise ValueError(f"--normalize_reward: {args.reward_pretrain}/config.json has no rlhf.reward_mean/"
+                             f"reward_std (saved by launch/rm.py); train the reward model here or drop the flag")
+    if args.max_epochs > 1 and args.packing_samples:
+        pass
+    return {"dp": dp, "engines": engines, "samples": samples, "needs_critic": estimator.needs_critic,
+            "sources": sources}
+
+
+def log_compat(args: argparse.Namespace) -> None:
+    if args.zero_stage >= 1:
+        log.info("--zero_stage %d -> megatron distributed optimizer (optimizer states sharded over DP; ZeRO-1)",
+                 args.zero_stage)
+    if args.flash_attn:
+        log.info("--flash_attn -> transformer-engine attention when installed on a GPU; local attention otherwise")
+    log.info("--colocate_all: actor, critic, reference, reward and vLLM share every rank (one SPMD job)")

@@ -1,0 +1,98 @@
+"""FALLBACK generation with the actor's own megatron model, for machines without vLLM.
+
+It is a plain sampling loop: a full forward per new token (no KV cache), so it is slow and meant for
+correctness, tests and debugging, never for speed. ``build_rollout`` logs a warning when it is chosen. It
+shares the actor's weights, so a "weight sync" is a no-op. Sampling follows vLLM's semantics:
+``log_softmax(logits / temperature)`` log-probs, optional nucleus (top-p) filtering, stop at EOS.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rlhf.rollout.types import RolloutConfig, Sample
+from rlhf.rollout.vllm_engine import gather_samples
+
+log = logging.getLogger(__name__)
+
+
+class MegatronRollout:
+    name = "megatron-fallback"
+
+    def __init__(self, mesh, actor, cfg: RolloutConfig):
+        self.mesh, self.actor, self.cfg = mesh, actor, cfg
+        self.version = 0
+        self.eos = actor.source["hf_config"].get("eos_token_id")
+        if isinstance(self.eos, list):
+            self.eos = self.eos[0]
+        if mesh.is_rank0:
+            log.warning("=" * 100)
+            log.warning("ROLLOUT FALLBACK: vLLM is not available (or --rollout_backend megatron); generating with "
+                        "the megatron actor, one full forward per token, NO KV cache. Expect it to be slow.")
+            log.warning("=" * 100)
+
+    def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def load_weights(self, weights: Iterable, version: int) -> None:
+        self.version = version  # the fallback reads the actor's parameters directly
+
+    @torch.no_grad()
+    def _next_token(self, ids: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator):
+        """ids (n, L) -> (token (n,), logprob (n,)) identical on every rank of this DP replica."""
+        from rlhf.models.pipeline import gather_vocab_parallel
+
+        mesh = self.mesh
+        outs = self.actor.forward([{"input_ids": ids}])
+        result = torch.empty(2, ids.shape[0], dtype=torch.float64)
+        if mesh.is_last_stage:
+            logits = gather_vocab_parallel(outs[0]["output"][:, -1])[:, : self.actor.spec.vocab_size].double()
+            logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)  # (n, V)
+            probs = logp.exp()
+            if top_p < 1.0:
+                sorted_p, order = probs.sort(dim=-1, descending=True)
+                drop = sorted_p.cumsum(-1) - sorted_p > top_p
+                sorted_p[drop] = 0
+                probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+            tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1) if temperature > 0 else probs.argmax(-1)
+            result[0] = tok.double()
+            result[1] = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        if mesh.pp > 1:
+            dist.broadcast(result, src=dist.get_global_rank(mesh.pp_group, mesh.pp - 1), group=mesh.pp_group)
+        return result[0].long(), result[1].float()
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
+                 max_tokens: int, seed: int) -> list[Sample]:
+        mesh = self.mesh
+        per = len(prompts) // mesh.dp
+        lo = mesh.dp_rank * per
+        local: list[Sample] = []
+        for i, prompt in enumerate(prompts[lo: lo + per]):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + lo + i)
+            ids = torch.tensor([list(prompt)] * n, dtype=torch.long)  # (n, P)
+            tokens, lps = [], []
+            done = torch.zeros(n, dtype=torch.bool)
+            for _ in range(max_tokens):
+                tok, lp = self._next_token(ids, temperature, top_p, gen)
+                tokens.append(tok)
+                lps.append(lp)
+                done |= tok == self.eos
+                ids = torch.cat([ids, tok.unsqueeze(1)], dim=1)
+                if bool(done.all()):
+                    break
+            toks, lpt = torch.stack(tokens, 1), torch.stack(lps, 1)  # (n, R)
+            for k in range(n):
+                row = toks[k].tolist()
+                end = row.index(self.eos) + 1 if self.eos in row else len(row)
+                local.append(Sample(lo + i, list(prompt), row[:end], lpt[k, :end].tolist(), self.eos in row))
+        keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
+        return gather_samples(local if keep else [], mesh)
+
+    def close(self) -> None:
+        pass

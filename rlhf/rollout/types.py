@@ -1,0 +1,54 @@
+"""Plain data types of the rollout phase."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RolloutConfig:
+    """How responses are generated (``launch/ppo.py`` flags in parentheses)."""
+
+    tensor_parallel_size: int = 1
+    """(--vllm_tensor_parallel_size) TP of each vLLM engine; engines = world size / this."""
+    num_engines: int | None = None
+    """(--vllm_num_engines) must equal world size / vLLM TP when given (every rank hosts an engine shard)."""
+    gpu_memory_utilization: float = 0.5
+    """(--vllm_gpu_memory_utilization) fraction of device memory for vLLM weights + KV cache on CUDA."""
+    kv_cache_bytes: int = 256 << 20
+    """(--vllm_kv_cache_mb) KV cache size on CPU, where vLLM would otherwise reserve 90% of RAM."""
+    max_model_len: int = 2048
+    """prompt_max_len + generate_max_len."""
+    dtype: str = "float32"
+    """float32, or bfloat16 with --bf16."""
+    seed: int = 42
+    enforce_eager: bool = True
+    """(--vllm_enforce_eager / --no-vllm_enforce_eager) CUDA graphs / torch.compile cost 17-22 s per start on CPU."""
+    enable_sleep_mode: bool = True
+    """vLLM sleep mode between rollouts; only on CUDA (vLLM rejects it on CPU, and sleep/wake are no-ops)."""
+    backend: str = "auto"
+    """auto | vllm | megatron (the fallback, no KV cache; for machines without vLLM)."""
+    weight_sync_bucket_mb: int = 512
+    """(--weight_sync_bucket_mb) TP-gathered weights are sent to the engine in buckets of about this size."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--vllm_tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.backend not in ("auto", "vllm", "megatron"):
+            raise ValueError(f"--rollout_backend must be auto, vllm or megatron, got {self.backend!r}")
+        if self.weight_sync_bucket_mb < 1:
+            raise ValueError(f"--weight_sync_bucket_mb must be >= 1, got {self.weight_sync_bucket_mb}")
+
+
+@dataclass
+class Sample:
+    """One generated response. ``logprobs[i]`` is the engine's log-prob (at the sampling temperature) of
+    ``response_ids[i]``; ``finished`` is True when it ended with EOS rather than at the length limit."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    extra: dict = field(default_factory=dict)

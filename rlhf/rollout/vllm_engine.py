@@ -1,0 +1,154 @@
+"""vLLM inside the torchrun ranks (``distributed_executor_backend="external_launcher"``).
+
+Every rank holds one shard of one engine: ``world_size / vllm_tp`` engines of TP ``vllm_tp`` (vLLM's data
+parallelism over the engines). The engine starts from dummy weights and receives the actor's weights through
+``WeightSync`` before its first generation, so ``--pretrain`` may be an HF folder or a converted megatron
+checkpoint alike. Log-probs are vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)``, the same
+quantity the trainer computes (../shared/FACTS.md: raw log-probs ignore the temperature).
+
+Sleep mode exists on CUDA only; on CPU ``sleep``/``wake_up`` keep their call sites but do nothing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rlhf.rollout.types import RolloutConfig, Sample
+
+log = logging.getLogger(__name__)
+
+# vLLM's CPU attention backend supports only these head sizes (vllm/v1/attention/backends/cpu_attn.py).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_available() -> bool:
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_vllm_fit(spec, cfg: RolloutConfig, world_size: int) -> None:
+    """Flag checks for the vLLM engine, before any model is loaded."""
+    tp = cfg.tensor_parallel_size
+    if world_size % tp:
+        raise ValueError(f"--vllm_tensor_parallel_size {tp} does not divide the world size {world_size}")
+    engines = world_size // tp
+    if cfg.num_engines is not None and cfg.num_engines != engines:
+        raise ValueError(f"--vllm_num_engines {cfg.num_engines}: with colocation every rank hosts an engine shard, "
+                         f"so engines = world size {world_size} / --vllm_tensor_parallel_size {tp} = {engines}")
+    if spec.num_attention_heads % tp or spec.num_kv_heads % tp:
+        raise ValueError(f"--vllm_tensor_parallel_size {tp} must divide num_attention_heads="
+                         f"{spec.num_attention_heads} and num_key_value_heads={spec.num_kv_heads}")
+    if not torch.cuda.is_available() and spec.head_dim not in CPU_HEAD_SIZES:
+        raise ValueError(f"vLLM's CPU attention does not support head_dim={spec.head_dim} (supported: "
+                         f"{list(CPU_HEAD_SIZES)}); use --rollout_backend megatron or another model")
+
+
+def _export_launcher_env(mesh) -> None:
+    """external_launcher reads torchrun's variables; under mpirun/srun we derived them ourselves."""
+    env = mesh.env
+    for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
+                       ("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port)):
+        os.environ.setdefault(key, str(value))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+class VLLMRollout:
+    name = "vllm"
+
+    def __init__(self, mesh, actor, cfg: RolloutConfig, hf_dir: str):
+        _export_launcher_env(mesh)
+        from vllm import LLM
+
+        self.mesh, self.cfg = mesh, cfg
+        self.tp = cfg.tensor_parallel_size
+        self.num_engines = mesh.world_size // self.tp
+        self.engine_index = mesh.rank // self.tp
+        self.is_leader = mesh.rank % self.tp == 0
+        self.version = 0
+        on_cuda = torch.cuda.is_available()
+        self.sleep_enabled = cfg.enable_sleep_mode and on_cuda
+        kwargs = dict(model=hf_dir, tokenizer=hf_dir, tensor_parallel_size=self.tp,
+                      distributed_executor_backend="external_launcher", dtype=cfg.dtype,
+                      enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len, seed=cfg.seed,
+                      load_format="dummy", logprobs_mode="processed_logprobs", enable_prefix_caching=False)
+        if self.num_engines > 1:
+            kwargs["data_parallel_size"] = self.num_engines
+        if on_cuda:
+            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
+        else:
+            kwargs.update(kv_cache_memory_bytes=cfg.kv_cache_bytes)
+        t0 = time.perf_counter()
+        rng = torch.get_rng_state()
+        self.llm = LLM(**kwargs)
+        torch.set_rng_state(rng)  # LLM(seed=...) reseeds the process's global RNG
+        if mesh.is_rank0:
+            log.info("vLLM %d engine(s) x TP %d (external_launcher, %s, %s) ready in %.1f s; sleep mode %s",
+                     self.num_engines, self.tp, cfg.dtype, "eager" if cfg.enforce_eager else "compiled",
+                     time.perf_counter() - t0, "on" if self.sleep_enabled else "off (CPU: no-op)")
+        self.sleeping = False
+
+    # ------------------------------------------------------------------------------------------ memory phases
+    def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        if self.sleep_enabled and self.sleeping:
+            self.llm.wake_up(tags=list(tags))
+            if "kv_cache" in tags:
+                self.sleeping = False
+
+    def sleep(self) -> None:
+        # Level 2 drops the weights too: they are overwritten by the next weight sync anyway.
+        if self.sleep_enabled and not self.sleeping:
+            self.llm.sleep(level=2)
+            self.sleeping = True
+
+    # ---------------------------------------------------------------------------------------------- weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    # ------------------------------------------------------------------------------------------- generation
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
+                 max_tokens: int, seed: int) -> list[Sample]:
+        """All ranks pass the same global ``prompts``; engine ``e`` generates for its contiguous share, and every
+        rank gets every sample back, prompt-major (``n`` consecutive samples per prompt)."""
+        from vllm import SamplingParams
+
+        per = len(prompts) // self.num_engines
+        assert per * self.num_engines == len(prompts), "validated: rollout batch divisible by engines"
+        lo = self.engine_index * per
+        mine = prompts[lo: lo + per]
+        # One seed per prompt: the samples do not depend on how prompts are spread over engines or batched.
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                 seed=seed * 1_000_003 + lo + i) for i in range(len(mine))]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in mine], params, use_tqdm=False)
+        local: list[Sample] = []
+        for i, o in enumerate(outs):
+            for c in o.outputs:
+                ids = list(c.token_ids)
+                lps = [float(d[t].logprob) for d, t in zip(c.logprobs, ids)]
+                local.append(Sample(lo + i, list(o.prompt_token_ids), ids, lps, c.finish_reason == "stop"))
+        return gather_samples(local if self.is_leader else [], self.mesh)
+
+    def close(self) -> None:
+        # ``del llm`` destroys the default process group (../shared/FACTS.md): call this last.
+        import gc
+
+        del self.llm
+        gc.collect()
+
+
+def gather_samples(local: list[Sample], mesh) -> list[Sample]:
+    """Every rank's samples on every rank, sorted prompt-major (stable within a prompt)."""
+    parts: list = [None] * mesh.world_size
+    dist.all_gather_object(parts, local)
+    allv = [s for p in parts for s in p]
+    allv.sort(key=lambda s: s.prompt_index)
+    return allv

@@ -1,0 +1,128 @@
+"""Actor weights -> generation engine, after every update: a documented pipeline, bucketed and versioned.
+
+    plan   (once)  every rank learns every pipeline stage's parameter list: name, local shape, TP partition dim
+    bucket         parameters of one stage, in order, grouped until the full (TP-gathered) size reaches
+                   ``bucket_bytes``
+    gather         the stage's ranks all-gather the bucket over TP in ONE collective (flattened)
+    broadcast      with PP > 1 the stage broadcasts the gathered bucket over the PP group, so every rank
+                   (hence every vLLM worker, whatever vLLM's own TP) holds full tensors
+    convert        megatron names/layouts -> HF names/layouts (``rlhf.models.hf_llama.hf_from_megatron``)
+    load           the engine consumes the HF tensors as an iterator (vLLM ``reload_weights``), bucket after
+                   bucket; a bucket is freed before the next is gathered, so the extra memory is one bucket
+    version        a counter bumped after each completed sync; the engine remembers which version it serves
+
+Every rank runs the same sequence of collectives, in the same order, whatever its stage.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from rlhf.models.hf_llama import full_from_tp_shards, hf_from_megatron, tp_partition_dim
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Param:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    partition_dim: int | None
+
+
+class WeightSync:
+    """Streams the actor's weights (megatron TP/PP shards on every rank) as full HF tensors."""
+
+    def __init__(self, actor, mesh, bucket_bytes: int = 512 << 20):
+        self.actor, self.mesh, self.bucket_bytes = actor, mesh, int(bucket_bytes)
+        self.version = 0
+        self.last_stats: dict[str, float] = {}
+        local = [(n, tuple(p.shape), str(p.dtype).replace("torch.", ""), tp_partition_dim(p))
+                 for n, p in actor.model.named_parameters()]
+        if mesh.pp > 1:
+            stages: list = [None] * mesh.pp
+            dist.all_gather_object(stages, local, group=mesh.pp_group)
+        else:
+            stages = [local]
+        self.stages = [[_Param(n, s, getattr(torch, d), pd) for n, s, d, pd in st] for st in stages]
+        n_layers = actor.spec.num_layers
+        self.layer_offsets = [s * (n_layers // mesh.pp) for s in range(mesh.pp)]
+        self.buckets = [(s, b) for s, params in enumerate(self.stages) for b in self._bucketize(params)]
+
+    def _full_bytes(self, p: _Param) -> int:
+        n = 1
+        for d in p.shape:
+            n *= d
+        return n * (self.mesh.tp if p.partition_dim is not None else 1) * p.dtype.itemsize
+
+    def _bucketize(self, params: list[_Param]) -> list[list[_Param]]:
+        buckets, cur, size = [], [], 0
+        for p in params:
+            if cur and size + self._full_bytes(p) > self.bucket_bytes:
+                buckets.append(cur)
+                cur, size = [], 0
+            cur.append(p)
+            size += self._full_bytes(p)
+        if cur:
+            buckets.append(cur)
+        return buckets
+
+    def _gather_bucket(self, stage: int, params: list[_Param]) -> dict[str, torch.Tensor]:
+        """Full TP=1 megatron tensors of one bucket, on every rank."""
+        mesh = self.mesh
+        dtype = params[0].dtype
+        assert all(p.dtype == dtype for p in params), "one dtype per model"
+        numels = [int(torch.Size(p.shape).numel()) for p in params]
+        total = sum(numels)
+        mine = mesh.pp_rank == stage
+        if mine:
+            named = dict(self.actor.model.named_parameters())
+            flat = torch.cat([named[p.name].detach().reshape(-1) for p in params])  # (total,)
+            if mesh.tp > 1:
+                parts = torch.empty(mesh.tp * total, dtype=dtype, device=flat.device)
+                dist.all_gather_into_tensor(parts, flat, group=mesh.tp_group)
+            else:
+                parts = flat
+        else:
+            parts = torch.empty(mesh.tp * total, dtype=dtype, device=mesh.device)
+        if mesh.pp > 1:
+            dist.broadcast(parts, src=dist.get_global_rank(mesh.pp_group, stage), group=mesh.pp_group)
+        ranks = parts.view(mesh.tp, total) if mesh.tp > 1 else parts.view(1, total)
+        out, off = {}, 0
+        for p, n in zip(params, numels):
+            shards = [ranks[r, off:off + n].view(p.shape) for r in range(ranks.shape[0])]
+            out[p.name] = full_from_tp_shards(p.name, shards, p.partition_dim)
+            off += n
+        return out
+
+    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, full tensor) for the whole actor, bucket by bucket (a collective per bucket)."""
+        t0, nbytes = time.perf_counter(), 0
+        for stage, params in self.buckets:
+            full = self._gather_bucket(stage, params)
+            for name, tensor in full.items():
+                for hf_name, hf_tensor in hf_from_megatron(name, tensor, self.actor.spec,
+                                                           layer_offset=self.layer_offsets[stage]):
+                    nbytes += hf_tensor.numel() * hf_tensor.element_size()
+                    yield hf_name, hf_tensor
+            del full
+        self.last_stats = {"weight_sync/gather_s": time.perf_counter() - t0, "weight_sync/bytes": float(nbytes),
+                           "weight_sync/buckets": float(len(self.buckets))}
+
+    def sync(self, engine) -> dict[str, float]:
+        """Push the current actor weights into ``engine`` (``engine.load_weights(iterator, version)``)."""
+        t0 = time.perf_counter()
+        self.version += 1
+        engine.load_weights(self.iter_hf_tensors(), self.version)
+        stats = dict(self.last_stats)
+        stats["weight_sync/seconds"] = time.perf_counter() - t0
+        stats["weight_sync/version"] = float(self.version)
+        log.debug("weight sync v%d: %.0f MB in %d buckets, %.3f s", self.version,
+                  stats.get("weight_sync/bytes", 0) / 2**20, len(self.buckets), stats["weight_sync/seconds"])
+        return stats
