@@ -58,3 +58,44 @@ def setup_logging(rank: int) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     for noisy in ("megatron", "megatron.core", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class PhaseTimer:
+    """Seconds, tokens/s and memory of each named phase of a step (STYLE: time every phase by name).
+
+    Memory: peak allocated device memory during the phase on CUDA; on CPU the process's resident set size at
+    the end of the phase (CPU has no per-phase peak counter)."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.metrics = {}
+
+    def phase(self, name: str, tokens: float | None = None):
+        import contextlib
+
+        import torch
+
+        @contextlib.contextmanager
+        def cm():
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            yield self
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            self.metrics[f"time/{name}"] = self.metrics.get(f"time/{name}", 0.0) + dt
+            if tokens is not None:
+                self.metrics[f"tokens_per_s/{name}"] = tokens / max(self.metrics[f"time/{name}"], 1e-9)
+            if cuda:
+                self.metrics[f"mem/{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            else:
+                import psutil
+
+                self.metrics[f"mem/{name}_rss_gb"] = psutil.Process().memory_info().rss / 2**30
+
+        return cm()
