@@ -1,0 +1,79 @@
+"""Worker for test_weight_sync.py (2 ranks): megatron actor at --tp/--pp, vLLM at TP 2, in the same processes.
+
+1. sync -> vLLM log-probs of its own samples == trainer log-probs (fp32, max |diff| <= 1e-4)
+2. one optimizer step on the actor, no sync -> the stale engine disagrees (> 1e-2): the check can fail
+3. sync again -> agreement restored; the version counter moved 1 -> 2.
+Prints one JSON line on rank 0.
+"""
+import argparse
+import json
+import os
+import sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import torch  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--actor", required=True)
+p.add_argument("--tp", type=int, default=1)
+p.add_argument("--pp", type=int, default=1)
+p.add_argument("--bucket_mb", type=float, default=0.25)
+a = p.parse_args()
+
+from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
+from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
+from rlhf.experience import collate_sequences, forward_role, select_rows  # noqa: E402
+from rlhf.rollout import RolloutConfig, build_rollout  # noqa: E402
+from rlhf.rollout.weight_sync import WeightSync  # noqa: E402
+
+mesh = initialize_mesh(a.tp, a.pp, DistEnv.from_environ(), seed=5)
+actor = ModelEngine(mesh, a.actor, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor")
+cfg = RolloutConfig(tensor_parallel_size=2, kv_cache_bytes=32 << 20, max_model_len=64, backend="vllm")
+engine = build_rollout(mesh, actor, cfg, a.actor)
+sync = WeightSync(actor, mesh, bucket_bytes=int(a.bucket_mb * 2**20))
+T, temp = 8, 0.7
+prompts = [[1, 20 + i, 30 + i, 40 + i] for i in range(4)]
+
+
+def drift(seed):
+    samples = engine.generate(prompts, n=2, temperature=temp, top_p=1.0, max_tokens=T, seed=seed)
+    per = len(samples) // mesh.dp
+    local = samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
+    batch = collate_sequences(local, 0, T, seq_len=None if mesh.pp == 1 else 4 + T)
+    mbs = [select_rows(batch, range(len(local)), trim=mesh.pp == 1)]
+    lp = forward_role(actor, "actor", mbs, temp)
+    vl = torch.zeros_like(lp)
+    for b, s in enumerate(local):
+        vl[b, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    d = ((lp - vl).abs() * batch["action_mask"]).max()
+    torch.distributed.all_reduce(d, op=torch.distributed.ReduceOp.MAX)
+    return d.item()
+
+
+stats1 = sync.sync(engine)
+synced = drift(1)
+# One real update of the actor (an SFT-style loss on some sequence).
+from rlhf.algo.losses import sft_loss  # noqa: E402
+
+ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11]] * 2)
+mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+tp_group = mesh.tp_group if mesh.tp > 1 else None
+actor.train_step([mb], lambda b, logits: sft_loss(logits, b["input_ids"], b["loss_mask"], tp_group=tp_group,
+                                                   vocab_size=actor.spec.vocab_size), ("loss",))
+stale = drift(2)
+stats2 = sync.sync(engine)
+resynced = drift(3)
+if mesh.is_rank0:
+    print("RESULT " + json.dumps({"synced": synced, "stale": stale, "resynced": resynced,
+                                  "version": [stats1["weight_sync/version"], stats2["weight_sync/version"]],
+                                  "buckets": stats2["weight_sync/buckets"], "seconds": stats2["weight_sync/seconds"],
+                                  "engine_version": engine.version}), flush=True)
+from megatron.core import parallel_state as ps  # noqa: E402
+
+from rlhf.distributed.mesh import _destroy_megatron_groups  # noqa: E402
+
+_destroy_megatron_groups()
+engine.close()
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
+sys.exit(0)

@@ -1,0 +1,15 @@
+import os
+
+import pytest
+from ppo_common import DIMS, write_prompts
+
+
+@pytest.fixture(scope="session")
+def ppo_setup(tmp_path_factory):
+    """A tiny actor, a synthetic last-token reward model (a learnable target) and 64 prompts."""
+    from rlhf.models.tiny import make_last_token_rm, make_tiny_hf
+
+    work = tmp_path_factory.mktemp("ppo")
+    actor = make_tiny_hf(os.path.join(work, "actor"), "llama", seed=0, **DIMS)
+    rm = make_last_token_rm(os.path.join(work, "rm"), actor, seed=1, **DIMS)
+    return {"work": work, "actor": actor, "rm": rm, "prompts": write_prompts(work / "prompts.jsonl", 64)}

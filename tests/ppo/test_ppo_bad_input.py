@@ -1,0 +1,88 @@
+"""Bad PPO input: a clear ``error:`` naming the flag, exit code 2, and no model loaded (checked by making model
+construction fail loudly). An over-long prompt is not an error: it is truncated and counted."""
+import argparse
+import json
+import os
+
+import pytest
+from ppo_common import ppo_args, write_prompts
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    import rlhf.engine
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(rlhf.engine.ModelEngine, "__init__", boom)
+    # Rank 0 of a 2-rank job as far as the checks can tell: they all run before the process group exists.
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(k, v)
+
+
+def run_main(argv, capsys):
+    from rlhf.ppo import main
+
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_empty_prompt_file(ppo_setup, tmp_path, no_models, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    code, err = run_main(ppo_args(ppo_setup, str(tmp_path / "o"), **{"--prompt_data": empty}), capsys)
+    assert code == 2 and "error:" in err and "empty.jsonl" in err, err
+
+
+def test_missing_input_key(ppo_setup, tmp_path, no_models, capsys):
+    data = write_prompts(tmp_path / "q.jsonl", 8, key="question")
+    code, err = run_main(ppo_args(ppo_setup, str(tmp_path / "o"), **{"--prompt_data": data}), capsys)
+    assert code == 2 and "prompt" in err and "q.jsonl" in err and "line 1" in err, err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ({"--train_batch_size": 24}, "--train_batch_size 24"),
+    ({"--micro_train_batch_size": 5}, "--micro_train_batch_size 5"),
+    ({"--micro_rollout_batch_size": 6}, "--micro_rollout_batch_size 6"),
+    ({"--rollout_batch_size": 15, "--vllm_tensor_parallel_size": 1}, "--rollout_batch_size 15"),
+    ({"--vllm_num_engines": 2}, "--vllm_num_engines 2"),
+    ({"--advantage_estimator": "grpo", "--n_samples_per_prompt": 1, "--train_batch_size": 16,
+      "--micro_rollout_batch_size": 8}, "--n_samples_per_prompt"),
+    ({"--advantage_estimator": "ppo2"}, "--advantage_estimator"),
+    ({"--no-colocate_all": ""}, "--no-colocate_all"),
+    ({"--rollout_batch_size": 128, "--train_batch_size": 64, "--micro_rollout_batch_size": 16},
+     "larger than the number of prompts"),
+])
+def test_batch_and_flag_errors(ppo_setup, tmp_path, no_models, capsys, flags, needle):
+    code, err = run_main(ppo_args(ppo_setup, str(tmp_path / "o"), **flags), capsys)
+    assert code == 2 and needle in err, err
+
+
+def test_unsupported_head_dim_for_vllm_cpu(ppo_setup, tmp_path, no_models, capsys):
+    from rlhf.models.tiny import make_tiny_hf
+
+    small = make_tiny_hf(str(tmp_path / "hd16"), "llama", tokenizer_dir=ppo_setup["actor"], num_hidden_layers=1)
+    code, err = run_main(ppo_args(ppo_setup, str(tmp_path / "o"), **{"--pretrain": small}), capsys)
+    assert code == 2 and "head_dim=16" in err and "--rollout_backend megatron" in err, err
+
+
+def test_long_prompt_truncated_and_counted(ppo_setup, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rlhf.ppo import load_prompts
+    from rlhf.ppo_args import add_args
+
+    path = tmp_path / "long.jsonl"
+    rows = [{"prompt": "say: apple"}, {"prompt": "say: " + " ".join(["banana cherry"] * 40)}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args(ppo_args(ppo_setup, str(tmp_path / "o"), **{"--prompt_data": path, "--prompt_max_len": 16}))
+    tok = AutoTokenizer.from_pretrained(ppo_setup["actor"])
+    prompts, stats = load_prompts(args, tok)
+    assert stats == {"num_prompts": 2, "num_truncated": 1}
+    long, short = sorted(prompts, key=lambda s: -len(s.prompt))
+    assert len(long.prompt_ids) == 16 and len(short.prompt_ids) < 16
+    full = tok(rows[1]["prompt"])["input_ids"]
+    assert long.prompt_ids.tolist()[-8:] == full[-8:]  # left-truncated: the end of the prompt survives
