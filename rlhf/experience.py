@@ -37,9 +37,52 @@ def collate_sequences(samples: Sequence[Sample], pad_id: int, T: int, seq_len: i
             "action_mask": action_mask, "resp_pos": resp_pos}
 
 
-def response_hidden(hidden: torch.Tensor, resp_pos: torch.Tensor) -> torch.Tensor:
-    """hidden (B, S, H) -> (B, T, H) at the positions that predict the response tokens."""
-    return hidden.gather(1, resp_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+def pack_microbatch(mb: dict, pad_id: int, pad_to: int | None = None) -> dict:
+    """--packing_samples: one padded micro-batch -> one packed row (THD, no pad tokens; ``rlhf.models.packing``).
+    The response tensors stay (B, T); ``packed_resp_pos`` / ``packed_last`` index the packed stream."""
+    from rlhf.models.packing import make_packed_batch
+
+    packed = make_packed_batch(mb["input_ids"], mb["attention_mask"], pad_to=pad_to, pad_token_id=pad_id)
+    cu = packed["cu_seqlens"].long()
+    start, length = cu[:-1].unsqueeze(1), (cu[1:] - cu[:-1]).unsqueeze(1)  # (B, 1)
+    out = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask")}
+    out.update({k: packed[k] for k in ("input_ids", "position_ids", "packed_seq_params", "cu_seqlens",
+                                       "num_tokens")})
+    out["packed_resp_pos"] = start + torch.minimum(mb["resp_pos"], length - 1)  # (B, T)
+    out["packed_last"] = (cu[1:] - 1)  # (B,)
+    return out
+
+
+def prepare_microbatches(mbs: list[dict], *, packing: bool, pp: int, pad_id: int) -> list[dict]:
+    """Pack when asked; with PP every packed micro-batch of one call gets the same length (megatron's schedule
+    sends one activation shape between stages)."""
+    if not packing:
+        return mbs
+    pad_to = max(int(mb["attention_mask"].sum()) for mb in mbs) if pp > 1 else None
+    return [pack_microbatch(mb, pad_id, pad_to) for mb in mbs]
+
+
+def response_hidden(hidden: torch.Tensor, batch: dict) -> torch.Tensor:
+    """hidden (B, S, H) [or packed (1, N, H)] -> (B, T, H) at the positions that predict the response tokens."""
+    if "packed_resp_pos" in batch:
+        return hidden[0][batch["packed_resp_pos"]]
+    return hidden.gather(1, batch["resp_pos"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+
+
+def response_values(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Critic output (B, S) [or packed (1, N)] -> (B, T) fp32 at the positions before each response token."""
+    if "packed_resp_pos" in batch:
+        return values[0][batch["packed_resp_pos"]].float()
+    return values.gather(1, batch["resp_pos"]).float()
+
+
+def sequence_scores(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Reward-model output at each sequence's last token -> (B,) fp32."""
+    from rlhf.algo.losses import sequence_rewards
+
+    if "packed_last" in batch:
+        return values[0][batch["packed_last"]].float()
+    return sequence_rewards(values, batch["attention_mask"])
 
 
 def actor_logprobs(engine, batch: dict, hidden: torch.Tensor, temperature: float, entropy: bool = False):
@@ -48,7 +91,7 @@ def actor_logprobs(engine, batch: dict, hidden: torch.Tensor, temperature: float
     import kernels
 
     mesh = engine.mesh
-    h = response_hidden(hidden, batch["resp_pos"])  # (B, T, H)
+    h = response_hidden(hidden, batch)  # (B, T, H)
     b, t, hdim = h.shape
     out = kernels.fused_linear_logprobs(h.reshape(-1, hdim), engine.model.output_weight(),
                                         batch["response_ids"].reshape(-1), temperature=temperature,
@@ -66,21 +109,19 @@ def _collect(outs: list[dict], key: str) -> torch.Tensor | None:
 def forward_role(engine, role: str, microbatches: list[dict], temperature: float) -> torch.Tensor:
     """One frozen forward of ``role`` over this rank's micro-batches; the result on every pipeline stage.
     actor/ref -> log-probs (B, T); critic -> values (B, T); reward -> scores (B,)."""
-    from rlhf.algo.losses import sequence_rewards
-
     def fn(batch: dict, out: torch.Tensor):
         if role in ("actor", "ref"):
             res = actor_logprobs(engine, batch, out, temperature)
         elif role == "critic":
-            res = out.gather(1, batch["resp_pos"]).float()
+            res = response_values(out, batch)
         else:
-            res = sequence_rewards(out, batch["attention_mask"])
+            res = sequence_scores(out, batch)
         return torch.zeros(()), {"out": res}
 
     output = "hidden" if role in ("actor", "ref") else "logits"
     outs = engine.forward(microbatches, output=output, loss_fn=fn)
     local = _collect(outs, "out")
-    B = sum(mb["input_ids"].shape[0] for mb in microbatches)
+    B = sum(mb["response_ids"].shape[0] for mb in microbatches)
     T = microbatches[0]["response_ids"].shape[1]
     shape = (B,) if role == "reward" else (B, T)
     return to_all_stages(local, shape, engine.mesh)

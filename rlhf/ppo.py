@@ -139,7 +139,7 @@ class PPOTrainer:
 
     # ----------------------------------------------------------------------------------------------- one step
     def train_step(self, timer) -> dict[str, float]:
-        from rlhf.experience import Experience, collate_sequences, forward_role, select_rows
+        from rlhf.experience import Experience, collate_sequences, forward_role, prepare_microbatches, select_rows
 
         args, mesh = self.args, self.mesh
         prompt_idx = self.sampler.next_step()[0]
@@ -151,7 +151,8 @@ class PPOTrainer:
                 self.rollout.wake_up(["weights"])
                 metrics.update(self.weight_sync.sync(self.rollout))
             self.actor_changed = False
-        self.memory.enter("rollout")
+        # The fallback generator runs the actor itself, so its parameters stay resident (weight_sync's residency).
+        self.memory.enter("weight_sync" if self.rollout.reads_actor_params else "rollout")
         with timer.phase("rollout"):
             self.rollout.wake_up(["kv_cache"])
             samples = self.rollout.generate(prompts, n=args.n_samples_per_prompt, temperature=args.temperature,
@@ -168,7 +169,8 @@ class PPOTrainer:
         batch = collate_sequences(local, self.pad_id, T)
         trim = mesh.pp == 1
         mrb = args.micro_rollout_batch_size
-        mbs = [select_rows(batch, range(i, i + mrb), trim) for i in range(0, per, mrb)]
+        mbs = prepare_microbatches([select_rows(batch, range(i, i + mrb), trim) for i in range(0, per, mrb)],
+                                   packing=args.packing_samples, pp=mesh.pp, pad_id=self.pad_id)
         tokens = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
         self.memory.enter("make_experience")
         out = {}
@@ -242,7 +244,7 @@ class PPOTrainer:
             self.memory.enter("critic_update")
             with timer.phase("critic_update", tokens=tokens * args.max_epochs):
                 for plan in plans:
-                    r = self.critic.train_step([exp.select(ix, trim) for ix in plan], self._critic_loss,
+                    r = self.critic.train_step(self._microbatches(exp, plan, trim), self._critic_loss,
                                                ("value_loss", "vf_clip_frac", "values"), output="logits")
                     for k, v in r.items():
                         sums[f"critic/{k}"] = sums.get(f"critic/{k}", 0.0) + v
@@ -251,7 +253,7 @@ class PPOTrainer:
                                                                                  else ())
         with timer.phase("actor_update", tokens=tokens * args.max_epochs):
             for plan in plans:
-                r = self.actor.train_step([exp.select(ix, trim) for ix in plan], self._actor_loss, keys,
+                r = self.actor.train_step(self._microbatches(exp, plan, trim), self._actor_loss, keys,
                                           output="hidden")
                 for k, v in r.items():
                     sums[f"actor/{k}"] = sums.get(f"actor/{k}", 0.0) + v
@@ -285,8 +287,16 @@ class PPOTrainer:
     def _critic_loss(self, batch: dict, values: torch.Tensor):
         from rlhf.algo.ppo_losses import value_loss
 
-        v = values.gather(1, batch["resp_pos"]).float()  # (B, T)
+        from rlhf.experience import response_values
+
+        v = response_values(values, batch)  # (B, T)
         return value_loss(v, batch["values"], batch["returns"], batch["action_mask"], value_clip=self.args.value_clip)
+
+    def _microbatches(self, exp, plan: list[list[int]], trim: bool) -> list[dict]:
+        from rlhf.experience import prepare_microbatches
+
+        return prepare_microbatches([exp.select(ix, trim) for ix in plan], packing=self.args.packing_samples,
+                                    pp=self.mesh.pp, pad_id=self.pad_id)
 
     # ------------------------------------------------------------------------------------------------- loop
     def save(self) -> None:

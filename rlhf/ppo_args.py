@@ -172,8 +172,6 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
         if "reward_mean" not in stats or "reward_std" not in stats:
             raise ValueError(f"--normalize_reward: {args.reward_pretrain}/config.json has no rlhf.reward_mean/"
                              f"reward_std (saved by launch/rm.py); train the reward model here or drop the flag")
-    if args.max_epochs > 1 and args.packing_samples:
-        pass
     return {"dp": dp, "engines": engines, "samples": samples, "needs_critic": estimator.needs_critic,
             "sources": sources}
 

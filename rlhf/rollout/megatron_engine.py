@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class MegatronRollout:
+    reads_actor_params = True
     name = "megatron-fallback"
 
     def __init__(self, mesh, actor, cfg: RolloutConfig):

@@ -61,6 +61,7 @@ def _export_launcher_env(mesh) -> None:
 
 
 class VLLMRollout:
+    reads_actor_params = False
     name = "vllm"
 
     def __init__(self, mesh, actor, cfg: RolloutConfig, hf_dir: str):
