@@ -140,6 +140,7 @@ def token_logprobs(
     return_entropy: bool = False,
     vocab_size: int | None = None,
     chunk_size: int | None = None,
+    inplace_backward: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probability of `targets` under softmax(logits / temperature), and optionally its entropy.
 
@@ -153,6 +154,15 @@ def token_logprobs(
         vocab_size: global ids >= vocab_size are padding columns (megatron pads the vocab to a multiple of
             128) and are excluded from the softmax. None: every column is a real token.
         chunk_size: rows per chunk on the torch path (default: about 1M elements per chunk).
+        inplace_backward: the backward overwrites `logits`, chunk by chunk, with the gradient wrt them and
+            returns that storage as the gradient, so the backward allocates no `[N, V]` tensor either (by
+            default it allocates exactly one, the gradient). The caller must not use `logits` after the
+            backward, nor hand them to anything else whose backward reads them: autograd raises
+            ("modified by an inplace operation") if another op saved them and runs its backward later, but a
+            plain read of `logits` after the backward silently sees the gradient. A leaf that requires grad
+            is refused (its `.grad` would alias its own data). Use it where the logits are a model output
+            consumed only by this loss. Non-contiguous logits that `reshape` has to copy still work; only the
+            copy is overwritten, and the memory saving is lost.
 
     Returns:
         logprobs `[N]` fp32, or (logprobs, entropy) both `[N]` fp32 when `return_entropy`.
@@ -166,6 +176,9 @@ def token_logprobs(
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
                          "disagree on the leading dims")
+    if inplace_backward and logits.requires_grad and logits.is_leaf:
+        raise ValueError("inplace_backward=True needs logits computed by an op (e.g. a model output), not a leaf "
+                         "tensor: the backward overwrites them with their own gradient")
     lead = targets.shape
     logits2d, targets1d = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     ops = _logprob_ops("token_logprobs", logits)
@@ -177,7 +190,7 @@ def token_logprobs(
     else:
         rows = default_chunk_rows(logits2d.shape[1], ops.chunk_elems)
     logprobs, entropy = TokenLogprobsFunction.apply(
-        logits2d, targets1d, inv_temp, tp_group, vocab_size, return_entropy, ops, rows
+        logits2d, targets1d, inv_temp, tp_group, vocab_size, return_entropy, ops, rows, inplace_backward
     )
     if return_entropy:
         return logprobs.view(lead), entropy.view(lead)

@@ -5,7 +5,9 @@ this module owns what they share: chunking, merging vocab shards across tensor-p
 
 Memory: the only full-size tensors are the inputs and the gradients autograd has to return. Everything
 fp32 and `[*, V]`-shaped exists for one chunk of rows at a time, in the forward and in the backward
-(which recomputes from the saved logits, or for the fused variant from hidden and weight).
+(which recomputes from the saved logits, or for the fused variant from hidden and weight). With
+`inplace_backward` the gradient wrt the logits is written over the saved logits themselves, so
+`token_logprobs` allocates no `[N, V]` tensor at all.
 
 Tensor parallel: logits (or the output weight) are split over the vocab, rank r holding global ids
 [r * V_local, (r + 1) * V_local). Per row, each rank computes (max m, sum e^(x-m), sum e^(x-m) (x-m), target x)
@@ -117,11 +119,15 @@ def _slice(t: Tensor | None, i: int, j: int) -> Tensor | None:
 
 
 class TokenLogprobsFunction(torch.autograd.Function):
-    """(logits `[N, V_local]`, targets `[N]`) -> (logprobs `[N]` fp32, entropy `[N]` fp32 or None)."""
+    """(logits `[N, V_local]`, targets `[N]`) -> (logprobs `[N]` fp32, entropy `[N]` fp32 or None).
+
+    With `inplace_backward`, the backward writes the gradient chunk by chunk over the saved logits and returns
+    that same storage as the gradient (Liger-Kernel's trick): no `[N, V_local]` tensor is allocated at all.
+    """
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, inv_temp: float, tp_group, vocab_size: int | None,
-                return_entropy: bool, ops: LogprobOps, chunk_rows: int):
+                return_entropy: bool, ops: LogprobOps, chunk_rows: int, inplace_backward: bool = False):
         n, v_local = logits.shape
         vocab_start, n_valid = shard_bounds(v_local, tp_group, vocab_size)
         tloc = local_targets(targets, vocab_start, n_valid)
@@ -130,21 +136,28 @@ class TokenLogprobsFunction(torch.autograd.Function):
         logz, logprobs, entropy = combine_stats(_cat_stats(chunks), tp_group)
         ctx.save_for_backward(logits, tloc, logz, entropy)
         ctx.set_materialize_grads(False)  # None grads tell the backward which terms to skip
-        ctx.cfg = (inv_temp, n_valid, ops, chunk_rows)
+        ctx.cfg = (inv_temp, n_valid, ops, chunk_rows, inplace_backward)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
         logits, tloc, logz, entropy = ctx.saved_tensors
-        inv_temp, n_valid, ops, chunk_rows = ctx.cfg
-        grad = torch.empty_like(logits)  # in logits' dtype: the only [N, V_local] tensor we allocate
+        inv_temp, n_valid, ops, chunk_rows, inplace = ctx.cfg
+        if inplace:
+            # Each chunk is read before it is overwritten (see the ops' `out` contract). The Triton kernel
+            # writes through a raw pointer, so bump the version counter by hand: any other autograd node
+            # that saved these logits then raises instead of silently reading gradients.
+            torch.autograd.graph.increment_version(logits)
+            grad = logits
+        else:
+            grad = torch.empty_like(logits)  # in logits' dtype: the only [N, V_local] tensor we allocate
         if grad_logprobs is None and grad_entropy is None:
-            return grad.zero_(), *([None] * 7)
+            return grad.zero_(), *([None] * 8)
         for i in range(0, logits.shape[0], chunk_rows):
             j = i + chunk_rows
             ops.grad(logits[i:j], tloc[i:j], n_valid, inv_temp, logz[i:j], _slice(entropy, i, j),
                      _slice(grad_logprobs, i, j), _slice(grad_entropy, i, j), out=grad[i:j])
-        return grad, *([None] * 7)
+        return grad, *([None] * 8)
 
 
 class FusedLinearLogprobsFunction(torch.autograd.Function):

@@ -4,9 +4,11 @@
 
 Part (a): peak extra memory and time of one forward + backward of
     token_logprobs(logits, targets, return_entropy=True)          vs  naive log_softmax + gather + entropy
+    token_logprobs(..., inplace_backward=True)                    (the gradient overwrites the logits)
     fused_linear_logprobs(hidden, weight, targets, return_entropy=True)  vs  naive hidden @ W.T, then the same
 at N=4096, H=512, V=32000, fp32 by default. Both outputs get an upstream gradient, so the entropy
-backward is included.
+backward is included. The logits are a non-leaf, as a model output is: a stand-in for the layer that made them
+takes their gradient and drops it (a matmul backward would consume it), so no variant keeps a `.grad`.
 
 How memory is measured (torch's CPU allocator has no peak counter and tracemalloc does not see it):
 every variant runs in a fresh subprocess with `MALLOC_MMAP_THRESHOLD_=65536`, which makes glibc serve every
@@ -45,7 +47,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("naive_logprobs", "kernel_logprobs", "naive_fused", "kernel_fused")
+VARIANTS = ("naive_logprobs", "kernel_logprobs", "kernel_logprobs_inplace", "naive_fused", "kernel_fused")
 
 
 def _proc_status_kib(key: str) -> int:
@@ -53,19 +55,45 @@ def _proc_status_kib(key: str) -> int:
         return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1))
 
 
+def _upstream_layer():
+    import torch
+
+    class Upstream(torch.autograd.Function):
+        """Stands in for the layer that produced the logits: makes them a non-leaf and drops their gradient."""
+
+        @staticmethod
+        def forward(ctx, anchor, logits):
+            return logits.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.new_zeros(()), None
+
+    return Upstream
+
+
 def _make_inputs(variant: str, n: int, h: int, v: int, dtype):
+    """(inputs of the op, leaves whose .grad to reset, targets, grad of logprobs, grad of entropy)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     targets = torch.randint(0, v, (n,), generator=g)
     grad_lp = torch.randn(n, generator=g)
     grad_ent = torch.randn(n, generator=g)
-    if variant.endswith("logprobs"):
-        logits = (torch.randn(n, v, generator=g) * 2).to(dtype).requires_grad_(True)
-        return (logits,), targets, grad_lp, grad_ent
+    if "logprobs" in variant:
+        anchor = torch.zeros((), requires_grad=True)
+        logits = _upstream_layer().apply(anchor, (torch.randn(n, v, generator=g) * 2).to(dtype))
+        return (logits,), (anchor,), targets, grad_lp, grad_ent
     hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_(True)
     weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype).requires_grad_(True)
-    return (hidden, weight), targets, grad_lp, grad_ent
+    return (hidden, weight), (hidden, weight), targets, grad_lp, grad_ent
+
+
+def _grad_mib(variant: str, inputs) -> float:
+    """Gradients the step has to allocate: wrt the logits (none with inplace_backward), or hidden and weight."""
+    if variant == "kernel_logprobs_inplace":
+        return 0.0
+    return sum(t.numel() * t.element_size() for t in inputs) / 2**20
 
 
 def _naive_logprobs(logits, targets, temperature: float):
@@ -82,9 +110,9 @@ def _step(variant: str, inputs, targets, grad_lp, grad_ent, temperature: float, 
 
     if variant == "naive_logprobs":
         lp, ent = _naive_logprobs(inputs[0], targets, temperature)
-    elif variant == "kernel_logprobs":
+    elif variant in ("kernel_logprobs", "kernel_logprobs_inplace"):
         lp, ent = kernels.token_logprobs(inputs[0], targets, temperature=temperature, return_entropy=True,
-                                         chunk_size=chunk_size)
+                                         chunk_size=chunk_size, inplace_backward=variant.endswith("inplace"))
     elif variant == "naive_fused":
         lp, ent = _naive_logprobs(inputs[0] @ inputs[1].t(), targets, temperature)
     else:
@@ -99,11 +127,11 @@ def _worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    inputs, targets, grad_lp, grad_ent = _make_inputs(args.worker, args.n, args.h, args.v, dtype)
+    inputs, leaves, targets, grad_lp, grad_ent = _make_inputs(args.worker, args.n, args.h, args.v, dtype)
 
     def step():
         _step(args.worker, inputs, targets, grad_lp, grad_ent, args.temperature, args.chunk_size)
-        for t in inputs:
+        for t in leaves:
             t.grad = None
         gc.collect()
 
@@ -122,10 +150,10 @@ def _worker(args: argparse.Namespace) -> None:
             _step(args.worker, inputs, targets, grad_lp, grad_ent, args.temperature, args.chunk_size)
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
-            for t in inputs:
+            for t in leaves:
                 t.grad = None
-        grad_mib = sum(t.numel() * t.element_size() for t in inputs) / 2**20
-        print(json.dumps({"time_s": statistics.median(wall), "cpu_s": statistics.median(cpu), "grad_mib": grad_mib}))
+        print(json.dumps({"time_s": statistics.median(wall), "cpu_s": statistics.median(cpu),
+                          "grad_mib": _grad_mib(args.worker, inputs)}))
 
 
 def _run_variant(args: argparse.Namespace, variant: str, mode: str) -> dict:
@@ -149,21 +177,23 @@ def run_part_a(args: argparse.Namespace) -> None:
         res[variant] = {**_run_variant(args, variant, "mem"), **_run_variant(args, variant, "time")}
     print(f"part (a): N={args.n} H={args.h} V={args.v} dtype={args.dtype} T={args.temperature} "
           f"threads={args.threads}, one forward+backward with entropy; times are medians of {args.repeats}")
-    print(f"{'variant':<17}{'peak extra MiB':>15}{'of which grads':>15}{'workspace MiB':>15}{'wall s':>9}{'cpu s':>9}")
+    print(f"{'variant':<25}{'peak extra MiB':>15}{'of which grads':>15}{'workspace MiB':>15}{'wall s':>9}"
+          f"{'cpu s':>9}")
     for variant in VARIANTS:
         r = res[variant]
-        print(f"{variant:<17}{r['extra_mib']:>15.1f}{r['grad_mib']:>15.1f}{r['extra_mib'] - r['grad_mib']:>15.1f}"
+        print(f"{variant:<25}{r['extra_mib']:>15.1f}{r['grad_mib']:>15.1f}{r['extra_mib'] - r['grad_mib']:>15.1f}"
               f"{r['time_s']:>9.3f}{r['cpu_s']:>9.3f}")
     print()
     print("kernel / naive ratios (targets: peak extra memory <= 0.125, time <= 1.2)")
-    print(f"{'op':<24}{'peak extra':>12}{'workspace':>12}{'wall':>8}{'cpu':>8}")
+    print(f"{'op':<40}{'peak extra':>12}{'workspace':>12}{'wall':>8}{'cpu':>8}")
     for op, (naive, kernel) in {"token_logprobs": ("naive_logprobs", "kernel_logprobs"),
+                                "token_logprobs(inplace_backward=True)": ("naive_logprobs", "kernel_logprobs_inplace"),
                                 "fused_linear_logprobs": ("naive_fused", "kernel_fused")}.items():
         n, k = res[naive], res[kernel]
         ratios = (k["extra_mib"] / n["extra_mib"],
                   (k["extra_mib"] - k["grad_mib"]) / (n["extra_mib"] - n["grad_mib"]),
                   k["time_s"] / n["time_s"], k["cpu_s"] / n["cpu_s"])
-        print(f"{op:<24}" + "".join(f"{x:>{w}.3f}" for x, w in zip(ratios, (12, 12, 8, 8))))
+        print(f"{op:<40}" + "".join(f"{x:>{w}.3f}" for x, w in zip(ratios, (12, 12, 8, 8))))
 
 
 def _part_b_model(args: argparse.Namespace):

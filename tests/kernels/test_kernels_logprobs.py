@@ -151,3 +151,86 @@ def test_env_switches(monkeypatch):
         kernels._select("token_logprobs", cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # _select only reads it
     assert kernels._select("token_logprobs", cpu) == "triton"
+
+
+def _inplace_grads(logits, targets, gl, ge, **kw):
+    """token_logprobs(inplace_backward=True) on a non-leaf copy of `logits` (as a model output would be).
+
+    Returns (logprobs, entropy, grad wrt the leaf, whether the grad reaching the non-leaf shares its storage)."""
+    leaf = logits.detach().clone().requires_grad_(True)
+    x = leaf * 1.0  # MulBackward with a Python scalar saves nothing: x is read by the kernel only
+    seen = []
+    x.register_hook(lambda g: seen.append(g.data_ptr() == x.data_ptr()))
+    lp, ent = kernels.token_logprobs(x, targets, return_entropy=True, inplace_backward=True, **kw)
+    loss = 0
+    if gl is not None:
+        loss = loss + (lp.double() * gl).sum()
+    if ge is not None:
+        loss = loss + (ent.double() * ge).sum()
+    loss.backward()
+    return lp.detach(), ent.detach(), leaf.grad, seen == [True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,v,vocab_size,chunk_size", [(1, 7, None, None), (37, 101, 90, 16), (64, 1000, None, 5)])
+@pytest.mark.parametrize("grads", ["both", "logprobs", "entropy"])
+def test_inplace_backward_matches_reference(dtype, n, v, vocab_size, chunk_size, grads):
+    g = torch.Generator().manual_seed(n + v + 1)
+    logits = (torch.randn(n, v, generator=g) * 3).to(dtype)
+    if vocab_size is not None:
+        logits[:, vocab_size:] = 50.0
+    targets = torch.randint(0, vocab_size or v, (n,), generator=g)
+    gl = torch.randn(n, generator=g).double() if grads != "entropy" else None
+    ge = torch.randn(n, generator=g).double() if grads != "logprobs" else None
+    kw = dict(temperature=0.7, vocab_size=vocab_size, chunk_size=chunk_size)
+
+    lp, ent, grad, aliased = _inplace_grads(logits, targets, gl, ge, **kw)
+    assert aliased, "the gradient must come back in the logits' own storage"
+    assert grad.dtype == dtype
+    ref_lp, ref_ent, (ref_grad,) = _grads(lambda x: naive(x, targets, 0.7, vocab_size), [logits.double()], gl, ge)
+    torch.testing.assert_close(lp.double(), ref_lp, **FWD_TOL)
+    torch.testing.assert_close(ent.double(), ref_ent, **FWD_TOL)
+    torch.testing.assert_close(grad.double(), ref_grad, **GRAD_TOL[dtype])
+    # and the same numbers as the default (allocating) backward
+    *_, (default,) = _grads(lambda x: kernels.token_logprobs(x, targets, return_entropy=True, **kw), [logits],
+                            gl, ge)
+    torch.testing.assert_close(grad, default, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+
+
+def test_inplace_backward_without_upstream_grad_and_leading_dims():
+    g = torch.Generator().manual_seed(4)
+    leaf = torch.randn(2, 5, 33, generator=g, requires_grad=True)
+    targets = torch.randint(0, 33, (2, 5), generator=g)
+    lp, ent = kernels.token_logprobs(leaf * 1.0, targets, return_entropy=True, inplace_backward=True)
+    assert lp.shape == ent.shape == (2, 5)
+    (lp.sum() * 0 + ent.detach().sum()).backward()  # a zero upstream gradient
+    assert torch.all(leaf.grad == 0)
+    ref = leaf.detach().clone().requires_grad_(True)
+    torch.log_softmax(ref, -1).gather(-1, targets.unsqueeze(-1)).sum().backward()
+    leaf.grad = None
+    kernels.token_logprobs(leaf * 1.0, targets, inplace_backward=True).sum().backward()
+    torch.testing.assert_close(leaf.grad, ref.grad, **GRAD_TOL[torch.float32])
+
+
+def test_inplace_backward_misuse_fails_loudly():
+    g = torch.Generator().manual_seed(5)
+    leaf = torch.randn(6, 40, generator=g, requires_grad=True)
+    targets = torch.randint(0, 40, (6,), generator=g)
+    with pytest.raises(ValueError, match="not a leaf"):  # its .grad would alias its own data
+        kernels.token_logprobs(leaf, targets, inplace_backward=True)
+    # Another op saved the same logits and runs its backward after ours: autograd sees the version bump.
+    x = leaf * 1.0
+    other = (x * x).sum()  # MulBackward saves x
+    lp = kernels.token_logprobs(x, targets, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (lp.sum() + other).backward()
+    # A second backward through the same graph would recompute from the overwritten logits.
+    x = leaf * 1.0
+    lp = kernels.token_logprobs(x, targets, inplace_backward=True)
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.sum().backward()
+    # Without inplace_backward the same graph is fine.
+    x = leaf * 1.0
+    other = (x * x).sum()
+    (kernels.token_logprobs(x, targets).sum() + other).backward()

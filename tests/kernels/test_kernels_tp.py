@@ -1,9 +1,9 @@
 """Vocab-parallel log-probs at TP=2 and TP=4 on gloo against the single-process full-vocab result.
 
 Each rank computes the full-vocab reference itself (same seed), then its shard's result, and asserts:
-logprobs and entropy equal, the logits grad equals its slice of the full grad, and for the fused variant
-the hidden grad (all-reduced) equals the full one and the weight grad equals its slice. The padded vocab
-leaves the last rank with no real column at TP=4, which exercises the empty-shard path.
+logprobs and entropy equal, the logits grad equals its slice of the full grad (also with `inplace_backward`),
+and for the fused variant the hidden grad (all-reduced) equals the full one and the weight grad equals its
+slice. The padded vocab leaves the last rank with no real column at TP=4, which exercises the empty-shard path.
 """
 
 from __future__ import annotations
@@ -65,6 +65,17 @@ def _worker(rank: int, world: int, port: int) -> None:
             torch.testing.assert_close(s_lp, f_lp, **tol)
             torch.testing.assert_close(s_ent, f_ent, **tol)
             torch.testing.assert_close(s_g, f_g[:, lo:hi], **tol)
+
+            def token_inplace(ts, sharded):  # on a non-leaf, as a model output; the full run is the default
+                x = ts[0] * 1.0 if sharded else ts[0]
+                return kernels.token_logprobs(x, targets, temperature=TEMPERATURE, return_entropy=True,
+                                              vocab_size=vocab_size, tp_group=group if sharded else None,
+                                              chunk_size=4, inplace_backward=sharded)
+
+            _, (i_lp, i_ent, (i_g,)) = _full_and_shard(token_inplace, [logits], [logits[:, lo:hi]], gl, ge)
+            torch.testing.assert_close(i_lp, f_lp, **tol)
+            torch.testing.assert_close(i_ent, f_ent, **tol)
+            torch.testing.assert_close(i_g, f_g[:, lo:hi], **tol)
 
             def fused(ts, sharded):
                 return kernels.fused_linear_logprobs(ts[0], ts[1], targets, temperature=TEMPERATURE,

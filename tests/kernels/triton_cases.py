@@ -54,6 +54,32 @@ def test_token_logprobs(dtype, return_entropy):
     assert torch.all(grad[:, vocab_size:] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_inplace_backward(dtype):
+    n, v, vocab_size = 5, 300, 280
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(n, v, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, vocab_size, (n,), generator=g)
+    gl, ge = torch.randn(n, generator=g).double(), torch.randn(n, generator=g).double()
+    leaf = logits.to(DEVICE).requires_grad_(True)
+    x = leaf * 1.0  # a non-leaf, read by the kernel only
+    seen = []
+    x.register_hook(lambda grad: seen.append(grad.data_ptr() == x.data_ptr()))
+    lp, ent = kernels.token_logprobs(x, targets.to(DEVICE), temperature=0.7, vocab_size=vocab_size,
+                                     return_entropy=True, inplace_backward=True)
+    ((lp.double() * gl.to(DEVICE)).sum() + (ent.double() * ge.to(DEVICE)).sum()).backward()
+    assert seen == [True], "the gradient must come back in the logits' own storage"
+    _, _, (ref_grad,) = grads_of(lambda y: naive_logprobs(y, targets, 0.7, vocab_size), [logits.double()], gl, ge)
+    assert leaf.grad.dtype == dtype
+    torch.testing.assert_close(leaf.grad.cpu().double(), ref_grad, **GRAD_TOL[dtype])
+    # The kernel writes through a raw pointer; the version bump still makes a later reader of x raise.
+    x = leaf * 1.0
+    other = (x * x).sum()
+    lp = kernels.token_logprobs(x, targets.to(DEVICE), inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (lp.sum() + other).backward()
+
+
 @pytest.mark.parametrize("n_valid", [0, 70, 128])
 def test_shard_ops_match_reference(n_valid):
     """The per-shard ops as tensor parallelism calls them: foreign targets (-1), partial and empty shards."""
