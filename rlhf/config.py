@@ -45,7 +45,8 @@ def add_common_args(p: argparse.ArgumentParser, *, lr: float, epochs: int, micro
                    help="compatibility: >=1 maps to megatron's distributed optimizer (ZeRO-1)")
     g.add_argument("--flash_attn", action="store_true",
                    help="compatibility: flash/TE attention is used when installed on a GPU")
-    g.add_argument("--packing_samples", action="store_true")
+    g.add_argument("--packing_samples", action="store_true",
+                   help="run each micro-batch as one padding-free row (THD packing, varlen attention)")
     g.add_argument("--tensor_model_parallel_size", "--tp", type=int, default=1)
     g.add_argument("--pipeline_model_parallel_size", "--pp", type=int, default=1)
     g = p.add_argument_group("data")
@@ -95,8 +96,15 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
         src = describe_source(args.pretrain)
     except ValueError as e:
         raise ValueError(f"--pretrain {args.pretrain}: {e}") from None
-    check_parallel_fit(src["spec"], args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                       src["padded_vocab"])
+    spec = src["spec"]
+    check_parallel_fit(spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, src["padded_vocab"])
+    if args.packing_samples:  # what the packed attention path refuses at the first forward (models/packed_attention)
+        if spec.sliding_window is not None and args.max_len > spec.sliding_window:
+            raise ValueError(f"--packing_samples: --pretrain {args.pretrain} has sliding_window={spec.sliding_window}"
+                             f", shorter than --max_len {args.max_len}; packed sequences do not support that")
+        if spec.attention_dropout > 0:
+            raise ValueError(f"--packing_samples: --pretrain {args.pretrain} has attention_dropout="
+                             f"{spec.attention_dropout}, which packed sequences do not support while training")
     return dp
 
 

@@ -7,7 +7,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf.algo.losses import pairwise_rm_loss, sequence_rewards
+from rlhf.algo.losses import packed_sequence_rewards, pairwise_loss, sequence_rewards
+
+
+def rewards_of(batch: dict, values: torch.Tensor) -> torch.Tensor:
+    """The reward of each row (2B,): the score at its last token, from a padded (2B, S) or a packed (1, T)
+    (``--packing_samples``) micro-batch."""
+    if "packed_seq_params" in batch:
+        return packed_sequence_rewards(values, batch["cu_seqlens"])
+    return sequence_rewards(values, batch["attention_mask"])
 
 
 class RMTask:
@@ -29,7 +37,7 @@ class RMTask:
 
     def loss_fn(self, engine):
         def fn(batch: dict, values: torch.Tensor):
-            return pairwise_rm_loss(values, batch["attention_mask"], batch.get("margin"))
+            return pairwise_loss(rewards_of(batch, values), batch.get("margin"))
 
         return fn
 
@@ -45,7 +53,7 @@ class RMTask:
         s = torch.zeros(3, dtype=torch.float64)
         if engine.mesh.is_last_stage and engine.mesh.tp_rank == 0:
             for b, o in zip(batches, outs):
-                r = sequence_rewards(o["output"], b["attention_mask"]).double()
+                r = rewards_of(b, o["output"]).double()
                 s += torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=torch.float64)])
         dist.all_reduce(s)
         mean = (s[0] / s[2]).item()

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from rlhf.algo.losses import sft_loss
+from rlhf.algo.losses import packed_sft_loss, sft_loss
 
 
 class SFTTask:
@@ -30,8 +30,15 @@ class SFTTask:
         tp_group = engine.mesh.tp_group if engine.mesh.tp > 1 else None
         vocab = engine.spec.vocab_size
 
+        # The logits are the model's output, read by this loss only (megatron's output layer does not save its
+        # output for the backward), so the kernel may overwrite them with their gradient: no [B*S, V] buffer.
         def fn(batch: dict, logits: torch.Tensor):
-            return sft_loss(logits, batch["input_ids"], batch["loss_mask"], tp_group=tp_group, vocab_size=vocab)
+            if "packed_seq_params" in batch:  # --packing_samples: logits (1, T, V_local)
+                return packed_sft_loss(logits, batch["input_ids"], batch["loss_mask"],
+                                       batch["packed_seq_params"].cu_seqlens_q, tp_group=tp_group,
+                                       vocab_size=vocab, inplace_backward=True)
+            return sft_loss(logits, batch["input_ids"], batch["loss_mask"], tp_group=tp_group, vocab_size=vocab,
+                            inplace_backward=True)
 
         return fn
 

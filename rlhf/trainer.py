@@ -58,7 +58,48 @@ def load_split(args: argparse.Namespace, tokenizer, build) -> tuple[list, list, 
 
 
 def tokens_in(microbatches: Sequence[dict]) -> int:
-    return int(sum(int(mb["attention_mask"].sum()) for mb in microbatches))
+    """Real (non-padding) tokens of padded or packed micro-batches."""
+    return int(sum(mb["num_tokens"] if "num_tokens" in mb else int(mb["attention_mask"].sum())
+                   for mb in microbatches))
+
+
+def make_microbatches(task: Task, groups: Sequence[list], tokenizer, *, packing: bool,
+                      same_shape: bool) -> list[dict]:
+    """One micro-batch per group of samples: ``task.collate``, then, with ``packing`` (``--packing_samples``),
+    one padding-free row per micro-batch (``rlhf.models.packing``; the task's loss reads that layout).
+
+    ``same_shape`` (PP > 1): megatron's pipeline sends activations of one shape for every micro-batch of a
+    schedule call, so packed rows are filled up to the longest one with dummy trailing sequences (no loss, they
+    attend only to themselves), and padded micro-batches are right-padded to the widest one. Sequence
+    parallelism is off, so no length needs to divide by TP.
+    """
+    from rlhf.data import pad_token_id
+
+    mbs = [task.collate(list(g), tokenizer) for g in groups]
+    if not mbs:
+        return mbs
+    pad_id = pad_token_id(tokenizer)
+    if packing:
+        from rlhf.models.packing import pack_padded_batch
+
+        pad_to = max(int(mb["attention_mask"].sum()) for mb in mbs) if same_shape else None
+        return [pack_padded_batch(mb, pad_to=pad_to, pad_token_id=pad_id) for mb in mbs]
+    if same_shape:
+        width = max(mb["input_ids"].shape[1] for mb in mbs)
+        mbs = [_pad_width(mb, width, pad_id) for mb in mbs]
+    return mbs
+
+
+def _pad_width(mb: dict, width: int, pad_id: int) -> dict:
+    """Right-pad every (B, S) tensor of a right-padded micro-batch to (B, width): pad id, zero masks."""
+    b, s = mb["input_ids"].shape
+    if s == width:
+        return mb
+    out = dict(mb)
+    for k, v in mb.items():
+        if isinstance(v, torch.Tensor) and v.shape == (b, s):
+            out[k] = torch.cat([v, v.new_full((b, width - s), pad_id if k == "input_ids" else 0)], dim=1)
+    return out
 
 
 def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
@@ -105,8 +146,16 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
         step = state["step"]
         sampler.load_state_dict(state["extra"]["sampler"])
     metrics_log = MetricsLogger(mesh.is_rank0, total_steps, args.tensorboard, prefix=task.name)
-    eval_batches = [task.collate(evals[i:i + args.micro_train_batch_size], tokenizer)
-                    for i in range(0, len(evals), args.micro_train_batch_size)]
+    if args.packing_samples and mesh.is_rank0:
+        log.info("--packing_samples: each micro-batch runs as one padding-free row (THD, varlen attention)%s",
+                 "; with PP > 1 a step's rows are filled to its longest with a dummy sequence" if mesh.pp > 1
+                 else "")
+
+    def batches(groups: Sequence[list]) -> list[dict]:
+        return make_microbatches(task, groups, tokenizer, packing=args.packing_samples, same_shape=mesh.pp > 1)
+
+    mbs = args.micro_train_batch_size
+    eval_batches = batches([evals[i:i + mbs] for i in range(0, len(evals), mbs)])
     eval_batches = eval_batches[mesh.dp_rank::dp] if len(eval_batches) >= dp else eval_batches[:0]
     result: dict[str, Any] = {}
     loss_fn = task.loss_fn(engine)
@@ -120,7 +169,7 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
             destroy_mesh()
             return result
         micro_idx = sampler.next_step()
-        microbatches = [task.collate([train[i] for i in idx], tokenizer) for idx in micro_idx]
+        microbatches = batches([[train[i] for i in idx] for idx in micro_idx])
         t0 = time.time()
         m = engine.train_step(microbatches, loss_fn, task.metric_keys, output=task.output)
         step += 1
@@ -138,8 +187,7 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
     if eval_batches:
         result["eval"] = task.evaluate(engine, eval_batches)
         metrics_log.log(step, result["eval"], prefix="eval", progress=False)
-    train_batches = [task.collate(train[i:i + args.micro_train_batch_size], tokenizer)
-                     for i in range(0, len(train), args.micro_train_batch_size)]
+    train_batches = batches([train[i:i + mbs] for i in range(0, len(train), mbs)])
     extra = task.export_extra(engine, train_batches[mesh.dp_rank::dp])
     result.update(extra)
     export_hf(args, engine, mesh, extra)

@@ -9,27 +9,62 @@ import torch.nn.functional as F
 
 
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, tp_group=None,
-                        vocab_size: int | None = None, temperature: float = 1.0) -> torch.Tensor:
-    """log p(input_ids[:, t+1] | ..t). logits (B, S, V_local) vocab-parallel -> (B, S-1) fp32."""
+                        vocab_size: int | None = None, temperature: float = 1.0,
+                        inplace_backward: bool = False) -> torch.Tensor:
+    """log p(input_ids[:, t+1] | ..t). logits (B, S, V_local) vocab-parallel -> (B, S-1) fp32.
+
+    ``inplace_backward``: the backward writes the gradient into ``logits``' own storage instead of a new
+    ``[B*S, V_local]`` tensor (see ``kernels.token_logprobs``). Only when nothing uses ``logits`` afterwards.
+    """
     import kernels
 
-    b, s, v = logits.shape
-    lp = kernels.token_logprobs(logits[:, :-1].reshape(-1, v), input_ids[:, 1:].reshape(-1),
-                                temperature=temperature, tp_group=tp_group, vocab_size=vocab_size)
-    return lp.view(b, s - 1)
+    targets = torch.zeros_like(input_ids)  # (B, S): the last position's target is a dummy, its log-prob dropped
+    targets[:, :-1] = input_ids[:, 1:]
+    # All S positions rather than logits[:, :-1]: slicing would make the kernel's input a copy (and its gradient
+    # a second [B, S, V] buffer). Rows go in (S, B) order, megatron's own layout, in which flattening its
+    # (transposed) logits is a view. The order is fixed, not picked from strides: with TP the row statistics are
+    # all-reduced row by row, so every rank must use the same order, whatever layout its shard has.
+    kw = dict(temperature=temperature, tp_group=tp_group, vocab_size=vocab_size, inplace_backward=inplace_backward)
+    lp = kernels.token_logprobs(logits.transpose(0, 1), targets.t(), **kw).t()  # (B, S)
+    return lp[:, :-1]
 
 
-def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, *, tp_group=None,
-             vocab_size: int | None = None):
-    """Negative log-likelihood of the response tokens only.
-
-    logits (B, S, V_local); input_ids, loss_mask (B, S) with loss_mask 1 on the response tokens to predict.
-    """
-    lp = next_token_logprobs(logits, input_ids, tp_group=tp_group, vocab_size=vocab_size)  # (B, S-1)
-    mask = loss_mask[:, 1:].to(lp.dtype)
+def _masked_nll(lp: torch.Tensor, mask: torch.Tensor):
+    mask = mask.to(lp.dtype)
     loss_sum = -(lp * mask).sum()
     n = mask.sum().to(torch.int)
     return loss_sum, n, {"loss": [loss_sum.detach(), n.detach()]}
+
+
+def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, *, tp_group=None,
+             vocab_size: int | None = None, inplace_backward: bool = False):
+    """Negative log-likelihood of the response tokens only.
+
+    logits (B, S, V_local); input_ids, loss_mask (B, S) with loss_mask 1 on the response tokens to predict.
+    ``inplace_backward``: see ``next_token_logprobs``.
+    """
+    lp = next_token_logprobs(logits, input_ids, tp_group=tp_group, vocab_size=vocab_size,
+                             inplace_backward=inplace_backward)  # (B, S-1)
+    return _masked_nll(lp, loss_mask[:, 1:])
+
+
+def packed_sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                    cu_seqlens: torch.Tensor, *, tp_group=None, vocab_size: int | None = None,
+                    inplace_backward: bool = False):
+    """``sft_loss`` on a packed micro-batch (``rlhf.models.packing``): sequences back to back in one row.
+
+    logits (1, T, V_local); input_ids, loss_mask (1, T); cu_seqlens [n + 1] over the whole stream (dummy
+    padding included, i.e. ``packed_seq_params.cu_seqlens_q``). The last token of each sequence predicts
+    nothing: a target never crosses into the next sequence.
+    """
+    import kernels
+
+    targets, valid = kernels.packed_next_tokens(input_ids[0], cu_seqlens)  # (T,), (T,) bool
+    lp = kernels.token_logprobs(logits[0], targets, tp_group=tp_group, vocab_size=vocab_size,
+                                inplace_backward=inplace_backward)  # (T,)
+    mask = torch.zeros_like(lp)  # token t is scored iff token t + 1 is a response token of the same sequence
+    mask[:-1] = loss_mask[0, 1:].to(lp.dtype)
+    return _masked_nll(lp, mask * valid)
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -44,9 +79,20 @@ def sequence_rewards(values: torch.Tensor, attention_mask: torch.Tensor) -> torc
     return values.gather(1, idx.unsqueeze(1)).squeeze(1).float()
 
 
+def packed_sequence_rewards(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The score head at the last token of each packed sequence. values (1, T); cu_seqlens [B + 1] of the real
+    (non-empty) sequences, i.e. the batch's ``cu_seqlens``, not the dummy padding -> (B,)."""
+    return values[0, cu_seqlens[1:].long() - 1].float()
+
+
 def pairwise_rm_loss(values: torch.Tensor, attention_mask: torch.Tensor, margin: torch.Tensor | None = None):
     """``-log sigmoid(r_chosen - r_rejected - margin)``. values/attention_mask (2B, S): chosen rows first."""
-    r = sequence_rewards(values, attention_mask)
+    return pairwise_loss(sequence_rewards(values, attention_mask), margin)
+
+
+def pairwise_loss(rewards: torch.Tensor, margin: torch.Tensor | None = None):
+    """``-log sigmoid(r_chosen - r_rejected - margin)`` from rewards (2B,): chosen first, then rejected."""
+    r = rewards
     b = r.shape[0] // 2
     chosen, rejected = r[:b], r[b:]
     gap = chosen - rejected

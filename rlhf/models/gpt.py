@@ -134,7 +134,8 @@ def _gpt_model_class():
                 return values.squeeze(-1).transpose(0, 1).contiguous()  # (B, S)
             weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
             logits, _ = self.output_layer(hidden, weight=weight)
-            return mask_padded_vocab(logits.transpose(0, 1), self.true_vocab_size)  # (B, S, V_local)
+            # Mask in megatron's (S, B, V) layout, then transpose: every TP rank returns the same memory layout.
+            return mask_padded_vocab(logits, self.true_vocab_size).transpose(0, 1)  # (B, S, V_local)
 
         def output_weight(self) -> torch.Tensor:
             """The (vocab-parallel) LM head weight [V_local, H], for the fused linear log-prob kernel."""

@@ -118,3 +118,17 @@ def packed_to_padded(batch: dict, output: Tensor, pad_value: float = 0) -> Tenso
     out = values.new_full((*mask.shape, *values.shape[1:]), pad_value)
     out[mask] = values
     return out
+
+
+def pack_padded_batch(batch: Mapping[str, Tensor], *, pad_to: int | None = None, pad_token_id: int = 0) -> dict:
+    """A collated right- (or left-) padded micro-batch (``rlhf.data.collate``) -> one packed row.
+
+    ``input_ids`` and ``attention_mask`` (B, S) become the packed layout of ``make_packed_batch``; every other
+    (B, S) tensor (e.g. ``loss_mask``) is packed the same way (zeros on dummy padding); the rest (``margin``,
+    ``prompt_lens``, ...) is passed through. ``pad_to``: see ``make_packed_batch``.
+    """
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    per_token = {k: v for k, v in batch.items()
+                 if k not in ("input_ids", "attention_mask") and isinstance(v, Tensor) and v.shape == ids.shape}
+    rest = {k: v for k, v in batch.items() if k not in per_token and k not in ("input_ids", "attention_mask")}
+    return {**rest, **make_packed_batch(ids, mask, pad_to=pad_to, pad_token_id=pad_token_id, per_token=per_token)}
