@@ -69,10 +69,12 @@ def _final_weights(save):
     return load_file(os.path.join(save, "model.safetensors"))
 
 
-def test_resume_is_exact(train_setup, tmp_path):
-    """6 steps straight == 3 steps, stop, resume to 6: bit-identical weights (DP2, 2 ranks)."""
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_resume_is_exact(train_setup, tmp_path, zero_stage):
+    """6 steps straight == 3 steps, stop, resume to 6: bit-identical weights (DP2, 2 ranks). --zero_stage 1 is
+    megatron's distributed optimizer: each DP rank holds half of the Adam state."""
     base = ["--pretrain", train_setup["model"], "--dataset", train_setup["sft"], "--max_epochs", "1",
-            "--learning_rate", "1e-3", "--max_samples", "96"]
+            "--learning_rate", "1e-3", "--max_samples", "96", "--zero_stage", str(zero_stage)]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     p = run_torchrun(SFT, 2, base + common(straight))
     assert p.returncode == 0, tail(p)
