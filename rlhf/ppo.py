@@ -42,6 +42,19 @@ def load_prompts(args: argparse.Namespace, tokenizer) -> tuple[list, dict]:
     return prompts, {"num_prompts": len(prompts), "num_truncated": stats.num_truncated}
 
 
+def load_gold_fn(spec: str):
+    """``--gold_reward_fn module:function``; the function maps (prompt texts, reply texts) to floats."""
+    import importlib
+
+    if ":" not in spec:
+        raise ValueError(f"--gold_reward_fn must be module:function, got {spec!r}")
+    mod, fn = spec.split(":", 1)
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--gold_reward_fn {spec}: {e}") from None
+
+
 def vllm_model_dir(args: argparse.Namespace, actor, mesh) -> str:
     """vLLM needs an HF config + tokenizer folder; it starts from dummy weights and gets the actor's by sync."""
     if actor.source["kind"] == "hf":
@@ -71,7 +84,8 @@ class PPOTrainer:
         from rlhf.rollout import RolloutConfig, build_rollout
         from rlhf.rollout.weight_sync import WeightSync
 
-        self.args, self.sizes, self.prompts = args, sizes, prompts
+        self.args, self.sizes, self.prompts, self.tokenizer = args, sizes, prompts, tokenizer
+        self.gold_fn = load_gold_fn(args.gold_reward_fn) if args.gold_reward_fn else None
         self.pad_id = pad_token_id(tokenizer)
         self.estimator = get_estimator(args.advantage_estimator)
         self.kl_in_loss = args.advantage_estimator in ("grpo", "dr_grpo")
@@ -81,6 +95,7 @@ class PPOTrainer:
         torch.manual_seed(args.seed)
         self.mesh = mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                            DistEnv.from_environ(), seed=args.seed)
+        from rlhf.distributed.health import check_config_consistency; check_config_consistency(args)  # noqa: E702
         log_compat(args)
 
         def optim(lr: float) -> OptimConfig:
@@ -160,6 +175,11 @@ class PPOTrainer:
                                             seed=args.seed * 100_003 + self.step)
             self.rollout.sleep()
         n_gen = sum(len(s.response_ids) for s in samples)
+        if self.gold_fn is not None:  # measured only, never optimized
+            texts = [self.prompts[prompt_idx[s.prompt_index]].prompt for s in samples]
+            replies = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+            gold = self.gold_fn(texts, replies)
+            metrics["gold_reward"] = sum(gold) / len(gold)
         timer.metrics["tokens_per_s/rollout"] = n_gen / timer.metrics["time/rollout"]
 
         # This DP rank's contiguous share of the prompt-major samples.
@@ -364,6 +384,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = DistEnv.from_environ()
     setup_logging(env.rank)
     sizes = validate(args, env.world_size)  # flags, files and model configs: before any model is loaded
+    if args.gold_reward_fn:
+        load_gold_fn(args.gold_reward_fn)
     if sizes["engines"] and args.rollout_backend != "megatron":
         from rlhf.rollout.vllm_engine import check_vllm_fit, vllm_available
 

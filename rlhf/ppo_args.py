@@ -86,6 +86,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard", "--use_tensorboard", dest="tensorboard", default=None)
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--load_checkpoint", action="store_true")
+    g.add_argument("--gold_reward_fn", default=None,
+                   help="module:function scoring (prompts, replies) with a rule; logged as gold_reward, never "
+                        "optimized (e.g. rlhf.demo.sort_task:gold_rewards)")
     g.add_argument("--stop_after_steps", type=int, default=-1, help="stop (as if killed) after N steps; for tests")
 
 

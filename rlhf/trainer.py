@@ -127,6 +127,7 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
 
     torch.manual_seed(args.seed)
     mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, env, seed=args.seed)
+    from rlhf.distributed.health import check_config_consistency; check_config_consistency(args)  # noqa: E702
     log_compat_mappings(args)
     if mesh.is_rank0:
         log.info("%s: %d train / %d eval samples (%s); %d steps of %d samples on dp=%d tp=%d pp=%d", task.name,

@@ -13,15 +13,16 @@ _CORPUS_WORDS = ("the quick brown fox jumps over lazy dog apple banana cherry de
                  "xray yankee zulu one two three four five six seven eight nine ten sort reverse repeat").split()
 
 
-def make_tokenizer(out: str, vocab_size: int = 256, seed: int = 0):
-    """Train a small byte-level BPE tokenizer on a generated corpus and save it as a fast HF tokenizer."""
+def make_tokenizer(out: str, vocab_size: int = 256, seed: int = 0, texts: list[str] | None = None):
+    """Train a small byte-level BPE tokenizer on a generated corpus (or ``texts``) and save it as a fast HF
+    tokenizer. The 256 byte tokens come first, so ``vocab_size`` above 259 buys merges (whole words)."""
     import random
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(seed)
-    corpus = [" ".join(rng.choice(_CORPUS_WORDS) for _ in range(rng.randint(3, 12))) for _ in range(2000)]
+    corpus = texts or [" ".join(rng.choice(_CORPUS_WORDS) for _ in range(rng.randint(3, 12))) for _ in range(2000)]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

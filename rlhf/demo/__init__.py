@@ -1,0 +1,1 @@
+"""The bundled task of the embedded default job (README command 1)."""
