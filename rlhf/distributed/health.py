@@ -78,8 +78,8 @@ def check_config_consistency(args: argparse.Namespace, group: Any = None,
     groups: dict[str | None, list[int]] = {}
     for r, v in zip(ranks, values):
         groups.setdefault(v, []).append(r)
-    where = "; ".join(f"{_ranks(rs)} {_verb(rs, 'lack', 'lacks') + ' it' if v is None else _verb(rs, 'have', 'has') + ' ' + v}"
-                      for v, rs in groups.items())
+    where = "; ".join(f"{_ranks(rs)} " + (_verb(rs, "lack", "lacks") + " it" if v is None else
+                                           _verb(rs, "have", "has") + " " + v) for v, rs in groups.items())
     n_diff = sum(1 for k in set().union(*per_rank) if len({f.get(k) for f in per_rank}) > 1)
     more = f" ({n_diff - 1} more flag(s) differ)" if n_diff > 1 else ""
     raise ValueError(f"configuration differs across ranks: --{name}: {where}{more}. Every rank must be started "

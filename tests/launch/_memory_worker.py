@@ -1,0 +1,149 @@
+"""Measured device memory of the PPO phases on CPU, for comparison with rlhf.planner (test_plan_memory.py):
+
+    torchrun --nproc_per_node 2 tests/launch/_memory_worker.py ACTOR_HF RM_HF OUT.json CONFIG_JSON
+
+The four real engines (actor and critic with megatron DDP + optimizer, ref and reward frozen) at TP2, under the
+trainer's MemoryScheduler with --colocate_all, run the trainer's own experience forwards (rlhf.experience.
+forward_role) and PPO losses (PPOTrainer._actor_loss / _critic_loss) on full-length synthetic samples.
+
+What is measured, per phase, on rank 0 (the CPU analogue of CUDA's peak allocated bytes):
+
+* resident: ``OffloadManager.storages()`` per role and part (params, grads, optimizer) after the scheduler has
+  entered the phase: the live storage bytes the phase keeps.
+* activations: the peak, over the phase, of torch's live CPU allocations minus those at its start, from the
+  profiler's allocation events (``profile_memory=True``; every allocation and free with its size). This is
+  what a phase adds on top of its resident state: saved activations, working buffers, logits chunks.
+  megatron's process-wide attention-score buffer is cleared before each phase, so each phase pays for it, as
+  it would on a device that had freed it.
+
+A warm-up step first creates Adam's lazily built state, so the measured step is a steady-state one.
+"""
+import json
+import os
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from rlhf.distributed import initialize_mesh  # noqa: E402
+from rlhf.distributed.mesh import destroy_mesh, set_single_thread  # noqa: E402
+
+
+def allocation_peak(fn) -> int:
+    """Peak of live torch CPU bytes allocated (net of frees) while ``fn`` runs, relative to its start."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+
+    def walk(node):
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    cur = peak = 0
+    for _, size in sorted(events, key=lambda e: e[0]):
+        cur += size
+        peak = max(peak, cur)
+    return peak
+
+
+def synthetic_experience(vocab: int, n: int, prompt_len: int, resp_len: int, seed: int):
+    from rlhf.experience import Experience, collate_sequences
+    from rlhf.rollout.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = [Sample(i, torch.randint(3, vocab, (prompt_len,), generator=g).tolist(),
+                      torch.randint(3, vocab, (resp_len,), generator=g).tolist(), [-1.0] * resp_len, True)
+               for i in range(n)]
+    batch = collate_sequences(samples, pad_id=0, T=resp_len)
+    shape = (n, resp_len)
+    exp = Experience(samples, batch, old_logprobs=-torch.rand(shape, generator=g) - 1,
+                     vllm_logprobs=-torch.rand(shape, generator=g) - 1, rewards=torch.randn(n, generator=g),
+                     ref_logprobs=-torch.rand(shape, generator=g) - 1, values=torch.randn(shape, generator=g))
+    exp.advantages, exp.returns = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return exp
+
+
+def measure(actor_dir: str, rm_dir: str, cfg: dict, mesh) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.experience import forward_role, select_rows
+    from rlhf.offload import MemoryScheduler, OffloadManager
+    from rlhf.ppo import PPOTrainer
+
+    optim = OptimConfig(lr=1e-4, warmup_ratio=0.0, total_steps=10, use_distributed_optimizer=cfg["zero_stage"] >= 1)
+    common = dict(bf16=cfg["bf16"], recompute=cfg["gradient_checkpointing"])
+    roles = {"actor": ModelEngine(mesh, actor_dir, optim=optim, value_head=False, name="actor", **common),
+             "critic": ModelEngine(mesh, rm_dir, optim=optim, value_head=True, name="critic", **common),
+             "ref": ModelEngine(mesh, actor_dir, value_head=False, name="ref", bf16=cfg["bf16"]),
+             "reward": ModelEngine(mesh, rm_dir, value_head=True, name="reward", bf16=cfg["bf16"])}
+    managers = {k: OffloadManager(v, name=k) for k, v in roles.items()}
+    sched = MemoryScheduler(managers, colocate_all=True)
+    P, T = cfg["prompt_max_len"], cfg["generate_max_len"]
+    n = cfg["rollout_samples"]
+    exp = synthetic_experience(roles["actor"].spec.vocab_size, n, P, T, seed=1)
+    args = types.SimpleNamespace(temperature=1.0, use_tis=False, eps_clip=0.2, kl_estimator="k1", value_clip=0.2)
+    trainer = types.SimpleNamespace(args=args, actor=roles["actor"], kl_in_loss=False,
+                                    kl_ctl=types.SimpleNamespace(value=0.0))
+    mrb, mtb = cfg["micro_rollout_batch_size"], cfg["micro_train_batch_size"]
+    fwd_mbs = [select_rows(exp.batch, range(i, i + mrb), True) for i in range(0, n, mrb)]
+    per_step = cfg["train_batch_size"] // mesh.dp // mtb
+    train_mbs = [exp.select(range(i, i + mtb), True) for i in range(0, per_step * mtb, mtb)]
+
+    def actor_step():
+        roles["actor"].train_step(train_mbs, lambda b, h: PPOTrainer._actor_loss(trainer, b, h),
+                                  ("policy_loss",), output="hidden")
+
+    def critic_step():
+        roles["critic"].train_step(train_mbs, lambda b, v: PPOTrainer._critic_loss(trainer, b, v),
+                                   ("value_loss",), output="logits")
+
+    def forward(role):
+        return lambda: forward_role(roles[role], role, fwd_mbs, 1.0)
+
+    skip = set(cfg.get("skip", ()))  # "phase/role" pairs not measured
+    schedule = [(phase, {r: fn for r, fn in fns.items() if f"{phase}/{r}" not in skip})
+                for phase, fns in (("make_experience", {r: forward(r) for r in roles}),
+                                   ("critic_update", {"critic": critic_step}), ("actor_update", {"actor": actor_step}))]
+    for phase, fns in schedule:  # warm-up: Adam state, lazy buffers, first-call caches
+        sched.enter(phase)
+        for fn in fns.values():
+            fn()
+    out: dict = {}
+    for phase, fns in schedule:
+        sched.enter(phase)
+        resident = {r: {part: sum(s.nbytes() for s in group) for part, group in m.storages().items()}
+                    for r, m in managers.items()}
+        acts = {}
+        for role, fn in fns.items():
+            ps._GLOBAL_MEMORY_BUFFER.buffer.clear()
+            dist.barrier()
+            acts[role] = allocation_peak(fn)
+        out[phase] = {"resident": resident, "activations": acts}
+    return out
+
+
+def main() -> None:
+    actor_dir, rm_dir, out_path, cfg_json = sys.argv[1:5]
+    set_single_thread()
+    configs = json.loads(cfg_json)
+    mesh = initialize_mesh(tp=2, pp=1)
+    results = {name: measure(actor_dir, rm_dir, cfg, mesh) for name, cfg in configs.items()}
+    if mesh.is_rank0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    destroy_mesh()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Will this PPO job fit? Device memory per role and phase of the colocated schedule, before anything is launched.
+
+    python tools/plan_memory.py --pretrain tools/model_configs/llama2-7b.json \
+        --reward_pretrain tools/model_configs/llama2-7b.json --tp 2 --pp 1 --nnodes 1 --gpus_per_node 8 \
+        --gpu_memory_gib 80 --bf16 --gradient_checkpointing --zero_stage 1 --micro_train_batch_size 4 \
+        --micro_rollout_batch_size 8 --rollout_batch_size 512 --n_samples_per_prompt 4 \
+        --prompt_max_len 1024 --generate_max_len 1024 --vllm_tensor_parallel_size 2
+
+--pretrain / --reward_pretrain / --critic_pretrain take an HF folder, its config.json, or a converted megatron
+checkpoint; only the config is read. The PPO flags mean what they mean to launch/ppo.py, with the same defaults.
+Prints one table per phase (GiB per GPU, at the pipeline stage that needs most), whether it fits, and which
+changes would make it fit. Exit status: 0 fits, 1 does not fit, 2 bad input. The model is in rlhf/planner.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_spec(flag: str, path: str):
+    """ModelSpec from an HF folder, a config.json file or a megatron checkpoint folder (rlhf_manifest.json)."""
+    from rlhf.models.spec import load_hf_config, spec_from_hf_config
+
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "rlhf_manifest.json")):
+        with open(os.path.join(path, "rlhf_manifest.json")) as f:
+            cfg = json.load(f)["hf_config"]
+    else:
+        try:
+            cfg = load_hf_config(path)
+        except ValueError as e:
+            raise ValueError(f"{flag} {path}: {e}") from None
+    try:
+        return spec_from_hf_config(cfg, source=path)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models and hardware")
+    g.add_argument("--pretrain", required=True, help="actor (and reference): HF folder, config.json or megatron ckpt")
+    g.add_argument("--reward_pretrain", required=True, help="reward model config")
+    g.add_argument("--critic_pretrain", default=None, help="critic config (default: --reward_pretrain)")
+    g.add_argument("--tensor_model_parallel_size", "--tp", dest="tp", type=int, default=1)
+    g.add_argument("--pipeline_model_parallel_size", "--pp", dest="pp", type=int, default=1)
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--gpus_per_node", type=int, default=8)
+    g.add_argument("--gpu_memory_gib", type=float, default=80.0)
+    g.add_argument("--host_memory_gib", type=float, default=2048.0, help="host RAM per node")
+    g.add_argument("--reserved_gib", type=float, default=3.0,
+                   help="per GPU, for what no tensor accounts for: CUDA context, NCCL buffers, fragmentation")
+    g.add_argument("--layer_impl", default="te", choices=["te", "local"],
+                   help="te: transformer-engine + flash attention (GPU); local: megatron's torch layers, unfused "
+                        "attention (CPU, or GPUs without transformer-engine)")
+    g = p.add_argument_group("PPO flags (as in launch/ppo.py)")
+    g.add_argument("--micro_train_batch_size", type=int, default=8)
+    g.add_argument("--train_batch_size", type=int, default=128)
+    g.add_argument("--micro_rollout_batch_size", type=int, default=8)
+    g.add_argument("--rollout_batch_size", type=int, default=512)
+    g.add_argument("--n_samples_per_prompt", type=int, default=1)
+    g.add_argument("--generate_max_len", type=int, default=1024)
+    g.add_argument("--prompt_max_len", type=int, default=1024)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--gradient_checkpointing", action="store_true")
+    g.add_argument("--zero_stage", type=int, default=0)
+    g.add_argument("--advantage_estimator", default="gae")
+    g.add_argument("--init_kl_coef", type=float, default=0.01)
+    g.add_argument("--colocate_all", "--colocate_all_models", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--ref_reward_offload", action="store_true")
+    g.add_argument("--adam_offload", action="store_true")
+    g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.95)
+    g.add_argument("--vllm_tensor_parallel_size", type=int, default=1)
+    g.add_argument("--weight_sync_bucket_mb", type=int, default=512)
+    g = p.add_argument_group("vLLM defaults the trainer does not change")
+    g.add_argument("--vllm_max_num_seqs", type=int, default=256)
+    g.add_argument("--vllm_max_num_batched_tokens", type=int, default=8192)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    p.add_argument("--markdown", action="store_true", help="print one markdown row per phase instead of tables")
+
+
+def config_from_args(args: argparse.Namespace):
+    from rlhf.algo.advantages import get_estimator
+    from rlhf.planner import PlanConfig
+
+    actor = load_spec("--pretrain", args.pretrain)
+    reward = load_spec("--reward_pretrain", args.reward_pretrain)
+    needs_critic = get_estimator(args.advantage_estimator).needs_critic
+    critic = load_spec("--critic_pretrain", args.critic_pretrain) if args.critic_pretrain else reward
+    fields = ("tp", "pp", "nnodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "reserved_gib",
+              "layer_impl", "micro_train_batch_size", "train_batch_size", "micro_rollout_batch_size",
+              "rollout_batch_size", "n_samples_per_prompt", "generate_max_len", "prompt_max_len", "bf16",
+              "gradient_checkpointing", "zero_stage", "colocate_all", "ref_reward_offload", "adam_offload",
+              "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "weight_sync_bucket_mb",
+              "vllm_max_num_seqs", "vllm_max_num_batched_tokens")
+    return PlanConfig(actor=actor, reward=reward, critic=critic if needs_critic else None,
+                      with_ref=args.init_kl_coef > 0, **{k: getattr(args, k) for k in fields})
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    args = p.parse_args(argv)
+    from rlhf.planner import advise, format_markdown, format_plan, plan
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = plan(cfg)
+    advice = advise(cfg)
+    if args.json:
+        print(json.dumps({"fits": result.fits, "problems": result.problems, "advice": advice,
+                          "phases": [{"phase": ph.phase, "stage": ph.stage, "total": ph.total, "fits": ph.fits,
+                                      "rows": ph.rows, "vllm": ph.vllm, "other": ph.other} for ph in result.phases],
+                          "vllm": vars(result.vllm), "host_per_node": result.host_per_node}, indent=1))
+    elif args.markdown:
+        print(format_markdown(result))
+        for line in result.problems + advice:
+            print(f"* {line}")
+    else:
+        print(format_plan(result))
+        if not cfg.colocate_all:
+            print("note: launch/ppo.py runs only with --colocate_all; this is a what-if")
+        for line in advice:
+            print("advice: " + line)
+    return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
