@@ -91,9 +91,10 @@ def actor_logprobs(engine, batch: dict, hidden: torch.Tensor, temperature: float
     import kernels
 
     mesh = engine.mesh
-    h = response_hidden(hidden, batch)  # (B, T, H)
+    weight = engine.model.output_weight()
+    h = response_hidden(hidden, batch).to(weight.dtype)  # (B, T, H); bf16 models hand fp32 hidden states back
     b, t, hdim = h.shape
-    out = kernels.fused_linear_logprobs(h.reshape(-1, hdim), engine.model.output_weight(),
+    out = kernels.fused_linear_logprobs(h.reshape(-1, hdim), weight,
                                         batch["response_ids"].reshape(-1), temperature=temperature,
                                         tp_group=mesh.tp_group if mesh.tp > 1 else None,
                                         return_entropy=entropy, vocab_size=engine.spec.vocab_size)

@@ -55,9 +55,9 @@ def load_gold_fn(spec: str):
         raise ValueError(f"--gold_reward_fn {spec}: {e}") from None
 
 
-def vllm_model_dir(args: argparse.Namespace, actor, mesh) -> str:
+def vllm_model_dir(args: argparse.Namespace, source: dict, mesh) -> str:
     """vLLM needs an HF config + tokenizer folder; it starts from dummy weights and gets the actor's by sync."""
-    if actor.source["kind"] == "hf":
+    if source["kind"] == "hf":
         return args.pretrain
     from rlhf.models.hf_io import copy_tokenizer_files
 
@@ -65,7 +65,7 @@ def vllm_model_dir(args: argparse.Namespace, actor, mesh) -> str:
     if mesh.is_rank0:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(actor.source["hf_config"], f, indent=2)
+            json.dump(source["hf_config"], f, indent=2)
         copy_tokenizer_files(args.pretrain, out)
     dist.barrier()
     return out
@@ -82,6 +82,7 @@ class PPOTrainer:
         from rlhf.offload import MemoryScheduler, OffloadManager
         from rlhf.ppo_args import log_compat
         from rlhf.rollout import RolloutConfig, build_rollout
+        from rlhf.rollout.vllm_engine import vllm_available
         from rlhf.rollout.weight_sync import WeightSync
 
         self.args, self.sizes, self.prompts, self.tokenizer = args, sizes, prompts, tokenizer
@@ -97,6 +98,19 @@ class PPOTrainer:
                                            DistEnv.from_environ(), seed=args.seed)
         from rlhf.distributed.health import check_config_consistency; check_config_consistency(args)  # noqa: E702
         log_compat(args)
+        rcfg = RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size, num_engines=args.vllm_num_engines,
+                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                             kv_cache_bytes=args.vllm_kv_cache_mb << 20,
+                             max_model_len=args.prompt_max_len + args.generate_max_len,
+                             dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
+                             enforce_eager=args.vllm_enforce_eager, backend=args.rollout_backend,
+                             weight_sync_bucket_mb=args.weight_sync_bucket_mb)
+        # vLLM starts before any model is on the device (on CUDA its start-up claims --vllm_gpu_memory_utilization
+        # of the memory that is free then), and goes to sleep at once; the first weight sync wakes it.
+        self.rollout = None
+        if rcfg.backend == "vllm" or (rcfg.backend == "auto" and vllm_available()):
+            self.rollout = build_rollout(mesh, None, rcfg, vllm_model_dir(args, sizes["sources"]["--pretrain"], mesh))
+            self.rollout.sleep()
 
         def optim(lr: float) -> OptimConfig:
             return OptimConfig(lr=lr, weight_decay=args.l2, adam_betas=tuple(args.adam_betas), clip_grad=args.max_norm,
@@ -120,14 +134,8 @@ class PPOTrainer:
         self.managers = {k: OffloadManager(v, name=k) for k, v in self.roles.items()}
         self.memory = MemoryScheduler(self.managers, colocate_all=args.colocate_all,
                                       ref_reward_offload=args.ref_reward_offload, adam_offload=args.adam_offload)
-        rcfg = RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size, num_engines=args.vllm_num_engines,
-                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                             kv_cache_bytes=args.vllm_kv_cache_mb << 20,
-                             max_model_len=args.prompt_max_len + args.generate_max_len,
-                             dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
-                             enforce_eager=args.vllm_enforce_eager, backend=args.rollout_backend,
-                             weight_sync_bucket_mb=args.weight_sync_bucket_mb)
-        self.rollout = build_rollout(mesh, self.actor, rcfg, vllm_model_dir(args, self.actor, mesh))
+        if self.rollout is None:  # the megatron fallback generates with the actor itself
+            self.rollout = build_rollout(mesh, self.actor, rcfg, "")
         torch.manual_seed(args.seed)
         self.weight_sync = WeightSync(self.actor, mesh, rcfg.weight_sync_bucket_mb << 20)
         self.kl_ctl = make_kl_controller(args.init_kl_coef, args.kl_target, args.kl_horizon)

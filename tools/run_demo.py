@@ -89,7 +89,7 @@ def plot(history: list[dict], path: str) -> None:
     ax2.set_ylabel("gold score", color="g")
     ax2.set_ylim(0, 1)
     fig.legend(loc="lower right")
-    ax1.set_title("PPO on the bundled sort task: rollout rewards per step")
+    ax1.set_title("PPO on the bundled ordering task: rollout rewards per step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -112,6 +112,8 @@ class VLLMRollout:
     # ---------------------------------------------------------------------------------------------- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if not torch.cuda.is_available():
+            self.llm.apply_model(_repack_cpu_lm_head)
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -144,6 +146,20 @@ class VLLMRollout:
 
         del self.llm
         gc.collect()
+
+
+def _repack_cpu_lm_head(model) -> bool:
+    """vLLM's CPU backend multiplies by a *prepacked copy* of the LM head. With tied embeddings the head's weight
+    is the embedding, which ``reload_weights`` updates in place while skipping ``lm_head.*``, so the prepacked copy
+    kept the old (dummy) weights: log-probs were off by up to ~12 nats on SmolLM2. Re-pack it from the current
+    weight (harmless when untied)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    head = getattr(model, "lm_head", None)
+    if head is not None and hasattr(head, "cpu_linear"):
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+        return True
+    return False
 
 
 def gather_samples(local: list[Sample], mesh) -> list[Sample]:

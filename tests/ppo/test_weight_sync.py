@@ -9,9 +9,10 @@ pytest.importorskip("vllm")
 WORKER = os.path.join(REPO, "tests/ppo/_sync_worker.py")
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["megatron_tp2", "megatron_pp2"])
-def test_weight_sync_after_update(ppo_setup, tp, pp):
-    p = run_torchrun(WORKER, 2, ["--actor", ppo_setup["actor"], "--tp", str(tp), "--pp", str(pp)], timeout=600)
+@pytest.mark.parametrize("tp,pp,actor", [(2, 1, "actor"), (1, 2, "actor_tied")],
+                         ids=["megatron_tp2", "megatron_pp2_tied_embeddings"])
+def test_weight_sync_after_update(ppo_setup, tp, pp, actor):
+    p = run_torchrun(WORKER, 2, ["--actor", ppo_setup[actor], "--tp", str(tp), "--pp", str(pp)], timeout=600)
     assert p.returncode == 0, tail(p)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, tail(p)
