@@ -76,19 +76,11 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
         raise ValueError(f"--max_len must be >= 8, got {args.max_len}")
     if args.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero_stage must be 0..3, got {args.zero_stage}")
-    for path in args.dataset.split(","):
-        if not os.path.exists(path.split("@")[0]):
-            raise ValueError(f"--dataset: not found: {path}")
-    if args.eval_dataset:
-        for path in args.eval_dataset.split(","):
-            if not os.path.exists(path.split("@")[0]):
-                raise ValueError(f"--eval_dataset: not found: {path}")
+    check_paths_exist("--dataset", args.dataset)
+    check_paths_exist("--eval_dataset", args.eval_dataset)
     if not 0.0 <= args.eval_split < 1.0:
         raise ValueError(f"--eval_split must be in [0, 1), got {args.eval_split}")
-    if args.load_checkpoint:
-        ckpt = args.ckpt_path or os.path.join(args.save_path, "checkpoints")
-        if not os.path.exists(os.path.join(ckpt, "latest")):
-            raise ValueError(f"--load_checkpoint: no 'latest' checkpoint under --ckpt_path {ckpt}")
+    check_resumable(args)
     from rlhf.engine import describe_source
     from rlhf.models.spec import check_parallel_fit
 
@@ -106,6 +98,21 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
             raise ValueError(f"--packing_samples: --pretrain {args.pretrain} has attention_dropout="
                              f"{spec.attention_dropout}, which packed sequences do not support while training")
     return dp
+
+
+def check_paths_exist(flag: str, value: str | None) -> None:
+    """Each entry of a comma-separated data flag (``path`` or ``folder@split``) must exist."""
+    for path in value.split(",") if value else []:
+        if not os.path.exists(path.split("@")[0]):
+            raise ValueError(f"{flag}: not found: {path}")
+
+
+def check_resumable(args: argparse.Namespace) -> None:
+    """``--load_checkpoint`` needs a published ``latest`` checkpoint under ``--ckpt_path``."""
+    if args.load_checkpoint:
+        ckpt = args.ckpt_path or os.path.join(args.save_path, "checkpoints")
+        if not os.path.exists(os.path.join(ckpt, "latest")):
+            raise ValueError(f"--load_checkpoint: no 'latest' checkpoint under --ckpt_path {ckpt}")
 
 
 def log_compat_mappings(args: argparse.Namespace) -> None:

@@ -207,7 +207,6 @@ class PPOTrainer:
             if eng is not None:
                 with timer.phase(f"{role}_fwd", tokens=tokens):
                     out[role] = forward_role(eng, role, mbs, args.temperature if role in ("actor", "ref") else 1.0)
-        mask = batch["action_mask"]
         vllm_lp = torch.zeros(per, T)
         for b, s in enumerate(local):
             vllm_lp[b, : len(s.logprobs)] = torch.tensor(s.logprobs)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +91,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop_after_steps", type=int, default=-1, help="stop (as if killed) after N steps; for tests")
 
 
-def _exists(flag: str, value: str | None) -> None:
-    if value is None:
-        return
-    for path in value.split(","):
-        if not os.path.exists(path.split("@")[0]):
-            raise ValueError(f"{flag}: not found: {path}")
-
-
 def validate(args: argparse.Namespace, world_size: int) -> dict:
     """Flag-only checks (plus model configs). Returns the derived sizes."""
     from rlhf.algo.advantages import get_estimator
+    from rlhf.config import check_paths_exist, check_resumable
     from rlhf.distributed.mesh import validate_layout
     from rlhf.engine import describe_source
     from rlhf.models.spec import check_parallel_fit
@@ -149,11 +141,8 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
-    _exists("--prompt_data", args.prompt_data)
-    if args.load_checkpoint:
-        ckpt = args.ckpt_path or os.path.join(args.save_path, "checkpoints")
-        if not os.path.exists(os.path.join(ckpt, "latest")):
-            raise ValueError(f"--load_checkpoint: no 'latest' checkpoint under --ckpt_path {ckpt}")
+    check_paths_exist("--prompt_data", args.prompt_data)
+    check_resumable(args)
     sources = {}
     critic = args.critic_pretrain or args.reward_pretrain
     for flag, path in (("--pretrain", args.pretrain), ("--reward_pretrain", args.reward_pretrain),
@@ -180,9 +169,7 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
 
 
 def log_compat(args: argparse.Namespace) -> None:
-    if args.zero_stage >= 1:
-        log.info("--zero_stage %d -> megatron distributed optimizer (optimizer states sharded over DP; ZeRO-1)",
-                 args.zero_stage)
-    if args.flash_attn:
-        log.info("--flash_attn -> transformer-engine attention when installed on a GPU; local attention otherwise")
+    from rlhf.config import log_compat_mappings
+
+    log_compat_mappings(args)
     log.info("--colocate_all: actor, critic, reference, reward and vLLM share every rank (one SPMD job)")

@@ -257,13 +257,10 @@ def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> 
         hf_tmp = os.path.join(args.save_path, "hf.tmp")
         tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
                             "convert_megatron_to_hf.py")
-        # A clean environment: torchrun's RANK/WORLD_SIZE/TORCHELASTIC_* would make the child join our rendezvous.
-        child_env = {k: v for k, v in os.environ.items()
-                     if not k.startswith("TORCHELASTIC") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                        "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                                                        "MASTER_ADDR", "MASTER_PORT")}
+        from rlhf.distributed.env import env_without_launcher
+
         proc = subprocess.run([sys.executable, tool, "--ckpt", mg, "--out", hf_tmp, "--overwrite"],
-                              capture_output=True, text=True, env=child_env, timeout=3600)
+                              capture_output=True, text=True, env=env_without_launcher(), timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"HF export failed: {proc.stderr[-2000:]}")
         for name in os.listdir(hf_tmp):  # HF files land in --save_path itself, beside checkpoints/ and megatron/

@@ -24,9 +24,9 @@ QUICK = dict(sft_epochs=5, rm_epochs=1, ppo_episodes=1, rollout_batch_size=32, n
 
 
 def child_env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("TORCHELASTIC") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                              "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    from rlhf.distributed.env import env_without_launcher
+
+    env = env_without_launcher()
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
     return env

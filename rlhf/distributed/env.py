@@ -88,3 +88,14 @@ def first_slurm_host(nodelist: str) -> str:
         return prefix
     first = ranges.split(",")[0].split("-")[0]
     return prefix + first
+
+
+# What torchrun (and our launchers) put in a rank's environment. A child process started from a rank with these
+# set would try to join the job's rendezvous instead of running on its own.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def env_without_launcher(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``environ`` (default: ``os.environ``) without torchrun's rank variables and ``TORCHELASTIC_*``."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if not k.startswith("TORCHELASTIC") and k not in LAUNCHER_VARS}
