@@ -36,6 +36,12 @@ class Task(Protocol):
 
     def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]: ...
 
+    # Optional hooks (DPO/KTO use them; SFT/RM do not define them):
+    #   validate(args)                      task flag checks, before the process group and any model
+    #   setup(args, mesh, engine)           after the trained engine is built, e.g. a frozen reference engine
+    #   before_step(engine, microbatches)   before each train step, e.g. attach reference log-probs to the
+    #                                       micro-batches; returns extra metrics (phase timings)
+
 
 def load_split(args: argparse.Namespace, tokenizer, build) -> tuple[list, list, dict[str, float]]:
     """Train samples from --dataset; eval samples from --eval_dataset, or the last --eval_split of --dataset."""
@@ -115,6 +121,8 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
     env = DistEnv.from_environ()
     setup_logging(env.rank)
     dp = validate_common(args, env.world_size)  # before the process group and any model
+    if hasattr(task, "validate"):
+        task.validate(args)
     tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
     train, evals, stats = task.load_data(args, tokenizer)
     if not train:
@@ -138,6 +146,8 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
                         total_steps=total_steps, use_distributed_optimizer=args.zero_stage >= 1)
     engine = ModelEngine(mesh, args.pretrain, optim=optim, value_head=task.value_head, bf16=args.bf16,
                          recompute=args.gradient_checkpointing, name=task.name)
+    if hasattr(task, "setup"):
+        task.setup(args, mesh, engine)
     sampler = DistributedBatchSampler(len(train), BatchConfig(args.train_batch_size, args.micro_train_batch_size,
                                                               dp, mesh.dp_rank), seed=args.seed)
     ckpt = Checkpointer(mesh, args.ckpt_path or os.path.join(args.save_path, "checkpoints"), args.max_ckpt_num)
@@ -172,7 +182,9 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
         micro_idx = sampler.next_step()
         microbatches = batches([[train[i] for i in idx] for idx in micro_idx])
         t0 = time.time()
+        pre = task.before_step(engine, microbatches) if hasattr(task, "before_step") else {}
         m = engine.train_step(microbatches, loss_fn, task.metric_keys, output=task.output)
+        m.update(pre)
         step += 1
         ntok = torch.tensor([tokens_in(microbatches)], dtype=torch.float64)
         dist.all_reduce(ntok)
