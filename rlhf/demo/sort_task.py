@@ -88,7 +88,8 @@ def _reply(words: Sequence[str]) -> str:
 
 def make_all(out: str, seed: int = 0, n_sft: int = 2000, n_pref: int = 4000, n_train_prompts: int = 512,
              n_eval_prompts: int = 64, n_eval_pref: int = 200, held_out_fraction: float = 0.2) -> dict[str, str]:
-    """Write sft.jsonl, pref.jsonl, pref_eval.jsonl (noise-free labels), prompts.jsonl and prompts_eval.jsonl."""
+    """Write sft.jsonl, pref.jsonl, pref_eval.jsonl (noise-free labels), prompts.jsonl and prompts_eval.jsonl,
+    and KTO's unpaired kto_train.jsonl / kto_eval.jsonl (``kto_rows`` of the two preference files)."""
     rng = random.Random(seed)
     os.makedirs(out, exist_ok=True)
     pairs = all_pairs()
@@ -125,14 +126,25 @@ def make_all(out: str, seed: int = 0, n_sft: int = 2000, n_pref: int = 4000, n_t
             rows.append({"prompt": p, "chosen": _reply(chosen), "rejected": _reply(rejected)})
         return rows
 
+    pref, pref_eval = pref_rows(n_pref, train, LABEL_NOISE), pref_rows(n_eval_pref, held, 0.0)
     return {
         "sft": write("sft.jsonl", sft),
-        "pref": write("pref.jsonl", pref_rows(n_pref, train, LABEL_NOISE)),
-        "pref_eval": write("pref_eval.jsonl", pref_rows(n_eval_pref, held, 0.0)),
+        "pref": write("pref.jsonl", pref),
+        "pref_eval": write("pref_eval.jsonl", pref_eval),
         "prompts": write("prompts.jsonl", [{"prompt": prompt_of(*rng.choice(train))} for _ in range(n_train_prompts)]),
         "prompts_eval": write("prompts_eval.jsonl", [{"prompt": prompt_of(*held[i % len(held)])}
                                                      for i in range(n_eval_prompts)]),
+        "kto": write("kto_train.jsonl", kto_rows(pref)),
+        "kto_eval": write("kto_eval.jsonl", kto_rows(pref_eval)),
     }
+
+
+def kto_rows(pairs: Sequence[dict]) -> list[dict]:
+    """Unpaired KTO samples from preference pairs: each pair gives its chosen reply as desirable and its rejected
+    reply as undesirable (``{"prompt", "completion", "label"}``). Uses no randomness, so it adds nothing to the
+    generator's stream: the other files are the same as without it."""
+    return [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"} for r in pairs
+            for k in ("chosen", "rejected")]
 
 
 def corpus() -> list[str]:

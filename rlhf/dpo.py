@@ -1,0 +1,178 @@
+"""Direct preference optimization (DPO, IPO, cDPO) on the shared trainer loop (rlhf/trainer.py).
+
+The policy is the trainer's engine, built as for SFT (so everything the trainer applies to its engine applies
+here). The reference is a second, frozen ``ModelEngine`` with the same TP/PP layout, from ``--ref_pretrain``
+(default ``--pretrain``). Its sequence log-probs are computed once per step, forward only, before the policy's
+train step (``before_step``), and attached to the micro-batches; eval batches get theirs once (the reference
+is frozen). With PP both engines' last stages are the same ranks, which is where the loss reads them.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any
+
+import torch
+
+from rlhf.algo.losses import next_token_logprobs
+from rlhf.algo.preference_losses import PREFERENCE_LOSSES
+
+log = logging.getLogger("rlhf")
+
+
+def sequence_logprobs(engine, batch: dict, logits: torch.Tensor, inplace_backward: bool = False) -> torch.Tensor:
+    """Sum of log p(response tokens) per row: logits (R, S, V_local) vocab-parallel -> (R,) fp32."""
+    mesh = engine.mesh
+    lp = next_token_logprobs(logits, batch["input_ids"], tp_group=mesh.tp_group if mesh.tp > 1 else None,
+                             vocab_size=engine.spec.vocab_size, inplace_backward=inplace_backward)  # (R, S-1)
+    return (lp * batch["loss_mask"][:, 1:].to(lp.dtype)).sum(-1)
+
+
+class Reference:
+    """The frozen reference engine and its log-probs. ``--ref_offload``: its weights live in host memory between
+    its forwards (``rlhf.offload.OffloadManager``; on CPU the same copy/free/restore runs)."""
+
+    def __init__(self, args: argparse.Namespace, mesh) -> None:
+        from rlhf.engine import ModelEngine
+
+        path = args.ref_pretrain or args.pretrain
+        self.engine = ModelEngine(mesh, path, value_head=False, bf16=args.bf16, name="ref")
+        self.offload = None
+        if args.ref_offload:
+            from rlhf.offload import OffloadManager
+
+            self.offload = OffloadManager(self.engine, name="ref")
+            self.offload.offload(params=True, grads=False, optimizer=False)
+            if mesh.is_rank0:
+                log.info("--ref_offload: the reference's weights stay in host memory between its forwards%s",
+                         "" if self.offload.cuda else " (CPU: device and host are the same memory; the same "
+                         "copy/free/restore path runs)")
+
+    def attach(self, microbatches: list[dict]) -> float:
+        """Set ``mb["ref_logps"]`` (R,) on the last pipeline stage (None elsewhere). Returns the seconds taken."""
+        t0 = time.time()
+        if self.offload is not None:
+            self.offload.onload(params=True, grads=False, optimizer=False)
+        eng = self.engine
+        outs = eng.forward(microbatches, loss_fn=lambda b, out: (torch.zeros(()),
+                                                                 {"logps": sequence_logprobs(eng, b, out)}))
+        if self.offload is not None:
+            self.offload.offload(params=True, grads=False, optimizer=False)
+        if not outs:
+            outs = [{"logps": None}] * len(microbatches)
+        for mb, o in zip(microbatches, outs):
+            mb["ref_logps"] = o["logps"]
+        return time.time() - t0
+
+    def attach_once(self, microbatches: list[dict]) -> None:
+        """``attach`` unless already done (eval batches: the reference does not change)."""
+        if microbatches and "ref_logps" not in microbatches[0]:
+            self.attach(microbatches)
+
+
+class ReferenceTask:
+    """What DPO and KTO share: the reference (``setup``), per-step reference log-probs (``before_step``) and
+    flag checks. Subclasses define ``load_data``, ``collate``, ``loss_fn`` and ``metric_keys``."""
+
+    value_head = False
+    output = "logits"
+
+    def validate(self, args: argparse.Namespace) -> None:
+        if args.beta <= 0:
+            raise ValueError(f"--beta must be > 0, got {args.beta}")
+        if args.packing_samples:
+            raise ValueError(f"--packing_samples is not supported by {self.name} yet; drop the flag")
+        if args.ref_pretrain:
+            from rlhf.engine import describe_source
+
+            try:
+                ref, pol = describe_source(args.ref_pretrain)["spec"], describe_source(args.pretrain)["spec"]
+            except ValueError as e:
+                raise ValueError(f"--ref_pretrain {args.ref_pretrain}: {e}") from None
+            if ref.vocab_size != pol.vocab_size:
+                raise ValueError(f"--ref_pretrain {args.ref_pretrain} has vocab size {ref.vocab_size}, --pretrain "
+                                 f"{args.pretrain} has {pol.vocab_size}: they must share a tokenizer")
+
+    def setup(self, args: argparse.Namespace, mesh, engine) -> None:
+        self.args = args
+        self.ref = Reference(args, mesh)
+
+    def before_step(self, engine, microbatches: list[dict]) -> dict[str, float]:
+        return {"time/ref_fwd": self.ref.attach(microbatches)}
+
+    def evaluate(self, engine, batches: list[dict]) -> dict[str, float]:
+        self.ref.attach_once(batches)
+        outs = engine.forward(batches, loss_fn=self.loss_fn(engine))
+        return engine.reduce_metrics(outs, self.metric_keys)
+
+    def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]:
+        return {}
+
+
+class DPOTask(ReferenceTask):
+    name = "dpo"
+    metric_keys = ("loss", "acc", "chosen_reward", "rejected_reward", "margin")
+
+    def validate(self, args: argparse.Namespace) -> None:
+        super().validate(args)
+        if args.loss_type not in PREFERENCE_LOSSES:
+            raise ValueError(f"--loss_type must be one of {', '.join(PREFERENCE_LOSSES)}, got {args.loss_type!r}")
+        if args.loss_type == "cdpo":
+            if not 0.0 < args.label_smoothing < 0.5:
+                raise ValueError(f"--label_smoothing must be in (0, 0.5) for --loss_type cdpo, got "
+                                 f"{args.label_smoothing}")
+        elif args.label_smoothing != 0.0:
+            raise ValueError(f"--label_smoothing {args.label_smoothing} applies to --loss_type cdpo only "
+                             f"(got --loss_type {args.loss_type})")
+
+    def load_data(self, args: argparse.Namespace, tokenizer):
+        from rlhf.data.preference import build_dpo_dataset
+        from rlhf.trainer import load_split
+
+        return load_split(args, tokenizer, build_dpo_dataset)
+
+    def collate(self, samples: list, tokenizer) -> dict[str, torch.Tensor]:
+        from rlhf.data import pad_token_id
+        from rlhf.data.preference import collate_dpo
+
+        return collate_dpo(samples, pad_token_id(tokenizer))
+
+    def loss_fn(self, engine):
+        loss, beta, eps = PREFERENCE_LOSSES[self.args.loss_type], self.args.beta, self.args.label_smoothing
+
+        # The logits are read by this loss only, so their storage takes their gradient (see rlhf/sft.py).
+        def fn(batch: dict, logits: torch.Tensor):
+            logps = sequence_logprobs(engine, batch, logits, inplace_backward=True)  # (2B,)
+            ref = batch["ref_logps"]
+            b = logps.shape[0] // 2
+            return loss(logps[:b], logps[b:], ref[:b], ref[b:], beta=beta, label_smoothing=eps)
+
+        return fn
+
+
+def add_reference_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("reference model")
+    g.add_argument("--ref_pretrain", default=None, help="frozen reference model (default: --pretrain)")
+    g.add_argument("--ref_offload", action="store_true",
+                   help="keep the reference's weights in host memory between its forwards")
+    g.add_argument("--beta", type=float, default=0.1, help="strength of the implicit KL to the reference")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from rlhf.config import add_common_args
+
+    add_common_args(p, lr=5e-7, epochs=1)
+    add_reference_args(p)
+    g = p.add_argument_group("DPO")
+    g.add_argument("--loss_type", default="dpo", help="dpo | ipo | cdpo")
+    g.add_argument("--label_smoothing", type=float, default=0.0,
+                   help="cDPO: the probability that a preference label is flipped, in (0, 0.5)")
+    p.add_argument("--prompt_key", default="prompt")
+    p.add_argument("--chosen_key", default="chosen")
+    p.add_argument("--rejected_key", default="rejected")
+    p.add_argument("--input_key", default="input", help=argparse.SUPPRESS)
+    p.add_argument("--output_key", default=None, help=argparse.SUPPRESS)
+
+
+TASK = DPOTask

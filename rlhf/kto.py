@@ -1,0 +1,87 @@
+"""KTO (Kahneman-Tversky optimization) on unpaired desirable / undesirable samples, on the shared trainer loop.
+
+The reference and its per-step log-probs work as for DPO (rlhf/dpo.py). KTO's reference point, the KL
+estimate, is computed per micro-batch: each micro-batch also carries its mismatched pairs (prompt ``b`` with the
+completion of sample ``b + 1``, rlhf/data/preference.py::collate_kto); the policy's and the reference's log-probs
+of those rows give ``mean(logp - ref_logp)``, clamped at 0 and detached (TRL and OpenRLHF do the same over their
+micro-batch; OpenRLHF then averages it over DP ranks, which we do not). The extra rows double a step's forward.
+"""
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+
+from rlhf.algo.preference_losses import kto_kl_estimate, kto_loss
+from rlhf.dpo import ReferenceTask, add_reference_args, sequence_logprobs
+
+
+class KTOTask(ReferenceTask):
+    name = "kto"
+    metric_keys = ("loss", "acc", "chosen_reward", "rejected_reward", "kl")
+
+    def validate(self, args: argparse.Namespace) -> None:
+        super().validate(args)
+        if not args.label_key:
+            raise ValueError("--label_key must name the field that marks a sample desirable (true/1) or not")
+        for flag in ("desirable_loss_weight", "undesirable_loss_weight"):
+            if getattr(args, flag) <= 0:
+                raise ValueError(f"--{flag} must be > 0, got {getattr(args, flag)}")
+        if args.micro_train_batch_size < 2:
+            raise ValueError(f"--micro_train_batch_size must be >= 2 for KTO (its KL estimate pairs each prompt "
+                             f"with another sample's completion in the micro-batch), got {args.micro_train_batch_size}")
+
+    def load_data(self, args: argparse.Namespace, tokenizer):
+        from rlhf.data.preference import build_kto_dataset
+        from rlhf.trainer import load_split
+
+        self.max_len = args.max_len
+        return load_split(args, tokenizer, partial(build_kto_dataset, label_key=args.label_key))
+
+    def collate(self, samples: list, tokenizer) -> dict[str, torch.Tensor]:
+        from rlhf.data import pad_token_id
+        from rlhf.data.preference import collate_kto
+
+        return collate_kto(samples, pad_token_id(tokenizer), self.max_len)
+
+    def loss_fn(self, engine):
+        a = self.args
+        kw = dict(beta=a.beta, desirable_weight=a.desirable_loss_weight, undesirable_weight=a.undesirable_loss_weight)
+
+        def fn(batch: dict, logits: torch.Tensor):
+            logps = sequence_logprobs(engine, batch, logits, inplace_backward=True)  # (2B,): samples, KL rows
+            ref = batch["ref_logps"]
+            b = logps.shape[0] // 2
+            kl = kto_kl_estimate(logps[b:].detach(), ref[b:])
+            loss_sum, n, m = kto_loss(logps[:b], ref[:b], batch["labels"], kl, **kw)
+            labels = batch["labels"]
+            r = (logps[:b] - ref[:b]).detach()
+            m["acc"] = [torch.where(labels, r > 0, r < 0).float().sum(), n]  # sign of the implicit reward right
+            return loss_sum, n, m
+
+        return fn
+
+    def evaluate(self, engine, batches: list[dict]) -> dict[str, float]:
+        m = super().evaluate(engine, batches)
+        m["margin"] = m["chosen_reward"] - m["rejected_reward"]
+        return m
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from rlhf.config import add_common_args
+
+    add_common_args(p, lr=5e-7, epochs=1)
+    add_reference_args(p)
+    g = p.add_argument_group("KTO")
+    g.add_argument("--label_key", default="label", help="boolean (or 0/1) field: is the completion desirable")
+    g.add_argument("--desirable_loss_weight", type=float, default=1.0)
+    g.add_argument("--undesirable_loss_weight", type=float, default=1.0)
+    p.add_argument("--input_key", default="input", help="the prompt")
+    p.add_argument("--output_key", default="output", help="the completion")
+    p.add_argument("--prompt_key", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--chosen_key", default="chosen", help=argparse.SUPPRESS)
+    p.add_argument("--rejected_key", default="rejected", help=argparse.SUPPRESS)
+
+
+TASK = KTOTask
