@@ -213,7 +213,7 @@ def plan_residency(phase: str, roles: Iterable[str], *, colocate_all: bool = Fal
         if colocate_all:
             params = updating or phase == "make_experience" or (phase == "weight_sync" and role == "actor")
             grads = optimizer = updating
-        if ref_reward_offload and role in ("ref", "reward"):
+        if ref_reward_offload and (role == "ref" or role.startswith("reward")):  # reward, reward1, ...
             params = params and phase == "make_experience"
         if adam_offload:
             optimizer = optimizer and updating

@@ -44,15 +44,9 @@ def load_prompts(args: argparse.Namespace, tokenizer) -> tuple[list, dict]:
 
 def load_gold_fn(spec: str):
     """``--gold_reward_fn module:function``; the function maps (prompt texts, reply texts) to floats."""
-    import importlib
+    from rlhf.rewards import load_reward_fn
 
-    if ":" not in spec:
-        raise ValueError(f"--gold_reward_fn must be module:function, got {spec!r}")
-    mod, fn = spec.split(":", 1)
-    try:
-        return getattr(importlib.import_module(mod), fn)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"--gold_reward_fn {spec}: {e}") from None
+    return load_reward_fn(spec, "--gold_reward_fn")
 
 
 def vllm_model_dir(args: argparse.Namespace, source: dict, mesh) -> str:
@@ -84,6 +78,8 @@ class PPOTrainer:
         from rlhf.rollout import RolloutConfig, build_rollout
         from rlhf.rollout.vllm_engine import vllm_available
         from rlhf.rollout.weight_sync import WeightSync
+
+        from rlhf.rewards import load_reward_fn
 
         self.args, self.sizes, self.prompts, self.tokenizer = args, sizes, prompts, tokenizer
         self.gold_fn = load_gold_fn(args.gold_reward_fn) if args.gold_reward_fn else None
@@ -122,15 +118,17 @@ class PPOTrainer:
                                  name="actor", **common)
         self.ref = (ModelEngine(mesh, args.pretrain, value_head=False, name="ref", bf16=args.bf16)
                     if args.init_kl_coef > 0 else None)
-        self.reward = ModelEngine(mesh, args.reward_pretrain, value_head=True, name="reward", bf16=args.bf16)
-        self.critic = (ModelEngine(mesh, args.critic_pretrain or args.reward_pretrain, value_head=True, name="critic",
-                                   optim=optim(args.critic_learning_rate), **common)
+        # Reward models are roles "reward", "reward1", ... (frozen, offloaded like the single one); rlhf/rewards.py.
+        self.rewards = sizes["rewards"]
+        self.rms = {f"reward{i or ''}": ModelEngine(mesh, path, value_head=True, name=f"reward{i or ''}",
+                                                   bf16=args.bf16) for i, path in enumerate(self.rewards.paths)}
+        self.reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
+        self.reward_norms = self.rewards.norms(sizes["sources"]["--reward_pretrain"])
+        self.critic = (ModelEngine(mesh, args.critic_pretrain or self.rewards.paths[0], value_head=True,
+                                   name="critic", optim=optim(args.critic_learning_rate), **common)
                        if self.estimator.needs_critic else None)
-        stats = self.reward.source["hf_config"].get("rlhf", {})
-        self.reward_norm = (float(stats["reward_mean"]), max(float(stats["reward_std"]), 1e-6)) \
-            if args.normalize_reward else None
         self.roles = {k: v for k, v in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref),
-                                        ("reward", self.reward)) if v is not None}
+                                        *self.rms.items()) if v is not None}
         self.managers = {k: OffloadManager(v, name=k) for k, v in self.roles.items()}
         self.memory = MemoryScheduler(self.managers, colocate_all=args.colocate_all,
                                       ref_reward_offload=args.ref_reward_offload, adam_offload=args.adam_offload)
@@ -202,16 +200,16 @@ class PPOTrainer:
         tokens = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
         self.memory.enter("make_experience")
         out = {}
-        for role in ("actor", "ref", "reward", "critic"):
+        for role in ("actor", "ref", *self.rms, "critic"):
             eng = self.roles.get(role)
             if eng is not None:
                 with timer.phase(f"{role}_fwd", tokens=tokens):
-                    out[role] = forward_role(eng, role, mbs, args.temperature if role in ("actor", "ref") else 1.0)
+                    out[role] = forward_role(eng, "reward" if role in self.rms else role, mbs,
+                                             args.temperature if role in ("actor", "ref") else 1.0)
         vllm_lp = torch.zeros(per, T)
         for b, s in enumerate(local):
             vllm_lp[b, : len(s.logprobs)] = torch.tensor(s.logprobs)
-        raw_rewards = out["reward"]
-        rewards = (raw_rewards - self.reward_norm[0]) / self.reward_norm[1] if self.reward_norm else raw_rewards
+        rewards, raw_rewards = self._combine_rewards(out, local, prompt_idx, metrics)
         exp = Experience(local, batch, out["actor"], vllm_lp, rewards, ref_logprobs=out.get("ref"),
                          values=out.get("critic"))
         with timer.phase("advantages"):
@@ -224,6 +222,24 @@ class PPOTrainer:
         metrics["finished_frac"] = sum(s.finished for s in samples) / len(samples)
         metrics["weight_version"] = float(self.weight_sync.version)
         return metrics
+
+    def _combine_rewards(self, out: dict, local: list, prompt_idx: list, metrics: dict) -> tuple:
+        """This rank's (optimized, raw) rewards (B,): the weighted sum of the reward models' scores and the rule
+        function's (rlhf/rewards.py). Logs each source's global mean as reward/rm<i>, reward/fn."""
+        from rlhf.experience import dp_all_gather
+        from rlhf.rewards import call_reward_fn, combine_rewards, source_metrics
+
+        scores = {name: out[role] for name, role in zip(self.rewards.rm_names, self.rms)}
+        if self.reward_fn is not None:
+            texts = [self.prompts[prompt_idx[s.prompt_index]].prompt for s in local]
+            replies = self.tokenizer.batch_decode([s.response_ids for s in local], skip_special_tokens=True)
+            scores["fn"] = call_reward_fn(self.reward_fn, texts, replies).to(self.mesh.device)
+        rewards, raw = combine_rewards(scores, self.rewards.source_weights, self.reward_norms)
+        if len(scores) > 1 or self.reward_norms:
+            metrics.update(source_metrics({k: dp_all_gather(v, self.mesh) for k, v in scores.items()}))
+        if self.reward_norms:
+            metrics["reward_normalized"] = dp_all_gather(rewards, self.mesh).mean().item()
+        return rewards, raw
 
     def _advantages(self, exp, raw_rewards: torch.Tensor) -> dict[str, float]:
         from rlhf.algo.ppo_losses import kl_estimate, masked_mean, masked_whiten

@@ -11,8 +11,13 @@ log = logging.getLogger(__name__)
 def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models and data")
     g.add_argument("--pretrain", required=True, help="actor (and reference) model: HF folder or megatron checkpoint")
-    g.add_argument("--reward_pretrain", required=True, help="reward model: HF *ForSequenceClassification folder")
-    g.add_argument("--critic_pretrain", default=None, help="critic init (default: --reward_pretrain)")
+    g.add_argument("--reward_pretrain", default=None,
+                   help="reward model(s), comma-separated: HF *ForSequenceClassification folders (rlhf/rewards.py)")
+    g.add_argument("--reward_weights", default=None, help="one weight per reward model (default 1.0 each: a sum)")
+    g.add_argument("--reward_fn", default=None,
+                   help="rule reward module:function, fn(prompts, responses) -> list[float]; alone or added")
+    g.add_argument("--reward_fn_weight", type=float, default=1.0, help="weight of --reward_fn in the sum")
+    g.add_argument("--critic_pretrain", default=None, help="critic init (default: the first --reward_pretrain)")
     g.add_argument("--save_path", required=True, help="the final actor is exported here in HF format")
     g.add_argument("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>/checkpoints)")
     g.add_argument("--max_ckpt_num", type=int, default=3)
@@ -49,7 +54,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kl_horizon", type=float, default=10000)
     g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"])
     g.add_argument("--normalize_reward", action="store_true",
-                   help="normalize rewards with the reward model's saved mean/std (config.json 'rlhf')")
+                   help="normalize each reward model's score with its saved mean/std (config.json 'rlhf')")
     g.add_argument("--eps_clip", type=float, default=0.2)
     g.add_argument("--value_clip", type=float, default=0.2)
     g.add_argument("--gamma", type=float, default=1.0)
@@ -143,9 +148,16 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
             raise ValueError(msg)
     check_paths_exist("--prompt_data", args.prompt_data)
     check_resumable(args)
-    sources = {}
-    critic = args.critic_pretrain or args.reward_pretrain
-    for flag, path in (("--pretrain", args.pretrain), ("--reward_pretrain", args.reward_pretrain),
+    from rlhf.rewards import RewardConfig
+
+    rewards = RewardConfig.from_args(args)
+    critic = args.critic_pretrain or (rewards.paths[0] if rewards.paths else None)
+    if estimator.needs_critic and critic is None:
+        raise ValueError(f"--reward_fn {args.reward_fn} without --reward_pretrain: the critic of "
+                         f"--advantage_estimator {args.advantage_estimator} needs --critic_pretrain")
+    sources = {"--reward_pretrain": rewards.validate_models(args.tensor_model_parallel_size,
+                                                            args.pipeline_model_parallel_size)}
+    for flag, path in (("--pretrain", args.pretrain),
                        ("--critic_pretrain", critic if estimator.needs_critic else None)):
         if path is None:
             continue
@@ -156,16 +168,8 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
         check_parallel_fit(src["spec"], args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            src["padded_vocab"])
         sources[flag] = src
-    if not sources["--reward_pretrain"]["spec"].is_seq_cls:
-        raise ValueError(f"--reward_pretrain {args.reward_pretrain}: expected a *ForSequenceClassification model "
-                         f"(a trained reward model), got {sources['--reward_pretrain']['hf_config'].get('architectures')}")
-    if args.normalize_reward:
-        stats = sources["--reward_pretrain"]["hf_config"].get("rlhf", {})
-        if "reward_mean" not in stats or "reward_std" not in stats:
-            raise ValueError(f"--normalize_reward: {args.reward_pretrain}/config.json has no rlhf.reward_mean/"
-                             f"reward_std (saved by launch/rm.py); train the reward model here or drop the flag")
     return {"dp": dp, "engines": engines, "samples": samples, "needs_critic": estimator.needs_critic,
-            "sources": sources}
+            "sources": sources, "rewards": rewards}
 
 
 def log_compat(args: argparse.Namespace) -> None:

@@ -15,10 +15,17 @@ class SFTTask:
     metric_keys = ("loss",)
     output = "logits"
 
+    conditional: dict | None = None  # --conditional: bucket edges etc., exported under config.json "rlhf"
+
     def load_data(self, args: argparse.Namespace, tokenizer):
+        from rlhf.conditional import load_conditional_split, validate
         from rlhf.data import build_sft_dataset
         from rlhf.trainer import load_split
 
+        validate(args)
+        if getattr(args, "conditional", False):
+            train, evals, stats, self.conditional = load_conditional_split(args, tokenizer)
+            return train, evals, stats
         return load_split(args, tokenizer, build_sft_dataset)
 
     def collate(self, samples: list, tokenizer) -> dict[str, torch.Tensor]:
@@ -47,7 +54,7 @@ class SFTTask:
         return {"loss": engine.reduce_metrics(outs, self.metric_keys)["loss"]}
 
     def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]:
-        return {}
+        return {"conditional": self.conditional} if self.conditional else {}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -59,6 +66,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt_key", default=None, help=argparse.SUPPRESS)
     p.add_argument("--chosen_key", default="chosen", help=argparse.SUPPRESS)
     p.add_argument("--rejected_key", default="rejected", help=argparse.SUPPRESS)
+    from rlhf.conditional import add_args as add_conditional_args
+
+    add_conditional_args(p)
 
 
 TASK = SFTTask

@@ -92,13 +92,15 @@ def _check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos_token; set one in its tokenizer_config")
 
 
-def build_sft_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[SFTSample], DataStats]:
-    """SFT samples: ``input_ids`` (S<=max_len,) and a ``loss_mask`` that is True on response tokens (+ eos)."""
+def build_sft_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
+                      preloaded: tuple[list[Record], DataStats] | None = None) -> tuple[list[SFTSample], DataStats]:
+    """SFT samples: ``input_ids`` (S<=max_len,) and a ``loss_mask`` that is True on response tokens (+ eos).
+    ``preloaded``: checked records (and their counts) from ``load_records``, e.g. rewritten by conditional SFT."""
     if not cfg.output_key and not cfg.apply_chat_template:
         raise ValueError("--output_key is required unless --apply_chat_template is set (then --input_key may hold "
                          "a whole conversation whose last, assistant message is the response)")
     _check_tokenizer(tokenizer)
-    records, stats = load_records(cfg, "sft")
+    records, stats = preloaded if preloaded is not None else load_records(cfg, "sft")
     out = []
     for r in records:
         s, too_long = sft_sample(r, cfg, tokenizer)

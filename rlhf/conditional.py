@@ -1,0 +1,174 @@
+"""Conditional SFT (OpenRLHF's "csft"): every training prompt is prefixed with the bucket of its reward score, so
+the model learns what a good answer looks like *given* the prefix; at inference, prompt with the top bucket.
+
+    torchrun --nproc_per_node 2 launch/sft.py --conditional --reward_pretrain <rm> --reward_buckets 5 \
+        --pretrain <policy> --dataset sft.jsonl --save_path out/csft ...
+    torchrun ... launch/sft.py --conditional --score_key score ...   # scores already in the data (no RM)
+
+Scores: the reward model's score of each (prompt, response), rendered exactly as SFT renders it (same template,
+``prompt + response + eos``, first ``--max_len`` tokens) with the reward model's tokenizer, on the same megatron
+stack and layout as the training run, data-parallel, gathered on every rank; or ``--score_key`` of each record.
+Buckets: ``--reward_buckets K`` quantile buckets of the *training* records' scores (edges at the i/K quantiles,
+linear interpolation; a score equal to an edge goes to the upper bucket), 0 = worst .. K-1 = best. Eval records
+(``--eval_dataset`` / ``--eval_split``) are bucketed with the training edges.
+Prefix: ``--conditional_template`` (default ``"<rm_score>: {bucket} "``) is put in front of the prompt field
+before any template (a list of messages: in front of its first user message). It is part of the prompt, so it
+is never in the loss. The export's config.json gets ``rlhf.conditional``: template, edges, top bucket and the
+prefix to prompt with.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+import torch
+
+log = logging.getLogger("rlhf")
+
+DEFAULT_TEMPLATE = "<rm_score>: {bucket} "
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("conditional SFT")
+    g.add_argument("--conditional", action="store_true",
+                   help="prefix each prompt with its reward bucket (needs --reward_pretrain or --score_key)")
+    g.add_argument("--reward_pretrain", default=None, help="--conditional: reward model that scores the data")
+    g.add_argument("--score_key", default=None, help="--conditional: a precomputed score field (no reward model)")
+    g.add_argument("--reward_buckets", type=int, default=5, help="--conditional: number of quantile buckets")
+    g.add_argument("--conditional_template", default=DEFAULT_TEMPLATE,
+                   help="--conditional: prefix put in front of the prompt; {bucket} is the bucket (0 = worst)")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Flag checks, before any heavy work."""
+    if not hasattr(args, "conditional"):  # a parser without the conditional flags
+        return
+    used = [f for f, v in (("--reward_pretrain", args.reward_pretrain), ("--score_key", args.score_key),
+                           ("--reward_buckets", args.reward_buckets != 5),
+                           ("--conditional_template", args.conditional_template != DEFAULT_TEMPLATE)) if v]
+    if not args.conditional:
+        if used:
+            raise ValueError(f"{used[0]} is a --conditional flag; pass --conditional too")
+        return
+    if bool(args.reward_pretrain) == bool(args.score_key):
+        raise ValueError("--conditional needs exactly one score source: --reward_pretrain <reward model> or "
+                         f"--score_key <field>; got --reward_pretrain {args.reward_pretrain!r} and --score_key "
+                         f"{args.score_key!r}")
+    if args.reward_buckets < 2:
+        raise ValueError(f"--reward_buckets must be >= 2, got {args.reward_buckets}")
+    try:
+        args.conditional_template.format(bucket=0)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"--conditional_template {args.conditional_template!r}: only {{bucket}} may be used "
+                         f"({type(e).__name__}: {e})") from None
+    if "{bucket}" not in args.conditional_template:
+        raise ValueError(f"--conditional_template {args.conditional_template!r} must contain {{bucket}}")
+    if args.reward_pretrain:
+        from rlhf.rewards import RewardConfig
+
+        if "," in args.reward_pretrain:
+            raise ValueError(f"--reward_pretrain {args.reward_pretrain}: --conditional takes one reward model")
+        RewardConfig(reward_pretrain=args.reward_pretrain).validate_models(args.tensor_model_parallel_size,
+                                                                           args.pipeline_model_parallel_size)
+
+
+def quantile_edges(scores: Sequence[float], k: int) -> list[float]:
+    """The ``k - 1`` inner edges of ``k`` quantile buckets: the i/k quantiles (i = 1..k-1), linear interpolation
+    between order statistics (numpy's default)."""
+    t = torch.tensor(list(scores), dtype=torch.float64)
+    q = torch.arange(1, k, dtype=torch.float64) / k
+    return torch.quantile(t, q).tolist()
+
+
+def bucket_of(score: float, edges: Sequence[float]) -> int:
+    """0 .. len(edges): how many edges are <= ``score``."""
+    return bisect.bisect_right(list(edges), score)
+
+
+def prefix_prompt(value: Any, prefix: str) -> Any:
+    """``prefix`` in front of a prompt string, or of the first user message of a message list."""
+    if isinstance(value, str):
+        return prefix + value
+    msgs = [dict(m) for m in value]
+    for m in msgs:
+        if m.get("role") == "user":
+            m["content"] = prefix + m["content"]
+            return msgs
+    raise ValueError(f"--conditional: no user message to prefix in {value!r}")
+
+
+def _record_scores(records: list, key: str) -> list[float]:
+    out = []
+    for r in records:
+        v = r.data.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{r.where}: --score_key {key!r} must be a number, got {v!r}")
+        out.append(float(v))
+    return out
+
+
+def _rm_scores(args: argparse.Namespace, cfg, records: list) -> list[float]:
+    """The reward model's score of each record's (prompt, response), on the training layout. Builds the process
+    group and megatron's groups (the trainer rebuilds the latter); the reward model is freed before returning."""
+    import gc
+
+    from transformers import AutoTokenizer
+
+    from rlhf.data import pad_token_id
+    from rlhf.data.formatting import sft_sample
+    from rlhf.distributed import DistEnv, initialize_mesh
+    from rlhf.engine import ModelEngine
+    from rlhf.rewards import score_sequences
+
+    tok = AutoTokenizer.from_pretrained(args.reward_pretrain)
+    seqs = [sft_sample(r, cfg, tok)[0].input_ids[:cfg.max_len].tolist() for r in records]
+    mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, DistEnv.from_environ(),
+                           seed=args.seed)
+    rm = ModelEngine(mesh, args.reward_pretrain, value_head=True, name="reward", bf16=args.bf16)
+    scores = score_sequences(rm, seqs, pad_token_id(tok), args.micro_train_batch_size).tolist()
+    del rm
+    gc.collect()
+    return scores
+
+
+def load_conditional_split(args: argparse.Namespace, tokenizer) -> tuple[list, list, dict[str, float], dict]:
+    """Like ``rlhf.trainer.load_split`` for SFT, with bucket prefixes. Returns (train, evals, data stats, the
+    ``rlhf.conditional`` entry of the exported config)."""
+    from rlhf.data import DataConfig, build_sft_dataset
+    from rlhf.data.build import load_records
+
+    cfg = DataConfig.from_args(args)
+    train_rec, stats = load_records(cfg, "sft")
+    if args.eval_dataset:
+        eval_rec, _ = load_records(DataConfig.from_args(args, dataset=args.eval_dataset, dataset_probs=None,
+                                                        max_samples=None), "sft")
+    else:
+        n = int(len(train_rec) * args.eval_split)
+        train_rec, eval_rec = train_rec[:len(train_rec) - n], train_rec[len(train_rec) - n:]
+    if args.score_key:
+        scores = _record_scores(train_rec + eval_rec, args.score_key)
+        source = f"--score_key {args.score_key}"
+    else:
+        scores = _rm_scores(args, cfg, train_rec + eval_rec)
+        source = f"--reward_pretrain {args.reward_pretrain}"
+    edges = quantile_edges(scores[:len(train_rec)], args.reward_buckets)
+    buckets = [bucket_of(s, edges) for s in scores]
+
+    def prefixed(recs: list, bks: list[int]) -> list:
+        return [dataclasses.replace(r, data={**r.data, cfg.input_key: prefix_prompt(
+            r.data[cfg.input_key], args.conditional_template.format(bucket=b))}) for r, b in zip(recs, bks)]
+
+    train, st = build_sft_dataset(cfg, tokenizer, preloaded=(prefixed(train_rec, buckets), stats))
+    evals = (build_sft_dataset(cfg, tokenizer, preloaded=(prefixed(eval_rec, buckets[len(train_rec):]),
+                                                          type(stats)()))[0] if eval_rec else [])
+    top = args.reward_buckets - 1
+    counts = [buckets[:len(train_rec)].count(b) for b in range(args.reward_buckets)]
+    info = {"template": args.conditional_template, "buckets": args.reward_buckets, "edges": edges,
+            "top_bucket": top, "top_prefix": args.conditional_template.format(bucket=top), "score_source": source,
+            "train_bucket_counts": counts}
+    log.info("--conditional: %s; %d buckets, edges %s, train counts %s; prompt with %r at inference", source,
+             args.reward_buckets, [round(e, 4) for e in edges], counts, info["top_prefix"])
+    return train, evals, {k.split("/", 1)[1]: v for k, v in st.as_metrics().items() if "/mixed/" not in k}, info

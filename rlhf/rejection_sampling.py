@@ -1,0 +1,244 @@
+"""Rejection sampling (best-of-N): sample N responses per prompt with the colocated vLLM engine, score them with
+one or more reward models (and/or a rule function, ``rlhf/rewards.py``), keep the best per prompt and write a
+jsonl that ``launch/sft.py`` trains on as it is.
+
+    torchrun --nproc_per_node 2 launch/rejection_sampling.py --pretrain <policy> --reward_pretrain rm_a,rm_b \
+        --reward_weights 0.5,0.5 --dataset prompts.jsonl --input_key prompt --best_of_n 4 --output_path rs.jsonl
+
+One SPMD job: every rank hosts a shard of a vLLM engine (``external_launcher``, TP ``--tp``); engine ``e`` samples
+for its contiguous share of the prompts. The policy's weights reach vLLM through ``WeightSync`` from a frozen
+megatron engine (so ``--pretrain`` may be an HF folder or a megatron checkpoint), which is freed before scoring.
+The reward models are loaded one at a time and score the samples data-parallel; rank 0 writes the output with a
+temporary file and ``os.replace``.
+
+Output rows: ``{"input": <the prompt field as read>, "output": <best response text>, "score": <its combined
+reward>}``: ``input``/``output`` are ``launch/sft.py``'s default keys; train with the same
+``--apply_chat_template``/``--input_template`` as here. ``--candidates_path`` also writes every sample (token ids,
+each source's raw score, the combined score, ``kept``). The reward models read ``prompt ids + response ids`` as
+generated, as PPO's reward model does (they share the policy's tokenizer).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+
+log = logging.getLogger("rlhf")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--pretrain", required=True, help="the policy: HF folder or megatron checkpoint")
+    g.add_argument("--reward_pretrain", default=None, help="reward model(s), comma-separated")
+    g.add_argument("--reward_weights", default=None, help="one weight per reward model (default 1.0 each: a sum)")
+    g.add_argument("--reward_fn", default=None, help="rule reward module:function, fn(prompts, responses) -> floats")
+    g.add_argument("--reward_fn_weight", type=float, default=1.0)
+    g.add_argument("--normalize_reward", action="store_true",
+                   help="each reward model's score through its saved mean/std before the weighted sum")
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", required=True, help="comma-separated prompt files/folders")
+    g.add_argument("--dataset_probs", default=None)
+    g.add_argument("--input_key", default="input", help="the prompt field")
+    g.add_argument("--input_template", default=None)
+    g.add_argument("--apply_chat_template", action="store_true")
+    g.add_argument("--max_samples", type=int, default=100_000_000)
+    g.add_argument("--skip_bad_samples", action="store_true")
+    g.add_argument("--output_path", required=True, help="jsonl: one row per prompt, the best response")
+    g.add_argument("--candidates_path", default=None, help="optional jsonl with every sample and its scores")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--best_of_n", type=int, default=4, help="samples per prompt")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top_p", type=float, default=1.0)
+    g.add_argument("--max_new_tokens", type=int, default=1024)
+    g.add_argument("--prompt_max_len", type=int, default=1024, help="longer prompts keep their last tokens")
+    g.add_argument("--seed", type=int, default=42)
+    g = p.add_argument_group("placement")
+    g.add_argument("--tensor_model_parallel_size", "--tp", type=int, default=1,
+                   help="TP of the vLLM engines and of the megatron models")
+    g.add_argument("--micro_batch_size", type=int, default=16, help="sequences per reward-model forward per rank")
+    g.add_argument("--vllm_kv_cache_mb", type=int, default=256, help="vLLM KV cache on CPU (MB per rank)")
+    g.add_argument("--rollout_backend", default="auto", help="auto (vLLM if installed) | vllm | megatron")
+    g.add_argument("--bf16", action="store_true")
+
+
+def validate(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
+    """Flags and model configs, before any process group or model."""
+    from rlhf.config import check_paths_exist
+    from rlhf.distributed.mesh import validate_layout
+    from rlhf.engine import describe_source
+    from rlhf.models.spec import check_parallel_fit
+    from rlhf.rewards import RewardConfig
+
+    tp = args.tensor_model_parallel_size
+    validate_layout(world_size, tp, 1)
+    for name in ("best_of_n", "max_new_tokens", "prompt_max_len", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature must be > 0 for sampling, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top_p must be in (0, 1], got {args.top_p}")
+    for flag, path in (("--output_path", args.output_path), ("--candidates_path", args.candidates_path)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"{flag} {path}: its folder does not exist")
+    check_paths_exist("--dataset", args.dataset)
+    rewards = RewardConfig.from_args(args)
+    rm_sources = rewards.validate_models(tp, 1)
+    try:
+        src = describe_source(args.pretrain)
+    except ValueError as e:
+        raise ValueError(f"--pretrain {args.pretrain}: {e}") from None
+    check_parallel_fit(src["spec"], tp, 1, src["padded_vocab"])
+    from rlhf.rollout.types import RolloutConfig
+    from rlhf.rollout.vllm_engine import check_vllm_fit, vllm_available
+
+    rcfg = RolloutConfig(tensor_parallel_size=tp, kv_cache_bytes=args.vllm_kv_cache_mb << 20,
+                         max_model_len=args.prompt_max_len + args.max_new_tokens,
+                         dtype="bfloat16" if args.bf16 else "float32", seed=args.seed, backend=args.rollout_backend)
+    use_vllm = rcfg.backend == "vllm" or (rcfg.backend == "auto" and vllm_available())
+    if use_vllm:
+        if not vllm_available():
+            raise ValueError("--rollout_backend vllm: vllm is not installed")
+        check_vllm_fit(src["spec"], rcfg, world_size)
+    return {"source": src, "rewards": rewards, "rm_sources": rm_sources, "rollout": rcfg, "use_vllm": use_vllm}
+
+
+def load_prompts(args: argparse.Namespace, tokenizer) -> tuple[list, list]:
+    """(raw prompt field values, PromptSamples), in data order (``--dataset_probs`` mixing and shuffling apply)."""
+    from rlhf.data import DataConfig
+    from rlhf.data.build import load_records
+    from rlhf.data.formatting import prompt_sample
+
+    cfg = DataConfig.from_args(args, output_key=None)
+    records, _ = load_records(cfg, "prompt")
+    samples = [prompt_sample(r, cfg, tokenizer)[0] for r in records]
+    return [r.data[args.input_key] for r in records], samples
+
+
+def pick_best(total: torch.Tensor, n_prompts: int, n: int) -> list[int]:
+    """Index (into the prompt-major samples) of the best of each prompt's ``n`` samples; the first on ties."""
+    return [p * n + int(torch.argmax(total[p * n:(p + 1) * n])) for p in range(n_prompts)]
+
+
+def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from rlhf.data import pad_token_id
+    from rlhf.distributed import DistEnv, initialize_mesh
+    from rlhf.engine import ModelEngine
+    from rlhf.metrics import setup_logging
+    from rlhf.rewards import call_reward_fn, combine_rewards, load_reward_fn, score_sequences
+    from rlhf.rollout import build_rollout
+
+    env = DistEnv.from_environ()
+    setup_logging(env.rank)
+    v = validate(args, env.world_size)
+    rewards = v["rewards"]
+    reward_fn = load_reward_fn(rewards.reward_fn) if rewards.reward_fn else None
+    tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
+    raw_inputs, prompts = load_prompts(args, tokenizer)
+    mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed)
+    from rlhf.distributed.health import check_config_consistency
+
+    check_config_consistency(args)
+    if mesh.is_rank0:
+        log.info("rejection sampling: %d prompts x best of %d; reward = %s", len(prompts), args.best_of_n,
+                 rewards.describe())
+    rollout = policy = None
+    try:
+        if v["use_vllm"]:
+            from rlhf.ppo import vllm_model_dir
+            from rlhf.rollout.weight_sync import WeightSync
+
+            args.save_path = os.path.dirname(os.path.abspath(args.output_path))  # where vllm_model_dir may write
+            rollout = build_rollout(mesh, None, v["rollout"], vllm_model_dir(args, v["source"], mesh))
+            policy = ModelEngine(mesh, args.pretrain, value_head=False, name="policy", bf16=args.bf16)
+            WeightSync(policy, mesh).sync(rollout)
+            del policy  # vLLM holds its own copy now
+            policy = None
+            gc.collect()
+        else:
+            policy = ModelEngine(mesh, args.pretrain, value_head=False, name="policy", bf16=args.bf16)
+            rollout = build_rollout(mesh, policy, v["rollout"], "")
+        ids = [p.prompt_ids.tolist() for p in prompts]
+        engines = env.world_size // args.tensor_model_parallel_size
+        ids += [ids[-1]] * (-len(ids) % engines)  # every engine gets an equal share; the copies are dropped
+        samples = rollout.generate(ids, n=args.best_of_n, temperature=args.temperature, top_p=args.top_p,
+                                   max_tokens=args.max_new_tokens, seed=args.seed)
+        samples = [s for s in samples if s.prompt_index < len(prompts)]
+        assert len(samples) == len(prompts) * args.best_of_n, "prompt-major, best_of_n samples per prompt"
+        policy = None
+        gc.collect()
+        seqs = [s.prompt_ids + s.response_ids for s in samples]
+        scores: dict[str, torch.Tensor] = {}
+        for name, path in zip(rewards.rm_names, rewards.paths):  # one reward model resident at a time
+            rm = ModelEngine(mesh, path, value_head=True, name=name, bf16=args.bf16)
+            scores[name] = score_sequences(rm, seqs, pad_token_id(tokenizer), args.micro_batch_size).cpu()
+            del rm
+            gc.collect()
+        result: dict[str, Any] = {"prompts": len(prompts), "samples": len(samples)}
+        if mesh.is_rank0:
+            replies = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+            if reward_fn is not None:
+                texts = [prompts[s.prompt_index].prompt for s in samples]
+                scores["fn"] = call_reward_fn(reward_fn, texts, replies)
+            total, _ = combine_rewards(scores, rewards.source_weights, rewards.norms(v["rm_sources"]))
+            best = pick_best(total, len(prompts), args.best_of_n)
+            rows = [{"input": raw_inputs[samples[i].prompt_index], "output": replies[i], "score": total[i].item()}
+                    for i in best]
+            write_jsonl_atomic(args.output_path, rows)
+            if args.candidates_path:
+                kept = set(best)
+                write_jsonl_atomic(args.candidates_path, [
+                    {"prompt_index": s.prompt_index, "output": replies[i], "prompt_ids": s.prompt_ids,
+                     "response_ids": s.response_ids, "scores": {k: t[i].item() for k, t in scores.items()},
+                     "score": total[i].item(), "kept": i in kept} for i, s in enumerate(samples)])
+            result.update(mean_score_all=total.mean().item(), mean_score_best=total[best].mean().item(),
+                          **{f"mean_{k}": t.mean().item() for k, t in scores.items()})
+            log.info("rejection sampling: wrote %d rows to %s; mean score of all samples %.4f, of the kept %.4f",
+                     len(rows), args.output_path, result["mean_score_all"], result["mean_score_best"])
+        return result
+    finally:
+        close(rollout)
+
+
+def close(rollout) -> None:
+    """megatron groups first, then vLLM (whose deletion takes the default group with it), then the rest."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from rlhf.distributed.mesh import _destroy_megatron_groups
+
+    if ps.model_parallel_is_initialized():
+        _destroy_megatron_groups()
+    if rollout is not None:
+        rollout.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    args = p.parse_args(argv)
+    try:
+        run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

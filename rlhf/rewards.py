@@ -1,0 +1,220 @@
+"""Rewards from several sources, combined by a weighted sum: reward models and a rule function.
+
+    --reward_pretrain a,b --reward_weights 0.7,0.3 [--normalize_reward] [--reward_fn mod:fn --reward_fn_weight 1]
+
+    reward = sum_i w_i * norm_i(RM_i(prompt + response)) + w_fn * fn(prompts, responses)
+
+Sources are named ``rm0``, ``rm1``, ... (in ``--reward_pretrain`` order) and ``fn``. Default weights are 1.0 each:
+the sources are *summed*, as OpenRLHF sums several reward models. ``--normalize_reward`` maps each reward model
+through its own ``(r - reward_mean) / reward_std`` (saved by ``launch/rm.py`` in its config.json under ``rlhf``)
+before the sum; the rule function is never normalized.
+
+A rule function is ``fn(prompts: list[str], responses: list[str]) -> list[float]``, one call per batch (the same
+signature as ``--gold_reward_fn``): ``prompts`` are the prompt texts as the model saw them (template applied),
+``responses`` the decoded replies without special tokens.
+
+The reward models are frozen megatron engines (``rlhf.engine.ModelEngine`` with a value head); the score of a
+sequence is the head's output at its last token, as HF ``*ForSequenceClassification`` computes it.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[list, list], list]
+
+
+def load_reward_fn(spec: str, flag: str = "--reward_fn") -> RewardFn:
+    """``module:function`` -> the function. ValueError naming ``flag`` when it cannot be imported or called."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(f"{flag} must be module:function, got {spec!r}")
+    mod, name = spec.split(":")
+    try:
+        fn = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{flag} {spec}: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"{flag} {spec}: {type(fn).__name__} object is not callable")
+    return fn
+
+
+def call_reward_fn(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
+                   flag: str = "--reward_fn") -> torch.Tensor:
+    """One float per response, checked. (N,) fp32."""
+    out = fn(list(prompts), list(responses))
+    try:
+        vals = [float(v) for v in out]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{flag}: must return a list of floats, one per response; got {type(out).__name__} "
+                         f"({e})") from None
+    if len(vals) != len(responses):
+        raise ValueError(f"{flag}: returned {len(vals)} values for {len(responses)} responses")
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+def _floats(flag: str, value: str | None, n: int) -> list[float]:
+    if value is None:
+        return [1.0] * n
+    try:
+        vals = [float(v) for v in value.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated numbers, got {value!r}") from None
+    if len(vals) != n:
+        raise ValueError(f"{flag} {value}: {len(vals)} weight(s) for {n} reward model(s) in --reward_pretrain")
+    return vals
+
+
+@dataclass
+class RewardConfig:
+    """Which reward sources a job uses and how they combine (flags in parentheses)."""
+
+    reward_pretrain: str | None = None
+    """(--reward_pretrain) comma-separated reward models: HF *ForSequenceClassification folders or megatron
+    checkpoints."""
+    reward_weights: str | None = None
+    """(--reward_weights) one weight per reward model, comma-separated; default 1.0 each (a plain sum)."""
+    reward_fn: str | None = None
+    """(--reward_fn) ``module:function`` rule reward, ``fn(prompts, responses) -> list[float]``."""
+    reward_fn_weight: float = 1.0
+    """(--reward_fn_weight) its weight in the sum."""
+    normalize_reward: bool = False
+    """(--normalize_reward) each reward model's score through its own saved mean/std before the sum."""
+    paths: list[str] = field(init=False)
+    weights: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.paths = [p for p in (self.reward_pretrain or "").split(",") if p]
+        if self.reward_pretrain is not None and not self.paths:
+            raise ValueError(f"--reward_pretrain must name at least one model, got {self.reward_pretrain!r}")
+        if not self.paths and self.reward_weights is not None:
+            raise ValueError(f"--reward_weights {self.reward_weights} needs --reward_pretrain")
+        self.weights = _floats("--reward_weights", self.reward_weights, len(self.paths))
+        if not self.paths and not self.reward_fn:
+            raise ValueError("no reward: pass --reward_pretrain (reward models) and/or --reward_fn module:function")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RewardConfig":
+        return cls(reward_pretrain=args.reward_pretrain, reward_weights=getattr(args, "reward_weights", None),
+                   reward_fn=getattr(args, "reward_fn", None),
+                   reward_fn_weight=getattr(args, "reward_fn_weight", 1.0),
+                   normalize_reward=getattr(args, "normalize_reward", False))
+
+    @property
+    def rm_names(self) -> list[str]:
+        return [f"rm{i}" for i in range(len(self.paths))]
+
+    @property
+    def source_weights(self) -> dict[str, float]:
+        """``{name: weight}`` of every source, reward models first, then ``fn``."""
+        out = dict(zip(self.rm_names, self.weights))
+        if self.reward_fn:
+            out["fn"] = self.reward_fn_weight
+        return out
+
+    def validate_models(self, tp: int, pp: int) -> list[dict]:
+        """Each reward model's config: a sequence classifier that fits the layout, with saved statistics when
+        ``--normalize_reward``. Returns ``describe_source`` of each. Reads configs only; loads no weights."""
+        from rlhf.engine import describe_source
+        from rlhf.models.spec import check_parallel_fit
+
+        sources = []
+        for path in self.paths:
+            try:
+                src = describe_source(path)
+            except ValueError as e:
+                raise ValueError(f"--reward_pretrain {path}: {e}") from None
+            check_parallel_fit(src["spec"], tp, pp, src["padded_vocab"])
+            if not src["spec"].is_seq_cls:
+                raise ValueError(f"--reward_pretrain {path}: expected a *ForSequenceClassification model (a trained "
+                                 f"reward model), got {src['hf_config'].get('architectures')}")
+            if self.normalize_reward:
+                stats = src["hf_config"].get("rlhf", {})
+                if "reward_mean" not in stats or "reward_std" not in stats:
+                    raise ValueError(f"--normalize_reward: {path}/config.json has no rlhf.reward_mean/reward_std "
+                                     f"(saved by launch/rm.py); train the reward model here or drop the flag")
+            sources.append(src)
+        if self.reward_fn:
+            load_reward_fn(self.reward_fn)
+        return sources
+
+    def norms(self, sources: Sequence[dict]) -> dict[str, tuple[float, float]]:
+        """``{rm name: (mean, std)}`` with ``--normalize_reward``, else empty."""
+        if not self.normalize_reward:
+            return {}
+        out = {}
+        for name, src in zip(self.rm_names, sources):
+            stats = src["hf_config"]["rlhf"]
+            out[name] = (float(stats["reward_mean"]), max(float(stats["reward_std"]), 1e-6))
+        return out
+
+    def describe(self) -> str:
+        parts = [f"{w:g} x {n} ({p})" for n, p, w in zip(self.rm_names, self.paths, self.weights)]
+        if self.reward_fn:
+            parts.append(f"{self.reward_fn_weight:g} x fn ({self.reward_fn})")
+        return " + ".join(parts) + ("; reward models normalized by their saved mean/std" if self.normalize_reward
+                                    else "")
+
+
+def combine_rewards(scores: Mapping[str, torch.Tensor], weights: Mapping[str, float],
+                    norms: Mapping[str, tuple[float, float]] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure. ``scores[name]`` (B,) raw score of each source. Returns ``(combined, raw_combined)``, both (B,):
+    ``sum_k w_k * (s_k - mean_k) / std_k`` (normalized where ``norms`` has the source) and ``sum_k w_k * s_k``."""
+    if set(scores) != set(weights):
+        raise AssertionError(f"sources {sorted(scores)} vs weights {sorted(weights)}")
+    norms = norms or {}
+    combined = raw = None
+    for name, s in scores.items():
+        s = s.float()
+        w = float(weights[name])
+        mean, std = norms.get(name, (0.0, 1.0))
+        c, r = w * (s - mean) / std, w * s
+        combined = c if combined is None else combined + c
+        raw = r if raw is None else raw + r
+    return combined, raw
+
+
+def source_metrics(scores: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """``reward/<name>``: the mean raw score of each source (over the tensors given, e.g. the global batch)."""
+    return {f"reward/{k}": v.float().mean().item() for k, v in scores.items()}
+
+
+def score_sequences(engine, seqs: Sequence[Sequence[int]], pad_id: int, micro_batch_size: int) -> torch.Tensor:
+    """The reward model ``engine``'s score of each token sequence, DP-sharded, on every rank. (N,) fp32.
+
+    Each data-parallel rank scores a contiguous share (the list is padded with copies of its last sequence to a
+    multiple of DP); the shares are all-gathered in DP order."""
+    from rlhf.experience import dp_all_gather, sequence_scores, to_all_stages
+
+    mesh = engine.mesh
+    n = len(seqs)
+    per = -(-n // mesh.dp)
+    if mesh.pp > 1:  # and one micro-batch size
+        per = -(-per // micro_batch_size) * micro_batch_size
+    padded = list(seqs) + [seqs[-1]] * (per * mesh.dp - n)
+    local = padded[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
+    width = max(len(s) for s in local)  # one width per rank: PP sends one activation shape per schedule call
+    mbs = []
+    for i in range(0, per, micro_batch_size):
+        rows = local[i:i + micro_batch_size]
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, s in enumerate(rows):
+            ids[b, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[b, :len(s)] = 1
+        mbs.append({"input_ids": ids, "attention_mask": mask})
+
+    def fn(batch: dict, values: torch.Tensor):
+        return torch.zeros(()), {"out": sequence_scores(values, batch)}
+
+    outs = engine.forward(mbs, output="logits", loss_fn=fn)
+    mine = torch.cat([o["out"] for o in outs]) if outs else None
+    mine = to_all_stages(mine, (per,), mesh)
+    return dp_all_gather(mine.float().contiguous(), mesh)[:n]
