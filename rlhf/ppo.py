@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -178,7 +179,7 @@ class PPOTrainer:
             self.rollout.wake_up(["kv_cache"])
             samples = self.rollout.generate(prompts, n=args.n_samples_per_prompt, temperature=args.temperature,
                                             top_p=args.top_p, max_tokens=args.generate_max_len,
-                                            seed=args.seed * 100_003 + self.step)
+                                            seed=args.seed * 100_003 + self.step, ignore_eos=args.ignore_eos)
             self.rollout.sleep()
         n_gen = sum(len(s.response_ids) for s in samples)
         if self.gold_fn is not None:  # measured only, never optimized
@@ -358,7 +359,7 @@ class PPOTrainer:
         logger = MetricsLogger(mesh.is_rank0, self.total_steps, args.tensorboard, prefix="ppo")
         timer = PhaseTimer()
         history: list[dict[str, float]] = []
-        start = self.step
+        start, t_end = self.step, time.perf_counter()
         while self.step < self.total_steps:
             if 0 <= args.stop_after_steps <= self.step - start:
                 log.info("stopping after %d steps (--stop_after_steps)", args.stop_after_steps)
@@ -369,9 +370,11 @@ class PPOTrainer:
             self.step += 1
             m.update(timer.metrics)
             m["time/step"] = sum(v for k, v in timer.metrics.items() if k.startswith("time/"))
-            history.append(m)
             if self.step % args.logging_steps == 0 or self.step == self.total_steps:
                 logger.log(self.step, m)
+            now = time.perf_counter()  # wall time between step ends, logging included (bench/ppo_vs_trl.py)
+            m["time/step_wall"], t_end = now - t_end, now
+            history.append(m)
             if (args.save_steps > 0 and self.step % args.save_steps == 0) or self.step == self.total_steps:
                 self.save()
         logger.close()

@@ -41,6 +41,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt_max_len", type=int, default=1024)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top_p", type=float, default=1.0)
+    g.add_argument("--ignore_eos", action="store_true",
+                   help="generate exactly --generate_max_len tokens per response (benchmarks)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--actor_learning_rate", type=float, default=1e-6)
     g.add_argument("--critic_learning_rate", type=float, default=9e-6)

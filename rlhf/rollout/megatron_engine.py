@@ -69,8 +69,9 @@ class MegatronRollout:
         return result[0].long(), result[1].float()
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, seed: int) -> list[Sample]:
+                 max_tokens: int, seed: int, ignore_eos: bool = False) -> list[Sample]:
         mesh = self.mesh
+        eos = None if ignore_eos else self.eos
         per = len(prompts) // mesh.dp
         lo = mesh.dp_rank * per
         local: list[Sample] = []
@@ -83,15 +84,15 @@ class MegatronRollout:
                 tok, lp = self._next_token(ids, temperature, top_p, gen)
                 tokens.append(tok)
                 lps.append(lp)
-                done |= tok == self.eos
+                done |= tok == eos if eos is not None else done
                 ids = torch.cat([ids, tok.unsqueeze(1)], dim=1)
                 if bool(done.all()):
                     break
             toks, lpt = torch.stack(tokens, 1), torch.stack(lps, 1)  # (n, R)
             for k in range(n):
                 row = toks[k].tolist()
-                end = row.index(self.eos) + 1 if self.eos in row else len(row)
-                local.append(Sample(lo + i, list(prompt), row[:end], lpt[k, :end].tolist(), self.eos in row))
+                end = row.index(eos) + 1 if eos in row else len(row)
+                local.append(Sample(lo + i, list(prompt), row[:end], lpt[k, :end].tolist(), eos in row))
         keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
         return gather_samples(local if keep else [], mesh)
 

@@ -119,9 +119,10 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------------------------------- generation
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, seed: int) -> list[Sample]:
+                 max_tokens: int, seed: int, ignore_eos: bool = False) -> list[Sample]:
         """All ranks pass the same global ``prompts``; engine ``e`` generates for its contiguous share, and every
-        rank gets every sample back, prompt-major (``n`` consecutive samples per prompt)."""
+        rank gets every sample back, prompt-major (``n`` consecutive samples per prompt). ``ignore_eos``: exactly
+        ``max_tokens`` per response."""
         from vllm import SamplingParams
 
         per = len(prompts) // self.num_engines
@@ -130,7 +131,7 @@ class VLLMRollout:
         mine = prompts[lo: lo + per]
         # One seed per prompt: the samples do not depend on how prompts are spread over engines or batched.
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                 seed=seed * 1_000_003 + lo + i) for i in range(len(mine))]
+                                 ignore_eos=ignore_eos, seed=seed * 1_000_003 + lo + i) for i in range(len(mine))]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in mine], params, use_tqdm=False)
         local: list[Sample] = []
         for i, o in enumerate(outs):
