@@ -109,8 +109,6 @@ def _pad_width(mb: dict, width: int, pad_id: int) -> dict:
 
 
 def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from rlhf.checkpoint import Checkpointer
     from rlhf.config import log_compat_mappings, validate_common
     from rlhf.data import BatchConfig, DistributedBatchSampler
@@ -123,6 +121,8 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
     dp = validate_common(args, env.world_size)  # before the process group and any model
     if hasattr(task, "validate"):
         task.validate(args)
+    from transformers import AutoTokenizer  # after the flag checks: importing it takes seconds
+
     tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
     train, evals, stats = task.load_data(args, tokenizer)
     if not train:
