@@ -58,6 +58,9 @@ def add_common_args(p: argparse.ArgumentParser, *, lr: float, epochs: int, micro
     g.add_argument("--input_template", default=None)
     g.add_argument("--skip_bad_samples", action="store_true",
                    help="skip (and count) samples with a missing key or empty field instead of failing")
+    from rlhf.models.lora import add_lora_args
+
+    add_lora_args(p)
 
 
 def validate_common(args: argparse.Namespace, world_size: int) -> int:
@@ -81,6 +84,9 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
     if not 0.0 <= args.eval_split < 1.0:
         raise ValueError(f"--eval_split must be in [0, 1), got {args.eval_split}")
     check_resumable(args)
+    from rlhf.models.lora import lora_config_from_args
+
+    lora_config_from_args(args)  # --lora_rank/--lora_alpha/--target_modules/--lora_dropout
     from rlhf.engine import describe_source
     from rlhf.models.spec import check_parallel_fit
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from rlhf.distributed.mesh import ParallelMesh
 from rlhf.models.checkpoint_io import read_manifest, spec_from_manifest
+from rlhf.models.lora import LoraConfig
 from rlhf.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -64,17 +65,19 @@ class ModelEngine:
 
     def __init__(self, mesh: ParallelMesh, ckpt_dir: str, *, optim: OptimConfig | None = None,
                  value_head: bool | None = None, bf16: bool = False, recompute: bool = False,
-                 name: str = "model"):
+                 name: str = "model", lora: LoraConfig | None = None):
         from rlhf.models.checkpoint_io import load_model
-        from rlhf.models.gpt import build_model
+        from rlhf.models.gpt import build_model, te_available
 
         self.mesh, self.name, self.bf16 = mesh, name, bf16
         self.source = describe_source(ckpt_dir)
         self.spec: ModelSpec = self.source["spec"]
         self.padded_vocab = int(self.source["padded_vocab"])
+        if lora is not None and te_available():
+            log.info("%s: LoRA wraps megatron's local linears: the local layer spec runs instead of TE's", name)
         model = build_model(self.spec, tp=mesh.tp, pp=mesh.pp, pp_rank=mesh.pp_rank, value_head=value_head,
                             params_dtype=torch.float32, padded_vocab=self.padded_vocab, recompute=recompute,
-                            init_weights=False)
+                            init_weights=False, use_te=False if lora is not None else None)
         self.value_head = model.value_head
         if value_head and not self.spec.is_seq_cls:
             _seeded_score_init(model, self.spec)
@@ -87,6 +90,16 @@ class ModelEngine:
                          tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, skip_head=value_head and not self.spec.is_seq_cls)
         if value_head and not self.spec.is_seq_cls:
             log.info("%s: %s is a causal LM; its score head starts from a seeded random init", name, ckpt_dir)
+        self.lora = lora
+        if lora is not None:  # after the base weights are in: adapters start at B = 0 (the base model)
+            from rlhf.models.lora import apply_lora
+
+            heads = ("output_layer.weight",) if model.value_head and model.post_process else ()
+            self.lora_counts = apply_lora(model, lora, tp=mesh.tp, tp_rank=mesh.tp_rank, trainable=heads)
+            c = self.lora_counts
+            log.info("%s: LoRA r=%d alpha=%g on %s (%d layers here): %d trainable of %d parameters (%.3f%%) on "
+                     "this rank", name, lora.rank, lora.alpha, ",".join(lora.targets), c["modules"],
+                     c["trainable_params"], c["total_params"], 100.0 * c["trainable_params"] / c["total_params"])
         self.model = model  # the bare LlamaGPT
         self.module: torch.nn.Module = model
         self.config = model.config
@@ -187,6 +200,14 @@ class ModelEngine:
                 _init_optimizer_state(self.optimizer)
             sd["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
         return sd
+
+    def export_sharded_state_dict(self) -> dict:
+        """The model's sharded state dict for an HF export: adapters merged into their base weights."""
+        if self.lora is None:
+            return self.model.sharded_state_dict()
+        from rlhf.models.lora import merged_sharded_state_dict
+
+        return merged_sharded_state_dict(self.model)
 
     def trainer_state(self) -> dict[str, Any]:
         return {"steps": self.steps, "scheduler": self.scheduler.state_dict() if self.scheduler else None}

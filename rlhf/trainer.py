@@ -115,10 +115,13 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.engine import ModelEngine, OptimConfig
     from rlhf.metrics import MetricsLogger, setup_logging
+    from rlhf.models.lora import lora_config_from_args
 
     env = DistEnv.from_environ()
     setup_logging(env.rank)
     dp = validate_common(args, env.world_size)  # before the process group and any model
+    if getattr(args, "lora_rank", 0) and args.lora_export == "adapter" and task.value_head:
+        raise ValueError(f"--lora_export adapter: {task.name} has a value head; reward models export merged")
     if hasattr(task, "validate"):
         task.validate(args)
     from transformers import AutoTokenizer  # after the flag checks: importing it takes seconds
@@ -145,7 +148,7 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
                         clip_grad=args.max_norm, warmup_ratio=args.lr_warmup_ratio, scheduler=args.lr_scheduler,
                         total_steps=total_steps, use_distributed_optimizer=args.zero_stage >= 1)
     engine = ModelEngine(mesh, args.pretrain, optim=optim, value_head=task.value_head, bf16=args.bf16,
-                         recompute=args.gradient_checkpointing, name=task.name)
+                         recompute=args.gradient_checkpointing, name=task.name, lora=lora_config_from_args(args))
     if hasattr(task, "setup"):
         task.setup(args, mesh, engine)
     sampler = DistributedBatchSampler(len(train), BatchConfig(args.train_batch_size, args.micro_train_batch_size,
@@ -231,8 +234,15 @@ def main(task_mod, argv=None) -> int:
 
 def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> None:
     """Final export to ``--save_path``: a megatron model checkpoint (``<save_path>/megatron``) converted to HF
-    by rank 0 in a subprocess, with ``extra`` (e.g. reward statistics) in config.json under ``rlhf``."""
+    by rank 0 in a subprocess, with ``extra`` (e.g. reward statistics) in config.json under ``rlhf``. With LoRA
+    the weights are merged, or, with ``--lora_export adapter``, a PEFT adapter folder is written instead."""
     from rlhf.models.checkpoint_io import save_model, write_manifest
+
+    if getattr(engine, "lora", None) is not None and getattr(args, "lora_export", "merged") == "adapter":
+        from rlhf.models.lora import save_peft_adapter
+
+        save_peft_adapter(engine, mesh, args.save_path, base_model=args.pretrain)
+        return
 
     mg = os.path.join(args.save_path, "megatron")
     tmp = mg + ".tmp"
@@ -242,7 +252,7 @@ def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "model"))
     dist.barrier()
-    save_model(engine.model, os.path.join(tmp, "model"))
+    save_model(engine.model, os.path.join(tmp, "model"), engine.export_sharded_state_dict())
     dist.barrier()
     if mesh.is_rank0:
         import shutil

@@ -91,12 +91,14 @@ def atomic_dir(final: str, overwrite: bool = False) -> Iterator[str]:
         os.replace(tmp, final)
 
 
-def save_model(model: torch.nn.Module, folder: str) -> None:
-    """Collective: every rank writes its shards of ``model`` to ``folder`` (which must exist and be shared)."""
+def save_model(model: torch.nn.Module, folder: str, sharded_state_dict: dict | None = None) -> None:
+    """Collective: every rank writes its shards of ``model`` (or of ``sharded_state_dict``, e.g. LoRA-merged) to
+    ``folder`` (which must exist and be shared)."""
     from megatron.core import dist_checkpointing
 
     os.makedirs(folder, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), folder)
+    dist_checkpointing.save(sharded_state_dict if sharded_state_dict is not None else model.sharded_state_dict(),
+                            folder)
 
 
 def load_model(model: torch.nn.Module, folder: str) -> None:
