@@ -1,11 +1,16 @@
 """The embedded default job: SFT -> reward model -> PPO on the bundled sort task (rlhf/demo/sort_task.py), on
 ``--nproc`` ranks with colocated vLLM, then before/after figures on held-out prompts.
 
-    python tools/run_demo.py --out outputs/demo [--seed 1] [--nproc 2] [--quick]
+    python tools/run_demo.py --out outputs/demo [--seed 1] [--nproc 2] [--quick] [--also dpo,kto]
 
 Writes under --out: data/, sft/, rm/, ppo/ (HF exports + checkpoints), tb/ (TensorBoard), logs/,
 ppo_curves.png (RM reward and gold score against PPO step) and summary.json. PPO optimizes the learned reward
 model only; the gold rule labels the preference pairs and measures.
+
+``--also dpo,kto`` (opt-in) also trains DPO on the same preference pairs and KTO on them split into unpaired
+samples (data/kto_train.jsonl), both from the SFT model, and evaluates every policy (SFT, PPO, DPO, KTO) on the
+held-out prompts and on the held-out pairs (preference accuracy by implicit reward against the SFT model); the
+figures go into summary.json under "dpo" / "kto" and the per-model "pref_acc".
 """
 import argparse
 import json
@@ -18,9 +23,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 FULL = dict(sft_epochs=6, rm_epochs=3, ppo_episodes=2, rollout_batch_size=32, n_samples=4, train_batch_size=64,
-            n_pref=4000, n_train_prompts=512)
+            n_pref=4000, n_train_prompts=512, dpo_epochs=1, kto_epochs=1)
 QUICK = dict(sft_epochs=5, rm_epochs=1, ppo_episodes=1, rollout_batch_size=32, n_samples=4, train_batch_size=64,
-             n_pref=2000, n_train_prompts=256)
+             n_pref=2000, n_train_prompts=256, dpo_epochs=1, kto_epochs=1)
+EXTRA = ("dpo", "kto")  # --also choices
 
 
 def child_env() -> dict:
@@ -42,7 +48,8 @@ def stage(name: str, cmd: list[str], logs: str) -> float:
                                 text=True)
         for line in proc.stdout:
             log.write(line)
-            if any(s in line for s in ("[sft ", "[rm ", "[ppo ", "[eval", "error", "Error", "gold=")):
+            if any(s in line for s in ("[sft ", "[rm ", "[ppo ", "[dpo ", "[kto ", "[eval", "error", "Error",
+                                       "gold=", "pref_acc=")):
                 print("   " + shorten(line.rstrip()), flush=True)
         code = proc.wait()
     if code != 0:
@@ -52,7 +59,7 @@ def stage(name: str, cmd: list[str], logs: str) -> float:
 
 def shorten(line: str) -> str:
     keep = ("loss=", "acc=", "reward_gap=", "reward=", "gold_reward=", " kl=", "entropy=", "time/step=", "gold=",
-            "rm=", "exact_sorted=")
+            "rm=", "exact_sorted=", "margin=", "pref_acc=")
     if "] " not in line:
         return line[-160:]
     head, body = line.split("] ", 1)
@@ -100,7 +107,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="a reduced pipeline (CI)")
+    p.add_argument("--also", default="", help=f"comma-separated extra methods from the SFT model: {','.join(EXTRA)}")
     a = p.parse_args()
+    also = [m for m in a.also.split(",") if m]
+    if any(m not in EXTRA for m in also):
+        p.error(f"--also must list methods from {','.join(EXTRA)}, got {a.also!r}")
     cfg = QUICK if a.quick else FULL
     t_start = time.time()
     out = os.path.abspath(a.out)
@@ -125,6 +136,8 @@ def main() -> int:
     rm_result = json.load(open(f"{out}/rm/train_result.json"))
     evaluate = [sys.executable, os.path.join(REPO, "tools/eval_demo.py"), "--rm", f"{out}/rm", "--prompts",
                 f"{data}/prompts_eval.jsonl", "--seed", str(a.seed)]
+    if also:  # held-out preference accuracy too, by implicit reward against the SFT model
+        evaluate += ["--pairs", f"{data}/pref_eval.jsonl", "--ref", f"{out}/sft"]
     times["eval_before"] = stage("eval_before", evaluate + ["--policy", f"{out}/sft", "--json",
                                                             f"{out}/eval_before.json"], logs)
     times["ppo"] = stage("ppo", torchrun(a.nproc, "launch/ppo.py", [
@@ -139,11 +152,30 @@ def main() -> int:
         "--logging_steps", "1", "--tensorboard", f"{tb}/ppo"]), logs)
     times["eval_after"] = stage("eval_after", evaluate + ["--policy", f"{out}/ppo", "--json",
                                                           f"{out}/eval_after.json"], logs)
+    extra = {}
+    if "dpo" in also:
+        times["dpo"] = stage("dpo", torchrun(a.nproc, "launch/dpo.py", [
+            "--pretrain", f"{out}/sft", "--dataset", f"{data}/pref.jsonl", "--eval_dataset",
+            f"{data}/pref_eval.jsonl", "--prompt_key", "prompt", "--chosen_key", "chosen", "--rejected_key",
+            "rejected", "--save_path", f"{out}/dpo", "--train_batch_size", "32", "--max_epochs",
+            str(cfg["dpo_epochs"]), "--learning_rate", "5e-4", "--beta", "0.1", "--tensorboard", f"{tb}/dpo"]
+            + common), logs)
+    if "kto" in also:
+        times["kto"] = stage("kto", torchrun(a.nproc, "launch/kto.py", [
+            "--pretrain", f"{out}/sft", "--dataset", f"{data}/kto_train.jsonl", "--eval_dataset",
+            f"{data}/kto_eval.jsonl", "--input_key", "prompt", "--output_key", "completion", "--label_key", "label",
+            "--save_path", f"{out}/kto", "--train_batch_size", "64", "--max_epochs", str(cfg["kto_epochs"]),
+            "--learning_rate", "5e-4", "--beta", "0.1", "--tensorboard", f"{tb}/kto"] + common), logs)
+    for m in also:
+        times[f"eval_{m}"] = stage(f"eval_{m}", evaluate + ["--policy", f"{out}/{m}", "--json",
+                                                            f"{out}/eval_{m}.json"], logs)
+        extra[m] = json.load(open(f"{out}/eval_{m}.json"))
+        extra[m]["train_eval"] = json.load(open(f"{out}/{m}/train_result.json")).get("eval", {})
     before, after = json.load(open(f"{out}/eval_before.json")), json.load(open(f"{out}/eval_after.json"))
     history = json.load(open(f"{out}/ppo/ppo_result.json"))["history"]
     plot(history, f"{out}/ppo_curves.png")
     summary = {"seed": a.seed, "rm_heldout_acc": rm_result["eval"]["acc"], "before": before, "after": after,
-               "ppo_steps": len(history), "seconds": {k: round(v, 1) for k, v in times.items()},
+               **extra, "ppo_steps": len(history), "seconds": {k: round(v, 1) for k, v in times.items()},
                "total_seconds": round(time.time() - t_start, 1)}
     with open(f"{out}/summary.json", "w") as f:
         json.dump(summary, f, indent=2)
@@ -151,6 +183,13 @@ def main() -> int:
     print(f"held-out prompts ({before['samples']} samples):   gold score   RM reward   exactly sorted")
     print(f"  SFT model (before PPO)          {before['gold']:.3f}       {before['rm']:+.3f}      {before['exact_sorted']:.3f}")
     print(f"  PPO model (after)               {after['gold']:.3f}       {after['rm']:+.3f}      {after['exact_sorted']:.3f}")
+    for name, r in extra.items():
+        print(f"  {name.upper()} model                       {r['gold']:.3f}       {r['rm']:+.3f}      "
+              f"{r['exact_sorted']:.3f}")
+    if also:
+        print("held-out preference accuracy (implicit reward vs the SFT model; SFT itself is 0.5 by definition):")
+        for name, r in [("SFT", before), ("PPO", after)] + [(k.upper(), v) for k, v in extra.items()]:
+            print(f"  {name:4s} pref_acc {r['pref_acc']:.3f}   logp_pref_acc {r['logp_pref_acc']:.3f}")
     print(f"plot: {out}/ppo_curves.png   TensorBoard: tensorboard --logdir {tb}")
     print(f"total wall time: {summary['total_seconds']:.0f} s ({', '.join(f'{k} {v:.0f}s' for k, v in times.items())})")
     return 0
