@@ -17,12 +17,16 @@ class SFTTask:
 
     conditional: dict | None = None  # --conditional: bucket edges etc., exported under config.json "rlhf"
 
+    def validate(self, args: argparse.Namespace) -> None:
+        from rlhf.conditional import validate
+
+        validate(args)
+
     def load_data(self, args: argparse.Namespace, tokenizer):
-        from rlhf.conditional import load_conditional_split, validate
+        from rlhf.conditional import load_conditional_split
         from rlhf.data import build_sft_dataset
         from rlhf.trainer import load_split
 
-        validate(args)
         if getattr(args, "conditional", False):
             train, evals, stats, self.conditional = load_conditional_split(args, tokenizer)
             return train, evals, stats

@@ -129,9 +129,12 @@ class VLLMRollout:
         assert per * self.num_engines == len(prompts), "validated: rollout batch divisible by engines"
         lo = self.engine_index * per
         mine = prompts[lo: lo + per]
-        # One seed per prompt: the samples do not depend on how prompts are spread over engines or batched.
+        # One seed per prompt: the samples do not depend on how prompts are spread over engines or batched. vLLM
+        # seeds sample k of a request with seed + k, so the prompts' seeds are n apart: with a spacing of 1, sample
+        # k + 1 of prompt i drew the same random numbers as sample k of prompt i + 1.
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                 ignore_eos=ignore_eos, seed=seed * 1_000_003 + lo + i) for i in range(len(mine))]
+                                 ignore_eos=ignore_eos, seed=seed * 1_000_003 + (lo + i) * n)
+                  for i in range(len(mine))]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in mine], params, use_tqdm=False)
         local: list[Sample] = []
         for i, o in enumerate(outs):

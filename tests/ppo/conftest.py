@@ -17,3 +17,22 @@ def ppo_setup(tmp_path_factory):
                         tie_word_embeddings=True, **DIMS)
     return {"work": work, "actor": actor, "rm": rm, "actor_tied": tied,
             "prompts": write_prompts(work / "prompts.jsonl", 64)}
+
+
+@pytest.fixture(scope="session")
+def reward_pair(ppo_setup):
+    """Two synthetic last-token reward models (different score directions) whose config.json carries
+    rlhf.reward_mean/reward_std, as launch/rm.py saves them: for multi-RM PPO and rejection sampling."""
+    import json
+
+    from rlhf.models.tiny import make_last_token_rm
+
+    out = []
+    for name, seed, mean, std in (("rm_a", 1, 0.1, 0.8), ("rm_b", 5, -0.2, 1.5)):
+        path = make_last_token_rm(os.path.join(ppo_setup["work"], name), ppo_setup["actor"], seed=seed, **DIMS)
+        cfg_path = os.path.join(path, "config.json")
+        cfg = json.load(open(cfg_path))
+        cfg["rlhf"] = {"reward_mean": mean, "reward_std": std}
+        json.dump(cfg, open(cfg_path, "w"), indent=2)
+        out.append(path)
+    return out
