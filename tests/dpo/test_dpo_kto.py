@@ -1,0 +1,108 @@
+"""DPO and KTO end to end through launch/dpo.py and launch/kto.py on 2 ranks, on the bundled task's data (tiny
+model): the implicit reward margin rises on held-out pairs / samples, DPO at TP2 equals DP2 (TP1) step by step,
+a resumed DPO run continues the same trajectory, bad flags and data fail before any model is loaded."""
+import json
+import os
+import re
+
+import pytest
+from helpers import REPO, run_python, run_torchrun, tail
+
+DPO = os.path.join(REPO, "launch/dpo.py")
+KTO = os.path.join(REPO, "launch/kto.py")
+
+
+def flags(save, **kw):
+    args = {"--save_path": save, "--train_batch_size": "32", "--micro_train_batch_size": "8", "--max_len": "32",
+            "--lr_warmup_ratio": "0.0", "--seed": "7"}
+    args.update({k: str(v) for k, v in kw.items()})
+    out = []
+    for k, v in args.items():
+        out += [k] if v == "" else [k, v]
+    return out
+
+
+def step_metrics(proc, task):
+    """{step: {metric: value}} from the ``[task i/N ...] k=v ...`` log lines."""
+    out = {}
+    for ln in (proc.stdout + proc.stderr).splitlines():
+        m = re.search(rf"\[{task} (\d+)/\d+ .*?\] (.*)", ln)
+        if m:
+            out[int(m.group(1))] = {k: float(v) for k, v in (kv.split("=") for kv in m.group(2).split())}
+    return out
+
+
+def test_dpo_tp2_raises_heldout_margin(pref_setup, tmp_path):
+    """From the tiny model (policy == reference at step 1, so the first loss is log 2), DPO at TP2 with
+    --ref_offload ranks held-out chosen replies (unseen (a, b) ranges) above rejected ones by implicit reward."""
+    save = str(tmp_path / "dpo")
+    p = run_torchrun(DPO, 2, ["--pretrain", pref_setup["model"], "--dataset", pref_setup["pref"],
+                              "--eval_dataset", pref_setup["pref_eval"], "--max_epochs", "2", "--learning_rate",
+                              "3e-3", "--beta", "0.1", "--tensor_model_parallel_size", "2", "--ref_offload"]
+                     + flags(save))
+    assert p.returncode == 0, tail(p)
+    steps = step_metrics(p, "dpo")
+    assert steps[1]["loss"] == pytest.approx(0.6931, abs=1e-4) and steps[1]["margin"] == 0, steps[1]
+    assert "--ref_offload" in p.stderr + p.stdout
+    ev = json.load(open(os.path.join(save, "train_result.json")))["eval"]
+    assert ev["margin"] > 0.05 and ev["acc"] >= 0.65, ev  # 0.17 / 0.80 measured
+    assert ev["loss"] < 0.68, ev
+    cfg = json.load(open(os.path.join(save, "config.json")))
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_dpo_tp2_equals_tp1_and_resume_continues(pref_setup, tmp_path):
+    """A reference unlike the policy (another seed) makes the loss depend on both models' log-probs. 4 steps at
+    DP2 (TP1) vs 2 steps at TP2, checkpoint (policy only), resume at TP2 for steps 3-4: the same losses and
+    rewards (to the 4 digits logged)."""
+    ref = str(tmp_path / "ref")
+    from rlhf.models.tiny import make_tiny_hf
+
+    make_tiny_hf(ref, "llama", seed=1, tokenizer_dir=os.path.join(pref_setup["work"], "tokenizer"), hidden_size=64,
+                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    base = ["--pretrain", pref_setup["model"], "--ref_pretrain", ref, "--dataset", pref_setup["pref"],
+            "--max_samples", "160", "--max_epochs", "1", "--learning_rate", "3e-3", "--loss_type", "cdpo",
+            "--label_smoothing", "0.1", "--beta", "1.0"]  # 5 steps; each run stops early: no export
+    tp1 = run_torchrun(DPO, 2, base + flags(str(tmp_path / "tp1"), **{"--stop_after_steps": 4}))
+    assert tp1.returncode == 0, tail(tp1)
+    save = str(tmp_path / "tp2")
+    a = run_torchrun(DPO, 2, base + ["--tp", "2"] + flags(save, **{"--save_steps": 2, "--stop_after_steps": 2}))
+    assert a.returncode == 0, tail(a)
+    b = run_torchrun(DPO, 2, base + ["--tp", "2"] + flags(save, **{"--load_checkpoint": "", "--stop_after_steps": 2}))
+    assert b.returncode == 0, tail(b)
+    want, got = step_metrics(tp1, "dpo"), {**step_metrics(a, "dpo"), **step_metrics(b, "dpo")}
+    assert sorted(want) == sorted(got) == [1, 2, 3, 4], (want, got)
+    assert abs(want[1]["margin"]) > 1e-3, want[1]  # the reference differs from the policy
+    for s in want:
+        for k in ("loss", "chosen_reward", "rejected_reward"):
+            assert got[s][k] == pytest.approx(want[s][k], rel=1e-3, abs=1e-4), (s, k, want[s], got[s])
+
+
+def test_kto_raises_desirable_over_undesirable(pref_setup, tmp_path):
+    """KTO at DP2 on the pairs split into unpaired samples: on held-out samples the desirable completions' implicit
+    reward ends above the undesirable ones' (both are 0 at step 1, policy == reference)."""
+    save = str(tmp_path / "kto")
+    p = run_torchrun(KTO, 2, ["--pretrain", pref_setup["model"], "--dataset", pref_setup["kto"], "--eval_dataset",
+                              pref_setup["kto_eval"], "--input_key", "prompt", "--output_key", "completion",
+                              "--label_key", "label", "--max_epochs", "2", "--learning_rate", "3e-3", "--beta", "0.5",
+                              "--undesirable_loss_weight", "1.0"] + flags(save))
+    assert p.returncode == 0, tail(p)
+    steps = step_metrics(p, "kto")
+    assert steps[1]["loss"] == pytest.approx(0.5, abs=1e-6) and steps[1]["kl"] == 0, steps[1]
+    ev = json.load(open(os.path.join(save, "train_result.json")))["eval"]
+    assert ev["margin"] > 0.1 and ev["acc"] > 0.55, ev  # 0.45 / 0.62 measured
+
+
+@pytest.mark.parametrize("script,extra,needle", [
+    (DPO, ["--loss_type", "foo"], "--loss_type"),
+    (DPO, ["--loss_type", "cdpo", "--label_smoothing", "0.7"], "--label_smoothing"),
+    (KTO, ["--label_key", "grade"], "--label_key"),
+])
+def test_bad_input_exits_2_naming_the_flag(pref_setup, tmp_path, script, extra, needle):
+    data = pref_setup["kto"] if script == KTO else pref_setup["pref"]
+    keys = ["--input_key", "prompt", "--output_key", "completion"] if script == KTO else []
+    p = run_python([script, "--pretrain", pref_setup["model"], "--dataset", data] + keys + extra +
+                   flags(str(tmp_path / "o")), timeout=120)
+    assert p.returncode == 2, tail(p)
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert err and needle in err[0], p.stderr[-2000:]
