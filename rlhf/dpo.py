@@ -166,6 +166,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_reference_args(p)
     g = p.add_argument_group("DPO")
     g.add_argument("--loss_type", default="dpo", help="dpo | ipo | cdpo")
+    g.add_argument("--ipo", dest="loss_type", action="store_const", const="ipo",
+                   help="compatibility (OpenRLHF): the same as --loss_type ipo")
     g.add_argument("--label_smoothing", type=float, default=0.0,
                    help="cDPO: the probability that a preference label is flipped, in (0, 0.5)")
     p.add_argument("--prompt_key", default="prompt")
