@@ -74,17 +74,23 @@ def test_resume_is_exact(ppo_setup, straight, tmp_path):
         assert torch.equal(wa[k], wb[k]), k
 
 
-def test_grpo_packed_offloaded_with_fallback_generator(ppo_setup, tmp_path):
+def test_grpo_packed_offloaded_with_fallback_generator_and_combined_rewards(ppo_setup, reward_pair, tmp_path):
     """GRPO (no critic, KL in the loss), --packing_samples, both offload flags, and the megatron fallback
     generator (as on a machine without vLLM): runs, says loudly which generator it uses, and its sampling
-    log-probs agree with the trainer's."""
+    log-probs agree with the trainer's. The reward is two reward models (each --normalize_reward'ed with its own
+    saved statistics) plus a rule function, weighted: the logged per-source means combine to the logged totals."""
     save = str(tmp_path / "out")
+    w = {"rm0": 0.7, "rm1": 0.3, "fn": 0.5}
     args = ppo_args(ppo_setup, save, **{"--advantage_estimator": "grpo", "--packing_samples": "",
                                         "--ref_reward_offload": "", "--adam_offload": "",
                                         "--rollout_backend": "megatron", "--rollout_batch_size": 8,
                                         "--train_batch_size": 16, "--micro_rollout_batch_size": 8,
-                                        "--stop_after_steps": 2, "--init_kl_coef": 0.05})
-    p = run_torchrun(PPO, 2, args, timeout=900)
+                                        "--stop_after_steps": 2, "--init_kl_coef": 0.05,
+                                        "--reward_pretrain": ",".join(reward_pair),
+                                        "--reward_weights": f"{w['rm0']},{w['rm1']}",
+                                        "--reward_fn": "_rule_reward:length_reward", "--reward_fn_weight": w["fn"],
+                                        "--normalize_reward": ""})
+    p = run_torchrun(PPO, 2, args, timeout=900, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
     assert p.returncode == 0, tail(p)
     assert "ROLLOUT FALLBACK" in p.stdout + p.stderr
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if "[ppo 2/" in ln]
@@ -92,3 +98,11 @@ def test_grpo_packed_offloaded_with_fallback_generator(ppo_setup, tmp_path):
     m = dict(kv.split("=") for kv in lines[0].split("] ", 1)[1].split())
     assert float(m["rollout_logprob_drift_max"]) <= 1e-4, m
     assert "critic/value_loss" not in m and float(m["actor/kl_loss"]) > 0, m
+    assert float(m["time/reward_fwd"]) > 0 and float(m["time/reward1_fwd"]) > 0, m
+    r = {k: float(m[f"reward/{k}"]) for k in w}
+    norm = {"rm0": (0.1, 0.8), "rm1": (-0.2, 1.5)}  # the reward_pair fixture's saved statistics
+    raw = sum(w[k] * r[k] for k in w)
+    normalized = w["fn"] * r["fn"] + sum(w[k] * (r[k] - norm[k][0]) / norm[k][1] for k in norm)
+    tol = 2e-3 * (1 + sum(abs(v) for v in r.values()))  # the progress line prints 4 significant digits
+    assert float(m["reward"]) == pytest.approx(raw, abs=tol), m
+    assert float(m["reward_normalized"]) == pytest.approx(normalized, abs=tol), m

@@ -73,16 +73,34 @@ def test_best_of_n_is_the_weighted_argmax_and_scores_match_hf(sampled, reward_pa
     assert all(len(v) == 1 for v in owners.values()), owners
 
 
-def test_sft_trains_on_the_output(sampled, ppo_setup):
-    """launch/sft.py with its default keys (input/output) on the written file, one step on 1 rank."""
-    save = str(sampled["work"] / "sft")
-    p = run_torchrun(os.path.join(REPO, "launch/sft.py"), 1, [
-        "--pretrain", ppo_setup["actor"], "--dataset", sampled["rows"], "--save_path", save,
-        "--train_batch_size", "4", "--micro_train_batch_size", "2", "--max_epochs", "1", "--max_len", "64",
-        "--learning_rate", "1e-3", "--lr_warmup_ratio", "0"], timeout=600)
+def test_conditional_sft_trains_on_the_output(sampled, ppo_setup, reward_pair):
+    """launch/sft.py reads the written file with its default keys (input/output); here in --conditional mode with a
+    reward model on 2 ranks, one step: the exported bucket edges are the quantiles of HF's scores of the rows."""
+    import transformers
+
+    from rlhf.conditional import quantile_edges
+    from rlhf.data import DataConfig, build_sft_dataset
+
+    tok = transformers.AutoTokenizer.from_pretrained(ppo_setup["actor"])
+    plain, _ = build_sft_dataset(DataConfig(dataset=sampled["rows"]), tok)  # plain SFT takes it as it is
+    assert len(plain) == PROMPTS
+    save = str(sampled["work"] / "csft")
+    p = run_torchrun(os.path.join(REPO, "launch/sft.py"), 2, [
+        "--pretrain", ppo_setup["actor"], "--dataset", sampled["rows"], "--save_path", save, "--conditional",
+        "--reward_pretrain", reward_pair[0], "--reward_buckets", "3", "--train_batch_size", "4",
+        "--micro_train_batch_size", "2", "--max_epochs", "1", "--max_len", "64", "--learning_rate", "1e-3",
+        "--lr_warmup_ratio", "0"], timeout=600)
     assert p.returncode == 0, tail(p)
-    result = json.load(open(os.path.join(save, "train_result.json")))
-    assert result["train"]["loss"] > 0 and os.path.exists(os.path.join(save, "model.safetensors"))
+    cond = json.load(open(os.path.join(save, "config.json")))["rlhf"]["conditional"]
+    rm = transformers.AutoModelForSequenceClassification.from_pretrained(reward_pair[0]).eval()
+    scores = []
+    with torch.no_grad():
+        for r in sampled["rows_data"]:  # prompt (+ BOS) + response + eos, as SFT renders it
+            ids = tok(r["input"])["input_ids"] + tok(r["output"], add_special_tokens=False)["input_ids"]
+            scores.append(rm(torch.tensor([ids + [tok.eos_token_id]])).logits.item())
+    assert cond["edges"] == pytest.approx(quantile_edges(scores, 3), abs=1e-4)
+    assert cond["top_bucket"] == 2 and cond["top_prefix"] == "<rm_score>: 2 " and sum(cond["train_bucket_counts"]) == 7
+    assert json.load(open(os.path.join(save, "train_result.json")))["train"]["loss"] > 0
 
 
 def test_bad_input_before_any_model(ppo_setup, reward_pair, tmp_path, monkeypatch, capsys):
