@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
@@ -221,20 +222,32 @@ def plan_residency(phase: str, roles: Iterable[str], *, colocate_all: bool = Fal
     return plan
 
 
+def cpu_offload_moves() -> bool:
+    """Whether offloading on a CPU device really copies (``RLHF_OFFLOAD_ON_CPU=1``; the tests set it, so the
+    CUDA code path is exercised on CPU). Off by default: host and device are the same memory there."""
+    return os.environ.get("RLHF_OFFLOAD_ON_CPU", "0") == "1"
+
+
 class MemoryScheduler:
     """Applies ``plan_residency`` to one ``OffloadManager`` per role as the PPO loop moves between phases."""
 
     def __init__(self, managers: Mapping[str, OffloadManager], *, colocate_all: bool = False,
-                 ref_reward_offload: bool = False, adam_offload: bool = False):
+                 ref_reward_offload: bool = False, adam_offload: bool = False, move: bool = True):
         self.managers = dict(managers)
         self.flags = dict(colocate_all=colocate_all, ref_reward_offload=ref_reward_offload,
                           adam_offload=adam_offload)
+        self.move = move
+        """False: plan only, move nothing (``cpu_offload_moves``: on a CPU device the host *is* the device, so a
+        copy cannot lower peak memory; it only costs time)."""
         self.current: str | None = None
 
     def enter(self, phase: str) -> dict[str, Residency]:
         """Offload everything ``phase`` does not use first, then onload what it does, so that peak memory never
         holds the leaving and the arriving parts at once."""
         plan = plan_residency(phase, self.managers, **self.flags)
+        if not self.move:
+            self.current = phase
+            return plan
         t0 = time.perf_counter()
         out = sum(m.offload(params=not plan[r].params, grads=not plan[r].grads, optimizer=not plan[r].optimizer)
                   for r, m in self.managers.items())

@@ -74,7 +74,7 @@ class PPOTrainer:
         from rlhf.data import BatchConfig, DistributedBatchSampler, pad_token_id
         from rlhf.distributed import DistEnv, initialize_mesh
         from rlhf.engine import ModelEngine, OptimConfig
-        from rlhf.offload import MemoryScheduler, OffloadManager
+        from rlhf.offload import MemoryScheduler, OffloadManager, cpu_offload_moves
         from rlhf.ppo_args import log_compat
         from rlhf.rollout import RolloutConfig, build_rollout
         from rlhf.rollout.vllm_engine import vllm_available
@@ -131,8 +131,13 @@ class PPOTrainer:
         self.roles = {k: v for k, v in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref),
                                         *self.rms.items()) if v is not None}
         self.managers = {k: OffloadManager(v, name=k) for k, v in self.roles.items()}
+        moves = mesh.device.type != "cpu" or cpu_offload_moves()
         self.memory = MemoryScheduler(self.managers, colocate_all=args.colocate_all,
-                                      ref_reward_offload=args.ref_reward_offload, adam_offload=args.adam_offload)
+                                      ref_reward_offload=args.ref_reward_offload, adam_offload=args.adam_offload,
+                                      move=moves)
+        if not moves and mesh.is_rank0 and (args.colocate_all or args.ref_reward_offload or args.adam_offload):
+            log.info("offload: the device is the CPU, so parameters, gradients and optimizer states stay where "
+                     "they are (a host copy cannot lower peak memory); RLHF_OFFLOAD_ON_CPU=1 copies anyway")
         if self.rollout is None:  # the megatron fallback generates with the actor itself
             self.rollout = build_rollout(mesh, self.actor, rcfg, "")
         torch.manual_seed(args.seed)
@@ -201,7 +206,8 @@ class PPOTrainer:
         tokens = float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
         self.memory.enter("make_experience")
         out = {}
-        for role in ("actor", "ref", *self.rms, "critic"):
+        roles = ("ref", *self.rms, "critic") if args.use_rollout_logprobs else ("actor", "ref", *self.rms, "critic")
+        for role in roles:
             eng = self.roles.get(role)
             if eng is not None:
                 with timer.phase(f"{role}_fwd", tokens=tokens):
@@ -211,7 +217,9 @@ class PPOTrainer:
         for b, s in enumerate(local):
             vllm_lp[b, : len(s.logprobs)] = torch.tensor(s.logprobs)
         rewards, raw_rewards = self._combine_rewards(out, local, prompt_idx, metrics)
-        exp = Experience(local, batch, out["actor"], vllm_lp, rewards, ref_logprobs=out.get("ref"),
+        vllm_lp = vllm_lp.to(batch["action_mask"].device)
+        exp = Experience(local, batch, vllm_lp if args.use_rollout_logprobs else out["actor"], vllm_lp, rewards,
+                         ref_logprobs=out.get("ref"),
                          values=out.get("critic"))
         with timer.phase("advantages"):
             metrics.update(self._advantages(exp, raw_rewards))
@@ -264,12 +272,13 @@ class PPOTrainer:
         lo = mesh.dp_rank * B
         exp.advantages, exp.returns = adv[lo:lo + B], res["returns"][lo:lo + B]
         graw = g(raw_rewards)
-        gdiff = (g(exp.vllm_logprobs) - g(exp.old_logprobs)).abs()
-        drift = masked_mean(gdiff, gmask)
-        return {"reward": graw.mean().item(), "reward_std": graw.std().item() if graw.numel() > 1 else 0.0,
-                "kl": masked_mean(gkl, gmask).item(), "rollout_logprob_drift": drift.item(),
-                "rollout_logprob_drift_max": gdiff.masked_fill(~gmask, 0).max().item(),
-                "advantages_abs": masked_mean(adv.abs(), gmask).item()}
+        out = {"reward": graw.mean().item(), "reward_std": graw.std().item() if graw.numel() > 1 else 0.0,
+               "kl": masked_mean(gkl, gmask).item(), "advantages_abs": masked_mean(adv.abs(), gmask).item()}
+        if not args.use_rollout_logprobs:  # generator vs trainer log-probs of the same weights
+            gdiff = (g(exp.vllm_logprobs) - g(exp.old_logprobs)).abs()
+            out["rollout_logprob_drift"] = masked_mean(gdiff, gmask).item()
+            out["rollout_logprob_drift_max"] = gdiff.masked_fill(~gmask, 0).max().item()
+        return out
 
     def _update(self, exp, timer, trim: bool, tokens: float) -> dict[str, float]:
         args, mesh = self.args, self.mesh

@@ -63,6 +63,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lambd", type=float, default=1.0)
     g.add_argument("--advantage_estimator", default="gae",
                    help="gae | grpo | dr_grpo | reinforce_plus_plus")
+    g.add_argument("--use_rollout_logprobs", action="store_true",
+                   help="the generator's log-probs are PPO's old log-probs: no actor forward in make_experience "
+                        "(TRL reuses its generation logits the same way); the drift metric is then not measured")
     g.add_argument("--use_tis", action="store_true",
                    help="truncated importance sampling: weight the policy loss by min(p_trainer/p_vllm, --tis_cap)")
     g.add_argument("--tis_cap", type=float, default=2.0)
@@ -110,6 +113,9 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
         raise ValueError("--no-colocate_all: this trainer runs every role in one SPMD job on every rank; separate "
                          "placement (Ray-style) is not supported")
     dp = validate_layout(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    if args.use_rollout_logprobs and args.use_tis:
+        raise ValueError("--use_tis corrects for the generator's log-probs differing from the trainer's, but with "
+                         "--use_rollout_logprobs they are the same; use one of them")
     for name in ("micro_train_batch_size", "train_batch_size", "micro_rollout_batch_size", "rollout_batch_size",
                  "n_samples_per_prompt", "max_epochs", "num_episodes", "generate_max_len", "prompt_max_len",
                  "logging_steps"):

@@ -50,6 +50,7 @@ def test_missing_input_key(ppo_setup, tmp_path, no_models, capsys):
     ({"--advantage_estimator": "grpo", "--n_samples_per_prompt": 1, "--train_batch_size": 16,
       "--micro_rollout_batch_size": 8}, "--n_samples_per_prompt"),
     ({"--advantage_estimator": "ppo2"}, "--advantage_estimator"),
+    ({"--use_rollout_logprobs": "", "--use_tis": ""}, "--use_tis"),
     ({"--no-colocate_all": ""}, "--no-colocate_all"),
     ({"--rollout_batch_size": 128, "--train_batch_size": 64, "--micro_rollout_batch_size": 16},
      "larger than the number of prompts"),
