@@ -6,7 +6,8 @@
     gather         the stage's ranks all-gather the bucket over TP in ONE collective (flattened)
     broadcast      with PP > 1 the stage broadcasts the gathered bucket over the PP group, so every rank
                    (hence every vLLM worker, whatever vLLM's own TP) holds full tensors
-    convert        megatron names/layouts -> HF names/layouts (``rlhf.models.hf_llama.hf_from_megatron``)
+    convert        megatron names/layouts -> HF names/layouts (``rlhf.models.hf_llama.hf_from_megatron``); a LoRA
+                   actor sends merged weights (``W + alpha/r B A``, per TP shard) and never its adapters
     load           the engine consumes the HF tensors as an iterator (vLLM ``reload_weights``), bucket after
                    bucket; a bucket is freed before the next is gathered, so the extra memory is one bucket
     version        a counter bumped after each completed sync; the engine remembers which version it serves
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.models.hf_llama import full_from_tp_shards, hf_from_megatron, tp_partition_dim
+from rlhf.models.lora import is_lora_param, lora_modules, merged_weight
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,8 @@ class WeightSync:
         self.version = 0
         self.last_stats: dict[str, float] = {}
         local = [(n, tuple(p.shape), str(p.dtype).replace("torch.", ""), tp_partition_dim(p))
-                 for n, p in actor.model.named_parameters()]
+                 for n, p in actor.model.named_parameters() if not is_lora_param(n)]
+        self.adapted = {n + ".weight": m for n, m in lora_modules(actor.model).items()}
         if mesh.pp > 1:
             stages: list = [None] * mesh.pp
             dist.all_gather_object(stages, local, group=mesh.pp_group)
@@ -83,7 +86,8 @@ class WeightSync:
         mine = mesh.pp_rank == stage
         if mine:
             named = dict(self.actor.model.named_parameters())
-            flat = torch.cat([named[p.name].detach().reshape(-1) for p in params])  # (total,)
+            flat = torch.cat([(merged_weight(self.adapted[p.name]) if p.name in self.adapted
+                               else named[p.name].detach()).reshape(-1) for p in params])  # (total,)
             if mesh.tp > 1:
                 parts = torch.empty(mesh.tp * total, dtype=dtype, device=flat.device)
                 dist.all_gather_into_tensor(parts, flat, group=mesh.tp_group)

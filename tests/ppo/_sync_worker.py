@@ -1,5 +1,7 @@
 """Worker for test_weight_sync.py (2 ranks): megatron actor at --tp/--pp, vLLM at TP 2, in the same processes.
 
+With --lora_rank the actor trains adapters only and the sync sends merged weights (and no adapter tensor).
+
 1. sync -> vLLM log-probs of its own samples == trainer log-probs (fp32, max |diff| <= 1e-4)
 2. one optimizer step on the actor, no sync -> the stale engine disagrees (> 1e-2): the check can fail
 3. sync again -> agreement restored; the version counter moved 1 -> 2.
@@ -18,6 +20,7 @@ p.add_argument("--actor", required=True)
 p.add_argument("--tp", type=int, default=1)
 p.add_argument("--pp", type=int, default=1)
 p.add_argument("--bucket_mb", type=float, default=0.25)
+p.add_argument("--lora_rank", type=int, default=0, help="LoRA actor: vLLM must get the merged weights")
 a = p.parse_args()
 
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
@@ -27,7 +30,11 @@ from rlhf.rollout import RolloutConfig, build_rollout  # noqa: E402
 from rlhf.rollout.weight_sync import WeightSync  # noqa: E402
 
 mesh = initialize_mesh(a.tp, a.pp, DistEnv.from_environ(), seed=5)
-actor = ModelEngine(mesh, a.actor, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor")
+from rlhf.models.lora import LoraConfig  # noqa: E402
+
+lora = LoraConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank) if a.lora_rank else None
+actor = ModelEngine(mesh, a.actor, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor",
+                    lora=lora)
 cfg = RolloutConfig(tensor_parallel_size=2, kv_cache_bytes=32 << 20, max_model_len=64, backend="vllm")
 engine = build_rollout(mesh, actor, cfg, a.actor)
 sync = WeightSync(actor, mesh, bucket_bytes=int(a.bucket_mb * 2**20))
@@ -67,7 +74,9 @@ if mesh.is_rank0:
     print("RESULT " + json.dumps({"synced": synced, "stale": stale, "resynced": resynced,
                                   "version": [stats1["weight_sync/version"], stats2["weight_sync/version"]],
                                   "buckets": stats2["weight_sync/buckets"], "seconds": stats2["weight_sync/seconds"],
-                                  "engine_version": engine.version}), flush=True)
+                                  "engine_version": engine.version,
+                                  "trainable": sorted({n.rsplit(".", 1)[-1] for n, p in actor.model.named_parameters()
+                                                       if p.requires_grad})}), flush=True)
 from megatron.core import parallel_state as ps  # noqa: E402
 
 from rlhf.distributed.mesh import _destroy_megatron_groups  # noqa: E402

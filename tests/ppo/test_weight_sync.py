@@ -9,10 +9,11 @@ pytest.importorskip("vllm")
 WORKER = os.path.join(REPO, "tests/ppo/_sync_worker.py")
 
 
-@pytest.mark.parametrize("tp,pp,actor", [(2, 1, "actor"), (1, 2, "actor_tied")],
-                         ids=["megatron_tp2", "megatron_pp2_tied_embeddings"])
-def test_weight_sync_after_update(ppo_setup, tp, pp, actor):
-    p = run_torchrun(WORKER, 2, ["--actor", ppo_setup[actor], "--tp", str(tp), "--pp", str(pp)], timeout=600)
+@pytest.mark.parametrize("tp,pp,actor,lora", [(2, 1, "actor", 0), (1, 2, "actor_tied", 0), (2, 1, "actor", 8)],
+                         ids=["megatron_tp2", "megatron_pp2_tied_embeddings", "megatron_tp2_lora_merged"])
+def test_weight_sync_after_update(ppo_setup, tp, pp, actor, lora):
+    p = run_torchrun(WORKER, 2, ["--actor", ppo_setup[actor], "--tp", str(tp), "--pp", str(pp),
+                                 "--lora_rank", str(lora)], timeout=600)
     assert p.returncode == 0, tail(p)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, tail(p)
@@ -22,3 +23,5 @@ def test_weight_sync_after_update(ppo_setup, tp, pp, actor):
     assert r["resynced"] <= 1e-4, r
     assert r["version"] == [1.0, 2.0] and r["engine_version"] == 2
     assert r["buckets"] > 1  # 0.25 MB buckets: the bucketed path is exercised
+    if lora:  # only the adapters trained, and vLLM (which has no adapters) follows them: merged weights
+        assert r["trainable"] == ["lora_A", "lora_B"], r
