@@ -1,0 +1,96 @@
+"""One TRL PPO run for bench/ppo_vs_trl.py; runs in bench/.venv-trl (TRL 1.12.0, ``trl.experimental.ppo``).
+
+    bench/.venv-trl/bin/python bench/_trl_ppo.py --actor A --rm R --prompts P.jsonl --steps 6 --out result.json
+
+Settings mirror ours in ppo_vs_trl.py: one process on every core (TRL's usual CPU run), 32 prompts per step,
+exactly --response_length new tokens (no stop token), 1 PPO epoch, 2 mini-batches (one optimizer step each),
+fp32, constant learning rate, the same seed. Writes, per step, the wall time between step ends and TRL's
+logged metrics (``objective/scores`` is the mean reward-model score of the step's responses).
+"""
+import argparse
+import json
+import os
+import resource
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--actor", required=True)
+    p.add_argument("--rm", required=True)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--steps", type=int, required=True, help="PPO steps (the first is the warm-up)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--response_length", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--kl_coef", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import transformers
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    transformers.logging.set_verbosity_error()
+    tok = AutoTokenizer.from_pretrained(args.actor, padding_side="left")
+    prompts = [json.loads(ln)["prompt"] for ln in open(args.prompts) if ln.strip()]
+    n = args.batch * args.steps
+    if len(prompts) < n:
+        raise SystemExit(f"need {n} prompts, have {len(prompts)}")
+    ids = [tok(t)["input_ids"] for t in prompts[:n]]
+    train = Dataset.from_dict({"input_ids": ids})
+    f32 = dict(dtype=torch.float32)
+    policy = AutoModelForCausalLM.from_pretrained(args.actor, **f32)
+    ref = AutoModelForCausalLM.from_pretrained(args.actor, **f32)
+    reward = AutoModelForSequenceClassification.from_pretrained(args.rm, num_labels=1, **f32)
+    value = AutoModelForSequenceClassification.from_pretrained(args.rm, num_labels=1, **f32)
+    cfg = PPOConfig(
+        output_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "trl_out"),
+        per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, num_mini_batches=2,
+        num_ppo_epochs=1, total_episodes=n, local_rollout_forward_batch_size=args.batch,
+        response_length=args.response_length, stop_token=None, temperature=1.0, missing_eos_penalty=None,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999,
+        weight_decay=0.0, max_grad_norm=1.0, kl_coef=args.kl_coef, kl_estimator="k1", cliprange=0.2,
+        cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95, whiten_rewards=False, num_sample_generations=0,
+        seed=args.seed, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, fp16=False,
+        disable_tqdm=True, dataloader_num_workers=0)
+
+    times: list[float] = []
+    logged: list[dict] = []
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            now = time.perf_counter()
+            times.append(now - self.t)
+            self.t = now
+
+        def on_log(self, _args, state, control, logs=None, **k):
+            if logs and "objective/scores" in logs:
+                logged.append(dict(logs, step=state.global_step))
+
+    trainer = PPOTrainer(args=cfg, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                         value_model=value, train_dataset=train, eval_dataset=train.select(range(args.batch)),
+                         callbacks=[Timer()])
+    trainer.train()
+    out = {"system": "trl", "trl_version": __import__("trl").__version__,
+           "transformers_version": transformers.__version__, "torch_threads": torch.get_num_threads(),
+           "step_s": times, "scores": [float(x["objective/scores"]) for x in logged],
+           "kl": [float(x.get("objective/kl", float("nan"))) for x in logged],
+           "peak_rss_gb_self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()
