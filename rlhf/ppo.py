@@ -115,8 +115,10 @@ class PPOTrainer:
                                use_distributed_optimizer=args.zero_stage >= 1)
 
         common = dict(bf16=args.bf16, recompute=args.gradient_checkpointing)
+        from rlhf.models.lora import lora_config_from_args
+
         self.actor = ModelEngine(mesh, args.pretrain, optim=optim(args.actor_learning_rate), value_head=False,
-                                 name="actor", **common)
+                                 name="actor", lora=lora_config_from_args(args), **common)
         self.ref = (ModelEngine(mesh, args.pretrain, value_head=False, name="ref", bf16=args.bf16)
                     if args.init_kl_coef > 0 else None)
         # Reward models are roles "reward", "reward1", ... (frozen, offloaded like the single one); rlhf/rewards.py.
@@ -126,7 +128,8 @@ class PPOTrainer:
         self.reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
         self.reward_norms = self.rewards.norms(sizes["sources"]["--reward_pretrain"])
         self.critic = (ModelEngine(mesh, args.critic_pretrain or self.rewards.paths[0], value_head=True,
-                                   name="critic", optim=optim(args.critic_learning_rate), **common)
+                                   name="critic", optim=optim(args.critic_learning_rate),
+                                   lora=lora_config_from_args(args, "critic_lora_rank"), **common)
                        if self.estimator.needs_critic else None)
         self.roles = {k: v for k, v in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref),
                                         *self.rms.items()) if v is not None}

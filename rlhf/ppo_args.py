@@ -89,6 +89,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--flash_attn", action="store_true", help="compatibility: TE/flash attention when installed")
     g.add_argument("--tensor_model_parallel_size", "--tp", type=int, default=1)
     g.add_argument("--pipeline_model_parallel_size", "--pp", type=int, default=1)
+    from rlhf.models.lora import add_lora_args
+
+    add_lora_args(p)  # --lora_rank etc.: the actor's adapters; --lora_export: the final actor export
+    p.add_argument("--critic_lora_rank", type=int, default=0,
+                   help="LoRA rank of the critic (0: full fine-tuning); shares --lora_alpha/--target_modules/"
+                        "--lora_dropout; its score head always trains")
     g = p.add_argument_group("running")
     g.add_argument("--save_steps", type=int, default=-1, help="checkpoint every N PPO steps (-1: only at the end)")
     g.add_argument("--logging_steps", type=int, default=1)
@@ -156,6 +162,10 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
             raise ValueError(msg)
     check_paths_exist("--prompt_data", args.prompt_data)
     check_resumable(args)
+    from rlhf.models.lora import lora_config_from_args
+
+    lora_config_from_args(args)
+    lora_config_from_args(args, "critic_lora_rank")
     from rlhf.rewards import RewardConfig
 
     rewards = RewardConfig.from_args(args)

@@ -52,6 +52,8 @@ def test_missing_input_key(ppo_setup, tmp_path, no_models, capsys):
     ({"--advantage_estimator": "ppo2"}, "--advantage_estimator"),
     ({"--use_rollout_logprobs": "", "--use_tis": ""}, "--use_tis"),
     ({"--no-colocate_all": ""}, "--no-colocate_all"),
+    ({"--lora_rank": 4, "--target_modules": "foo"}, "--target_modules: unknown module 'foo'"),
+    ({"--critic_lora_rank": -1}, "--critic_lora_rank must be >= 0"),
     ({"--rollout_batch_size": 128, "--train_batch_size": 64, "--micro_rollout_batch_size": 16},
      "larger than the number of prompts"),
 ])
