@@ -93,16 +93,32 @@ def test_kto_raises_desirable_over_undesirable(pref_setup, tmp_path):
     assert ev["margin"] > 0.1 and ev["acc"] > 0.55, ev  # 0.45 / 0.62 measured
 
 
-@pytest.mark.parametrize("script,extra,needle", [
-    (DPO, ["--loss_type", "foo"], "--loss_type"),
-    (DPO, ["--loss_type", "cdpo", "--label_smoothing", "0.7"], "--label_smoothing"),
-    (KTO, ["--label_key", "grade"], "--label_key"),
-])
-def test_bad_input_exits_2_naming_the_flag(pref_setup, tmp_path, script, extra, needle):
+def _argv(pref_setup, tmp_path, script, extra):
     data = pref_setup["kto"] if script == KTO else pref_setup["pref"]
     keys = ["--input_key", "prompt", "--output_key", "completion"] if script == KTO else []
-    p = run_python([script, "--pretrain", pref_setup["model"], "--dataset", data] + keys + extra +
-                   flags(str(tmp_path / "o")), timeout=120)
+    return ["--pretrain", pref_setup["model"], "--dataset", data] + keys + flags(str(tmp_path / "o")) + extra
+
+
+def test_bad_loss_type_exits_2(pref_setup, tmp_path):
+    """The real entry point: exit status 2 and an ``error:`` line naming the flag, before any model loads."""
+    p = run_python([DPO] + _argv(pref_setup, tmp_path, DPO, ["--loss_type", "foo"]), timeout=120)
     assert p.returncode == 2, tail(p)
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
-    assert err and needle in err[0], p.stderr[-2000:]
+    assert err and "--loss_type" in err[0] and "foo" in err[0], p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script,extra,needle", [
+    (DPO, ["--loss_type", "cdpo", "--label_smoothing", "0.7"], "--label_smoothing"),
+    (DPO, ["--label_smoothing", "0.1"], "--label_smoothing"),
+    (DPO, ["--beta", "0"], "--beta"),
+    (KTO, ["--label_key", "grade"], "--label_key"),
+    (KTO, ["--micro_train_batch_size", "1", "--train_batch_size", "2"], "--micro_train_batch_size"),
+])
+def test_bad_input_names_the_flag(pref_setup, tmp_path, capsys, script, extra, needle):
+    """The launchers' body (rlhf.trainer.main) in this process: returns 2 with ``error:`` naming the flag."""
+    from rlhf import dpo, kto
+    from rlhf.trainer import main
+
+    assert main(kto if script == KTO else dpo, _argv(pref_setup, tmp_path, script, extra)) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert err and needle in err[0], err
