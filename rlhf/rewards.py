@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
-
-log = logging.getLogger(__name__)
 
 RewardFn = Callable[[list, list], list]
 
