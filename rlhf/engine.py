@@ -97,7 +97,7 @@ class ModelEngine:
             heads = ("output_layer.weight",) if model.value_head and model.post_process else ()
             self.lora_counts = apply_lora(model, lora, tp=mesh.tp, tp_rank=mesh.tp_rank, trainable=heads)
             c = self.lora_counts
-            log.info("%s: LoRA r=%d alpha=%g on %s (%d layers here): %d trainable of %d parameters (%.3f%%) on "
+            log.info("%s: LoRA r=%d alpha=%g on %s (%d linears here): %d trainable of %d parameters (%.3f%%) on "
                      "this rank", name, lora.rank, lora.alpha, ",".join(lora.targets), c["modules"],
                      c["trainable_params"], c["total_params"], 100.0 * c["trainable_params"] / c["total_params"])
         self.model = model  # the bare LlamaGPT
