@@ -6,7 +6,7 @@ the adapters; merged weights give the unmerged logits.
 1. For TP1 (each rank the whole model), TP2 and TP2 with activation recompute: the tiny model with adapters on
    every linear and a seeded non-zero B; loss and the TP-gathered gradients of every A and B of one backward.
 2. TP2 ModelEngine with LoRA: logits with B = 0 vs the base engine; 3 optimizer steps; which parameters moved;
-   logits of the merged weights in a plain model vs the adapted model.
+   logits of the merged weights in a plain model vs the adapted model; the same 3 steps at PP2.
 """
 import json
 import os
@@ -116,6 +116,11 @@ def engine_checks(hf, src, cfg, res):
         for name, t in merged_named_tensors(eng.model):
             plain[name].copy_(t)
     res["merged_vs_unmerged"] = (logits_of(base.module, ids) - unmerged).abs().max().item()
+    # The same three steps at PP2 (adapters on both stages, the pipeline schedule): the same losses.
+    mesh = initialize_mesh(1, 2)
+    eng = ModelEngine(mesh, hf, optim=OptimConfig(lr=2e-2, warmup_ratio=0.0, scheduler="constant"), lora=cfg,
+                      name="actor")
+    res["pp2_losses"] = [eng.train_step([mb], sft_step_loss(eng), ("loss",))["loss"] for _ in range(3)]
 
 
 def main():

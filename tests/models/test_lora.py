@@ -41,6 +41,10 @@ def test_merged_weights_give_unmerged_logits(result):
     assert result["merged_vs_unmerged"] <= 1e-5
 
 
+def test_pp2_trains_like_tp2(result):
+    assert max(abs(a - b) for a, b in zip(result["pp2_losses"], result["losses"])) <= 1e-5
+
+
 # --------------------------------------------------------------------------------------------- validation
 def _args(**kw):
     base = dict(lora_rank=8, lora_alpha=16.0, target_modules="all-linear", lora_dropout=0.0, seed=1)
