@@ -31,7 +31,7 @@ def sequence_logprobs(engine, batch: dict, logits: torch.Tensor, inplace_backwar
 
 class Reference:
     """The frozen reference engine and its log-probs. ``--ref_offload``: its weights live in host memory between
-    its forwards (``rlhf.offload.OffloadManager``; on CPU the same copy/free/restore runs)."""
+    its forwards (``rlhf.offload.OffloadManager``; on a CPU device only with ``RLHF_OFFLOAD_ON_CPU=1``)."""
 
     def __init__(self, args: argparse.Namespace, mesh) -> None:
         from rlhf.engine import ModelEngine
@@ -40,14 +40,17 @@ class Reference:
         self.engine = ModelEngine(mesh, path, value_head=False, bf16=args.bf16, name="ref")
         self.offload = None
         if args.ref_offload:
-            from rlhf.offload import OffloadManager
+            from rlhf.offload import OffloadManager, cpu_offload_moves
 
-            self.offload = OffloadManager(self.engine, name="ref")
-            self.offload.offload(params=True, grads=False, optimizer=False)
+            # As PPO does: on a CPU device the host is the device, so a copy cannot lower peak memory and nothing
+            # moves unless RLHF_OFFLOAD_ON_CPU=1 (which the tests set, so the CUDA code path runs on CPU).
+            if mesh.device.type != "cpu" or cpu_offload_moves():
+                self.offload = OffloadManager(self.engine, name="ref")
+                self.offload.offload(params=True, grads=False, optimizer=False)
             if mesh.is_rank0:
-                log.info("--ref_offload: the reference's weights stay in host memory between its forwards%s",
-                         "" if self.offload.cuda else " (CPU: device and host are the same memory; the same "
-                         "copy/free/restore path runs)")
+                log.info("--ref_offload: %s", "the reference's weights stay in host memory between its forwards"
+                         if self.offload is not None else "the device is the CPU, so the reference's weights stay "
+                         "where they are (RLHF_OFFLOAD_ON_CPU=1 copies them anyway)")
 
     def attach(self, microbatches: list[dict]) -> float:
         """Set ``mb["ref_logps"]`` (R,) on the last pipeline stage (None elsewhere). Returns the seconds taken."""

@@ -43,7 +43,7 @@ def test_dpo_tp2_raises_heldout_margin(pref_setup, tmp_path):
     assert p.returncode == 0, tail(p)
     steps = step_metrics(p, "dpo")
     assert steps[1]["loss"] == pytest.approx(0.6931, abs=1e-4) and steps[1]["margin"] == 0, steps[1]
-    assert "--ref_offload" in p.stderr + p.stdout
+    assert "ref: offloading params" in p.stderr + p.stdout  # the copy path runs (tests set RLHF_OFFLOAD_ON_CPU=1)
     ev = json.load(open(os.path.join(save, "train_result.json")))["eval"]
     assert ev["margin"] > 0.05 and ev["acc"] >= 0.65, ev  # 0.17 / 0.80 measured
     assert ev["loss"] < 0.68, ev
