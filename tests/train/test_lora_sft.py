@@ -89,14 +89,14 @@ def test_lora_sft_tp2_loss_falls_and_exports_match(train_setup, lora_base, tmp_p
 
 
 def test_lora_resume_is_exact_zero1(train_setup, tmp_path):
-    """6 steps straight == 3 steps, stop, resume to 6 (DP2, --zero_stage 1: the distributed optimizer holds only
+    """4 steps straight == 2 steps, stop, resume to 4 (DP2, --zero_stage 1: the distributed optimizer holds only
     the adapters): the exported adapters are bit-identical, and they are all that trained."""
     base = ["--pretrain", train_setup["model"], "--dataset", train_setup["sft"], "--max_epochs", "1",
-            "--learning_rate", "5e-3", "--max_samples", "96", "--zero_stage", "1", "--lora_export", "adapter"] + LORA
+            "--learning_rate", "5e-3", "--max_samples", "64", "--zero_stage", "1", "--lora_export", "adapter"] + LORA
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     p = run_torchrun(SFT, 2, base + common(straight))
     assert p.returncode == 0, tail(p)
-    p = run_torchrun(SFT, 2, base + common(resumed, **{"--stop_after_steps": 3, "--save_steps": 3}))
+    p = run_torchrun(SFT, 2, base + common(resumed, **{"--stop_after_steps": 2, "--save_steps": 2}))
     assert p.returncode == 0, tail(p)
     p = run_torchrun(SFT, 2, base + common(resumed, **{"--load_checkpoint": ""}))
     assert p.returncode == 0, tail(p)
