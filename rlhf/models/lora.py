@@ -103,6 +103,8 @@ class LoraConfig:
             raise ValueError(f"--lora_alpha must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--lora_dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.target_modules, str):
+            self.target_modules = tuple(n.strip() for n in self.target_modules.split(","))
         self.targets = resolve_targets(self.target_modules)
 
     @property
@@ -195,6 +197,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, tp: int, tp_rank: int
     """Add adapters to ``cfg.targets`` in this rank's stage of ``model`` (weights already loaded), freeze every
     other parameter except those named in ``trainable`` (e.g. a value head), and return counts:
     ``{"modules", "lora_params", "trainable_params", "total_params"}`` for this rank's shard."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
     classes = _lora_classes()
     n_modules = 0
     for name, module in list(model.named_modules()):
@@ -222,12 +226,12 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, tp: int, tp_rank: int
         module.__class__ = classes["column" if column else "row"]
         module.lora_A = torch.nn.Parameter(a.to(weight.dtype).to(weight.device).contiguous())
         module.lora_B = torch.nn.Parameter(b.to(weight.dtype).to(weight.device))
-        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
-
         # Megatron's grad-norm and distributed optimizer read these: which adapter half is a TP shard.
         set_tensor_model_parallel_attributes(module.lora_A, not column, 1 if not column else -1, 1)
         set_tensor_model_parallel_attributes(module.lora_B, column, 0 if column else -1, 1)
         module.lora_scale = cfg.scale
+        # Dropout draws from the default generator, which megatron seeds alike on every TP rank: a column
+        # layer's replicated input gets the same mask on each rank, so h = A x stays replicated.
         module.lora_dropout = torch.nn.Dropout(cfg.dropout) if cfg.dropout > 0 else torch.nn.Identity()
         n_modules += 1
     if n_modules == 0:
