@@ -351,6 +351,9 @@ def save_peft_adapter(engine, mesh, out_dir: str, base_model: str) -> None:
                        "modules_to_save": None, "use_rslora": False, "use_dora": False, "layers_to_transform": None,
                        "rank_pattern": {}, "alpha_pattern": {}, "revision": None}, f, indent=2)
         copy_tokenizer_files(base_model, out_dir)
+        if not os.path.exists(os.path.join(base_model, "config.json")):
+            log.warning("adapter_config.json names base model %s, which is a megatron checkpoint: PEFT needs the HF "
+                        "folder (tools/convert_megatron_to_hf.py) as its base", base_model)
         log.info("exported a PEFT LoRA adapter (%d tensors, modules %s) to %s", len(full), ",".join(modules),
                  out_dir)
     dist.barrier()
