@@ -15,7 +15,7 @@ thread each.
 
 It prints, per size and system: median seconds per step (wall time between step ends), samples/s, tokens/s
 (prompt + response tokens of the step / step time) and peak resident memory (summed over the run's processes,
-sampled every 0.2 s; the final HF export subprocess of ours is not counted), then the per-phase profile of our
+sampled every 0.25 s; the final HF export subprocess of ours is not counted), then the per-phase profile of our
 step, and, as its last line, the ratio ours/TRL of samples/s at every size. It writes results.json and
 reward_curves.png (mean reward-model score per step, both systems, the same seeds) under --out.
 """
@@ -96,7 +96,7 @@ def build_models(size: str, root: str, seed: int) -> tuple[str, str, int]:
 
 # ------------------------------------------------------------------------------------------------ running
 class PeakRSS:
-    """Peak of the summed resident memory of a process tree, sampled every 0.2 s (``skip`` names processes,
+    """Peak of the summed resident memory of a process tree, sampled every 0.25 s (``skip`` names processes,
     e.g. the final export, whose samples are ignored)."""
 
     def __init__(self, pid: int, skip: str | None = None):
@@ -109,16 +109,18 @@ class PeakRSS:
     def _run(self) -> None:
         import psutil
 
+        skipped: dict[int, bool] = {}  # pid -> is a process to ignore (each command line read once)
         while not self.done:
             try:
                 procs = [self.proc] + self.proc.children(recursive=True)
-                if self.skip and any(self.skip in " ".join(p.cmdline()) for p in procs):
-                    time.sleep(0.2)
-                    continue
-                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs))
+                for p in procs:
+                    if p.pid not in skipped:
+                        skipped[p.pid] = bool(self.skip) and self.skip in " ".join(p.cmdline())
+                if not any(skipped[p.pid] for p in procs):
+                    self.peak = max(self.peak, sum(p.memory_info().rss for p in procs))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
-            time.sleep(0.2)
+            time.sleep(0.25)
 
     def stop(self) -> float:
         self.done = True
