@@ -132,3 +132,20 @@ def log_compat_mappings(args: argparse.Namespace) -> None:
 
         log.info("--flash_attn -> %s", "transformer-engine attention" if te_available() else
                  "no flash/TE kernel on this machine: megatron's local attention (the flag changes nothing)")
+
+
+def cli_main(add_args, run, argv=None) -> int:
+    """The body of a ``launch/*.py`` entry point: its flags (``add_args``), ``run(args)``, and an ``error:`` line
+    with exit code 2 on bad input (``ValueError``)."""
+    import sys
+
+    p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    args = p.parse_args(argv)
+    try:
+        run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

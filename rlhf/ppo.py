@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 from typing import Any
 
@@ -450,15 +449,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rlhf.config import cli_main
     from rlhf.ppo_args import add_args
 
-    add_args(p)
-    args = p.parse_args(argv)
-    try:
-        run(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return cli_main(add_args, run, argv)

@@ -24,7 +24,6 @@ import gc
 import json
 import logging
 import os
-import sys
 from typing import Any
 
 import torch
@@ -232,13 +231,6 @@ def close(rollout) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    args = p.parse_args(argv)
-    try:
-        run(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    from rlhf.config import cli_main
+
+    return cli_main(add_args, run, argv)

@@ -220,16 +220,9 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
 def main(task_mod, argv=None) -> int:
     """The body of ``launch/sft.py`` and ``launch/rm.py``: flags of ``task_mod``, run its task, ``error:`` line
     and exit 2 on bad input."""
-    p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    task_mod.add_args(p)
-    args = p.parse_args(argv)
-    try:
-        run(args, task_mod.TASK())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    from rlhf.config import cli_main
+
+    return cli_main(task_mod.add_args, lambda args: run(args, task_mod.TASK()), argv)
 
 
 def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> None:

@@ -115,19 +115,29 @@ def build_sft_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
     return _finish(out, stats, cfg, "max_len")
 
 
+def truncated_pair(r, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, stats: DataStats):
+    """``((chosen_ids, chosen_prompt_len), (rejected_ids, rejected_prompt_len))`` of a preference record, each
+    cut to ``max_len`` (counted in ``stats``); None (counted as dropped) when a prompt leaves no response token."""
+    (c, c_plen), (j, j_plen) = rm_sides(r, cfg, tokenizer)
+    if len(c) > cfg.max_len or len(j) > cfg.max_len:
+        stats.num_truncated += 1
+        if c_plen >= cfg.max_len or j_plen >= cfg.max_len:
+            stats.num_dropped += 1
+            return None
+        c, j = c[: cfg.max_len], j[: cfg.max_len]
+    return (c, c_plen), (j, j_plen)
+
+
 def build_rm_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[RMSample], DataStats]:
     """RM pairs: ``chosen_ids`` and ``rejected_ids``, each prompt + response + eos, at most ``max_len`` long."""
     _check_tokenizer(tokenizer)
     records, stats = load_records(cfg, "rm")
     out = []
     for r in records:
-        (c, c_plen), (j, j_plen) = rm_sides(r, cfg, tokenizer)
-        if len(c) > cfg.max_len or len(j) > cfg.max_len:
-            stats.num_truncated += 1
-            if c_plen >= cfg.max_len or j_plen >= cfg.max_len:
-                stats.num_dropped += 1
-                continue
-            c, j = c[: cfg.max_len], j[: cfg.max_len]
+        sides = truncated_pair(r, cfg, tokenizer, stats)
+        if sides is None:
+            continue
+        (c, _), (j, _) = sides
         margin = float(r.data[cfg.margin_key]) if cfg.margin_key else None
         out.append(RMSample(torch.tensor(c, dtype=torch.int32), torch.tensor(j, dtype=torch.int32), margin, r.where))
     return _finish(out, stats, cfg, "max_len")

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from rlhf.data.build import DataStats, _check_tokenizer, _finish, load_records
+from rlhf.data.build import DataStats, _check_tokenizer, _finish, load_records, truncated_pair
 from rlhf.data.collate import padded_length, pad_sequences
 from rlhf.data.config import DataConfig
-from rlhf.data.formatting import rm_sides, sft_sample
+from rlhf.data.formatting import sft_sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,13 +56,10 @@ def build_dpo_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tu
     records, stats = load_records(cfg, "rm")
     out = []
     for r in records:
-        (c, c_plen), (j, j_plen) = rm_sides(r, cfg, tokenizer)
-        if len(c) > cfg.max_len or len(j) > cfg.max_len:
-            stats.num_truncated += 1
-            if c_plen >= cfg.max_len or j_plen >= cfg.max_len:
-                stats.num_dropped += 1
-                continue
-            c, j = c[: cfg.max_len], j[: cfg.max_len]
+        sides = truncated_pair(r, cfg, tokenizer, stats)
+        if sides is None:
+            continue
+        (c, c_plen), (j, j_plen) = sides
         out.append(PairSample(torch.tensor(c, dtype=torch.int32), torch.tensor(j, dtype=torch.int32), c_plen, j_plen,
                               r.where))
     return _finish(out, stats, cfg, "max_len")
