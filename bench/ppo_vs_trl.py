@@ -14,10 +14,11 @@ TRL runs as one process on both cores (torch threads = 2, its usual CPU set-up);
 thread each.
 
 It prints, per size and system: median seconds per step (wall time between step ends), samples/s, tokens/s
-(prompt + response tokens of the step / step time) and peak resident memory (summed over the run's processes,
-sampled every 0.25 s; the final HF export subprocess of ours is not counted), then the per-phase profile of our
-step, and, as its last line, the ratio ours/TRL of samples/s at every size. It writes results.json and
-reward_curves.png (mean reward-model score per step, both systems, the same seeds) under --out.
+(prompt + response tokens of the step / step time) and peak memory (PSS summed over the run's processes, so
+pages the ranks share count once; sampled every 0.25 s; the final HF export subprocess of ours is not counted),
+then the per-phase profile of our step, and, as its last line, the ratio ours/TRL of samples/s at every size.
+It writes results.json and reward_curves.png (mean reward-model score per step, both systems, the same seeds)
+under --out.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ SIZES = {
     # ~25M parameters: hidden 512, 8 layers
     "25m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                 intermediate_size=1376, vocab=1000, steps=6),
-    "smollm2": dict(steps=4),
+    "smollm2": dict(steps=3),
 }
 PHASES = ("rollout", "weight_sync", "actor_fwd", "ref_fwd", "reward_fwd", "critic_fwd", "advantages",
           "actor_update", "critic_update")
@@ -96,8 +97,8 @@ def build_models(size: str, root: str, seed: int) -> tuple[str, str, int]:
 
 # ------------------------------------------------------------------------------------------------ running
 class PeakRSS:
-    """Peak of the summed resident memory of a process tree, sampled every 0.25 s (``skip`` names processes,
-    e.g. the final export, whose samples are ignored)."""
+    """Peak of the summed proportional set size (PSS) of a process tree, sampled every 0.25 s (``skip`` names
+    processes, e.g. the final export, whose samples are ignored)."""
 
     def __init__(self, pid: int, skip: str | None = None):
         import psutil
@@ -117,7 +118,8 @@ class PeakRSS:
                     if p.pid not in skipped:
                         skipped[p.pid] = bool(self.skip) and self.skip in " ".join(p.cmdline())
                 if not any(skipped[p.pid] for p in procs):
-                    self.peak = max(self.peak, sum(p.memory_info().rss for p in procs))
+                    # PSS: pages shared between the ranks (mapped weights, vLLM's shared memory) count once
+                    self.peak = max(self.peak, sum(p.memory_full_info().pss for p in procs))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
             time.sleep(0.25)
