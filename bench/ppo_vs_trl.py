@@ -15,7 +15,7 @@ thread each.
 
 It prints, per size and system: median seconds per step (wall time between step ends), samples/s, tokens/s
 (prompt + response tokens of the step / step time) and peak memory (PSS summed over the run's processes, so
-pages the ranks share count once; sampled every 0.25 s; the final HF export subprocess of ours is not counted),
+pages the ranks share count once; sampled every second; the final HF export subprocess of ours is not counted),
 then the per-phase profile of our step, and, as its last line, the ratio ours/TRL of samples/s at every size.
 It writes results.json and reward_curves.png (mean reward-model score per step, both systems, the same seeds)
 under --out.
@@ -97,7 +97,7 @@ def build_models(size: str, root: str, seed: int) -> tuple[str, str, int]:
 
 # ------------------------------------------------------------------------------------------------ running
 class PeakRSS:
-    """Peak of the summed proportional set size (PSS) of a process tree, sampled every 0.25 s (``skip`` names
+    """Peak of the summed proportional set size (PSS) of a process tree, sampled every second (``skip`` names
     processes, e.g. the final export, whose samples are ignored)."""
 
     def __init__(self, pid: int, skip: str | None = None):
@@ -122,7 +122,7 @@ class PeakRSS:
                     self.peak = max(self.peak, sum(p.memory_full_info().pss for p in procs))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
-            time.sleep(0.25)
+            time.sleep(1.0)  # reading PSS walks the page tables: keep its cost off the measured steps
 
     def stop(self) -> float:
         self.done = True
