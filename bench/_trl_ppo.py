@@ -64,6 +64,7 @@ def main() -> None:
 
     times: list[float] = []
     logged: list[dict] = []
+    phases = _time_trl_phases()  # per-step seconds by phase
 
     class Timer(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -73,6 +74,7 @@ def main() -> None:
             now = time.perf_counter()
             times.append(now - self.t)
             self.t = now
+            phases.end_step(times[-1])
 
         def on_log(self, _args, state, control, logs=None, **k):
             if logs and "objective/scores" in logs:
@@ -86,11 +88,51 @@ def main() -> None:
            "transformers_version": transformers.__version__, "torch_threads": torch.get_num_threads(),
            "step_s": times, "scores": [float(x["objective/scores"]) for x in logged],
            "kl": [float(x.get("objective/kl", float("nan"))) for x in logged],
+           "phases": phases.per_step,
            "peak_rss_gb_self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f, indent=1)
     os.replace(tmp, args.out)
+
+
+class _PhaseClock:
+    def __init__(self) -> None:
+        self.acc = {"generation": 0.0, "experience_fwd": 0.0, "update_fwd": 0.0}
+        self.per_step: dict[str, list[float]] = {k: [] for k in [*self.acc, "rest"]}
+
+    def wrap(self, fn, phase):
+        def timed(*a, **k):
+            import torch
+
+            name = phase or ("update_fwd" if torch.is_grad_enabled() else "experience_fwd")
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.acc[name] += time.perf_counter() - t
+        return timed
+
+    def end_step(self, step_s: float) -> None:
+        for k, v in self.acc.items():
+            self.per_step[k].append(v)
+        # the rest of the step: the update's backward and optimizer steps, log-probs from the generation
+        # logits, advantages, metrics
+        self.per_step["rest"].append(step_s - sum(self.acc.values()))
+        self.acc = dict.fromkeys(self.acc, 0.0)
+
+
+def _time_trl_phases() -> _PhaseClock:
+    """Time TRL's step by phase by wrapping the module-level functions its train loop calls: batch_generation
+    (rollout), forward / get_reward under no_grad (reference, reward and value forwards) and with grad (the
+    policy+value forward of each PPO mini-batch)."""
+    import trl.experimental.ppo.ppo_trainer as m
+
+    clock = _PhaseClock()
+    m.batch_generation = clock.wrap(m.batch_generation, "generation")
+    m.forward = clock.wrap(m.forward, None)
+    m.get_reward = clock.wrap(m.get_reward, None)
+    return clock
 
 
 if __name__ == "__main__":

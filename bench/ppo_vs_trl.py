@@ -206,10 +206,12 @@ def summarize(runs: list[dict], tokens_per_sample: float) -> dict:
 
 
 def profile(runs: list[dict]) -> dict:
-    """Median seconds of each phase of our step (warm-up excluded) and its share of the median step."""
+    """Median seconds of each phase of a system's step (warm-up excluded) and its share of the median step."""
+    if not runs or "phases" not in runs[0]:
+        return {}
     step = statistics.median([s for r in runs for s in r["step_s"][1:]])
     out = {}
-    for p in PHASES:
+    for p in runs[0]["phases"]:
         vals = [v for r in runs for v in r["phases"][p][1:]]
         med = statistics.median(vals) if vals else 0.0
         out[p] = {"s": med, "share": med / step}
@@ -289,15 +291,23 @@ def main() -> int:
                       f"peak RSS {res['peak_rss_gb']:.2f} GB; run {time.time() - t0:.0f} s", flush=True)
         summary = {sys_: summarize(rs, tps) for sys_, rs in runs.items() if rs}
         results[size] = {"params": n_params, "steps_per_run": steps, "tokens_per_sample": tps, "runs": runs,
-                         "summary": summary, "profile": profile(runs["ours"])}
+                         "summary": summary, "profile": profile(runs["ours"]), "profile_trl": profile(runs["trl"])}
         for sys_, s in summary.items():
             print(f"   {sys_:4s}: {s['median_step_s']:.3f} s/step  {s['samples_per_s']:.2f} samples/s  "
                   f"{s['tokens_per_s']:.0f} tokens/s  peak RSS {s['peak_rss_gb']:.2f} GB  ({s['n_steps']} steps)")
         prof = results[size]["profile"]
         print("   ours per phase: " + ", ".join(f"{k} {v['s']:.3f}s ({100 * v['share']:.0f}%)"
                                                  for k, v in prof.items()), flush=True)
+        if results[size]["profile_trl"]:
+            print("   TRL per phase: " + ", ".join(f"{k} {v['s']:.3f}s ({100 * v['share']:.0f}%)"
+                                                  for k, v in results[size]["profile_trl"].items()), flush=True)
         if "trl" in summary:
             results[size]["ratio"] = summary["ours"]["samples_per_s"] / summary["trl"]["samples_per_s"]
+            # Amdahl: even if every phase but our two updates (the same fp32 forward + backward + Adam arithmetic
+            # that TRL's PPO epoch does) took no time, ours/TRL could not exceed this
+            upd = prof["actor_update"]["s"] + prof["critic_update"]["s"]
+            results[size]["ratio_bound_updates_only"] = summary["trl"]["median_step_s"] / upd
+            print(f"   bound if only our updates took time: {results[size]['ratio_bound_updates_only']:.2f}x", flush=True)
             print(f"   ratio ours/TRL samples/s: {results[size]['ratio']:.2f}x", flush=True)
         name = "results.json" if not args.skip_trl else f"profile_{args.variant}.json"
         with open(os.path.join(args.out, name), "w") as f:
