@@ -16,7 +16,9 @@ thread each.
 It prints, per size and system: median seconds per step (wall time between step ends), samples/s, tokens/s
 (prompt + response tokens of the step / step time) and peak memory (PSS summed over the run's processes, so
 pages the ranks share count once; sampled every second; the final HF export subprocess of ours is not counted),
-then the per-phase profile of our step, and, as its last line, the ratio ours/TRL of samples/s at every size.
+then the per-phase profile of our step and of TRL's (generation, no-grad forwards, mini-batch forwards, the
+rest), the bound on ours/TRL if only our two updates took time (TRL's step / our actor + critic update), and, as
+its last line, the ratio ours/TRL of samples/s at every size.
 It writes results.json and reward_curves.png (mean reward-model score per step, both systems, the same seeds)
 under --out.
 """
