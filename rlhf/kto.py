@@ -4,7 +4,10 @@ The reference and its per-step log-probs work as for DPO (rlhf/dpo.py). KTO's re
 estimate, is computed per micro-batch: each micro-batch also carries its mismatched pairs (prompt ``b`` with the
 completion of sample ``b + 1``, rlhf/data/preference.py::collate_kto); the policy's and the reference's log-probs
 of those rows give ``mean(logp - ref_logp)``, clamped at 0 and detached (TRL and OpenRLHF do the same over their
-micro-batch; OpenRLHF then averages it over DP ranks, which we do not). The extra rows double a step's forward.
+micro-batch). In training the estimate is averaged over the data-parallel ranks' micro-batches of the same
+index, as TRL (a gather over processes) and OpenRLHF (an all-reduce) do, so DP2 sees the reference point of
+the global micro-batch; evaluation keeps each rank's own estimate, since ranks may hold unequal numbers of eval
+micro-batches. The extra rows double a step's forward.
 """
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ class KTOTask(ReferenceTask):
             logps = sequence_logprobs(engine, batch, logits, inplace_backward=True)  # (2B,): samples, KL rows
             ref = batch["ref_logps"]
             b = logps.shape[0] // 2
-            kl = kto_kl_estimate(logps[b:].detach(), ref[b:])
+            group = None if self._evaluating or engine.mesh.dp == 1 else engine.mesh.dp_group
+            kl = kto_kl_estimate(logps[b:].detach(), ref[b:], group=group)
             loss_sum, n, m = kto_loss(logps[:b], ref[:b], batch["labels"], kl, **kw)
             labels = batch["labels"]
             r = (logps[:b] - ref[:b]).detach()
@@ -62,8 +66,14 @@ class KTOTask(ReferenceTask):
 
         return fn
 
+    _evaluating = False
+
     def evaluate(self, engine, batches: list[dict]) -> dict[str, float]:
-        m = super().evaluate(engine, batches)
+        self._evaluating = True
+        try:
+            m = super().evaluate(engine, batches)
+        finally:
+            self._evaluating = False
         m["margin"] = m["chosen_reward"] - m["rejected_reward"]
         return m
 

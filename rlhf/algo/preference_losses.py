@@ -80,9 +80,19 @@ PREFERENCE_LOSSES: dict[str, Callable] = {"dpo": _dpo, "ipo": ipo_loss, "cdpo": 
 beta, label_smoothing)."""
 
 
-def kto_kl_estimate(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
-    """KTO's reference point: ``mean(logp - ref_logp)`` over mismatched pairs (B,), clamped at 0, detached."""
-    return (kl_logps - ref_kl_logps).mean().clamp(min=0).detach()
+def kto_kl_estimate(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor, group=None) -> torch.Tensor:
+    """KTO's reference point: ``mean(logp - ref_logp)`` over mismatched pairs (B,), clamped at 0, detached.
+
+    With ``group`` (the data-parallel group) the mean is over the pairs of every rank in it, as TRL and OpenRLHF
+    average it over processes: every rank of the group must call it the same number of times."""
+    diff = (kl_logps - ref_kl_logps).detach()
+    if group is None:
+        return diff.mean().clamp(min=0)
+    import torch.distributed as dist
+
+    s = torch.stack([diff.sum(), torch.tensor(float(diff.numel()), dtype=diff.dtype, device=diff.device)])
+    dist.all_reduce(s, group=group)
+    return (s[0] / s[1]).clamp(min=0)
 
 
 def kto_loss(logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor, *,

@@ -86,3 +86,27 @@ def test_kto_kl_is_clamped_and_detached():
     kl_lp = t([-3.0, -3.0]).requires_grad_(True)
     z = kto_kl_estimate(kl_lp, t([-1.0, -2.0]))  # mean log-ratio -1.5 -> clamped to 0
     assert z.item() == 0.0 and not z.requires_grad
+
+
+def _kl_over_dp(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    # rank 0: log-ratios 0.3, 0.1; rank 1: -0.1 -> mean over the group's 3 pairs 0.1 (each rank alone: 0.2, 0)
+    rows = {0: (t([-1.0, -2.0]), t([-1.3, -2.1])), 1: (t([-1.1]), t([-1.0]))}[rank]
+    z = kto_kl_estimate(*rows, group=dist.group.WORLD)
+    neg = kto_kl_estimate(t([-5.0]), t([-1.0]), group=dist.group.WORLD)  # mean < 0 over the group -> 0
+    torch.save({"z": z, "neg": neg, "local": kto_kl_estimate(*rows)}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_kto_kl_is_averaged_over_the_dp_group(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "kl")
+    mp.spawn(_kl_over_dp, args=(2, f"file://{tmp_path / 'store'}", out), nprocs=2)
+    for rank, local in ((0, 0.2), (1, 0.0)):
+        r = torch.load(f"{out}.{rank}")
+        assert r["z"].item() == pytest.approx(0.1, abs=1e-12)
+        assert r["neg"].item() == 0.0
+        assert r["local"].item() == pytest.approx(local, abs=1e-12)
