@@ -106,3 +106,29 @@ def test_grpo_packed_offloaded_with_fallback_generator_and_combined_rewards(ppo_
     tol = 2e-3 * (1 + sum(abs(v) for v in r.values()))  # the progress line prints 4 significant digits
     assert float(m["reward"]) == pytest.approx(raw, abs=tol), m
     assert float(m["reward_normalized"]) == pytest.approx(normalized, abs=tol), m
+
+
+def test_grpo_with_a_rule_reward_and_no_reward_model(ppo_setup, tmp_path):
+    """--reward_fn alone (no --reward_pretrain): GRPO needs no critic, so no reward, critic or value engine is
+    built; the reward is the rule's alone (weight 1): each step's mean of min(len(reply), 12) / 12 over 32 replies.
+    The run exports the actor."""
+    save = str(tmp_path / "out")
+    args = ppo_args(ppo_setup, save, **{"--advantage_estimator": "grpo", "--rollout_backend": "megatron",
+                                        "--rollout_batch_size": 8, "--train_batch_size": 16,
+                                        "--micro_rollout_batch_size": 8, "--num_episodes": 1, "--max_samples": 16,
+                                        "--init_kl_coef": 0.05, "--reward_fn": "_rule_reward:length_reward"})
+    i = args.index("--reward_pretrain")
+    del args[i:i + 2]
+    p = run_torchrun(PPO, 2, args, timeout=900, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
+    assert p.returncode == 0, tail(p)
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if "[ppo " in ln and "reward=" in ln]
+    assert len(lines) == 2, tail(p)
+    for ln in lines:
+        m = dict(kv.split("=") for kv in ln.split("] ", 1)[1].split())
+        assert 0.0 < float(m["reward"]) <= 1.0, m
+        assert not any(k.startswith(("time/reward", "time/critic", "critic/", "reward/")) for k in m), m
+    hist = history(save)
+    assert len(hist) == 2
+    for h in hist:  # the mean over 8 prompts x 4 samples of k/12: a whole number of 1/384ths
+        assert abs(h["reward"] * 384 - round(h["reward"] * 384)) < 1e-4, h["reward"]
+    assert os.path.exists(os.path.join(save, "model.safetensors"))
