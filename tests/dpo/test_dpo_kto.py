@@ -53,8 +53,8 @@ def test_dpo_tp2_raises_heldout_margin(pref_setup, tmp_path):
 
 def test_dpo_tp2_equals_tp1_and_resume_continues(pref_setup, tmp_path):
     """A reference unlike the policy (another seed) makes the loss depend on both models' log-probs. 4 steps at
-    DP2 (TP1) vs 2 steps at TP2, checkpoint (policy only), resume at TP2 for steps 3-4: the same losses and
-    rewards (to the 4 digits logged)."""
+    DP2 (TP1) vs 2 steps at TP2, checkpoint (policy only), resume at TP2 for steps 3-4, and vs 2 steps at PP2:
+    the same losses and rewards (to the 4 digits logged)."""
     ref = str(tmp_path / "ref")
     from rlhf.models.tiny import make_tiny_hf
 
@@ -70,12 +70,18 @@ def test_dpo_tp2_equals_tp1_and_resume_continues(pref_setup, tmp_path):
     assert a.returncode == 0, tail(a)
     b = run_torchrun(DPO, 2, base + ["--tp", "2"] + flags(save, **{"--load_checkpoint": "", "--stop_after_steps": 2}))
     assert b.returncode == 0, tail(b)
+    pp = run_torchrun(DPO, 2, base + ["--pp", "2"] + flags(str(tmp_path / "pp2"), **{"--stop_after_steps": 2}))
+    assert pp.returncode == 0, tail(pp)
     want, got = step_metrics(tp1, "dpo"), {**step_metrics(a, "dpo"), **step_metrics(b, "dpo")}
     assert sorted(want) == sorted(got) == [1, 2, 3, 4], (want, got)
     assert abs(want[1]["margin"]) > 1e-3, want[1]  # the reference differs from the policy
+    got_pp = step_metrics(pp, "dpo")
+    assert sorted(got_pp) == [1, 2], got_pp
     for s in want:
         for k in ("loss", "chosen_reward", "rejected_reward"):
             assert got[s][k] == pytest.approx(want[s][k], rel=1e-3, abs=1e-4), (s, k, want[s], got[s])
+            if s in got_pp:  # PP2: the policy's and the reference's log-probs come from the last stage
+                assert got_pp[s][k] == pytest.approx(want[s][k], rel=1e-3, abs=1e-4), (s, k, want[s], got_pp[s])
 
 
 def test_kto_raises_desirable_over_undesirable(pref_setup, tmp_path):
