@@ -14,11 +14,12 @@ import functools
 import importlib.abc
 import importlib.machinery
 import sys
+from typing import Any, Callable
 
 _TARGET = "megatron.core.jit"
 
 
-def lazy_compile(compile_fn):
+def lazy_compile(compile_fn: Callable[..., Callable]) -> Callable[..., Any]:
     """A decorator with ``torch.compile``'s call forms (``@c``, ``@c(**kw)``, ``c(fn, **kw)``) that runs
     ``compile_fn(fn, **kw)`` at the first call of ``fn``."""
 
@@ -41,7 +42,7 @@ def lazy_compile(compile_fn):
     return deco
 
 
-def _patch(module) -> None:
+def _patch(module: Any) -> None:
     import torch
 
     if getattr(module, "jit_fuser", None) is torch.compile:
