@@ -98,7 +98,7 @@ def build_models(size: str, root: str, seed: int) -> tuple[str, str, int]:
 
 
 # ------------------------------------------------------------------------------------------------ running
-class PeakRSS:
+class PeakMemory:
     """Peak of the summed proportional set size (PSS) of a process tree, sampled every second (``skip`` names
     processes, e.g. the final export, whose samples are ignored)."""
 
@@ -135,9 +135,9 @@ class PeakRSS:
 def run_cmd(cmd: list[str], log_path: str, env: dict, skip: str | None = None) -> float:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        rss = PeakRSS(proc.pid, skip)
+        mem = PeakMemory(proc.pid, skip)
         code = proc.wait()
-        peak = rss.stop()
+        peak = mem.stop()
     if code != 0:
         raise SystemExit(f"error: {' '.join(cmd[:3])} ... failed (exit {code}); see {log_path}")
     return peak
@@ -290,26 +290,26 @@ def main() -> int:
                                    args.ours_extra.split(), args.variant)
                 runs[system].append(res)
                 print(f"   round {r + 1} {system:4s}: steps {' '.join(f'{s:.2f}' for s in res['step_s'])} s; "
-                      f"peak RSS {res['peak_rss_gb']:.2f} GB; run {time.time() - t0:.0f} s", flush=True)
+                      f"peak memory {res['peak_rss_gb']:.2f} GB; run {time.time() - t0:.0f} s", flush=True)
         summary = {sys_: summarize(rs, tps) for sys_, rs in runs.items() if rs}
         results[size] = {"params": n_params, "steps_per_run": steps, "tokens_per_sample": tps, "runs": runs,
                          "summary": summary, "profile": profile(runs["ours"]), "profile_trl": profile(runs["trl"])}
         for sys_, s in summary.items():
             print(f"   {sys_:4s}: {s['median_step_s']:.3f} s/step  {s['samples_per_s']:.2f} samples/s  "
-                  f"{s['tokens_per_s']:.0f} tokens/s  peak RSS {s['peak_rss_gb']:.2f} GB  ({s['n_steps']} steps)")
+                  f"{s['tokens_per_s']:.0f} tokens/s  peak memory {s['peak_rss_gb']:.2f} GB  ({s['n_steps']} steps)")
         prof = results[size]["profile"]
-        print("   ours per phase: " + ", ".join(f"{k} {v['s']:.3f}s ({100 * v['share']:.0f}%)"
-                                                 for k, v in prof.items()), flush=True)
-        if results[size]["profile_trl"]:
-            print("   TRL per phase: " + ", ".join(f"{k} {v['s']:.3f}s ({100 * v['share']:.0f}%)"
-                                                  for k, v in results[size]["profile_trl"].items()), flush=True)
+        for label, phases in (("ours", prof), ("TRL", results[size]["profile_trl"])):
+            if phases:
+                print(f"   {label} per phase: " + ", ".join(f"{k} {v['s']:.3f}s ({100 * v['share']:.0f}%)"
+                                                         for k, v in phases.items()), flush=True)
         if "trl" in summary:
             results[size]["ratio"] = summary["ours"]["samples_per_s"] / summary["trl"]["samples_per_s"]
             # Amdahl: even if every phase but our two updates (the same fp32 forward + backward + Adam arithmetic
             # that TRL's PPO epoch does) took no time, ours/TRL could not exceed this
             upd = prof["actor_update"]["s"] + prof["critic_update"]["s"]
             results[size]["ratio_bound_updates_only"] = summary["trl"]["median_step_s"] / upd
-            print(f"   bound if only our updates took time: {results[size]['ratio_bound_updates_only']:.2f}x", flush=True)
+            print(f"   bound if only our updates took time: {results[size]['ratio_bound_updates_only']:.2f}x",
+                  flush=True)
             print(f"   ratio ours/TRL samples/s: {results[size]['ratio']:.2f}x", flush=True)
         name = "results.json" if not args.skip_trl else f"profile_{args.variant}.json"
         with open(os.path.join(args.out, name), "w") as f:

@@ -24,7 +24,9 @@ def ppo_args(setup, save, **kw):
             "--prompt_max_len": "32", "--actor_learning_rate": "1e-2", "--critic_learning_rate": "1e-2",
             "--max_epochs": "2", "--lr_warmup_ratio": "0", "--lr_scheduler": "constant", "--seed": "3",
             "--vllm_kv_cache_mb": "32"}
-    args.update({k: str(v) for k, v in kw.items()})
+    args.update({k: str(v) for k, v in kw.items() if v is not None})
+    for k in [k for k, v in kw.items() if v is None]:  # None drops a default flag
+        args.pop(k, None)
     out = []
     for k, v in args.items():
         out += [k] if v == "" else [k, v]

@@ -116,9 +116,9 @@ def test_grpo_with_a_rule_reward_and_no_reward_model(ppo_setup, tmp_path):
     args = ppo_args(ppo_setup, save, **{"--advantage_estimator": "grpo", "--rollout_backend": "megatron",
                                         "--rollout_batch_size": 8, "--train_batch_size": 16,
                                         "--micro_rollout_batch_size": 8, "--num_episodes": 1, "--max_samples": 16,
-                                        "--init_kl_coef": 0.05, "--reward_fn": "_rule_reward:length_reward"})
-    i = args.index("--reward_pretrain")
-    del args[i:i + 2]
+                                        "--init_kl_coef": 0.05, "--reward_fn": "_rule_reward:length_reward",
+                                        "--reward_pretrain": None})
+    assert "--reward_pretrain" not in args
     p = run_torchrun(PPO, 2, args, timeout=900, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
     assert p.returncode == 0, tail(p)
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if "[ppo " in ln and "reward=" in ln]
