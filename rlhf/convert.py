@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass
 
 import torch
 
+from rlhf.distributed.env import free_port
 from rlhf.models.checkpoint_io import (MANIFEST, atomic_dir, load_model, read_manifest, save_model,
                                        spec_from_manifest, write_manifest)
 from rlhf.models.hf_io import HFCheckpointReader, HFShardedWriter, copy_tokenizer_files, torch_dtype
@@ -103,12 +103,6 @@ def _spawned(local_rank: int, plan: HFToMegatronPlan, tmp_dir: str, port: int) -
         hf_to_megatron_rank(plan, tmp_dir)
     finally:
         destroy_mesh()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def convert_hf_to_megatron(plan: HFToMegatronPlan, overwrite: bool = False) -> float:

@@ -2,18 +2,12 @@
 from __future__ import annotations
 
 import os
-import socket
+from rlhf.distributed.env import free_port  # noqa: F401  (tests import it from here)
 import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_env(**extra: str) -> dict:

@@ -68,16 +68,10 @@ def shorten(line: str) -> str:
 
 
 def torchrun(nproc: int, script: str, args: list[str]) -> list[str]:
+    from rlhf.distributed.env import free_port
+
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-            str(_free_port()), os.path.join(REPO, script), *args]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            str(free_port()), os.path.join(REPO, script), *args]
 
 
 def plot(history: list[dict], path: str) -> None:

@@ -99,3 +99,29 @@ def env_without_launcher(environ: Mapping[str, str] | None = None) -> dict[str, 
     """A copy of ``environ`` (default: ``os.environ``) without torchrun's rank variables and ``TORCHELASTIC_*``."""
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items() if not k.startswith("TORCHELASTIC") and k not in LAUNCHER_VARS}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port for a local rendezvous (torchrun ``--master_port``, a spawned job's store).
+
+    It is drawn below the kernel's ephemeral range (``ip_local_port_range``): a port the kernel hands out for
+    ``bind(0)`` lies inside that range, where any outgoing connection (gloo opens many) may take it again before
+    the store binds it, which made concurrent jobs fail with EADDRINUSE."""
+    import random
+    import socket
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low) if low > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free TCP port found on {host}")

@@ -56,3 +56,17 @@ def test_validate_layout():
         validate_layout(6, 4, 1)
     with pytest.raises(ValueError, match="--pipeline_model_parallel_size must be >= 1"):
         validate_layout(4, 1, 0)
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable():
+    import socket
+
+    from rlhf.distributed.env import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(max(1024, low - 12000) <= p < low for p in ports), (ports, low)
+    assert len(ports) > 1  # drawn at random, not one fixed port
+    with socket.socket() as s:  # free at the time it is returned
+        s.bind(("127.0.0.1", ports.pop()))

@@ -9,20 +9,15 @@ slice. The padded vocab leaves the last rank with no real column at TP=4, which 
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlhf.distributed.env import free_port
+
 N, H, V_LOCAL_TOTAL, TEMPERATURE = 11, 8, 32, 0.9
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full_and_shard(fn, full_inputs, shard_inputs, gl, ge):
@@ -95,4 +90,4 @@ def _worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocab_parallel_matches_full_vocab(world):
     # mp.spawn re-raises the first rank's exception (with its traceback) and terminates the others.
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
