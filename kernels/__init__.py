@@ -249,6 +249,11 @@ def _te_attention(hq: int, hkv: int, d: int, softmax_scale: float):
                                attn_mask_type="padding_causal", softmax_scale=softmax_scale)
 
 
+def varlen_fast_paths(dtype: torch.dtype) -> tuple[str, ...]:
+    """flash-attn and transformer-engine run fp16/bf16 only (they reject fp32): fp32 goes to Triton or torch."""
+    return ("flash_attn", "transformer_engine") if dtype in (torch.float16, torch.bfloat16) else ()
+
+
 def varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, *, softmax_scale: float | None = None
 ) -> Tensor:
@@ -267,7 +272,7 @@ def varlen_attention(
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"Hq={q.shape[1]} must be a multiple of Hkv={k.shape[1]}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    path = _select("varlen_attention", q, fast_paths=("flash_attn", "transformer_engine"))
+    path = _select("varlen_attention", q, fast_paths=varlen_fast_paths(q.dtype))
     if path == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 

@@ -29,25 +29,42 @@ from rlhf.distributed.mesh import ParallelMesh
 log = logging.getLogger(__name__)
 
 
+def rng_device_type() -> str:
+    """Whose generators megatron's RNG tracker holds: CUDA states on a GPU, CPU states under the CPU shim."""
+    from rlhf.distributed import cuda_shim
+
+    return "cuda" if torch.cuda.is_available() and not cuda_shim.is_installed() else "cpu"
+
+
 def rng_state() -> dict[str, Any]:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
+             "tracker": get_cuda_rng_tracker().get_states(), "device_type": rng_device_type()}
+    if state["device_type"] == "cuda":
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: Mapping[str, Any]) -> None:
+def set_rng_state(state: Mapping[str, Any]) -> bool:
+    """Restore what ``rng_state`` saved. The device generators (megatron's tracker, CUDA's own) are restored only
+    on the device type that saved them: a CPU generator state is not a CUDA one (nor the reverse), so a run moved
+    between CPU and GPU keeps its freshly seeded device generators, with a warning. Returns True if all restored."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    saved = state.get("device_type", "cpu")  # checkpoints from before the tag were written on CPU
+    if saved != rng_device_type():
+        log.warning("checkpoint RNG states come from a %s run, this one is on %s: megatron's tracker and the device "
+                    "generator keep their fresh seeds (dropout masks differ from the interrupted run)", saved,
+                    rng_device_type())
+        return False
     get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
+    return True
 
 
 class Checkpointer:

@@ -85,7 +85,7 @@ def hf_to_megatron_rank(plan: HFToMegatronPlan, tmp_dir: str) -> None:
     from rlhf.distributed import initialize_mesh
     from rlhf.models.gpt import build_model
 
-    mesh = initialize_mesh(plan.tp, plan.pp)
+    mesh = initialize_mesh(plan.tp, plan.pp, device="cpu")  # beside a training job that may hold the GPUs
     model = build_model(plan.spec, tp=plan.tp, pp=plan.pp, pp_rank=mesh.pp_rank,
                         params_dtype=torch_dtype(plan.dtype), padded_vocab=plan.padded_vocab)
     fill_from_hf(model, plan.hf, plan.spec, plan.padded_vocab, tp=plan.tp, pp=plan.pp, tp_rank=mesh.tp_rank,
@@ -130,7 +130,7 @@ def megatron_to_hf(ckpt: str, out: str, overwrite: bool = False, max_shard_bytes
     if os.path.exists(out) and not overwrite:
         raise ValueError(f"--out folder already exists: {out}")
     dtype = torch_dtype(manifest["dtype"])
-    initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
+    initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"), device="cpu")
     try:
         model = build_model(spec, tp=1, pp=1, pp_rank=0, params_dtype=dtype,
                             padded_vocab=manifest["padded_vocab_size"])

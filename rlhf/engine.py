@@ -100,6 +100,9 @@ class ModelEngine:
             log.info("%s: LoRA r=%d alpha=%g on %s (%d linears here): %d trainable of %d parameters (%.3f%%) on "
                      "this rank", name, lora.rank, lora.alpha, ",".join(lora.targets), c["modules"],
                      c["trainable_params"], c["total_params"], 100.0 * c["trainable_params"] / c["total_params"])
+        # The device rule: on the rank's device before Float16Module / DDP wrap it (megatron allocates the grad
+        # buffers, masks and token counts there). Weights are read on the host, one rank's shard at a time.
+        model.to(mesh.device)
         self.model = model  # the bare LlamaGPT
         self.module: torch.nn.Module = model
         self.config = model.config
@@ -156,7 +159,8 @@ class ModelEngine:
         self.module.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outs = run_microbatches(self.module, microbatches, loss_fn=loss_fn, output=output)
+        outs = run_microbatches(self.module, microbatches, loss_fn=loss_fn, output=output,
+                                device=self.mesh.device)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError(f"{self.name}: optimizer step failed (inf/nan gradients)")
@@ -175,7 +179,8 @@ class ModelEngine:
 
         self.module.eval()
         with torch.no_grad():
-            return run_microbatches(self.module, microbatches, loss_fn=loss_fn, forward_only=True, output=output)
+            return run_microbatches(self.module, microbatches, loss_fn=loss_fn, forward_only=True, output=output,
+                                    device=self.mesh.device)
 
     def reduce_metrics(self, outs: list[dict], keys: Sequence[str]) -> dict[str, float]:
         """Each metric is ``[sum, count]`` per micro-batch: total sums / total counts over micro-batches, DP

@@ -76,6 +76,7 @@ class PPOTrainer:
         from rlhf.offload import MemoryScheduler, OffloadManager, cpu_offload_moves
         from rlhf.ppo_args import log_compat
         from rlhf.rollout import RolloutConfig, build_rollout
+        from rlhf.rollout.types import mb_to_bytes
         from rlhf.rollout.vllm_engine import vllm_available
         from rlhf.rollout.weight_sync import WeightSync
 
@@ -96,7 +97,7 @@ class PPOTrainer:
         log_compat(args)
         rcfg = RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size, num_engines=args.vllm_num_engines,
                              gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                             kv_cache_bytes=args.vllm_kv_cache_mb << 20,
+                             kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb),
                              max_model_len=args.prompt_max_len + args.generate_max_len,
                              dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
                              enforce_eager=args.vllm_enforce_eager, backend=args.rollout_backend,
@@ -168,6 +169,7 @@ class PPOTrainer:
 
     # ----------------------------------------------------------------------------------------------- one step
     def train_step(self, timer) -> dict[str, float]:
+        from rlhf.distributed.device import to_device
         from rlhf.experience import Experience, collate_sequences, forward_role, prepare_microbatches, select_rows
 
         args, mesh = self.args, self.mesh
@@ -200,7 +202,7 @@ class PPOTrainer:
         per = len(samples) // mesh.dp
         local = samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
         T = args.generate_max_len
-        batch = collate_sequences(local, self.pad_id, T)
+        batch = to_device(collate_sequences(local, self.pad_id, T), mesh.device)  # the experience lives on the device
         trim = mesh.pp == 1
         mrb = args.micro_rollout_batch_size
         mbs = prepare_microbatches([select_rows(batch, range(i, i + mrb), trim) for i in range(0, per, mrb)],

@@ -77,7 +77,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vllm_num_engines", type=int, default=None, help="must equal world size / vLLM TP")
     g.add_argument("--vllm_tensor_parallel_size", type=int, default=1)
     g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.95)
-    g.add_argument("--vllm_kv_cache_mb", type=int, default=256, help="vLLM KV cache on CPU (MB per rank)")
+    g.add_argument("--vllm_kv_cache_mb", type=int, default=None,
+                   help="vLLM KV cache per rank in MB (vLLM's kv_cache_memory_bytes). Default: 256 on CPU; on CUDA "
+                        "--vllm_gpu_memory_utilization decides, and this flag, when given, replaces it")
     g.add_argument("--vllm_enforce_eager", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--rollout_backend", default="auto", help="auto (vLLM if installed) | vllm | megatron (fallback)")
     g.add_argument("--weight_sync_bucket_mb", type=int, default=512)

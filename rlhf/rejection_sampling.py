@@ -61,7 +61,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor_model_parallel_size", "--tp", type=int, default=1,
                    help="TP of the vLLM engines and of the megatron models")
     g.add_argument("--micro_batch_size", type=int, default=16, help="sequences per reward-model forward per rank")
-    g.add_argument("--vllm_kv_cache_mb", type=int, default=256, help="vLLM KV cache on CPU (MB per rank)")
+    g.add_argument("--vllm_kv_cache_mb", type=int, default=None,
+                   help="vLLM KV cache per rank in MB (vLLM's kv_cache_memory_bytes). Default: 256 on CPU; on CUDA "
+                        "--vllm_gpu_memory_utilization decides, and this flag, when given, replaces it")
     g.add_argument("--rollout_backend", default="auto", help="auto (vLLM if installed) | vllm | megatron")
     g.add_argument("--bf16", action="store_true")
 
@@ -94,10 +96,10 @@ def validate(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"--pretrain {args.pretrain}: {e}") from None
     check_parallel_fit(src["spec"], tp, 1, src["padded_vocab"])
-    from rlhf.rollout.types import RolloutConfig
+    from rlhf.rollout.types import RolloutConfig, mb_to_bytes
     from rlhf.rollout.vllm_engine import check_vllm_fit, vllm_available
 
-    rcfg = RolloutConfig(tensor_parallel_size=tp, kv_cache_bytes=args.vllm_kv_cache_mb << 20,
+    rcfg = RolloutConfig(tensor_parallel_size=tp, kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb),
                          max_model_len=args.prompt_max_len + args.max_new_tokens,
                          dtype="bfloat16" if args.bf16 else "float32", seed=args.seed, backend=args.rollout_backend)
     use_vllm = rcfg.backend == "vllm" or (rcfg.backend == "auto" and vllm_available())

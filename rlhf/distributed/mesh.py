@@ -76,18 +76,26 @@ def validate_layout(world_size: int, tp: int, pp: int) -> int:
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """The backend a job on this machine gets (``rlhf.distributed.device``): gloo on CPU, gloo + NCCL on CUDA."""
+    from rlhf.distributed.device import process_group_backend, select_device
+
+    return process_group_backend(select_device(DistEnv.from_environ().local_rank))
 
 
-def init_process_group(env: DistEnv | None = None, timeout_s: float = 600.0) -> DistEnv:
-    """Start torch.distributed from whichever launcher started us (gloo without CUDA, nccl with it)."""
+def init_process_group(env: DistEnv | None = None, timeout_s: float = 600.0,
+                       device: torch.device | None = None) -> DistEnv:
+    """Start torch.distributed from whichever launcher started us: gloo for a CPU job, ``cpu:gloo,cuda:nccl`` for
+    a CUDA one (``device``: this rank's device; default ``select_device``). Checks one rank per GPU."""
+    from rlhf.distributed.device import check_one_rank_per_gpu, process_group_backend, select_device
+
     env = env or DistEnv.from_environ()
     if dist.is_initialized():
         return env
     env.export()
-    backend = default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    device = device if device is not None else select_device(env.local_rank)
+    backend = process_group_backend(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     try:
         dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
                                 rank=env.rank, world_size=env.world_size,
@@ -95,49 +103,56 @@ def init_process_group(env: DistEnv | None = None, timeout_s: float = 600.0) -> 
     except Exception as e:  # torch raises several types (DistStoreError, RuntimeError) for a failed rendezvous
         raise RuntimeError(f"process-group init failed for rank {env.rank}/{env.world_size} via {env.launcher} at "
                            f"MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port}: {e}") from e
+    check_one_rank_per_gpu(device)
     return env
 
 
 def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: int = 1234,
-                    timeout_s: float = 600.0) -> ParallelMesh:
-    """Start the process group if needed, build megatron's TP/PP/DP groups and seed its RNG tracker."""
+                    timeout_s: float = 600.0, device: str | torch.device | None = None) -> ParallelMesh:
+    """Start the process group if needed, build megatron's TP/PP/DP groups and seed its RNG tracker.
+
+    ``device``: ``"cpu"`` keeps the job on the CPU (the converters do, beside a training job that holds the
+    GPUs); default: ``rlhf.distributed.device.select_device`` (CUDA when torch can use a GPU)."""
+    from rlhf.distributed.device import select_device
+
     env = env or DistEnv.from_environ()
     dp = validate_layout(env.world_size, tp, pp)
+    if dist.is_initialized():  # the group's backend decides: a CUDA job has NCCL in it
+        on_cuda = "nccl" in str(dist.get_backend())
+        dev = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    else:
+        dev = select_device(env.local_rank, str(device) if device is not None else None)
     from rlhf.distributed import cuda_shim
 
     cuda_shim.install()
-    env = init_process_group(env, timeout_s)
+    env = init_process_group(env, timeout_s, dev)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     if ps.model_parallel_is_initialized():
         _destroy_megatron_groups()
     before = _live_groups()
-    # On gloo every group already is a gloo group: megatron's extra *_gloo copies would double the threads.
+    # megatron's groups inherit the default group's backend, which already has gloo in it (CPU: gloo alone; CUDA:
+    # cpu:gloo,cuda:nccl): its extra *_gloo copies would only double the threads.
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 create_gloo_process_groups=backend_is_nccl())
+                                 create_gloo_process_groups=False)
     global _MEGATRON_GROUPS
     _MEGATRON_GROUPS = [g for g in _live_groups() if g not in before]
     cuda_shim.install()  # rebind modules that megatron imported lazily
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    backend = str(dist.get_backend())
     mesh = ParallelMesh(env=env, tp=tp, pp=pp, dp=dp,
                         tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
                         dp_rank=ps.get_data_parallel_rank(), tp_group=ps.get_tensor_model_parallel_group(),
                         pp_group=ps.get_pipeline_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
-                        backend=backend, device=device)
+                        backend=backend, device=dev)
     if env.rank == 0:
-        log.info("mesh: world=%d tp=%d pp=%d dp=%d backend=%s launcher=%s", env.world_size, tp, pp, dp, backend,
-                 env.launcher)
+        log.info("mesh: world=%d tp=%d pp=%d dp=%d backend=%s device=%s launcher=%s", env.world_size, tp, pp, dp,
+                 backend, dev, env.launcher)
     return mesh
 
 
 _MEGATRON_GROUPS: list = []
-
-
-def backend_is_nccl() -> bool:
-    return dist.get_backend() == "nccl"
 
 
 def _live_groups() -> list:

@@ -11,11 +11,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rlhf.distributed.device import to_device
+
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
 
-def _forward_step(loss_fn: LossFn | None, output: str, data_iterator, model):
-    batch = next(data_iterator)
+def _forward_step(loss_fn: LossFn | None, output: str, device: torch.device, data_iterator, model):
+    # The device rule: a micro-batch (collated on the host) goes to the model's device here, so the model, megatron's
+    # masks and token counts, and the loss function all see one device.
+    batch = to_device(next(data_iterator), device, non_blocking=True)
     # Batches are right-padded, so the causal mask alone is exact for every real token; ``attention_mask`` (B, S)
     # is the padding mask the losses use, not megatron's 4-D mask.
     out = model(batch["input_ids"], batch.get("position_ids"), batch.get("megatron_attention_mask"), output=output,
@@ -30,12 +34,15 @@ def _forward_step(loss_fn: LossFn | None, output: str, data_iterator, model):
 
 
 def run_microbatches(model: torch.nn.Module, microbatches: Sequence[dict], *, loss_fn: LossFn | None = None,
-                     forward_only: bool = False, output: str = "logits") -> list[dict[str, Any]]:
+                     forward_only: bool = False, output: str = "logits",
+                     device: torch.device | None = None) -> list[dict[str, Any]]:
     """Forward (and backward unless ``forward_only``) over ``microbatches``; each holds ``input_ids`` (B, S)
     and optionally ``attention_mask``/``position_ids``; every micro-batch must have the same shape when PP > 1.
+    Each micro-batch is moved to ``device`` (default: the model's parameters' device) before its forward.
 
     Returns, on the last pipeline stage, one metrics dict per micro-batch (``{"output": ...}`` when
-    ``loss_fn`` is None); an empty list on other stages. Losses are averaged over micro-batches.
+    ``loss_fn`` is None); an empty list on other stages. How losses combine is the loss function's contract
+    (``rlhf.engine``: per-token sums and counts, so the step's loss is the mean over the global batch).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -45,7 +52,8 @@ def run_microbatches(model: torch.nn.Module, microbatches: Sequence[dict], *, lo
     config = model.config
     config.variable_seq_lengths = False
     fb = get_forward_backward_func()
-    return fb(forward_step_func=partial(_forward_step, loss_fn, output), data_iterator=iter(microbatches),
+    device = device if device is not None else next(model.parameters()).device
+    return fb(forward_step_func=partial(_forward_step, loss_fn, output, device), data_iterator=iter(microbatches),
               model=[model], num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
               forward_only=forward_only or loss_fn is None)
 

@@ -53,7 +53,8 @@ class MegatronRollout:
         outs = self.actor.forward([{"input_ids": ids}])
         result = torch.empty(2, ids.shape[0], dtype=torch.float64)
         if mesh.is_last_stage:
-            logits = gather_vocab_parallel(outs[0]["output"][:, -1])[:, : self.actor.spec.vocab_size].double()
+            # Sampled on the host with a CPU generator: the same tokens whatever the device.
+            logits = gather_vocab_parallel(outs[0]["output"][:, -1]).cpu()[:, : self.actor.spec.vocab_size].double()
             logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)  # (n, V)
             probs = logp.exp()
             if top_p < 1.0:

