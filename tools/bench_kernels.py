@@ -210,14 +210,14 @@ def _part_b_model(args: argparse.Namespace):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    initialize_mesh(1, 1)
+    mesh = initialize_mesh(1, 1)
     spec = ModelSpec(model_type="llama", vocab_size=1000, hidden_size=512, intermediate_size=1376, num_layers=8,
                      num_attention_heads=8, num_kv_heads=args.b_kv_heads, head_dim=64, rms_norm_eps=1e-5,
                      rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False, qkv_bias=False)
     dtype = getattr(torch, args.dtype)
     model = build_model(spec, tp=1, pp=1, pp_rank=0, padded_vocab=padded_vocab_size(spec.vocab_size),
                         params_dtype=dtype, bf16=dtype == torch.bfloat16, init_weights=True)
-    return spec, model
+    return spec, model.to(mesh.device)
 
 
 B_VARIANTS = ("padded", "padded+varlen", "packed")

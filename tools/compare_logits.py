@@ -64,7 +64,7 @@ def compare(args, manifest, spec) -> float:
     model = build_model(spec, tp=args.tp, pp=args.pp, pp_rank=mesh.pp_rank, params_dtype=torch.float32,
                         padded_vocab=manifest["padded_vocab_size"])
     load_model(model, os.path.join(args.ckpt, "model"))
-    model.eval()
+    model.to(mesh.device).eval()
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, spec.vocab_size, (args.batch_size, args.seq_len), generator=g)
     with torch.no_grad():
@@ -75,8 +75,8 @@ def compare(args, manifest, spec) -> float:
         if not spec.is_seq_cls:
             ours = gather_vocab_parallel(ours)[..., : spec.vocab_size]
         if mesh.tp_rank == 0 and mesh.dp_rank == 0:
-            ref = hf_reference(args.hf, spec, ids)
-            diff[0] = (ours.double() - ref.double()).abs().max()
+            ref = hf_reference(args.hf, spec, ids)  # on the CPU
+            diff[0] = (ours.double().cpu() - ref.double()).abs().max()
             diff[1] = ref.double().abs().max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     dist.barrier()

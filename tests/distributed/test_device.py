@@ -245,3 +245,27 @@ def test_losses_and_estimators_create_nothing_off_the_device():
         assert _on_meta(preference_losses.dpo_loss(r(B), r(B), r(B), r(B), beta=0.1, **kw)[0])
     # Not here: kto_loss counts its labels on the host (int(labels.sum()), a sync that is legal on CUDA but that
     # the meta device cannot answer).
+
+
+def test_engines_run_whole_on_the_mesh_device(tmp_path):
+    """SFT forward + backward through megatron (DDP grad buffers included), PPO's actor log-probs and the reward /
+    critic forwards, with the model on the mesh's device and megatron's "cuda" both ``meta``: nothing falls
+    back to the host. The worker's negative control shows that a batch left on the host does fail there."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers import REPO, test_env
+    from rlhf.models.tiny import make_tiny_hf
+
+    hf = str(tmp_path / "tiny")
+    make_tiny_hf(hf, "llama", seed=0, num_hidden_layers=2, hidden_size=64)
+    worker = os.path.join(REPO, "tests", "distributed", "_meta_device_worker.py")
+    proc = subprocess.run([sys.executable, worker, hf], capture_output=True, text=True, env=test_env(), timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    found = json.loads(lines[-1][len("RESULT "):])
+    assert found.pop("unmoved_batch_error") is not None
+    assert found == {"sft_params": ["meta"], "sft_main_grads": ["meta"], "sft_losses": ["meta"],
+                     "actor_logprobs": "meta", "reward_scores": "meta", "critic_values": "meta"}
