@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATE_CLAMP = 10.0
+"""Every per-token KL estimate is clamped to [-10, 10] (OpenRLHF's ``compute_approx_kl``)."""
 
 
 def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -75,8 +77,10 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
                 action_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3). (B, T) -> (B, T), at least fp32.
 
-    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1 with log r = logprobs - ref_logprobs; k3 clamps
-    log r to [-10, 10] so exp cannot overflow (OpenRLHF). Zero where ``action_mask == 0``.
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1 with log r = logprobs - ref_logprobs. The estimate
+    itself is clamped to [-10, 10], as OpenRLHF's ``compute_approx_kl`` does: where the policy's probability falls
+    far below the reference's, k3 grows like 1/r (e^20 - 21 at log r = -20) and one token would swamp the batch.
+    Zero where ``action_mask == 0``.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"--kl_estimator {estimator!r}: expected one of {', '.join(KL_ESTIMATORS)}")
@@ -85,11 +89,15 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
         # Zero padding before exp so garbage there cannot make inf/NaN in values or gradients.
         log_ratio = torch.where(_bool_mask(action_mask), log_ratio, torch.zeros_like(log_ratio))
     if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio ** 2
-    neg = -log_ratio.clamp(-10.0, 10.0)  # log(ref / p)
-    return neg.exp() - neg - 1
+        est = log_ratio
+    elif estimator == "k2":
+        est = 0.5 * log_ratio ** 2
+    else:
+        # exp is kept finite for the backward (0 * inf would be NaN); within [-20, 20] the estimate has already
+        # passed the clamp below (k3 = 10 at log(ref / p) = 2.6 and -11), so this bound changes no value.
+        neg = -log_ratio.clamp(-20.0, 20.0)  # log(ref / p)
+        est = neg.exp() - neg - 1
+    return est.clamp(-KL_ESTIMATE_CLAMP, KL_ESTIMATE_CLAMP)
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -124,9 +124,6 @@ def test_kl_estimators_hand_values():
     assert torch.allclose(k2, t([[0.125, 0.5, 0.0]]), atol=1e-12)
     # k3 = exp(ref - lp) - (ref - lp) - 1
     assert torch.allclose(k3, t([[math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 2.0, 0.0]]), atol=1e-12)
-    # Without a mask nothing is zeroed; k3 clamps the log-ratio to [-10, 10].
-    k3 = kl_estimate(t([[0.0, 0.0]]), t([[-20.0, 20.0]]), "k3")
-    assert torch.allclose(k3, t([[math.exp(-10) + 10 - 1, math.exp(10) - 10 - 1]]), rtol=1e-12)
     with pytest.raises(ValueError, match="--kl_estimator"):
         kl_estimate(lp, ref, "k4")
 
@@ -208,3 +205,24 @@ def test_fixed_kl_controller_and_factory():
         make_kl_controller(0.05, 6.0, 0)
     with pytest.raises(ValueError, match="--init_kl_coef"):
         make_kl_controller(-1.0, None, 10000)
+
+
+def test_kl_estimates_are_clamped_at_wide_log_ratios():
+    """OpenRLHF clamps the estimate to [-10, 10]; before, k3 reached e^10 - 11 (about 22,000) per token. Gradients
+    stay finite, and are zero where the clamp holds."""
+    lp = t([[0.0, 0.0, 0.0, -30.0, -200.0, -1.0]]).requires_grad_(True)
+    ref = t([[-20.0, 20.0, -2.0, 0.0, 0.0, -1.5]])
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    k1, k2, k3 = (kl_estimate(lp, ref, e, mask) for e in ("k1", "k2", "k3"))
+    assert k1.tolist() == [[10.0, -10.0, 2.0, -10.0, -10.0, 0.5]]
+    assert k2.tolist()[0][:5] == [10.0, 10.0, 2.0, 10.0, 10.0] and k2[0, 5].item() == pytest.approx(0.125)
+    # k3 = exp(ref - lp) - (ref - lp) - 1, then clamped: 20 - 1 - e^-20 ~ 19 -> 10; e^20 - 21 -> 10; e^-2 + 1 stays
+    expect = [10.0, 10.0, math.exp(-2) + 2 - 1, 10.0, 10.0, math.exp(-0.5) + 0.5 - 1]
+    assert k3[0].tolist() == pytest.approx(expect, rel=1e-12)
+    assert k3.max().item() <= 10.0  # the old guard gave e^10 - 11 = 22015.5 at log r = -20
+    (k1.sum() + k2.sum() + k3.sum()).backward()
+    g = lp.grad[0]
+    assert torch.isfinite(g).all()
+    assert g[3].item() == 0.0 and g[4].item() == 0.0  # clamped for every estimator: no gradient
+    # unclamped token 5 (log r = 0.5): d/dlp [k1 + k2 + k3] = 1 + 0.5 + (1 - e^-0.5)
+    assert g[5].item() == pytest.approx(1 + 0.5 + 1 - math.exp(-0.5), rel=1e-12)
