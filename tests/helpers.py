@@ -10,6 +10,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
 
 
+def require(module: str, why: str = "") -> None:
+    """A test's dependency: skip where it is missing on a developer's machine, fail under CI=true, where a missing
+    package is an install bug that a skip would hide (the suite would stay green with whole trainers untested)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec(module) is not None:
+        return
+    msg = f"{module} is not installed{': ' + why if why else ''} (bash tools/setup_env.sh installs it)"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true: {msg}", pytrace=False)
+    pytest.skip(msg, allow_module_level=True)
+
+
 def test_env(**extra: str) -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),

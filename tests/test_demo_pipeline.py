@@ -5,9 +5,9 @@ import json
 import os
 
 import pytest
-from helpers import REPO, run_python, tail
+from helpers import REPO, run_python, tail, require
 
-pytest.importorskip("vllm")
+require("vllm")
 
 
 @pytest.mark.slow

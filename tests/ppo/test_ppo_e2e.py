@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 from ppo_common import ppo_args
-from helpers import REPO, run_torchrun, tail
+from helpers import REPO, run_torchrun, tail, require
 
 PPO = os.path.join(REPO, "launch/ppo.py")
-pytest.importorskip("vllm")
+require("vllm")
 
 
 def history(save):

@@ -6,13 +6,13 @@ import os
 
 import pytest
 import torch
-from helpers import REPO, run_torchrun, tail
+from helpers import REPO, run_torchrun, tail, require
 from ppo_common import write_prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RS = os.path.join(REPO, "launch/rejection_sampling.py")
 N, PROMPTS, W = 4, 7, (0.7, 0.3, 0.5)  # 7 prompts on 2 engines: the share is padded and the copy dropped
-pytest.importorskip("vllm")
+require("vllm")
 
 
 def rs_args(setup, rms, out, **kw):

@@ -5,12 +5,11 @@ tokens. With RLHF_OFFLOAD_ON_CPU=0 the CPU run moves nothing between phases and 
 import json
 import os
 
-import pytest
 from ppo_common import ppo_args
-from helpers import REPO, run_torchrun, tail
+from helpers import REPO, run_torchrun, tail, require
 
 PPO = os.path.join(REPO, "launch/ppo.py")
-pytest.importorskip("vllm")
+require("vllm")
 
 
 def test_rollout_logprobs_as_old_logprobs(ppo_setup, tmp_path):

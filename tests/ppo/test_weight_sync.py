@@ -3,9 +3,9 @@ import json
 import os
 
 import pytest
-from helpers import REPO, run_torchrun, tail
+from helpers import REPO, run_torchrun, tail, require
 
-pytest.importorskip("vllm")
+require("vllm")
 WORKER = os.path.join(REPO, "tests/ppo/_sync_worker.py")
 
 
