@@ -5,18 +5,25 @@ Layout under ``--ckpt_path``::
     iter_0000100/state/          one dist_checkpointing save of {role: {model, optimizer}} (reshardable)
     iter_0000100/trainer.json    steps, schedulers, sampler position, anything the loop adds
     iter_0000100/rng/rank_N.pt   python / numpy / torch / megatron-tracker RNG of each rank
+    iter_0000100/manifest.json   every file's size, and the sha256 of each file up to 1 MiB
     latest                       the name of the newest complete iteration folder
 
-Publishing is atomic: a save goes to ``iter_X.tmp``; after every rank has finished, rank 0 renames it and only
-then rewrites ``latest`` (through a temporary file and ``os.replace``). A run killed mid-save leaves the
-previous checkpoint as ``latest``.
+Publishing is atomic: a save goes to ``iter_X.tmp``; after every rank has finished, rank 0 writes the manifest,
+renames the folder and only then rewrites ``latest`` (through a temporary file and ``os.replace``). A run killed
+mid-save, or a save that fails (a full disk), leaves the previous checkpoint as ``latest``.
+
+Loading verifies the folder ``latest`` names against its manifest (missing or truncated files, changed small
+files); a damaged checkpoint, or a ``latest`` that names none, falls back to the newest intact one with a
+warning.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
 from typing import Any, Mapping
 
@@ -67,18 +74,105 @@ def set_rng_state(state: Mapping[str, Any]) -> bool:
     return True
 
 
+CKPT_MANIFEST = "manifest.json"
+HASHED_MAX_BYTES = 1 << 20
+"""Files up to this size are checksummed (metadata, trainer state, RNG); larger ones (weight shards) are checked
+by size, which catches truncation without reading gigabytes."""
+_ITER = re.compile(r"^iter_(\d+)$")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(folder: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
+    return sorted(f for f in out if f != CKPT_MANIFEST)
+
+
+def write_ckpt_manifest(folder: str) -> dict[str, dict]:
+    """Record every file of a finished checkpoint folder: size, and sha256 for the small ones."""
+    files = {}
+    for rel in _files(folder):
+        path = os.path.join(folder, rel)
+        size = os.path.getsize(path)
+        files[rel] = {"size": size, **({"sha256": _sha256(path)} if size <= HASHED_MAX_BYTES else {})}
+    tmp = os.path.join(folder, CKPT_MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, CKPT_MANIFEST))
+    return files
+
+
+def verify_ckpt(folder: str) -> str | None:
+    """None if ``folder`` matches its manifest, else what is wrong (one line). A folder without a manifest (written
+    before manifests existed) passes if it has its trainer state."""
+    if not os.path.isdir(folder):
+        return "no such folder"
+    manifest = os.path.join(folder, CKPT_MANIFEST)
+    if not os.path.exists(manifest):
+        return None if os.path.exists(os.path.join(folder, "trainer.json")) else "no manifest.json or trainer.json"
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"unreadable manifest ({e})"
+    for rel, meta in files.items():
+        path = os.path.join(folder, rel)
+        if not os.path.exists(path):
+            return f"missing file {rel}"
+        size = os.path.getsize(path)
+        if size != meta["size"]:
+            return f"{rel} has {size} bytes, {meta['size']} were written"
+        if "sha256" in meta and _sha256(path) != meta["sha256"]:
+            return f"{rel} changed since it was written (checksum)"
+    return None
+
+
 class Checkpointer:
     def __init__(self, mesh: ParallelMesh, ckpt_path: str, max_ckpt_num: int = 3):
         self.mesh, self.path, self.max_ckpt_num = mesh, ckpt_path, max_ckpt_num
 
     def latest(self) -> str | None:
+        """The folder ``latest`` names, if it is one (not verified: see ``resolve``)."""
         p = os.path.join(self.path, "latest")
         if not os.path.exists(p):
             return None
-        with open(p) as f:
+        with open(p, errors="replace") as f:
             name = f.read().strip()
         folder = os.path.join(self.path, name)
-        return folder if os.path.isdir(folder) else None
+        return folder if _ITER.match(name) and os.path.isdir(folder) else None
+
+    def resolve(self) -> str:
+        """The checkpoint to resume from: the one ``latest`` names if it is intact, else the newest intact one,
+        with a warning for each one passed over. Raises ValueError if there is none."""
+        named = self.latest()
+        iters = sorted((d for d in (os.listdir(self.path) if os.path.isdir(self.path) else []) if _ITER.match(d)),
+                       key=lambda d: int(_ITER.match(d).group(1)), reverse=True)
+        candidates = ([named] if named else []) + [os.path.join(self.path, d) for d in iters
+                                                   if os.path.join(self.path, d) != named]
+        if named is None and iters:
+            log.warning("checkpoint: %s/latest is missing or names no checkpoint folder; looking for the newest "
+                        "intact one", self.path)
+        skipped = []
+        for folder in candidates:
+            problem = verify_ckpt(folder)
+            if problem is None:
+                for bad, why in skipped:
+                    log.warning("checkpoint %s is damaged (%s): resuming from %s instead", bad, why, folder)
+                return folder
+            skipped.append((folder, problem))
+        detail = "; ".join(f"{os.path.basename(f)}: {why}" for f, why in skipped)
+        raise ValueError(f"--load_checkpoint: no intact checkpoint under --ckpt_path {self.path}"
+                         + (f" ({detail})" if detail else ""))
 
     def save(self, step: int, engines: Mapping[str, Any], extra: dict[str, Any]) -> str:
         from megatron.core import dist_checkpointing
@@ -86,6 +180,8 @@ class Checkpointer:
         from rlhf.distributed import cuda_shim
 
         cuda_shim.install()
+        for eng in engines.values():
+            eng.check_finite(f"checkpoint of step {step}")
         name = f"iter_{step:07d}"
         final, tmp = os.path.join(self.path, name), os.path.join(self.path, name + ".tmp")
         if self.mesh.is_rank0:
@@ -93,16 +189,24 @@ class Checkpointer:
             os.makedirs(os.path.join(tmp, "rng"))
             os.makedirs(os.path.join(tmp, "state"))
         dist.barrier()
-        sd = {role: engine_sharded_state_dict(eng) for role, eng in engines.items()}
-        dist_checkpointing.save(sd, os.path.join(tmp, "state"))
-        torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{self.mesh.rank}.pt"))
-        if self.mesh.is_rank0:
-            state = {"step": step, "world_size": self.mesh.world_size, "tp": self.mesh.tp, "pp": self.mesh.pp,
-                     "roles": {role: eng.trainer_state() for role, eng in engines.items()}, "extra": extra}
-            with open(os.path.join(tmp, "trainer.json"), "w") as f:
-                json.dump(state, f, indent=2, default=_json_default)
+        try:
+            sd = {role: engine_sharded_state_dict(eng) for role, eng in engines.items()}
+            dist_checkpointing.save(sd, os.path.join(tmp, "state"))
+            torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{self.mesh.rank}.pt"))
+            if self.mesh.is_rank0:
+                state = {"step": step, "world_size": self.mesh.world_size, "tp": self.mesh.tp, "pp": self.mesh.pp,
+                         "roles": {role: eng.trainer_state() for role, eng in engines.items()}, "extra": extra}
+                with open(os.path.join(tmp, "trainer.json"), "w") as f:
+                    json.dump(state, f, indent=2, default=_json_default)
+        except Exception:
+            # A failed write (a full disk) publishes nothing: `latest` keeps naming the previous checkpoint.
+            log.error("checkpoint save of step %d failed; %s still holds the previous checkpoints", step, self.path)
+            if self.mesh.is_rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         dist.barrier()
         if self.mesh.is_rank0:
+            write_ckpt_manifest(tmp)  # after every rank's files; the folder is published only with it
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -123,9 +227,17 @@ class Checkpointer:
         """Restore engines, RNG and return the trainer state (``extra`` holds what the loop saved)."""
         from megatron.core import dist_checkpointing
 
-        folder = folder or self.latest()
-        if folder is None:
-            raise ValueError(f"--load_checkpoint: no complete checkpoint under --ckpt_path {self.path}")
+        if folder is None:  # rank 0 verifies and decides, so every rank resumes from the same folder
+            choice: list = [None]
+            if self.mesh.is_rank0:
+                try:
+                    choice = [self.resolve()]
+                except ValueError as e:  # every rank raises it, none waits
+                    choice = [e]
+            dist.broadcast_object_list(choice, src=0)
+            if isinstance(choice[0], ValueError):
+                raise ValueError(str(choice[0]))
+            folder = choice[0]
         with open(os.path.join(folder, "trainer.json")) as f:
             state = json.load(f)
         if any(uses_distributed_optimizer(eng) for eng in engines.values()):

@@ -38,6 +38,9 @@ def add_common_args(p: argparse.ArgumentParser, *, lr: float, epochs: int, micro
     g.add_argument("--l2", type=float, default=0.0, help="weight decay")
     g.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
     g.add_argument("--max_norm", type=float, default=1.0, help="gradient clipping")
+    g.add_argument("--max_skipped_steps", type=int, default=3,
+                   help="updates with a non-finite loss or grad norm are skipped (and counted); this many in a row "
+                        "stop the job with an error")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--gradient_checkpointing", action="store_true")
     g.add_argument("--seed", type=int, default=42)
@@ -143,9 +146,14 @@ def cli_main(add_args, run, argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
     args = p.parse_args(argv)
+    from rlhf.engine import TrainingDiverged
+
     try:
         run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:  # one line, not a traceback: the run diverged, nothing non-finite was saved
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     return 0

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 LossFn = Callable[[dict, torch.Tensor], tuple]
 
 
+class TrainingDiverged(RuntimeError):
+    """Training stopped: too many non-finite updates in a row, or non-finite weights about to be saved."""
+
+
 @dataclass
 class OptimConfig:
     """Adam + warmup/decay schedule. ``total_steps`` is set by the trainer once the data size is known."""
@@ -47,8 +51,13 @@ class OptimConfig:
     total_steps: int = 1
     use_distributed_optimizer: bool = False
     """ZeRO-1 style sharding of the optimizer states over DP (``--zero_stage >= 1``)."""
+    max_skipped_steps: int = 3
+    """(--max_skipped_steps) updates with a non-finite loss or grad norm are skipped; this many in a row stop the
+    job."""
 
     def __post_init__(self) -> None:
+        if self.max_skipped_steps < 1:
+            raise ValueError(f"--max_skipped_steps must be >= 1, got {self.max_skipped_steps}")
         if self.lr <= 0:
             raise ValueError(f"--learning_rate must be > 0, got {self.lr}")
         if not 0 <= self.warmup_ratio < 1:
@@ -115,6 +124,8 @@ class ModelEngine:
         self.optimizer = self.scheduler = None
         self.ddp = None
         self.steps = 0
+        """Applied optimizer updates (the scheduler's count); skipped ones are ``skipped_steps``."""
+        self.skipped_steps = self.consecutive_skips = 0
         self.ckpt_prefix = ""
         """Prefix of this engine's keys in a dist checkpoint; several roles in one checkpoint need distinct ones."""
         if optim is not None:
@@ -161,15 +172,53 @@ class ModelEngine:
         self.optimizer.zero_grad()
         outs = run_microbatches(self.module, microbatches, loss_fn=loss_fn, output=output,
                                 device=self.mesh.device)
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError(f"{self.name}: optimizer step failed (inf/nan gradients)")
-        self.scheduler.step(increment=1)
-        self.steps += 1
-        metrics = self.reduce_metrics(outs, metric_keys)
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics = self.reduce_metrics(outs, metric_keys)  # the same on every rank, so is the decision below
+        loss_key = metric_keys[0]
+        stepped, grad_norm, bad = self._step_if_finite(metrics[loss_key], loss_key)
+        if stepped:
+            self.scheduler.step(increment=1)
+            self.steps += 1
+            self.consecutive_skips = 0
+        else:
+            self.skip(bad)
+        metrics["grad_norm"] = grad_norm
+        metrics["skipped_steps"] = float(self.skipped_steps)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
+
+    def _step_if_finite(self, loss: float, loss_key: str) -> tuple[bool, float, str]:
+        """megatron's optimizer step (prepare grads, global grad norm, clip, step), with the norm measured first:
+        a non-finite loss or grad norm leaves parameters, optimizer states and scheduler untouched.
+        Returns (stepped, grad norm, what was non-finite)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        found_inf = opt.prepare_grads()  # fp16 loss scaling only; copies the grads to the fp32 main params
+        grad_norm = float(opt.get_grad_norm())  # over every rank that holds a part of the model: the same everywhere
+        bad = [f"{k}={v}" for k, v in ((loss_key, loss), ("grad_norm", grad_norm)) if not math.isfinite(v)]
+        if found_inf or bad:
+            return False, grad_norm, ", ".join(bad) or "inf/nan gradients (loss scaler)"
+        for inner in _inner_optimizers(opt):  # as megatron's ChainedOptimizer.step clips: one global norm
+            params = inner.get_parameters()
+            if params and inner.config.clip_grad > 0.0 and not getattr(inner, "is_stub_optimizer", False):
+                clip_grad_by_total_norm_fp32(params, inner.config.clip_grad, grad_norm,
+                                             inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        if not opt.step_with_ready_grads():
+            return False, grad_norm, "optimizer step failed"
+        return True, grad_norm, ""
+
+    def skip(self, what: str) -> None:
+        """Count an update that was not applied because ``what`` was non-finite; after ``--max_skipped_steps``
+        in a row, stop the job (``TrainingDiverged``). Called on every rank alike (the inputs are global)."""
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        limit = self.optim_cfg.max_skipped_steps
+        log.warning("%s: update %d skipped: non-finite %s (%d in a row, %d in all; --max_skipped_steps %d)",
+                    self.name, self.steps + 1, what, self.consecutive_skips, self.skipped_steps, limit)
+        if self.consecutive_skips >= limit:
+            raise TrainingDiverged(f"{self.name}: {self.consecutive_skips} updates in a row skipped at update "
+                                   f"{self.steps + 1}: non-finite {what} (--max_skipped_steps {limit}); nothing "
+                                   "non-finite was saved. Lower the learning rate or check the data")
 
     def forward(self, microbatches: Sequence[dict], output: str = "logits",
                 loss_fn: LossFn | None = None) -> list[dict[str, Any]]:
@@ -214,11 +263,23 @@ class ModelEngine:
 
         return merged_sharded_state_dict(self.model)
 
+    def check_finite(self, purpose: str) -> None:
+        """Refuse (``TrainingDiverged``) to save or export non-finite weights: every rank checks its shard."""
+        bad = next((n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        flag = torch.tensor([0.0 if bad is None else 1.0])  # a host tensor: gloo in every job
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            raise TrainingDiverged(f"{self.name}: non-finite weights ({bad or 'on another rank'}): {purpose} "
+                                   "refused, nothing was written")
+
     def trainer_state(self) -> dict[str, Any]:
-        return {"steps": self.steps, "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+        return {"steps": self.steps, "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))  # absent from checkpoints written before the guard
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -111,6 +112,7 @@ class PPOTrainer:
 
         def optim(lr: float) -> OptimConfig:
             return OptimConfig(lr=lr, weight_decay=args.l2, adam_betas=tuple(args.adam_betas), clip_grad=args.max_norm,
+                               max_skipped_steps=args.max_skipped_steps,
                                warmup_ratio=args.lr_warmup_ratio, scheduler=args.lr_scheduler, total_steps=updates,
                                use_distributed_optimizer=args.zero_stage >= 1)
 
@@ -227,9 +229,15 @@ class PPOTrainer:
                          values=out.get("critic"))
         with timer.phase("advantages"):
             metrics.update(self._advantages(exp, raw_rewards))
-        update_metrics = self._update(exp, timer, trim, tokens)
-        metrics.update(update_metrics)
-        self.kl_ctl.update(metrics["kl"], len(samples))
+        # Global means (the same on every rank): a non-finite reward or advantage skips this step's updates.
+        bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
+        if bad:
+            for eng in self.trainable.values():
+                eng.skip(bad)  # counted per trainable role; --max_skipped_steps in a row stop the job
+            metrics["skipped_steps"] = float(self.actor.skipped_steps)
+        else:
+            metrics.update(self._update(exp, timer, trim, tokens))
+            self.kl_ctl.update(metrics["kl"], len(samples))
         metrics["kl_coef"] = self.kl_ctl.value
         metrics["response_length"] = n_gen / len(samples)
         metrics["finished_frac"] = sum(s.finished for s in samples) / len(samples)

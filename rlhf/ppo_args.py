@@ -51,6 +51,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--l2", type=float, default=0.0)
     g.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
     g.add_argument("--max_norm", type=float, default=1.0, help="gradient clipping")
+    g.add_argument("--max_skipped_steps", type=int, default=3,
+                   help="updates with a non-finite loss or grad norm are skipped (and counted); this many in a row "
+                        "stop the job with an error")
     g.add_argument("--init_kl_coef", type=float, default=0.01)
     g.add_argument("--kl_target", type=float, default=None, help="adaptive KL target (default: fixed coefficient)")
     g.add_argument("--kl_horizon", type=float, default=10000)

@@ -146,6 +146,7 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
                  args.train_batch_size, dp, mesh.tp, mesh.pp)
     optim = OptimConfig(lr=args.learning_rate, weight_decay=args.l2, adam_betas=tuple(args.adam_betas),
                         clip_grad=args.max_norm, warmup_ratio=args.lr_warmup_ratio, scheduler=args.lr_scheduler,
+                        max_skipped_steps=args.max_skipped_steps,
                         total_steps=total_steps, use_distributed_optimizer=args.zero_stage >= 1)
     engine = ModelEngine(mesh, args.pretrain, optim=optim, value_head=task.value_head, bf16=args.bf16,
                          recompute=args.gradient_checkpointing, name=task.name, lora=lora_config_from_args(args))
@@ -231,6 +232,7 @@ def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> 
     the weights are merged, or, with ``--lora_export adapter``, a PEFT adapter folder is written instead."""
     from rlhf.models.checkpoint_io import save_model, write_manifest
 
+    engine.check_finite("HF export")
     if getattr(engine, "lora", None) is not None and getattr(args, "lora_export", "merged") == "adapter":
         from rlhf.models.lora import save_peft_adapter
 

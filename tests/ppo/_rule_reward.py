@@ -7,3 +7,8 @@ def length_reward(prompts: list[str], responses: list[str]) -> list[float]:
 
 
 NOT_CALLABLE = 3
+
+
+def one_nan_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """0.5 for every reply but the first of each batch, which scores NaN (the non-finite guard's test)."""
+    return [float("nan")] + [0.5] * (len(responses) - 1)

@@ -1,0 +1,27 @@
+"""PPO's non-finite guard: a non-finite reward (here one NaN reply per batch from the reward rule) skips the step's
+actor and critic updates; --max_skipped_steps in a row stop the job with one ``error:`` line (exit 3) and nothing
+is exported. launch/ppo.py's body (rlhf.ppo.main) in this process, one rank, the megatron generator, GRPO."""
+import os
+
+from ppo_common import ppo_args
+
+
+def test_nan_reward_skips_updates_then_stops(ppo_setup, tmp_path, monkeypatch, capsys):
+    from helpers import free_port
+    from rlhf.ppo import main
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    out = tmp_path / "o"
+    argv = ppo_args(ppo_setup, str(out), **{"--reward_pretrain": None, "--reward_fn": "_rule_reward:one_nan_reward",
+                                           "--advantage_estimator": "grpo", "--rollout_backend": "megatron",
+                                           "--vllm_tensor_parallel_size": "1", "--rollout_batch_size": "4",
+                                           "--n_samples_per_prompt": "2", "--train_batch_size": "8",
+                                           "--micro_train_batch_size": "4", "--micro_rollout_batch_size": "4",
+                                           "--generate_max_len": "3", "--max_skipped_steps": "2",
+                                           "--save_steps": "1"})
+    assert main(argv) == 3
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "actor: 2 updates in a row skipped at update 1: non-finite reward=nan" in err[0], err
+    # step 1 was skipped and checkpointed (the initial, finite weights); step 2 stopped the job: no export
+    assert sorted(d for d in os.listdir(out / "checkpoints") if d.startswith("iter_")) == ["iter_0000001"]
+    assert not (out / "config.json").exists()

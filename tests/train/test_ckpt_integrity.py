@@ -1,0 +1,141 @@
+"""Checkpoint integrity: a damaged latest checkpoint (truncated file, missing file, changed small file, garbage
+``latest``) falls back to the newest intact one with a warning; a save that fails (a full disk) leaves the
+previous checkpoint as ``latest``. One in-process rank on gloo, a tiny real engine (model + Adam)."""
+import errno
+import logging
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def ckpt_run(tmp_path_factory):
+    """Checkpoints at steps 1 and 2 of an engine whose weights change between them; their weights."""
+    from helpers import free_port
+    from rlhf.checkpoint import Checkpointer
+    from rlhf.distributed import DistEnv, initialize_mesh
+    from rlhf.distributed.mesh import destroy_mesh
+    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.models.tiny import make_tiny_hf
+
+    work = tmp_path_factory.mktemp("ckpt")
+    make_tiny_hf(str(work / "hf"), "llama", seed=0, num_hidden_layers=2, hidden_size=64)
+    mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
+    eng = ModelEngine(mesh, str(work / "hf"), optim=OptimConfig(lr=1e-3, total_steps=4, warmup_ratio=0.0),
+                      name="sft")
+    ckpt = Checkpointer(mesh, str(work / "ckpts"), max_ckpt_num=3)
+    from rlhf.data import SFTSample, collate_sft
+    from rlhf.sft import SFTTask
+
+    t = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    mb = collate_sft([SFTSample(t([5, 6, 7, 2, 9]), torch.tensor([0, 0, 1, 1, 1]).bool(), 2, "a")], 0)
+    weights = {}
+    for step in (1, 2):  # real Adam steps: the optimizer's state exists and is saved
+        eng.train_step([mb], SFTTask().loss_fn(eng), ("loss",))
+        ckpt.save(step, {"sft": eng}, {"marker": step})
+        weights[step] = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+    yield {"mesh": mesh, "eng": eng, "ckpt": ckpt, "path": str(work / "ckpts"), "weights": weights}
+    destroy_mesh()
+
+
+def _load(run, expect_step: int) -> None:
+    state = run["ckpt"].load({"sft": run["eng"]})
+    assert state["step"] == expect_step and state["extra"]["marker"] == expect_step
+    for n, p in run["eng"].model.named_parameters():
+        assert torch.equal(p, run["weights"][expect_step][n]), n
+
+
+def _biggest(folder: str) -> str:
+    files = [os.path.join(r, f) for r, _, fs in os.walk(folder) for f in fs]
+    return max(files, key=os.path.getsize)
+
+
+def test_manifest_lists_every_file(ckpt_run):
+    import json
+
+    folder = os.path.join(ckpt_run["path"], "iter_0000002")
+    with open(os.path.join(folder, "manifest.json")) as f:
+        files = json.load(f)["files"]
+    on_disk = {os.path.relpath(os.path.join(r, n), folder) for r, _, ns in os.walk(folder) for n in ns}
+    assert set(files) == on_disk - {"manifest.json"}
+    assert files["trainer.json"]["sha256"] and any(k.startswith("state/") for k in files)
+    _load(ckpt_run, 2)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "changed", "garbage_latest"])
+def test_damaged_latest_falls_back_with_a_warning(ckpt_run, damage, caplog):
+    from rlhf.checkpoint import verify_ckpt
+
+    path = ckpt_run["path"]
+    folder = os.path.join(path, "iter_0000002")
+    backup = os.path.join(path, "backup")
+    import shutil
+
+    shutil.copytree(folder, backup)
+    shutil.copy(os.path.join(path, "latest"), os.path.join(path, "latest.bak"))
+    try:
+        if damage == "truncated":
+            victim = _biggest(os.path.join(folder, "state"))
+            with open(victim, "r+b") as f:
+                f.truncate(os.path.getsize(victim) // 2)
+        elif damage == "missing":
+            os.remove(_biggest(os.path.join(folder, "state")))
+        elif damage == "changed":  # same size, other bytes
+            with open(os.path.join(folder, "trainer.json"), "r+b") as f:
+                first = f.read(1)
+                f.seek(0)
+                f.write(b" " if first != b" " else b"\n")
+        else:
+            with open(os.path.join(path, "latest"), "wb") as f:
+                f.write(b"\x00\xffnot a checkpoint")
+        problem = verify_ckpt(folder)
+        assert (problem is None) == (damage == "garbage_latest"), problem
+        with caplog.at_level(logging.WARNING, logger="rlhf.checkpoint"):
+            expect = 2 if damage == "garbage_latest" else 1
+            assert ckpt_run["ckpt"].resolve() == os.path.join(path, f"iter_000000{expect}")
+            _load(ckpt_run, expect)
+        text = caplog.text
+        if damage == "garbage_latest":
+            assert "latest is missing or names no checkpoint folder" in text
+        else:
+            assert "iter_0000002 is damaged" in text and "resuming from" in text
+            assert {"truncated": "bytes", "missing": "missing file", "changed": "checksum"}[damage] in text
+    finally:
+        shutil.rmtree(folder)
+        os.replace(backup, folder)
+        os.replace(os.path.join(path, "latest.bak"), os.path.join(path, "latest"))
+
+
+def test_nothing_intact_is_a_clear_error(ckpt_run, tmp_path):
+    from rlhf.checkpoint import Checkpointer
+
+    empty = Checkpointer(ckpt_run["mesh"], str(tmp_path / "none"))
+    with pytest.raises(ValueError, match=r"--load_checkpoint: no intact checkpoint under --ckpt_path"):
+        empty.load({"sft": ckpt_run["eng"]})
+    os.makedirs(tmp_path / "bad" / "iter_0000005")
+    with pytest.raises(ValueError, match=r"iter_0000005: no manifest.json or trainer.json"):
+        Checkpointer(ckpt_run["mesh"], str(tmp_path / "bad")).resolve()
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(ckpt_run, monkeypatch):
+    """A full disk during a save: the error surfaces, nothing is published, `latest` still names step 2, its
+    temporary folder is gone, and the previous checkpoint still loads."""
+    import rlhf.checkpoint as ck
+
+    real_save = torch.save
+
+    def full_disk(obj, path, *a, **k):
+        if str(path).endswith(".pt") and "iter_0000003.tmp" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(ck.torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        ckpt_run["ckpt"].save(3, {"sft": ckpt_run["eng"]}, {"marker": 3})
+    monkeypatch.undo()
+    path = ckpt_run["path"]
+    assert sorted(d for d in os.listdir(path) if d.startswith("iter_")) == ["iter_0000001", "iter_0000002"]
+    with open(os.path.join(path, "latest")) as f:
+        assert f.read().strip() == "iter_0000002"
+    _load(ckpt_run, 2)
