@@ -185,6 +185,7 @@ class Checkpointer:
         name = f"iter_{step:07d}"
         final, tmp = os.path.join(self.path, name), os.path.join(self.path, name + ".tmp")
         if self.mesh.is_rank0:
+            log.info("checkpoint: saving step %d to %s", step, final)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng"))
             os.makedirs(os.path.join(tmp, "state"))

@@ -233,6 +233,8 @@ def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> 
     from rlhf.models.checkpoint_io import save_model, write_manifest
 
     engine.check_finite("HF export")
+    if mesh.is_rank0:
+        log.info("exporting HF model to %s", args.save_path)
     if getattr(engine, "lora", None) is not None and getattr(args, "lora_export", "merged") == "adapter":
         from rlhf.models.lora import save_peft_adapter
 

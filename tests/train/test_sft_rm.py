@@ -69,21 +69,72 @@ def _final_weights(save):
     return load_file(os.path.join(save, "model.safetensors"))
 
 
+def _resume_base(train_setup, zero_stage):
+    return ["--pretrain", train_setup["model"], "--dataset", train_setup["sft"], "--max_epochs", "1",
+            "--learning_rate", "1e-3", "--max_samples", "96", "--zero_stage", str(zero_stage)]
+
+
+@pytest.fixture(scope="module")
+def straight_run(train_setup, tmp_path_factory):
+    """The uninterrupted 6-step run (DP2) for a --zero_stage, made once per module."""
+    runs = {}
+
+    def get(zero_stage: int) -> str:
+        if zero_stage not in runs:
+            save = str(tmp_path_factory.mktemp(f"straight{zero_stage}"))
+            p = run_torchrun(SFT, 2, _resume_base(train_setup, zero_stage) + common(save))
+            assert p.returncode == 0, tail(p)
+            runs[zero_stage] = save
+        return runs[zero_stage]
+
+    return get
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1])
-def test_resume_is_exact(train_setup, tmp_path, zero_stage):
+def test_resume_is_exact(train_setup, tmp_path, zero_stage, straight_run):
     """6 steps straight == 3 steps, stop, resume to 6: bit-identical weights (DP2, 2 ranks). --zero_stage 1 is
     megatron's distributed optimizer: each DP rank holds half of the Adam state."""
-    base = ["--pretrain", train_setup["model"], "--dataset", train_setup["sft"], "--max_epochs", "1",
-            "--learning_rate", "1e-3", "--max_samples", "96", "--zero_stage", str(zero_stage)]
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    p = run_torchrun(SFT, 2, base + common(straight))
-    assert p.returncode == 0, tail(p)
+    base = _resume_base(train_setup, zero_stage)
+    straight, resumed = straight_run(zero_stage), str(tmp_path / "resumed")
     p = run_torchrun(SFT, 2, base + common(resumed, **{"--save_steps": 3, "--stop_after_steps": 3}))
     assert p.returncode == 0, tail(p)
     assert open(os.path.join(resumed, "checkpoints", "latest")).read().strip() == "iter_0000003"
     p = run_torchrun(SFT, 2, base + common(resumed, **{"--save_steps": 3, "--load_checkpoint": ""}))
     assert p.returncode == 0, tail(p)
     a, b = _final_weights(straight), _final_weights(resumed)
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def crash_points(seed: int, steps: int, slow: bool) -> list[tuple[str, float]]:
+    """Seeded kill points in increasing order of progress: start-up, then steps and saves at distinct seeded
+    steps, then the export. CI: 5 points; RLHF_CRASH_SLOW=1: every step and every save."""
+    import random
+
+    rng = random.Random(seed)
+    if slow:
+        mid = [p for k in range(1, steps + 1) for p in (("step", k), ("save", k))]
+    else:
+        a, b, c = sorted(rng.sample(range(1, steps + 1), 3))
+        mid = [("step", a), ("save", b), ("step", c)]
+    return [("startup", rng.uniform(2.0, 6.0))] + mid + [("export", 0)]
+
+
+def test_sigkill_anywhere_then_resume_is_exact(train_setup, tmp_path, straight_run):
+    """The whole job (torchrun, both ranks, the export's subprocess) is SIGKILLed at seeded moments: during
+    start-up, mid-step, mid-save and mid-export; each relaunch resumes with --load_checkpoint from whatever was
+    published (none after the start-up kill). The final weights equal the uninterrupted run's bit for bit."""
+    from crash_harness import crash_and_resume
+
+    save = str(tmp_path / "crashed")
+    points = crash_points(seed=11, steps=6, slow=os.environ.get("RLHF_CRASH_SLOW") == "1")
+    records = crash_and_resume(SFT, 2, _resume_base(train_setup, 0) + common(save, **{"--save_steps": 1}), "sft",
+                               os.path.join(save, "checkpoints"), points, seed=11)
+    assert [r["point"] for r in records[:-1]] == points
+    assert all(r["killed"] for r in records[:-1]), [(r["point"], r["killed"], r.get("log_tail")) for r in records]
+    assert not records[0]["resumed"] and records[-1]["resumed"]
+    a, b = _final_weights(straight_run(0)), _final_weights(save)
     assert set(a) == set(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
