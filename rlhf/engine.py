@@ -120,6 +120,7 @@ class ModelEngine:
             from megatron.core.transformer.module import Float16Module
 
             self.config.bf16 = True
+            self.config.pipeline_dtype = torch.bfloat16  # activations between PP stages are bf16 (the p2p buffers)
             self.module = Float16Module(self.config, model)
         self.optimizer = self.scheduler = None
         self.ddp = None
