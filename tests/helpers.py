@@ -47,3 +47,24 @@ def run_python(args: list[str], timeout: float = 600, **env: str):
 
 def tail(proc, n: int = 3000) -> str:
     return (proc.stdout[-n:] + "\n--- stderr ---\n" + proc.stderr[-n:])
+
+
+def make_seq_cls_rm(out: str, tokenizer_dir: str, seed: int = 0, scale: float = 1.0, **dims) -> str:
+    """An ordinary tiny HF Llama ``ForSequenceClassification`` (random, every attention and MLP layer live, so its
+    score depends on the whole context and on positions) for reward-model and critic tests. Only its score head is
+    rescaled, so that scores of random token sequences spread with std ``scale`` (a random init's spread is too
+    small for a policy to move within a few test steps)."""
+    import torch
+    import transformers
+
+    from rlhf.models.tiny import make_tiny_hf
+
+    make_tiny_hf(out, "llama", seq_cls=True, seed=seed, tokenizer_dir=tokenizer_dir, **dims)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    g = torch.Generator().manual_seed(seed + 17)
+    ids = torch.randint(3, model.config.vocab_size, (64, 12), generator=g)
+    with torch.no_grad():
+        scores = model(input_ids=ids).logits.squeeze(-1)  # (64,): the last token's score
+        model.score.weight.mul_(scale / scores.std())
+    model.save_pretrained(out)
+    return out

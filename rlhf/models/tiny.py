@@ -66,27 +66,3 @@ def make_tiny_hf(out: str, model_type: str = "llama", seq_cls: bool = False, see
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out)
     return out
-
-
-def make_last_token_rm(out: str, tokenizer_dir: str, seed: int = 0, scale: float = 1.0, **overrides: Any) -> str:
-    """A synthetic reward model whose score depends on the LAST token only: a real HF Llama
-    ``ForSequenceClassification`` whose attention and MLP output projections are zero, so the final hidden state
-    is ``RMSNorm(embedding[last token])`` and the score is ``scale * cos(u, embedding[last token]) * sqrt(H)`` for a
-    random unit vector ``u``. Rewards are spread over about N(0, scale^2) across tokens: a learnable target for
-    PPO tests (the policy must learn which tokens to end with)."""
-    import transformers
-
-    make_tiny_hf(out, "llama", seq_cls=True, seed=seed, tokenizer_dir=tokenizer_dir, **overrides)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(out)
-    g = torch.Generator().manual_seed(seed + 17)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.norm.weight.fill_(1.0)
-        h = model.config.hidden_size
-        u = torch.randn(h, generator=g)
-        u /= u.norm()
-        model.score.weight.copy_(scale * u.unsqueeze(0))
-    model.save_pretrained(out)
-    return out

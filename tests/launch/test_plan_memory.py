@@ -158,11 +158,11 @@ MEASURED = {
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    from rlhf.models.tiny import make_last_token_rm, make_tiny_hf
+    from rlhf.models.tiny import make_tiny_hf
 
     work = tmp_path_factory.mktemp("memory")
     actor = make_tiny_hf(str(work / "actor"), "llama", seed=0, **DIMS)
-    rm = make_last_token_rm(str(work / "rm"), actor, seed=1, **DIMS)
+    rm = helpers.make_seq_cls_rm(str(work / "rm"), actor, seed=1, **DIMS)
     out = str(work / "measured.json")
     env = {k: v for k, v in helpers.test_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                                      "MASTER_ADDR", "MASTER_PORT")}

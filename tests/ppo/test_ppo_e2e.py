@@ -111,6 +111,9 @@ def test_grpo_packed_offloaded_with_fallback_generator_and_combined_rewards(ppo_
                                         "--rollout_backend": "megatron", "--rollout_batch_size": 8,
                                         "--train_batch_size": 16, "--micro_rollout_batch_size": 8,
                                         "--stop_after_steps": 2, "--init_kl_coef": 0.05,
+                                        # k3 (GRPO's usual KL-loss estimator) is >= 0, and > 0 once the policy
+                                        # moved: the kl_loss check below cannot pass by a sample's sign
+                                        "--kl_estimator": "k3",
                                         "--reward_pretrain": ",".join(reward_pair),
                                         "--reward_weights": f"{w['rm0']},{w['rm1']}",
                                         "--reward_fn": "_rule_reward:length_reward", "--reward_fn_weight": w["fn"],
