@@ -1,7 +1,12 @@
-"""Rank-0 logging: one progress line per logged step (with ETA) and TensorBoard scalars."""
+"""Rank-0 logging: one progress line per logged step (with ETA), TensorBoard scalars, and every logged record at
+full precision in ``<save_path>/metrics.jsonl`` (one JSON object a line: ``{"prefix", "step", ...metrics}``;
+appended, so a resumed run continues the file and the last record of a step is the one that counts)."""
 from __future__ import annotations
 
+import json
 import logging
+import math
+import os
 import time
 from typing import Mapping
 
@@ -9,11 +14,16 @@ log = logging.getLogger("rlhf")
 
 
 class MetricsLogger:
-    def __init__(self, enabled: bool, total_steps: int, tensorboard_dir: str | None = None, prefix: str = "train"):
+    def __init__(self, enabled: bool, total_steps: int, tensorboard_dir: str | None = None, prefix: str = "train",
+                 jsonl_path: str | None = None):
         self.enabled, self.total, self.prefix = enabled, total_steps, prefix
         self.start = time.time()
         self.start_step: int | None = None
         self.writer = None
+        self.jsonl = None
+        if enabled and jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self.jsonl = open(jsonl_path, "a")
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -23,6 +33,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         prefix = prefix or self.prefix
+        if self.jsonl is not None:
+            rec = {"prefix": prefix, "step": step,
+                   **{k: (float(v) if math.isfinite(float(v)) else str(float(v))) for k, v in metrics.items()}}
+            self.jsonl.write(json.dumps(rec) + "\n")
+            self.jsonl.flush()
         if self.writer is not None:
             for k, v in metrics.items():
                 self.writer.add_scalar(f"{prefix}/{k}", v, step)
@@ -41,6 +56,22 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
+
+
+def read_metrics_jsonl(path: str, prefix: str) -> dict[int, dict[str, float]]:
+    """``{step: metrics}`` of one prefix from a ``metrics.jsonl`` (the last record of a step wins: a resumed run
+    repeats the steps after its checkpoint). Non-finite values come back as floats."""
+    out: dict[int, dict[str, float]] = {}
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.pop("prefix") == prefix:
+                step = int(rec.pop("step"))
+                out[step] = {k: float(v) for k, v in rec.items()}
+    return out
 
 
 def _fmt(metrics: Mapping[str, float]) -> str:
@@ -99,3 +130,11 @@ class PhaseTimer:
                 self.metrics[f"mem/{name}_rss_gb"] = psutil.Process().memory_info().rss / 2**30
 
         return cm()
+
+
+def metric_series(save_path: str, prefix: str) -> dict[str, list[float]]:
+    """A run's logged metrics at full precision from ``<save_path>/metrics.jsonl``: ``{name: [value per logged
+    step, in step order]}`` for one prefix (``sft``, ``rm``, ``dpo``, ``kto``, ``ppo``, ``eval``)."""
+    steps = read_metrics_jsonl(os.path.join(save_path, "metrics.jsonl"), prefix)
+    names = sorted({k for m in steps.values() for k in m})
+    return {k: [steps[s][k] for s in sorted(steps) if k in steps[s]] for k in names}

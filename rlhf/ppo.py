@@ -377,7 +377,8 @@ class PPOTrainer:
             log.info("ppo: %d prompts, %d steps of %d prompts x %d samples; %s; dp=%d tp=%d pp=%d; generation: %s",
                      len(self.prompts), self.total_steps, args.rollout_batch_size, args.n_samples_per_prompt,
                      args.advantage_estimator, mesh.dp, mesh.tp, mesh.pp, self.rollout.name)
-        logger = MetricsLogger(mesh.is_rank0, self.total_steps, args.tensorboard, prefix="ppo")
+        logger = MetricsLogger(mesh.is_rank0, self.total_steps, args.tensorboard, prefix="ppo",
+                               jsonl_path=os.path.join(args.save_path, "metrics.jsonl"))
         timer = PhaseTimer()
         history: list[dict[str, float]] = []
         start, t_end = self.step, time.perf_counter()

@@ -160,7 +160,8 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
         state = ckpt.load({task.name: engine})
         step = state["step"]
         sampler.load_state_dict(state["extra"]["sampler"])
-    metrics_log = MetricsLogger(mesh.is_rank0, total_steps, args.tensorboard, prefix=task.name)
+    metrics_log = MetricsLogger(mesh.is_rank0, total_steps, args.tensorboard, prefix=task.name,
+                                jsonl_path=os.path.join(args.save_path, "metrics.jsonl"))
     if args.packing_samples and mesh.is_rank0:
         log.info("--packing_samples: each micro-batch runs as one padding-free row (THD, varlen attention)%s",
                  "; with PP > 1 a step's rows are filled to its longest with a dummy sequence" if mesh.pp > 1

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import rlhf.distributed.mesh as mesh_mod  # noqa: E402
 from rlhf import dpo, kto, rm, sft, trainer  # noqa: E402
 from rlhf.config import cli_main  # noqa: E402
+from rlhf.metrics import metric_series  # noqa: E402
 
 STEPS = 2  # compared; each run has one more (a run stopped at its last step would still export)
 
@@ -33,18 +34,6 @@ def keep_default_group() -> None:
 
     if ps.model_parallel_is_initialized():
         mesh_mod._destroy_megatron_groups()
-
-
-def scalars(tb_dir: str) -> dict[str, list[float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    out = {}
-    for tag in acc.Tags()["scalars"]:
-        ev = sorted(acc.Scalars(tag), key=lambda e: e.step)
-        out[tag.split("/", 1)[1]] = [e.value for e in ev]
-    return out
 
 
 def main() -> None:
@@ -80,7 +69,7 @@ def main() -> None:
         assert rc == 0, (name, rc)
         dist.barrier()
         if dist.get_rank() == 0:
-            result[name] = scalars(tb)
+            result[name] = metric_series(save, name.split("/")[0])
     if dist.get_rank() == 0:
         from safetensors.torch import load_file
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import REPO, run_torchrun, tail
 
-from conftest import write_jsonl
+from _train_testlib import write_jsonl
 
 # |bf16 - fp32| allowed per logged metric, steps 1 and 2. Measured (2026-11, this CPU, worst step):
 #   sft:  loss 2.0e-3, grad_norm 8.8e-3 (packed: 2.0e-3, 8.0e-3)

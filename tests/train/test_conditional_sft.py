@@ -5,7 +5,7 @@ on rejection sampling's output."""
 import argparse
 
 import pytest
-from conftest import write_jsonl
+from _train_testlib import write_jsonl
 
 # Hand-computed: sorted 0 .5 1 1.5 2 2.5 3 4 (n = 8); the q-quantile sits at position 7q, linearly interpolated:
 # q=.25 -> 1.75 -> .5 + .75 * .5 = .875; q=.5 -> 3.5 -> 1.75; q=.75 -> 5.25 -> 2.5 + .25 * .5 = 2.625.
