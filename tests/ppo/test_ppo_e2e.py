@@ -127,6 +127,8 @@ def test_grpo_packed_offloaded_with_fallback_generator_and_combined_rewards(ppo_
     assert float(m["rollout_logprob_drift_max"]) <= 1e-4, m
     assert "critic/value_loss" not in m and float(m["actor/kl_loss"]) > 0, m
     assert float(m["time/reward_fwd"]) > 0 and float(m["time/reward1_fwd"]) > 0, m
+    # --ref_reward_offload / --adam_offload moved parts off the device (copies on CPU: RLHF_OFFLOAD_ON_CPU=1)
+    assert float(m["offload/make_experience_in_mb"]) > 0 and float(m["offload/actor_update_out_mb"]) > 0, m
     r = {k: float(m[f"reward/{k}"]) for k in w}
     norm = {"rm0": (0.1, 0.8), "rm1": (-0.2, 1.5)}  # the reward_pair fixture's saved statistics
     raw = sum(w[k] * r[k] for k in w)

@@ -8,7 +8,6 @@ import json
 import os
 
 import pytest
-import torch
 from helpers import REPO, run_torchrun, tail
 
 from _train_testlib import write_jsonl
