@@ -43,6 +43,9 @@ def add_common_args(p: argparse.ArgumentParser, *, lr: float, epochs: int, micro
                         "stop the job with an error")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--gradient_checkpointing", action="store_true")
+    g.add_argument("--transformer_impl", choices=["local", "transformer_engine"], default=None,
+                   help="megatron layer implementation (megatron's flag); default: transformer_engine where it "
+                        "imports on CUDA, else local. Checkpoints are the same under either")
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--zero_stage", type=int, default=0,
                    help="compatibility: >=1 maps to megatron's distributed optimizer (ZeRO-1)")
@@ -71,6 +74,9 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
     from rlhf.distributed.mesh import validate_layout
 
     dp = validate_layout(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    from rlhf.models.gpt import resolve_transformer_impl
+
+    resolve_transformer_impl(args.transformer_impl, lora=bool(getattr(args, "lora_rank", 0)))  # before any model
     if args.micro_train_batch_size < 1:
         raise ValueError(f"--micro_train_batch_size must be >= 1, got {args.micro_train_batch_size}")
     if args.train_batch_size % (args.micro_train_batch_size * dp) != 0:

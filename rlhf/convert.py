@@ -86,8 +86,8 @@ def hf_to_megatron_rank(plan: HFToMegatronPlan, tmp_dir: str) -> None:
     from rlhf.models.gpt import build_model
 
     mesh = initialize_mesh(plan.tp, plan.pp, device="cpu")  # beside a training job that may hold the GPUs
-    model = build_model(plan.spec, tp=plan.tp, pp=plan.pp, pp_rank=mesh.pp_rank,
-                        params_dtype=torch_dtype(plan.dtype), padded_vocab=plan.padded_vocab)
+    model = build_model(plan.spec, tp=plan.tp, pp=plan.pp, pp_rank=mesh.pp_rank,  # CPU: the local spec
+                        params_dtype=torch_dtype(plan.dtype), padded_vocab=plan.padded_vocab, use_te=False)
     fill_from_hf(model, plan.hf, plan.spec, plan.padded_vocab, tp=plan.tp, pp=plan.pp, tp_rank=mesh.tp_rank,
                  pp_rank=mesh.pp_rank)
     save_model(model, os.path.join(tmp_dir, "model"))
@@ -132,8 +132,8 @@ def megatron_to_hf(ckpt: str, out: str, overwrite: bool = False, max_shard_bytes
     dtype = torch_dtype(manifest["dtype"])
     initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"), device="cpu")
     try:
-        model = build_model(spec, tp=1, pp=1, pp_rank=0, params_dtype=dtype,
-                            padded_vocab=manifest["padded_vocab_size"])
+        model = build_model(spec, tp=1, pp=1, pp_rank=0, params_dtype=dtype,  # CPU: the local spec
+                            padded_vocab=manifest["padded_vocab_size"], use_te=False)
         load_model(model, os.path.join(ckpt, "model"))
         with atomic_dir(out, overwrite=overwrite) as tmp:
             writer = HFShardedWriter(tmp, max_shard_bytes)

@@ -37,7 +37,8 @@ class Reference:
         from rlhf.engine import ModelEngine
 
         path = args.ref_pretrain or args.pretrain
-        self.engine = ModelEngine(mesh, path, value_head=False, bf16=args.bf16, name="ref")
+        self.engine = ModelEngine(mesh, path, value_head=False, bf16=args.bf16, name="ref",
+                                  transformer_impl=getattr(args, "transformer_impl", None))
         self.offload = None
         if args.ref_offload:
             from rlhf.offload import OffloadManager, cpu_offload_moves

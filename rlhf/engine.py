@@ -74,9 +74,9 @@ class ModelEngine:
 
     def __init__(self, mesh: ParallelMesh, ckpt_dir: str, *, optim: OptimConfig | None = None,
                  value_head: bool | None = None, bf16: bool = False, recompute: bool = False,
-                 name: str = "model", lora: LoraConfig | None = None):
+                 name: str = "model", lora: LoraConfig | None = None, transformer_impl: str | None = None):
         from rlhf.models.checkpoint_io import load_model
-        from rlhf.models.gpt import build_model, te_available
+        from rlhf.models.gpt import build_model, resolve_transformer_impl, te_available
 
         self.mesh, self.name, self.bf16 = mesh, name, bf16
         self.source = describe_source(ckpt_dir)
@@ -84,9 +84,11 @@ class ModelEngine:
         self.padded_vocab = int(self.source["padded_vocab"])
         if lora is not None and te_available():
             log.info("%s: LoRA wraps megatron's local linears: the local layer spec runs instead of TE's", name)
+        # --transformer_impl (None: TE where it imports on CUDA); checkpoints are the same under either spec
+        self.transformer_impl = resolve_transformer_impl(transformer_impl, lora=lora is not None)
         model = build_model(self.spec, tp=mesh.tp, pp=mesh.pp, pp_rank=mesh.pp_rank, value_head=value_head,
                             params_dtype=torch.float32, padded_vocab=self.padded_vocab, recompute=recompute,
-                            init_weights=False, use_te=False if lora is not None else None)
+                            init_weights=False, use_te=self.transformer_impl == "transformer_engine")
         self.value_head = model.value_head
         if value_head and not self.spec.is_seq_cls:
             _seeded_score_init(model, self.spec)

@@ -117,21 +117,22 @@ class PPOTrainer:
                                use_distributed_optimizer=args.zero_stage >= 1)
 
         common = dict(bf16=args.bf16, recompute=args.gradient_checkpointing)
+        impl = dict(transformer_impl=args.transformer_impl)
         from rlhf.models.lora import lora_config_from_args
 
         self.actor = ModelEngine(mesh, args.pretrain, optim=optim(args.actor_learning_rate), value_head=False,
-                                 name="actor", lora=lora_config_from_args(args), **common)
-        self.ref = (ModelEngine(mesh, args.pretrain, value_head=False, name="ref", bf16=args.bf16)
+                                 name="actor", lora=lora_config_from_args(args), **common, **impl)
+        self.ref = (ModelEngine(mesh, args.pretrain, value_head=False, name="ref", bf16=args.bf16, **impl)
                     if args.init_kl_coef > 0 else None)
         # Reward models are roles "reward", "reward1", ... (frozen, offloaded like the single one); rlhf/rewards.py.
         self.rewards = sizes["rewards"]
         self.rms = {f"reward{i or ''}": ModelEngine(mesh, path, value_head=True, name=f"reward{i or ''}",
-                                                   bf16=args.bf16) for i, path in enumerate(self.rewards.paths)}
+                                                   bf16=args.bf16, **impl) for i, path in enumerate(self.rewards.paths)}
         self.reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
         self.reward_norms = self.rewards.norms(sizes["sources"]["--reward_pretrain"])
         self.critic = (ModelEngine(mesh, args.critic_pretrain or self.rewards.paths[0], value_head=True,
                                    name="critic", optim=optim(args.critic_learning_rate),
-                                   lora=lora_config_from_args(args, "critic_lora_rank"), **common)
+                                   lora=lora_config_from_args(args, "critic_lora_rank"), **common, **impl)
                        if self.estimator.needs_critic else None)
         self.roles = {k: v for k, v in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref),
                                         *self.rms.items()) if v is not None}

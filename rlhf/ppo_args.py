@@ -88,6 +88,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight_sync_bucket_mb", type=int, default=512)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--gradient_checkpointing", action="store_true")
+    g.add_argument("--transformer_impl", choices=["local", "transformer_engine"], default=None,
+                   help="megatron layer implementation (megatron's flag); default: transformer_engine where it "
+                        "imports on CUDA, else local. Checkpoints are the same under either")
     g.add_argument("--packing_samples", action="store_true")
     g.add_argument("--zero_stage", type=int, default=0,
                    help="compatibility: >=1 maps to megatron's distributed optimizer (ZeRO-1)")
@@ -120,6 +123,9 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
     from rlhf.engine import describe_source
     from rlhf.models.spec import check_parallel_fit
 
+    from rlhf.models.gpt import resolve_transformer_impl
+
+    resolve_transformer_impl(args.transformer_impl, lora=bool(getattr(args, "lora_rank", 0)))  # before any model
     if not args.colocate_all:
         raise ValueError("--no-colocate_all: this trainer runs every role in one SPMD job on every rank; separate "
                          "placement (Ray-style) is not supported")

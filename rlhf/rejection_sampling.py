@@ -167,13 +167,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             args.save_path = os.path.dirname(os.path.abspath(args.output_path))  # where vllm_model_dir may write
             rollout = build_rollout(mesh, None, v["rollout"], vllm_model_dir(args, v["source"], mesh))
-            policy = ModelEngine(mesh, args.pretrain, value_head=False, name="policy", bf16=args.bf16)
+            policy = ModelEngine(mesh, args.pretrain, value_head=False, name="policy", bf16=args.bf16,
+                                 transformer_impl=getattr(args, "transformer_impl", None))
             WeightSync(policy, mesh).sync(rollout)
             del policy  # vLLM holds its own copy now
             policy = None
             gc.collect()
         else:
-            policy = ModelEngine(mesh, args.pretrain, value_head=False, name="policy", bf16=args.bf16)
+            policy = ModelEngine(mesh, args.pretrain, value_head=False, name="policy", bf16=args.bf16,
+                                 transformer_impl=getattr(args, "transformer_impl", None))
             rollout = build_rollout(mesh, policy, v["rollout"], "")
         ids = [p.prompt_ids.tolist() for p in prompts]
         engines = env.world_size // args.tensor_model_parallel_size
@@ -187,7 +189,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seqs = [s.prompt_ids + s.response_ids for s in samples]
         scores: dict[str, torch.Tensor] = {}
         for name, path in zip(rewards.rm_names, rewards.paths):  # one reward model resident at a time
-            rm = ModelEngine(mesh, path, value_head=True, name=name, bf16=args.bf16)
+            rm = ModelEngine(mesh, path, value_head=True, name=name, bf16=args.bf16,
+                             transformer_impl=getattr(args, "transformer_impl", None))
             scores[name] = score_sequences(rm, seqs, pad_token_id(tokenizer), args.micro_batch_size).cpu()
             del rm
             gc.collect()

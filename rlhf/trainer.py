@@ -149,6 +149,7 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
                         max_skipped_steps=args.max_skipped_steps,
                         total_steps=total_steps, use_distributed_optimizer=args.zero_stage >= 1)
     engine = ModelEngine(mesh, args.pretrain, optim=optim, value_head=task.value_head, bf16=args.bf16,
+                         transformer_impl=args.transformer_impl,
                          recompute=args.gradient_checkpointing, name=task.name, lora=lora_config_from_args(args))
     if hasattr(task, "setup"):
         task.setup(args, mesh, engine)

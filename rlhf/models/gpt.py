@@ -21,14 +21,62 @@ _SPEC_LOGGED = False
 PAD_LOGIT = -1.0e4
 
 
-def te_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+TE_INSTALL = ("pip install 'transformer-engine[pytorch]>=2.9.0a0,<2.12.0' --no-build-isolation "
+              "(RLHF_WITH_TE=1 bash tools/setup_env.sh)")
+_TE_WARNED = False
+
+
+def te_import_error() -> str | None:
+    """None if Transformer Engine's PyTorch part imports, else why not (one line)."""
     try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # a missing package, or a build against another torch (undefined symbols)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def te_available() -> bool:
+    return torch.cuda.is_available() and te_import_error() is None
+
+
+def resolve_transformer_impl(impl: str | None, *, lora: bool = False) -> str:
+    """``--transformer_impl`` (megatron's name): ``local`` (torch layers), ``transformer_engine``, or None (auto:
+    TE when it imports and CUDA is there, else local). Raises ValueError, before any model loads, when TE is asked
+    for and cannot run. A TE that is installed but fails to import is never hidden: auto logs it once."""
+    global _TE_WARNED
+    if impl not in (None, *TRANSFORMER_IMPLS):
+        raise ValueError(f"--transformer_impl {impl!r}: expected one of {', '.join(TRANSFORMER_IMPLS)}")
+    if impl == "local":
+        return "local"
+    if impl == "transformer_engine":
+        if lora:
+            raise ValueError("--transformer_impl transformer_engine with --lora_rank: LoRA wraps megatron's local "
+                             "linears; use --transformer_impl local")
+        if not torch.cuda.is_available():
+            raise ValueError("--transformer_impl transformer_engine needs CUDA, and this process has none; use "
+                             "--transformer_impl local")
+        err = te_import_error()
+        if err is not None:
+            raise ValueError(f"--transformer_impl transformer_engine: Transformer Engine does not import ({err}). "
+                             f"Fix: {TE_INSTALL}, or --transformer_impl local")
+        return impl
+    if lora or not torch.cuda.is_available():
+        return "local"
+    err = te_import_error()
+    if err is not None and not err.startswith("ModuleNotFoundError") and not _TE_WARNED:
+        _TE_WARNED = True
+        log.warning("Transformer Engine is installed but does not import (%s): the local layer spec runs. Fix: %s",
+                    err, TE_INSTALL)
+    return "transformer_engine" if err is None else "local"
+
+
+def without_extra_state(sharded_state_dict: dict) -> dict:
+    """A model's sharded state dict without Transformer Engine's ``_extra_state`` entries (FP8 metadata): our
+    checkpoints hold the same keys under either layer spec (megatron's local spec already names its norms as
+    TE's fused ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``), so one saved under one
+    spec loads under the other, and nothing of TE's is ever exported."""
+    return {k: v for k, v in sharded_state_dict.items() if "_extra_state" not in k}
 
 
 def layer_spec(use_te: bool | None = None):
@@ -137,6 +185,9 @@ def _gpt_model_class():
             # Mask in megatron's (S, B, V) layout, then transpose: every TP rank returns the same memory layout.
             return mask_padded_vocab(logits, self.true_vocab_size).transpose(0, 1)  # (B, S, V_local)
 
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+            return without_extra_state(super().sharded_state_dict(prefix, sharded_offsets, metadata))
+
         def output_weight(self) -> torch.Tensor:
             """The (vocab-parallel) LM head weight [V_local, H], for the fused linear log-prob kernel."""
             if self.share_embeddings_and_output_weights:
@@ -189,11 +240,17 @@ def _ensure_tp_attributes(model: torch.nn.Module) -> None:
         if param is not None and not hasattr(param, "tensor_model_parallel"):
             mtp.set_tensor_model_parallel_attributes(param, True, dim, 1)
 
+    column, row = (mtp.ColumnParallelLinear,), (mtp.RowParallelLinear,)
+    if te_available():  # megatron's TE wrappers (their fused norm weights stay replicated)
+        from megatron.core.extensions import transformer_engine as mte
+
+        column += (mte.TEColumnParallelLinear, mte.TELayerNormColumnParallelLinear)
+        row += (mte.TERowParallelLinear,)
     for module in model.modules():
-        if isinstance(module, mtp.ColumnParallelLinear):
+        if isinstance(module, column):
             mark(module.weight, 0)
             mark(getattr(module, "bias", None), 0)
-        elif isinstance(module, mtp.RowParallelLinear):
+        elif isinstance(module, row):
             mark(module.weight, 1)
         elif isinstance(module, mtp.VocabParallelEmbedding):
             mark(module.weight, 0)

@@ -1,7 +1,9 @@
 """HF <-> Megatron parameter mapping for the Llama family (llama, qwen2, mistral share one layout).
 
-Megatron-side names are those of a *local* model state dict (local layer index, this rank's TP shard). The two
-directions are pure functions:
+Megatron-side names are those of a model state dict (local layer index, this rank's TP shard), under the local
+layer spec or Transformer Engine's (whose fused norms are ``linear_qkv.layer_norm_weight`` and
+``linear_fc1.layer_norm_weight``; TE's ``_extra_state`` is never a parameter). The two directions are pure
+functions:
 
 * ``megatron_shard_from_hf(name, ...)`` builds one rank's shard of one megatron parameter from HF tensors, read
   lazily through ``get(hf_name, rows=None, cols=None)`` so that a rank never loads more than it needs;
@@ -28,6 +30,9 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_SIMPLE = {
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    # the Transformer Engine layer spec fuses each norm into the linear after it (--transformer_impl)
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
 }
 
 
