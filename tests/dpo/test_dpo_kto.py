@@ -141,3 +141,29 @@ def test_bad_input_names_the_flag(pref_setup, tmp_path, capsys, script, extra, n
     assert main(kto if script == KTO else dpo, _argv(pref_setup, tmp_path, script, extra)) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
     assert err and needle in err[0], err
+
+
+@pytest.mark.parametrize("script", [DPO, KTO])
+def test_overflowing_run_stops_with_one_line_and_saves_nothing(pref_setup, tmp_path, monkeypatch, capsys, script):
+    """The non-finite guard in DPO and KTO: at a learning rate that overflows, the updates from step 2 on are
+    skipped, --max_skipped_steps 2 stop the entry point (rlhf.trainer.main, in this process) with exit 3 and one
+    error line, and no HF model is exported."""
+    import re
+
+    from helpers import free_port
+    from rlhf import dpo, kto
+    from rlhf.distributed.mesh import destroy_mesh
+    from rlhf.trainer import main
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    out = tmp_path / "o"
+    argv = _argv(pref_setup, tmp_path, script, ["--learning_rate", "1e30", "--max_skipped_steps", "2",
+                                                "--lr_scheduler", "constant", "--max_samples", "128"])
+    try:
+        assert main(kto if script == KTO else dpo, argv) == 3
+    finally:
+        destroy_mesh()
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and re.search(r"2 updates in a row skipped at update 2: non-finite "
+                                       r"(loss=nan|grad_norm=nan)", err[0]), err
+    assert not (out / "config.json").exists() and not (out / "megatron").exists()
