@@ -42,7 +42,7 @@ def surface(parser: argparse.ArgumentParser) -> dict:
     for a in parser._actions:
         if isinstance(a, argparse._HelpAction):
             continue
-        key = max(a.option_strings, key=len) if a.option_strings else a.dest
+        key = a.option_strings[0] if a.option_strings else a.dest
         out[key] = {"flags": sorted(a.option_strings), "dest": a.dest, "default": _jsonable(a.default),
                     "type": getattr(a.type, "__name__", _jsonable(a.type)), "choices": _jsonable(a.choices),
                     "nargs": _jsonable(a.nargs), "required": a.required, "action": type(a).__name__,
