@@ -18,6 +18,7 @@ warning.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -25,6 +26,8 @@ import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 from typing import Any, Mapping
 
 import numpy as np
@@ -330,3 +333,66 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, (np.integer, np.floating)):
         return o.item()
     raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> None:
+    """Final export to ``--save_path``: a megatron model checkpoint (``<save_path>/megatron``) converted to HF
+    by rank 0 in a subprocess, with ``extra`` (e.g. reward statistics) in config.json under ``rlhf``. With LoRA
+    the weights are merged, or, with ``--lora_export adapter``, a PEFT adapter folder is written instead."""
+    from rlhf.models.checkpoint_io import save_model, write_manifest
+
+    engine.check_finite("HF export")
+    if mesh.is_rank0:
+        log.info("exporting HF model to %s", args.save_path)
+    if getattr(engine, "lora", None) is not None and getattr(args, "lora_export", "merged") == "adapter":
+        from rlhf.models.lora import save_peft_adapter
+
+        save_peft_adapter(engine, mesh, args.save_path, base_model=args.pretrain)
+        return
+
+    mg = os.path.join(args.save_path, "megatron")
+    tmp = mg + ".tmp"
+    if mesh.is_rank0:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "model"))
+    dist.barrier()
+    save_model(engine.model, os.path.join(tmp, "model"), engine.export_sharded_state_dict())
+    dist.barrier()
+    if mesh.is_rank0:
+        import shutil
+
+        from rlhf.models.hf_io import copy_tokenizer_files
+        from rlhf.models.spec import SEQ_CLS_ARCHS
+
+        cfg = dict(engine.source["hf_config"])
+        if engine.value_head:
+            cfg["architectures"] = [SEQ_CLS_ARCHS[engine.spec.model_type]]
+            cfg["num_labels"] = 1
+            cfg.pop("id2label", None), cfg.pop("label2id", None)
+            cfg.setdefault("pad_token_id", cfg.get("eos_token_id"))
+        if extra:
+            cfg["rlhf"] = {**cfg.get("rlhf", {}), **extra}
+        from rlhf.models.spec import spec_from_hf_config
+
+        spec = spec_from_hf_config(cfg)
+        write_manifest(tmp, spec=spec, hf_config=cfg, padded_vocab=engine.padded_vocab, source=args.pretrain,
+                       tp=mesh.tp, pp=mesh.pp, dtype="float32")
+        copy_tokenizer_files(args.pretrain, tmp)
+        shutil.rmtree(mg, ignore_errors=True)
+        os.replace(tmp, mg)
+        hf_tmp = os.path.join(args.save_path, "hf.tmp")
+        tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                            "convert_megatron_to_hf.py")
+        from rlhf.distributed.env import env_without_launcher
+
+        proc = subprocess.run([sys.executable, tool, "--ckpt", mg, "--out", hf_tmp, "--overwrite"],
+                              capture_output=True, text=True, env=env_without_launcher(), timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"HF export failed: {proc.stderr[-2000:]}")
+        for name in os.listdir(hf_tmp):  # HF files land in --save_path itself, beside checkpoints/ and megatron/
+            os.replace(os.path.join(hf_tmp, name), os.path.join(args.save_path, name))
+        os.rmdir(hf_tmp)
+        log.info("exported HF model to %s", args.save_path)
+    dist.barrier()

@@ -12,10 +12,13 @@ import os
 log = logging.getLogger(__name__)
 
 
-def add_common_args(p: argparse.ArgumentParser, *, lr: float, epochs: int, micro_bs: int = 8) -> None:
-    g = p.add_argument_group("model and output")
-    g.add_argument("--pretrain", required=True, help="HF folder or converted megatron checkpoint")
-    g.add_argument("--save_path", required=True, help="final HF export goes here")
+# ---------------------------------------------------------------------------------------------- flag groups
+# Each flag is declared once, in one of these groups; every entry point composes the groups it needs
+# (tests/cli freezes the result). Defaults that differ per workflow are parameters.
+
+def add_output_args(g, *, what: str = "model") -> None:
+    """Where results go, checkpointing, logging (every training entry point)."""
+    g.add_argument("--save_path", required=True, help=f"the final {what} is exported here in HF format")
     g.add_argument("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>/checkpoints)")
     g.add_argument("--save_steps", type=int, default=-1, help="checkpoint every N steps (-1: only at the end)")
     g.add_argument("--max_ckpt_num", type=int, default=3)
@@ -23,16 +26,19 @@ def add_common_args(p: argparse.ArgumentParser, *, lr: float, epochs: int, micro
     g.add_argument("--stop_after_steps", type=int, default=-1,
                    help="stop (as if killed) after this many steps of this run; for resume tests")
     g.add_argument("--logging_steps", type=int, default=1)
-    g.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
-    g.add_argument("--tensorboard", default=None, help="TensorBoard log dir (alias: --use_tensorboard)")
-    g.add_argument("--use_tensorboard", dest="tensorboard", default=None, help=argparse.SUPPRESS)
-    g = p.add_argument_group("batching and optimisation")
-    g.add_argument("--train_batch_size", type=int, default=128, help="global batch size (samples per step)")
-    g.add_argument("--micro_train_batch_size", type=int, default=micro_bs)
-    g.add_argument("--max_epochs", type=int, default=epochs)
-    g.add_argument("--max_len", type=int, default=512)
-    g.add_argument("--max_samples", type=int, default=100_000_000)
-    g.add_argument("--learning_rate", type=float, default=lr)
+    g.add_argument("--tensorboard", "--use_tensorboard", dest="tensorboard", default=None,
+                   help="TensorBoard log dir")
+
+
+def add_batch_args(g, *, micro_bs: int = 8, epochs: int = 1) -> None:
+    g.add_argument("--train_batch_size", type=int, default=128, help="samples per optimizer step (global)")
+    g.add_argument("--micro_train_batch_size", type=int, default=micro_bs,
+                   help="samples per forward/backward per rank")
+    g.add_argument("--max_epochs", type=int, default=epochs, help="passes over the data (PPO: over each rollout)")
+
+
+def add_optim_args(g) -> None:
+    """Adam and its schedule, shared by every trained role (``optim_config``); learning rates are per entry."""
     g.add_argument("--lr_warmup_ratio", type=float, default=0.03)
     g.add_argument("--lr_scheduler", default="cosine_with_min_lr")
     g.add_argument("--l2", type=float, default=0.0, help="weight decay")
@@ -41,29 +47,93 @@ def add_common_args(p: argparse.ArgumentParser, *, lr: float, epochs: int, micro
     g.add_argument("--max_skipped_steps", type=int, default=3,
                    help="updates with a non-finite loss or grad norm are skipped (and counted); this many in a row "
                         "stop the job with an error")
-    g.add_argument("--bf16", action="store_true")
+
+
+def add_engine_args(g) -> None:
+    """How the megatron models run: precision, layers, memory, the model-parallel layout, the seed."""
+    add_precision_seed_args(g)
     g.add_argument("--gradient_checkpointing", action="store_true")
     g.add_argument("--transformer_impl", choices=["local", "transformer_engine"], default=None,
                    help="megatron layer implementation (megatron's flag); default: transformer_engine where it "
                         "imports on CUDA, else local. Checkpoints are the same under either")
-    g.add_argument("--seed", type=int, default=42)
     g.add_argument("--zero_stage", type=int, default=0,
                    help="compatibility: >=1 maps to megatron's distributed optimizer (ZeRO-1)")
     g.add_argument("--flash_attn", action="store_true",
                    help="compatibility: flash/TE attention is used when installed on a GPU")
     g.add_argument("--packing_samples", action="store_true",
                    help="run each micro-batch as one padding-free row (THD packing, varlen attention)")
-    g.add_argument("--tensor_model_parallel_size", "--tp", type=int, default=1)
-    g.add_argument("--pipeline_model_parallel_size", "--pp", type=int, default=1)
+    add_parallel_args(g)
+
+
+def add_precision_seed_args(g) -> None:
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--seed", type=int, default=42)
+
+
+def add_parallel_args(g, *, pp: bool = True, tp_help: str | None = None) -> None:
+    g.add_argument("--tensor_model_parallel_size", "--tp", type=int, default=1, help=tp_help)
+    if pp:
+        g.add_argument("--pipeline_model_parallel_size", "--pp", type=int, default=1)
+
+
+def add_text_args(g, *, input_key: bool = False) -> None:
+    """How records become text: templates, limits, bad rows (``rlhf.data.DataConfig``)."""
+    if input_key:
+        g.add_argument("--input_key", default="input", help="the prompt field")
+    g.add_argument("--input_template", default=None)
+    g.add_argument("--apply_chat_template", action="store_true")
+    g.add_argument("--max_samples", type=int, default=100_000_000)
+    g.add_argument("--skip_bad_samples", action="store_true",
+                   help="skip (and count) samples with a missing key or empty field instead of failing")
+
+
+def add_sampling_args(g, *, max_new_tokens: str = "--generate_max_len") -> None:
+    """Generation (PPO's rollout, rejection sampling)."""
+    g.add_argument(max_new_tokens, type=int, default=1024, help="new tokens per response at most")
+    g.add_argument("--prompt_max_len", type=int, default=1024, help="longer prompts keep their last tokens")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top_p", type=float, default=1.0)
+
+
+def add_rollout_backend_args(g) -> None:
+    g.add_argument("--vllm_kv_cache_mb", type=int, default=None,
+                   help="vLLM KV cache per rank in MB (vLLM's kv_cache_memory_bytes). Default: 256 on CPU; on CUDA "
+                        "--vllm_gpu_memory_utilization decides, and this flag, when given, replaces it")
+    g.add_argument("--rollout_backend", default="auto", help="auto (vLLM if installed) | vllm | megatron (fallback)")
+
+
+def add_key_args(p: argparse.ArgumentParser, *, pairs: bool) -> None:
+    """The record fields the data layer reads (``rlhf.data.DataConfig`` needs all five). ``pairs`` (RM, DPO):
+    prompt / chosen / rejected are shown, input / output hidden; otherwise (SFT, KTO) the reverse."""
+    shown = {"prompt_key": "the prompt", "chosen_key": "the preferred response",
+             "rejected_key": "the other response"} if pairs else {"input_key": "the prompt",
+                                                                  "output_key": "the response"}
+    defaults = {"prompt_key": "prompt", "chosen_key": "chosen", "rejected_key": "rejected", "input_key": "input",
+                "output_key": None} if pairs else {"prompt_key": None, "chosen_key": "chosen",
+                                                   "rejected_key": "rejected", "input_key": "input",
+                                                   "output_key": "output"}
+    for name, default in defaults.items():
+        p.add_argument(f"--{name}", default=default, help=shown.get(name, argparse.SUPPRESS))
+
+
+def add_common_args(p: argparse.ArgumentParser, *, lr: float, epochs: int, micro_bs: int = 8) -> None:
+    """The flags of the supervised entry points (SFT, RM, DPO, KTO)."""
+    g = p.add_argument_group("model and output")
+    g.add_argument("--pretrain", required=True, help="HF folder or converted megatron checkpoint")
+    add_output_args(g)
+    g.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
+    g = p.add_argument_group("batching and optimisation")
+    add_batch_args(g, micro_bs=micro_bs, epochs=epochs)
+    g.add_argument("--max_len", type=int, default=512)
+    g.add_argument("--learning_rate", type=float, default=lr)
+    add_optim_args(g)
+    add_engine_args(g)
     g = p.add_argument_group("data")
     g.add_argument("--dataset", required=True, help="comma-separated files/folders")
     g.add_argument("--dataset_probs", default=None, help="comma-separated mixing probabilities")
     g.add_argument("--eval_dataset", default=None, help="held-out data (default: none)")
     g.add_argument("--eval_split", type=float, default=0.0, help="hold out this fraction of --dataset for eval")
-    g.add_argument("--apply_chat_template", action="store_true")
-    g.add_argument("--input_template", default=None)
-    g.add_argument("--skip_bad_samples", action="store_true",
-                   help="skip (and count) samples with a missing key or empty field instead of failing")
+    add_text_args(g)
     from rlhf.models.lora import add_lora_args
 
     add_lora_args(p)
@@ -96,7 +166,7 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
     from rlhf.models.lora import lora_config_from_args
 
     lora_config_from_args(args)  # --lora_rank/--lora_alpha/--target_modules/--lora_dropout
-    from rlhf.engine import describe_source
+    from rlhf.models.source import describe_source
     from rlhf.models.spec import check_parallel_fit
 
     try:
@@ -113,6 +183,17 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
             raise ValueError(f"--packing_samples: --pretrain {args.pretrain} has attention_dropout="
                              f"{spec.attention_dropout}, which packed sequences do not support while training")
     return dp
+
+
+def optim_config(args: argparse.Namespace, lr: float, total_steps: int):
+    """The optimizer of a trained role from the shared optimisation flags (``--l2``, ``--adam_betas``,
+    ``--max_norm``, ``--lr_warmup_ratio``, ``--lr_scheduler``, ``--max_skipped_steps``, ``--zero_stage``)."""
+    from rlhf.engine import OptimConfig
+
+    return OptimConfig(lr=lr, weight_decay=args.l2, adam_betas=tuple(args.adam_betas), clip_grad=args.max_norm,
+                       max_skipped_steps=args.max_skipped_steps, warmup_ratio=args.lr_warmup_ratio,
+                       scheduler=args.lr_scheduler, total_steps=total_steps,
+                       use_distributed_optimizer=args.zero_stage >= 1)
 
 
 def check_paths_exist(flag: str, value: str | None) -> None:

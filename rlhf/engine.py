@@ -14,19 +14,18 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from rlhf.distributed.mesh import ParallelMesh
-from rlhf.models.checkpoint_io import read_manifest, spec_from_manifest
+from rlhf.models.source import describe_source
 from rlhf.models.lora import LoraConfig
+from rlhf.models.pipeline import LossFn, ReadFn
 from rlhf.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-
-LossFn = Callable[[dict, torch.Tensor], tuple]
 
 
 class TrainingDiverged(RuntimeError):
@@ -95,7 +94,7 @@ class ModelEngine:
         if self.source["kind"] == "megatron":
             load_model(model, os.path.join(ckpt_dir, "model"))
         else:  # an HF folder: every rank reads only its own shard of each tensor
-            from rlhf.convert import fill_from_hf
+            from rlhf.models.convert import fill_from_hf
 
             fill_from_hf(model, ckpt_dir, self.spec, self.padded_vocab, tp=mesh.tp, pp=mesh.pp,
                          tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, skip_head=value_head and not self.spec.is_seq_cls)
@@ -164,7 +163,7 @@ class ModelEngine:
             wd_incr_steps=total, wd_incr_style="constant")
 
     def train_step(self, microbatches: Sequence[dict], loss_fn: LossFn, metric_keys: Sequence[str],
-                   output: str = "logits") -> dict[str, float]:
+                   output: str = "head") -> dict[str, float]:
         """One optimizer step over this rank's micro-batches. Returns metrics averaged over the global batch
         (identical on every rank): each ``metric_keys`` entry, plus ``grad_norm`` and ``lr``."""
         from rlhf.models.pipeline import run_microbatches
@@ -223,16 +222,17 @@ class ModelEngine:
                                    f"{self.steps + 1}: non-finite {what} (--max_skipped_steps {limit}); nothing "
                                    "non-finite was saved. Lower the learning rate or check the data")
 
-    def forward(self, microbatches: Sequence[dict], output: str = "logits",
-                loss_fn: LossFn | None = None) -> list[dict[str, Any]]:
-        """Forward only. With ``loss_fn``: its metrics per micro-batch; else ``{"output": tensor}`` per
-        micro-batch. Both on the last pipeline stage only (empty elsewhere)."""
+    def forward(self, microbatches: Sequence[dict], output: str = "head", loss_fn: LossFn | None = None,
+                read: ReadFn | None = None) -> list[dict[str, Any]]:
+        """Forward only. With ``loss_fn`` (evaluation): its metrics per micro-batch; else ``{"output": tensor}``
+        per micro-batch, the model's output or ``read(batch, output)`` of it. Both on the last pipeline stage only
+        (empty elsewhere)."""
         from rlhf.models.pipeline import run_microbatches
 
         self.module.eval()
         with torch.no_grad():
             return run_microbatches(self.module, microbatches, loss_fn=loss_fn, forward_only=True, output=output,
-                                    device=self.mesh.device)
+                                    device=self.mesh.device, read=read)
 
     def reduce_metrics(self, outs: list[dict], keys: Sequence[str]) -> dict[str, float]:
         """Each metric is ``[sum, count]`` per micro-batch: total sums / total counts over micro-batches, DP
@@ -299,24 +299,6 @@ class ModelEngine:
         if "optimizer" in loaded and self.optimizer is not None:
             self.optimizer.load_state_dict(loaded["optimizer"])
             _unshare_adam_steps(self.optimizer)
-
-
-def describe_source(path: str) -> dict[str, Any]:
-    """What ``--pretrain``-style paths point at: a converted megatron checkpoint (``rlhf_manifest.json``) or an
-    HF folder (``config.json``). Validates the config; raises ValueError naming the path otherwise."""
-    from rlhf.models.checkpoint_io import MANIFEST
-    from rlhf.models.spec import load_hf_config, padded_vocab_size, spec_from_hf_config
-
-    if not os.path.isdir(path):
-        raise ValueError(f"model folder not found: {path}")
-    if os.path.exists(os.path.join(path, MANIFEST)):
-        m = read_manifest(path)
-        return {"kind": "megatron", "spec": spec_from_manifest(m), "padded_vocab": m["padded_vocab_size"],
-                "hf_config": m["hf_config"], "dtype": m["dtype"]}
-    cfg = load_hf_config(path)
-    spec = spec_from_hf_config(cfg, source=os.path.join(path, "config.json"))
-    return {"kind": "hf", "spec": spec, "padded_vocab": padded_vocab_size(spec.vocab_size), "hf_config": cfg,
-            "dtype": str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")}
 
 
 def _seeded_score_init(model: torch.nn.Module, spec: ModelSpec) -> None:

@@ -1,6 +1,6 @@
 """KTO (Kahneman-Tversky optimization) on unpaired desirable / undesirable samples, on the shared trainer loop.
 
-The reference and its per-step log-probs work as for DPO (rlhf/dpo.py). KTO's reference point, the KL
+The reference and its per-step log-probs work as for DPO (rlhf/reference.py). KTO's reference point, the KL
 estimate, is computed per micro-batch: each micro-batch also carries its mismatched pairs (prompt ``b`` with the
 completion of sample ``b + 1``, rlhf/data/preference.py::collate_kto); the policy's and the reference's log-probs
 of those rows give ``mean(logp - ref_logp)``, clamped at 0 and detached (TRL and OpenRLHF do the same over their
@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from rlhf.algo.preference_losses import kto_kl_estimate, kto_loss
-from rlhf.dpo import ReferenceTask, add_reference_args, sequence_logprobs
+from rlhf.reference import ReferenceTask, add_reference_args, sequence_logprobs
 
 
 class KTOTask(ReferenceTask):
@@ -79,7 +79,7 @@ class KTOTask(ReferenceTask):
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_common_args
+    from rlhf.config import add_common_args, add_key_args
 
     add_common_args(p, lr=5e-7, epochs=1)
     add_reference_args(p)
@@ -87,11 +87,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label_key", default="label", help="boolean (or 0/1) field: is the completion desirable")
     g.add_argument("--desirable_loss_weight", type=float, default=1.0)
     g.add_argument("--undesirable_loss_weight", type=float, default=1.0)
-    p.add_argument("--input_key", default="input", help="the prompt")
-    p.add_argument("--output_key", default="output", help="the completion")
-    p.add_argument("--prompt_key", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--chosen_key", default="chosen", help=argparse.SUPPRESS)
-    p.add_argument("--rejected_key", default="rejected", help=argparse.SUPPRESS)
+    add_key_args(p, pairs=False)
 
 
 TASK = KTOTask

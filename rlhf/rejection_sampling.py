@@ -32,47 +32,34 @@ log = logging.getLogger("rlhf")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from rlhf.config import (add_parallel_args, add_precision_seed_args, add_rollout_backend_args,
+                             add_sampling_args, add_text_args)
+    from rlhf.rewards import add_reward_args
+
     g = p.add_argument_group("models")
     g.add_argument("--pretrain", required=True, help="the policy: HF folder or megatron checkpoint")
-    g.add_argument("--reward_pretrain", default=None, help="reward model(s), comma-separated")
-    g.add_argument("--reward_weights", default=None, help="one weight per reward model (default 1.0 each: a sum)")
-    g.add_argument("--reward_fn", default=None, help="rule reward module:function, fn(prompts, responses) -> floats")
-    g.add_argument("--reward_fn_weight", type=float, default=1.0)
-    g.add_argument("--normalize_reward", action="store_true",
-                   help="each reward model's score through its saved mean/std before the weighted sum")
+    add_reward_args(g)
     g = p.add_argument_group("data")
     g.add_argument("--dataset", required=True, help="comma-separated prompt files/folders")
     g.add_argument("--dataset_probs", default=None)
-    g.add_argument("--input_key", default="input", help="the prompt field")
-    g.add_argument("--input_template", default=None)
-    g.add_argument("--apply_chat_template", action="store_true")
-    g.add_argument("--max_samples", type=int, default=100_000_000)
-    g.add_argument("--skip_bad_samples", action="store_true")
+    add_text_args(g, input_key=True)
     g.add_argument("--output_path", required=True, help="jsonl: one row per prompt, the best response")
     g.add_argument("--candidates_path", default=None, help="optional jsonl with every sample and its scores")
     g = p.add_argument_group("sampling")
     g.add_argument("--best_of_n", type=int, default=4, help="samples per prompt")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top_p", type=float, default=1.0)
-    g.add_argument("--max_new_tokens", type=int, default=1024)
-    g.add_argument("--prompt_max_len", type=int, default=1024, help="longer prompts keep their last tokens")
-    g.add_argument("--seed", type=int, default=42)
+    add_sampling_args(g, max_new_tokens="--max_new_tokens")
     g = p.add_argument_group("placement")
-    g.add_argument("--tensor_model_parallel_size", "--tp", type=int, default=1,
-                   help="TP of the vLLM engines and of the megatron models")
+    add_parallel_args(g, pp=False, tp_help="TP of the vLLM engines and of the megatron models")
     g.add_argument("--micro_batch_size", type=int, default=16, help="sequences per reward-model forward per rank")
-    g.add_argument("--vllm_kv_cache_mb", type=int, default=None,
-                   help="vLLM KV cache per rank in MB (vLLM's kv_cache_memory_bytes). Default: 256 on CPU; on CUDA "
-                        "--vllm_gpu_memory_utilization decides, and this flag, when given, replaces it")
-    g.add_argument("--rollout_backend", default="auto", help="auto (vLLM if installed) | vllm | megatron")
-    g.add_argument("--bf16", action="store_true")
+    add_rollout_backend_args(g)
+    add_precision_seed_args(g)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     """Flags and model configs, before any process group or model."""
     from rlhf.config import check_paths_exist
     from rlhf.distributed.mesh import validate_layout
-    from rlhf.engine import describe_source
+    from rlhf.models.source import describe_source
     from rlhf.models.spec import check_parallel_fit
     from rlhf.rewards import RewardConfig
 
@@ -138,45 +125,24 @@ def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from rlhf.data import pad_token_id
     from rlhf.distributed import DistEnv, initialize_mesh
-    from rlhf.engine import ModelEngine
+    from rlhf.distributed.health import check_config_consistency
     from rlhf.metrics import setup_logging
-    from rlhf.rewards import call_reward_fn, combine_rewards, load_reward_fn, score_sequences
-    from rlhf.rollout import build_rollout
 
     env = DistEnv.from_environ()
     setup_logging(env.rank)
     v = validate(args, env.world_size)
     rewards = v["rewards"]
-    reward_fn = load_reward_fn(rewards.reward_fn) if rewards.reward_fn else None
     tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
     raw_inputs, prompts = load_prompts(args, tokenizer)
     mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed)
-    from rlhf.distributed.health import check_config_consistency
-
     check_config_consistency(args)
     if mesh.is_rank0:
         log.info("rejection sampling: %d prompts x best of %d; reward = %s", len(prompts), args.best_of_n,
                  rewards.describe())
-    rollout = policy = None
+    rollout = None
     try:
-        if v["use_vllm"]:
-            from rlhf.ppo import vllm_model_dir
-            from rlhf.rollout.weight_sync import WeightSync
-
-            args.save_path = os.path.dirname(os.path.abspath(args.output_path))  # where vllm_model_dir may write
-            rollout = build_rollout(mesh, None, v["rollout"], vllm_model_dir(args, v["source"], mesh))
-            policy = ModelEngine(mesh, args.pretrain, value_head=False, name="policy", bf16=args.bf16,
-                                 transformer_impl=getattr(args, "transformer_impl", None))
-            WeightSync(policy, mesh).sync(rollout)
-            del policy  # vLLM holds its own copy now
-            policy = None
-            gc.collect()
-        else:
-            policy = ModelEngine(mesh, args.pretrain, value_head=False, name="policy", bf16=args.bf16,
-                                 transformer_impl=getattr(args, "transformer_impl", None))
-            rollout = build_rollout(mesh, policy, v["rollout"], "")
+        rollout = build_generator(args, v, mesh)
         ids = [p.prompt_ids.tolist() for p in prompts]
         engines = env.world_size // args.tensor_model_parallel_size
         ids += [ids[-1]] * (-len(ids) % engines)  # every engine gets an equal share; the copies are dropped
@@ -184,40 +150,86 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    max_tokens=args.max_new_tokens, seed=args.seed)
         samples = [s for s in samples if s.prompt_index < len(prompts)]
         assert len(samples) == len(prompts) * args.best_of_n, "prompt-major, best_of_n samples per prompt"
-        policy = None
         gc.collect()
-        seqs = [s.prompt_ids + s.response_ids for s in samples]
-        scores: dict[str, torch.Tensor] = {}
-        for name, path in zip(rewards.rm_names, rewards.paths):  # one reward model resident at a time
-            rm = ModelEngine(mesh, path, value_head=True, name=name, bf16=args.bf16,
-                             transformer_impl=getattr(args, "transformer_impl", None))
-            scores[name] = score_sequences(rm, seqs, pad_token_id(tokenizer), args.micro_batch_size).cpu()
-            del rm
-            gc.collect()
+        scores = score_with_reward_models(args, rewards, samples, tokenizer, mesh)
         result: dict[str, Any] = {"prompts": len(prompts), "samples": len(samples)}
         if mesh.is_rank0:
-            replies = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-            if reward_fn is not None:
-                texts = [prompts[s.prompt_index].prompt for s in samples]
-                scores["fn"] = call_reward_fn(reward_fn, texts, replies)
-            total, _ = combine_rewards(scores, rewards.source_weights, rewards.norms(v["rm_sources"]))
-            best = pick_best(total, len(prompts), args.best_of_n)
-            rows = [{"input": raw_inputs[samples[i].prompt_index], "output": replies[i], "score": total[i].item()}
-                    for i in best]
-            write_jsonl_atomic(args.output_path, rows)
-            if args.candidates_path:
-                kept = set(best)
-                write_jsonl_atomic(args.candidates_path, [
-                    {"prompt_index": s.prompt_index, "output": replies[i], "prompt_ids": s.prompt_ids,
-                     "response_ids": s.response_ids, "scores": {k: t[i].item() for k, t in scores.items()},
-                     "score": total[i].item(), "kept": i in kept} for i, s in enumerate(samples)])
-            result.update(mean_score_all=total.mean().item(), mean_score_best=total[best].mean().item(),
-                          **{f"mean_{k}": t.mean().item() for k, t in scores.items()})
-            log.info("rejection sampling: wrote %d rows to %s; mean score of all samples %.4f, of the kept %.4f",
-                     len(rows), args.output_path, result["mean_score_all"], result["mean_score_best"])
+            result.update(write_best(args, v, samples, scores, prompts, raw_inputs, tokenizer))
         return result
     finally:
         close(rollout)
+
+
+def build_generator(args: argparse.Namespace, v: dict, mesh):
+    """vLLM with the policy's weights synced from a frozen megatron engine (then freed), or the megatron
+    fallback generator that samples with that engine."""
+    from rlhf.engine import ModelEngine
+    from rlhf.rollout import build_rollout
+
+    def policy():
+        return ModelEngine(mesh, args.pretrain, value_head=False, name="policy", bf16=args.bf16,
+                           transformer_impl=getattr(args, "transformer_impl", None))
+
+    if not v["use_vllm"]:
+        return build_rollout(mesh, policy(), v["rollout"], "")
+    from rlhf.rollout.model_dir import vllm_model_dir
+    from rlhf.rollout.weight_sync import WeightSync
+
+    model_dir = vllm_model_dir(args.pretrain, v["source"], mesh, out_dir=os.path.join(
+        os.path.dirname(os.path.abspath(args.output_path)), "vllm_config"))
+    rollout = build_rollout(mesh, None, v["rollout"], model_dir)
+    engine = policy()
+    WeightSync(engine, mesh).sync(rollout)
+    del engine  # vLLM holds its own copy now
+    gc.collect()
+    return rollout
+
+
+def score_with_reward_models(args: argparse.Namespace, rewards, samples: list, tokenizer,
+                             mesh) -> dict[str, torch.Tensor]:
+    """Each reward model's score of every sample (N,), one model resident at a time, data-parallel."""
+    from rlhf.data import pad_token_id
+    from rlhf.engine import ModelEngine
+    from rlhf.rewards import score_sequences
+
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    scores: dict[str, torch.Tensor] = {}
+    for name, path in zip(rewards.rm_names, rewards.paths):
+        rm = ModelEngine(mesh, path, value_head=True, name=name, bf16=args.bf16,
+                         transformer_impl=getattr(args, "transformer_impl", None))
+        scores[name] = score_sequences(rm, seqs, pad_token_id(tokenizer), args.micro_batch_size).cpu()
+        del rm
+        gc.collect()
+    return scores
+
+
+def write_best(args: argparse.Namespace, v: dict, samples: list, scores: dict, prompts: list, raw_inputs: list,
+               tokenizer) -> dict[str, float]:
+    """Rank 0: the rule reward, the combined score, the best sample per prompt -> --output_path (and every
+    sample -> --candidates_path). Returns the mean scores."""
+    from rlhf.rewards import call_reward_fn, combine_rewards, load_reward_fn
+
+    rewards = v["rewards"]
+    replies = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    if rewards.reward_fn:
+        texts = [prompts[s.prompt_index].prompt for s in samples]
+        scores["fn"] = call_reward_fn(load_reward_fn(rewards.reward_fn), texts, replies)
+    total, _ = combine_rewards(scores, rewards.source_weights, rewards.norms(v["rm_sources"]))
+    best = pick_best(total, len(prompts), args.best_of_n)
+    rows = [{"input": raw_inputs[samples[i].prompt_index], "output": replies[i], "score": total[i].item()}
+            for i in best]
+    write_jsonl_atomic(args.output_path, rows)
+    if args.candidates_path:
+        kept = set(best)
+        write_jsonl_atomic(args.candidates_path, [
+            {"prompt_index": s.prompt_index, "output": replies[i], "prompt_ids": s.prompt_ids,
+             "response_ids": s.response_ids, "scores": {k: t[i].item() for k, t in scores.items()},
+             "score": total[i].item(), "kept": i in kept} for i, s in enumerate(samples)])
+    result = dict(mean_score_all=total.mean().item(), mean_score_best=total[best].mean().item(),
+                  **{f"mean_{k}": t.mean().item() for k, t in scores.items()})
+    log.info("rejection sampling: wrote %d rows to %s; mean score of all samples %.4f, of the kept %.4f",
+             len(rows), args.output_path, result["mean_score_all"], result["mean_score_best"])
+    return result
 
 
 def close(rollout) -> None:

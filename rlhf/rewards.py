@@ -56,6 +56,19 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str
     return torch.tensor(vals, dtype=torch.float32)
 
 
+def add_reward_args(g) -> None:
+    """The reward sources of PPO and rejection sampling (``RewardConfig``)."""
+    g.add_argument("--reward_pretrain", default=None,
+                   help="reward model(s), comma-separated: HF *ForSequenceClassification folders or megatron "
+                        "checkpoints (rlhf/rewards.py)")
+    g.add_argument("--reward_weights", default=None, help="one weight per reward model (default 1.0 each: a sum)")
+    g.add_argument("--reward_fn", default=None,
+                   help="rule reward module:function, fn(prompts, responses) -> list[float]; alone or added")
+    g.add_argument("--reward_fn_weight", type=float, default=1.0, help="weight of --reward_fn in the sum")
+    g.add_argument("--normalize_reward", action="store_true",
+                   help="each reward model's score through its saved mean/std (config.json 'rlhf') before the sum")
+
+
 def _floats(flag: str, value: str | None, n: int) -> list[float]:
     if value is None:
         return [1.0] * n
@@ -118,7 +131,7 @@ class RewardConfig:
     def validate_models(self, tp: int, pp: int) -> list[dict]:
         """Each reward model's config: a sequence classifier that fits the layout, with saved statistics when
         ``--normalize_reward``. Returns ``describe_source`` of each. Reads configs only; loads no weights."""
-        from rlhf.engine import describe_source
+        from rlhf.models.source import describe_source
         from rlhf.models.spec import check_parallel_fit
 
         sources = []
@@ -188,7 +201,8 @@ def score_sequences(engine, seqs: Sequence[Sequence[int]], pad_id: int, micro_ba
 
     Each data-parallel rank scores a contiguous share (the list is padded with copies of its last sequence to a
     multiple of DP); the shares are all-gathered in DP order."""
-    from rlhf.experience import dp_all_gather, sequence_scores, to_all_stages
+    from rlhf.distributed.collectives import dp_all_gather, to_all_stages
+    from rlhf.models.outputs import sequence_scores
 
     mesh = engine.mesh
     n = len(seqs)
@@ -208,10 +222,7 @@ def score_sequences(engine, seqs: Sequence[Sequence[int]], pad_id: int, micro_ba
             mask[b, :len(s)] = 1
         mbs.append({"input_ids": ids, "attention_mask": mask})
 
-    def fn(batch: dict, values: torch.Tensor):
-        return torch.zeros(()), {"out": sequence_scores(values, batch)}
-
-    outs = engine.forward(mbs, output="logits", loss_fn=fn)
-    mine = torch.cat([o["out"] for o in outs]) if outs else None
+    outs = engine.forward(mbs, output="head", read=lambda batch, values: sequence_scores(values, batch))
+    mine = torch.cat([o["output"] for o in outs]) if outs else None
     mine = to_all_stages(mine, (per,), mesh)
     return dp_all_gather(mine.float().contiguous(), mesh)[:n]

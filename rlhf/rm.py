@@ -22,7 +22,7 @@ class RMTask:
     name = "rm"
     value_head = True
     metric_keys = ("loss", "acc", "reward_gap", "chosen_reward", "rejected_reward")
-    output = "logits"  # a value-head model returns (B, S) values
+    output = "head"  # a value-head model's head returns (B, S) values
 
     def load_data(self, args: argparse.Namespace, tokenizer):
         from rlhf.data import build_rm_dataset
@@ -62,15 +62,11 @@ class RMTask:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_common_args
+    from rlhf.config import add_common_args, add_key_args
 
     add_common_args(p, lr=9e-6, epochs=1)
-    p.add_argument("--prompt_key", default="prompt")
-    p.add_argument("--chosen_key", default="chosen")
-    p.add_argument("--rejected_key", default="rejected")
+    add_key_args(p, pairs=True)
     p.add_argument("--margin_key", default=None, help="optional per-pair margin field")
-    p.add_argument("--input_key", default="input", help=argparse.SUPPRESS)
-    p.add_argument("--output_key", default=None, help=argparse.SUPPRESS)
 
 
 TASK = RMTask

@@ -13,7 +13,7 @@ class SFTTask:
     name = "sft"
     value_head = False
     metric_keys = ("loss",)
-    output = "logits"
+    output = "head"
 
     conditional: dict | None = None  # --conditional: bucket edges etc., exported under config.json "rlhf"
 
@@ -62,14 +62,10 @@ class SFTTask:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_common_args
+    from rlhf.config import add_common_args, add_key_args
 
     add_common_args(p, lr=5e-6, epochs=2)
-    p.add_argument("--input_key", default="input")
-    p.add_argument("--output_key", default="output")
-    p.add_argument("--prompt_key", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--chosen_key", default="chosen", help=argparse.SUPPRESS)
-    p.add_argument("--rejected_key", default="rejected", help=argparse.SUPPRESS)
+    add_key_args(p, pairs=False)
     from rlhf.conditional import add_args as add_conditional_args
 
     add_conditional_args(p)

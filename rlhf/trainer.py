@@ -9,8 +9,6 @@ import argparse
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 from typing import Any, Protocol, Sequence
 
@@ -108,18 +106,12 @@ def _pad_width(mb: dict, width: int, pad_id: int) -> dict:
     return out
 
 
-def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
-    from rlhf.checkpoint import Checkpointer
-    from rlhf.config import log_compat_mappings, validate_common
-    from rlhf.data import BatchConfig, DistributedBatchSampler
-    from rlhf.distributed import DistEnv, initialize_mesh
-    from rlhf.engine import ModelEngine, OptimConfig
-    from rlhf.metrics import MetricsLogger, setup_logging
-    from rlhf.models.lora import lora_config_from_args
+def prepare(args: argparse.Namespace, task: Task, world_size: int) -> tuple[Any, list, list, dict, int]:
+    """Every check on the flags and the data before the process group and any model: the tokenizer, the train
+    and eval samples, the data statistics and the number of optimizer steps."""
+    from rlhf.config import validate_common
 
-    env = DistEnv.from_environ()
-    setup_logging(env.rank)
-    dp = validate_common(args, env.world_size)  # before the process group and any model
+    validate_common(args, world_size)
     if getattr(args, "lora_rank", 0) and args.lora_export == "adapter" and task.value_head:
         raise ValueError(f"--lora_export adapter: {task.name} has a value head; reward models export merged")
     if hasattr(task, "validate"):
@@ -134,8 +126,21 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
     if steps_per_epoch < 1:
         raise ValueError(f"--train_batch_size {args.train_batch_size} is larger than the dataset "
                          f"({len(train)} samples after filtering)")
-    total_steps = steps_per_epoch * args.max_epochs
+    return tokenizer, train, evals, stats, steps_per_epoch * args.max_epochs
 
+
+def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
+    from rlhf.checkpoint import Checkpointer
+    from rlhf.config import log_compat_mappings, optim_config
+    from rlhf.data import BatchConfig, DistributedBatchSampler
+    from rlhf.distributed import DistEnv, initialize_mesh
+    from rlhf.engine import ModelEngine
+    from rlhf.metrics import setup_logging
+    from rlhf.models.lora import lora_config_from_args
+
+    env = DistEnv.from_environ()
+    setup_logging(env.rank)
+    tokenizer, train, evals, stats, total_steps = prepare(args, task, env.world_size)
     torch.manual_seed(args.seed)
     mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, env, seed=args.seed)
     from rlhf.distributed.health import check_config_consistency; check_config_consistency(args)  # noqa: E702
@@ -143,81 +148,101 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
     if mesh.is_rank0:
         log.info("%s: %d train / %d eval samples (%s); %d steps of %d samples on dp=%d tp=%d pp=%d", task.name,
                  len(train), len(evals), ", ".join(f"{k}={v:g}" for k, v in stats.items()), total_steps,
-                 args.train_batch_size, dp, mesh.tp, mesh.pp)
-    optim = OptimConfig(lr=args.learning_rate, weight_decay=args.l2, adam_betas=tuple(args.adam_betas),
-                        clip_grad=args.max_norm, warmup_ratio=args.lr_warmup_ratio, scheduler=args.lr_scheduler,
-                        max_skipped_steps=args.max_skipped_steps,
-                        total_steps=total_steps, use_distributed_optimizer=args.zero_stage >= 1)
-    engine = ModelEngine(mesh, args.pretrain, optim=optim, value_head=task.value_head, bf16=args.bf16,
-                         transformer_impl=args.transformer_impl,
+                 args.train_batch_size, mesh.dp, mesh.tp, mesh.pp)
+    engine = ModelEngine(mesh, args.pretrain, optim=optim_config(args, args.learning_rate, total_steps),
+                         value_head=task.value_head, bf16=args.bf16, transformer_impl=args.transformer_impl,
                          recompute=args.gradient_checkpointing, name=task.name, lora=lora_config_from_args(args))
     if hasattr(task, "setup"):
         task.setup(args, mesh, engine)
     sampler = DistributedBatchSampler(len(train), BatchConfig(args.train_batch_size, args.micro_train_batch_size,
-                                                              dp, mesh.dp_rank), seed=args.seed)
+                                                              mesh.dp, mesh.dp_rank), seed=args.seed)
     ckpt = Checkpointer(mesh, args.ckpt_path or os.path.join(args.save_path, "checkpoints"), args.max_ckpt_num)
     step = 0
     if args.load_checkpoint:
         state = ckpt.load({task.name: engine})
         step = state["step"]
         sampler.load_state_dict(state["extra"]["sampler"])
-    metrics_log = MetricsLogger(mesh.is_rank0, total_steps, args.tensorboard, prefix=task.name,
-                                jsonl_path=os.path.join(args.save_path, "metrics.jsonl"))
     if args.packing_samples and mesh.is_rank0:
         log.info("--packing_samples: each micro-batch runs as one padding-free row (THD, varlen attention)%s",
                  "; with PP > 1 a step's rows are filled to its longest with a dummy sequence" if mesh.pp > 1
                  else "")
-
-    def batches(groups: Sequence[list]) -> list[dict]:
-        return make_microbatches(task, groups, tokenizer, packing=args.packing_samples, same_shape=mesh.pp > 1)
-
-    mbs = args.micro_train_batch_size
-    eval_batches = batches([evals[i:i + mbs] for i in range(0, len(evals), mbs)])
-    eval_batches = eval_batches[mesh.dp_rank::dp] if len(eval_batches) >= dp else eval_batches[:0]
-    result: dict[str, Any] = {}
-    loss_fn = task.loss_fn(engine)
-    start_step = step
-    while step < total_steps:
-        if 0 <= args.stop_after_steps <= step - start_step:
-            log.info("stopping after %d steps (--stop_after_steps)", args.stop_after_steps)
-            metrics_log.close()
-            from rlhf.distributed.mesh import destroy_mesh
-
-            destroy_mesh()
-            return result
-        micro_idx = sampler.next_step()
-        microbatches = batches([[train[i] for i in idx] for idx in micro_idx])
-        t0 = time.time()
-        pre = task.before_step(engine, microbatches) if hasattr(task, "before_step") else {}
-        m = engine.train_step(microbatches, loss_fn, task.metric_keys, output=task.output)
-        m.update(pre)
-        step += 1
-        ntok = torch.tensor([tokens_in(microbatches)], dtype=torch.float64)
-        dist.all_reduce(ntok)
-        m["tokens_per_s"] = ntok.item() / mesh.tp / mesh.pp / max(time.time() - t0, 1e-9)
-        m["epoch"] = sampler.epoch_float
-        if step % args.logging_steps == 0 or step == total_steps:
-            metrics_log.log(step, m)
-        result["train"] = m
-        if args.eval_steps > 0 and step % args.eval_steps == 0 and step < total_steps:
-            metrics_log.log(step, task.evaluate(engine, eval_batches), prefix="eval", progress=False)
-        if (args.save_steps > 0 and step % args.save_steps == 0) or step == total_steps:
-            ckpt.save(step, {task.name: engine}, {"sampler": sampler.state_dict()})
-    if eval_batches:
-        result["eval"] = task.evaluate(engine, eval_batches)
-        metrics_log.log(step, result["eval"], prefix="eval", progress=False)
-    train_batches = batches([train[i:i + mbs] for i in range(0, len(train), mbs)])
-    extra = task.export_extra(engine, train_batches[mesh.dp_rank::dp])
-    result.update(extra)
-    export_hf(args, engine, mesh, extra)
-    metrics_log.close()
-    if mesh.is_rank0:
-        with open(os.path.join(args.save_path, "train_result.json"), "w") as f:
-            json.dump(result, f, indent=2)
+    result = SupervisedLoop(args, task, tokenizer, engine, sampler, ckpt, total_steps).fit(train, evals, step)
     from rlhf.distributed.mesh import destroy_mesh
 
     destroy_mesh()
     return result
+
+
+class SupervisedLoop:
+    """The steps of one supervised run (SFT, RM, DPO, KTO) after everything is built: train, evaluate,
+    checkpoint, export."""
+
+    def __init__(self, args: argparse.Namespace, task: Task, tokenizer, engine, sampler, ckpt, total_steps: int):
+        from rlhf.metrics import MetricsLogger
+
+        self.args, self.task, self.tokenizer, self.engine = args, task, tokenizer, engine
+        self.sampler, self.ckpt, self.total_steps, self.mesh = sampler, ckpt, total_steps, engine.mesh
+        self.metrics_log = MetricsLogger(self.mesh.is_rank0, total_steps, args.tensorboard, prefix=task.name,
+                                         jsonl_path=os.path.join(args.save_path, "metrics.jsonl"))
+
+    def batches(self, groups: Sequence[list]) -> list[dict]:
+        return make_microbatches(self.task, groups, self.tokenizer, packing=self.args.packing_samples,
+                                 same_shape=self.mesh.pp > 1)
+
+    def fit(self, train: list, evals: list, step: int) -> dict[str, Any]:
+        args, task, engine, mesh, dp = self.args, self.task, self.engine, self.mesh, self.mesh.dp
+        mbs = args.micro_train_batch_size
+        eval_batches = self.batches([evals[i:i + mbs] for i in range(0, len(evals), mbs)])
+        eval_batches = eval_batches[mesh.dp_rank::dp] if len(eval_batches) >= dp else eval_batches[:0]
+        result: dict[str, Any] = {}
+        loss_fn = task.loss_fn(engine)
+        start_step = step
+        while step < self.total_steps:
+            if 0 <= args.stop_after_steps <= step - start_step:
+                log.info("stopping after %d steps (--stop_after_steps)", args.stop_after_steps)
+                self.metrics_log.close()
+                return result
+            result["train"] = self.train_step(train, loss_fn, step + 1)
+            step += 1
+            if args.eval_steps > 0 and step % args.eval_steps == 0 and step < self.total_steps:
+                self.metrics_log.log(step, task.evaluate(engine, eval_batches), prefix="eval", progress=False)
+            if (args.save_steps > 0 and step % args.save_steps == 0) or step == self.total_steps:
+                self.ckpt.save(step, {task.name: engine}, {"sampler": self.sampler.state_dict()})
+        if eval_batches:
+            result["eval"] = task.evaluate(engine, eval_batches)
+            self.metrics_log.log(step, result["eval"], prefix="eval", progress=False)
+        return self.export(train, result)
+
+    def train_step(self, train: list, loss_fn, step: int) -> dict[str, float]:
+        """Optimizer step number ``step``: its micro-batches, the update, throughput, logging."""
+        args, task, engine, mesh = self.args, self.task, self.engine, self.mesh
+        microbatches = self.batches([[train[i] for i in idx] for idx in self.sampler.next_step()])
+        t0 = time.time()
+        pre = task.before_step(engine, microbatches) if hasattr(task, "before_step") else {}
+        m = engine.train_step(microbatches, loss_fn, task.metric_keys, output=task.output)
+        m.update(pre)
+        ntok = torch.tensor([tokens_in(microbatches)], dtype=torch.float64)
+        dist.all_reduce(ntok)
+        m["tokens_per_s"] = ntok.item() / mesh.tp / mesh.pp / max(time.time() - t0, 1e-9)
+        m["epoch"] = self.sampler.epoch_float
+        if step % args.logging_steps == 0 or step == self.total_steps:
+            self.metrics_log.log(step, m)
+        return m
+
+    def export(self, train: list, result: dict[str, Any]) -> dict[str, Any]:
+        """The task's statistics over the training data (e.g. reward mean/std), then the HF export."""
+        from rlhf.checkpoint import export_hf
+
+        args, mesh, mbs = self.args, self.mesh, self.args.micro_train_batch_size
+        train_batches = self.batches([train[i:i + mbs] for i in range(0, len(train), mbs)])
+        extra = self.task.export_extra(self.engine, train_batches[mesh.dp_rank::mesh.dp])
+        result.update(extra)
+        export_hf(args, self.engine, mesh, extra)
+        self.metrics_log.close()
+        if mesh.is_rank0:
+            with open(os.path.join(args.save_path, "train_result.json"), "w") as f:
+                json.dump(result, f, indent=2)
+        return result
 
 
 def main(task_mod, argv=None) -> int:
@@ -226,66 +251,3 @@ def main(task_mod, argv=None) -> int:
     from rlhf.config import cli_main
 
     return cli_main(task_mod.add_args, lambda args: run(args, task_mod.TASK()), argv)
-
-
-def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> None:
-    """Final export to ``--save_path``: a megatron model checkpoint (``<save_path>/megatron``) converted to HF
-    by rank 0 in a subprocess, with ``extra`` (e.g. reward statistics) in config.json under ``rlhf``. With LoRA
-    the weights are merged, or, with ``--lora_export adapter``, a PEFT adapter folder is written instead."""
-    from rlhf.models.checkpoint_io import save_model, write_manifest
-
-    engine.check_finite("HF export")
-    if mesh.is_rank0:
-        log.info("exporting HF model to %s", args.save_path)
-    if getattr(engine, "lora", None) is not None and getattr(args, "lora_export", "merged") == "adapter":
-        from rlhf.models.lora import save_peft_adapter
-
-        save_peft_adapter(engine, mesh, args.save_path, base_model=args.pretrain)
-        return
-
-    mg = os.path.join(args.save_path, "megatron")
-    tmp = mg + ".tmp"
-    if mesh.is_rank0:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "model"))
-    dist.barrier()
-    save_model(engine.model, os.path.join(tmp, "model"), engine.export_sharded_state_dict())
-    dist.barrier()
-    if mesh.is_rank0:
-        import shutil
-
-        from rlhf.models.hf_io import copy_tokenizer_files
-        from rlhf.models.spec import SEQ_CLS_ARCHS
-
-        cfg = dict(engine.source["hf_config"])
-        if engine.value_head:
-            cfg["architectures"] = [SEQ_CLS_ARCHS[engine.spec.model_type]]
-            cfg["num_labels"] = 1
-            cfg.pop("id2label", None), cfg.pop("label2id", None)
-            cfg.setdefault("pad_token_id", cfg.get("eos_token_id"))
-        if extra:
-            cfg["rlhf"] = {**cfg.get("rlhf", {}), **extra}
-        from rlhf.models.spec import spec_from_hf_config
-
-        spec = spec_from_hf_config(cfg)
-        write_manifest(tmp, spec=spec, hf_config=cfg, padded_vocab=engine.padded_vocab, source=args.pretrain,
-                       tp=mesh.tp, pp=mesh.pp, dtype="float32")
-        copy_tokenizer_files(args.pretrain, tmp)
-        shutil.rmtree(mg, ignore_errors=True)
-        os.replace(tmp, mg)
-        hf_tmp = os.path.join(args.save_path, "hf.tmp")
-        tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
-                            "convert_megatron_to_hf.py")
-        from rlhf.distributed.env import env_without_launcher
-
-        proc = subprocess.run([sys.executable, tool, "--ckpt", mg, "--out", hf_tmp, "--overwrite"],
-                              capture_output=True, text=True, env=env_without_launcher(), timeout=3600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"HF export failed: {proc.stderr[-2000:]}")
-        for name in os.listdir(hf_tmp):  # HF files land in --save_path itself, beside checkpoints/ and megatron/
-            os.replace(os.path.join(hf_tmp, name), os.path.join(args.save_path, name))
-        os.rmdir(hf_tmp)
-        log.info("exported HF model to %s", args.save_path)
-    dist.barrier()

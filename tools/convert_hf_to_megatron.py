@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rlhf.convert import convert_hf_to_megatron, plan_hf_to_megatron
+    from rlhf.models.convert import convert_hf_to_megatron, plan_hf_to_megatron
 
     try:
         plan = plan_hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.overwrite,

@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rlhf.convert import megatron_to_hf
+    from rlhf.models.convert import megatron_to_hf
 
     try:
         seconds = megatron_to_hf(args.ckpt, args.out, args.overwrite, int(args.max_shard_size_gb * (1 << 30)))

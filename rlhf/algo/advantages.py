@@ -28,16 +28,22 @@ from rlhf.algo.ppo_losses import upcast, masked_whiten
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {}
 
 
-def _register(name: str, needs_critic: bool):
+def _register(name: str, *, needs_critic: bool, kl_in_loss: bool, whiten: bool, needs_groups: bool):
+    """Registers an estimator with what the trainer must know of it:
+
+    * ``needs_critic``: it reads ``values`` (a critic is trained);
+    * ``kl_in_loss``: the KL penalty goes into the actor's loss (``kl_coef * kl``), not into the token rewards;
+    * ``whiten``: the trainer whitens its advantages over the global batch afterwards;
+    * ``needs_groups``: it compares the ``n_samples_per_prompt`` samples of each prompt (needs >= 2)."""
     def wrap(fn):
-        fn.needs_critic = needs_critic
+        fn.needs_critic, fn.kl_in_loss, fn.whiten, fn.needs_groups = needs_critic, kl_in_loss, whiten, needs_groups
         ADVANTAGE_ESTIMATORS[name] = fn
         return fn
     return wrap
 
 
 def get_estimator(name: str) -> Callable[..., dict[str, torch.Tensor]]:
-    """The registered estimator ``name``; each has a ``needs_critic`` attribute."""
+    """The registered estimator ``name`` with its properties (``_register``)."""
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"--advantage_estimator {name!r}: expected one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
     return ADVANTAGE_ESTIMATORS[name]
@@ -145,7 +151,7 @@ def grpo(rewards: torch.Tensor, action_mask: torch.Tensor, n_samples_per_prompt:
 
 # ---- uniform entry points (registry) ----
 
-@_register("gae", needs_critic=True)
+@_register("gae", needs_critic=True, kl_in_loss=False, whiten=True, needs_groups=False)
 def gae_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                   action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
                   n_samples_per_prompt: int = 1) -> dict[str, torch.Tensor]:
@@ -157,7 +163,7 @@ def gae_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, valu
     return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
 
 
-@_register("reinforce_plus_plus", needs_critic=False)
+@_register("reinforce_plus_plus", needs_critic=False, kl_in_loss=False, whiten=False, needs_groups=False)
 def reinforce_plus_plus_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None,
                                   values: torch.Tensor | None = None, action_mask: torch.Tensor,
                                   kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
@@ -168,7 +174,7 @@ def reinforce_plus_plus_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | N
     return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
 
 
-@_register("grpo", needs_critic=False)
+@_register("grpo", needs_critic=False, kl_in_loss=True, whiten=False, needs_groups=True)
 def grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                    action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
                    n_samples_per_prompt: int = 1) -> dict[str, torch.Tensor]:
@@ -178,7 +184,7 @@ def grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, val
     return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
 
 
-@_register("dr_grpo", needs_critic=False)
+@_register("dr_grpo", needs_critic=False, kl_in_loss=True, whiten=False, needs_groups=True)
 def dr_grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                       action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
                       n_samples_per_prompt: int = 1) -> dict[str, torch.Tensor]:

@@ -177,3 +177,47 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: tor
     kl_sum = masked_sum(kl, action_mask)
     n = _count(action_mask)
     return kl_sum, n, {"kl_loss": [kl_sum.detach(), n]}
+
+
+# ------------------------------------------------------------------------------ the PPO step's loss closures
+ACTOR_METRICS = ("policy_loss", "clip_frac", "approx_kl", "ratio", "entropy")
+CRITIC_METRICS = ("value_loss", "vf_clip_frac", "values")
+
+
+def make_actor_loss(logprobs_fn, *, eps_clip: float, kl_in_loss: bool, kl_coef: float, kl_estimator: str,
+                    tis_cap: float | None = None):
+    """The actor's loss over one training micro-batch, in megatron's per-token contract.
+
+    ``logprobs_fn(batch, output) -> (logprobs, entropy)``, each (B, T), from the model's output. The batch holds
+    ``old_logprobs``, ``advantages``, ``action_mask`` (B, T), plus ``ref_logprobs`` when ``kl_in_loss`` (GRPO:
+    ``kl_coef * kl`` is added to the loss) and ``vllm_logprobs`` with ``tis_cap`` (truncated importance sampling:
+    the loss weighted by ``min(exp(old - vllm), tis_cap)``). Metrics: ``ACTOR_METRICS`` (+ ``kl_loss``)."""
+    def loss_fn(batch: dict, output: torch.Tensor):
+        lp, ent = logprobs_fn(batch, output)
+        mask = batch["action_mask"]
+        tis = None
+        if tis_cap is not None:
+            tis = torch.exp(batch["old_logprobs"] - batch["vllm_logprobs"]).clamp(max=tis_cap)
+        loss, n, metrics = policy_loss(lp, batch["old_logprobs"], batch["advantages"], mask, eps_clip=eps_clip,
+                                       rollout_is_weights=tis)
+        metrics["entropy"] = [masked_sum(ent.detach(), mask), n]
+        if kl_in_loss and "ref_logprobs" in batch:
+            kl_sum, _, km = kl_loss(lp, batch["ref_logprobs"], mask, estimator=kl_estimator)
+            loss = loss + kl_coef * kl_sum
+            metrics.update(km)
+        elif kl_in_loss:
+            metrics["kl_loss"] = [torch.zeros(()), n]
+        return loss, n, metrics
+
+    return loss_fn
+
+
+def make_critic_loss(values_fn, *, value_clip: float):
+    """The critic's clipped value loss over one training micro-batch. ``values_fn(output, batch)`` -> (B, T)
+    values from the model's output; the batch holds the rollout's ``values``, ``returns``, ``action_mask``.
+    Metrics: ``CRITIC_METRICS``."""
+    def loss_fn(batch: dict, output: torch.Tensor):
+        return value_loss(values_fn(output, batch), batch["values"], batch["returns"], batch["action_mask"],
+                          value_clip=value_clip)
+
+    return loss_fn

@@ -160,9 +160,10 @@ def _gpt_model_class():
 
         def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                     attention_mask: torch.Tensor | None = None, *, packed_seq_params=None,
-                    output: Literal["logits", "hidden"] = "logits") -> torch.Tensor:
-            """input_ids (B, S). Returns, on the last stage: logits (B, S, V_local) for a causal LM with padded
-            vocab columns at ``PAD_LOGIT``; values (B, S) for a value head; hidden (B, S, H) when asked.
+                    output: Literal["head", "hidden"] = "head") -> torch.Tensor:
+            """input_ids (B, S). Returns, on the last stage, with ``output="head"`` the head's output: logits
+            (B, S, V_local) for a causal LM with padded vocab columns at ``PAD_LOGIT``, values (B, S) for a value
+            head; with ``output="hidden"`` the final hidden states (B, S, H).
             On other stages: the hidden states (S, B, H) for the next stage."""
             if position_ids is None and input_ids is not None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)

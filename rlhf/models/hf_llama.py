@@ -101,7 +101,7 @@ def _dtype_of(get: HFGetter, hf_name: str) -> torch.dtype:
 def hf_from_megatron(name: str, tensor: torch.Tensor, spec: ModelSpec, *,
                      layer_offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors from one full (TP=1) megatron parameter. Padded vocab rows are dropped."""
-    h, d = spec.hidden_size, spec.head_dim
+    d = spec.head_dim
     if name == "embedding.word_embeddings.weight":
         yield "model.embed_tokens.weight", tensor[: spec.vocab_size]
         return

@@ -13,10 +13,15 @@ import torch
 
 from rlhf.distributed.device import to_device
 
-LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+LossFn = Callable[[dict, torch.Tensor], tuple]
+"""``loss_fn(batch, output)``, megatron's per-token contract: ``(loss_sum, num_tokens, {name: [sum, count]})``;
+the schedule divides by the tokens of the whole step (``rlhf.engine``)."""
+ReadFn = Callable[[dict, torch.Tensor], torch.Tensor]
+"""``read(batch, output) -> tensor``: what a forward without a loss keeps of each micro-batch's output."""
 
 
-def _forward_step(loss_fn: LossFn | None, output: str, device: torch.device, data_iterator, model):
+def _forward_step(loss_fn: LossFn | None, output: str, device: torch.device, data_iterator, model,
+                  read: ReadFn | None = None):
     # The device rule: a micro-batch (collated on the host) goes to the model's device here, so the model, megatron's
     # masks and token counts, and the loss function all see one device.
     batch = to_device(next(data_iterator), device, non_blocking=True)
@@ -26,22 +31,24 @@ def _forward_step(loss_fn: LossFn | None, output: str, device: torch.device, dat
                 packed_seq_params=batch.get("packed_seq_params"))
 
     def loss_func(output_tensor):
-        if loss_fn is None:  # forward only: hand the output back through megatron's data store
-            return torch.zeros((), device=output_tensor.device), {"output": output_tensor.detach()}
+        if loss_fn is None:  # no loss: hand the output (or what ``read`` takes of it) back through megatron's store
+            res = read(batch, output_tensor) if read is not None else output_tensor
+            return torch.zeros((), device=output_tensor.device), {"output": res.detach()}
         return loss_fn(batch, output_tensor)
 
     return out, loss_func
 
 
 def run_microbatches(model: torch.nn.Module, microbatches: Sequence[dict], *, loss_fn: LossFn | None = None,
-                     forward_only: bool = False, output: str = "logits",
-                     device: torch.device | None = None) -> list[dict[str, Any]]:
+                     forward_only: bool = False, output: str = "head",
+                     device: torch.device | None = None, read: ReadFn | None = None) -> list[dict[str, Any]]:
     """Forward (and backward unless ``forward_only``) over ``microbatches``; each holds ``input_ids`` (B, S)
     and optionally ``attention_mask``/``position_ids``; every micro-batch must have the same shape when PP > 1.
     Each micro-batch is moved to ``device`` (default: the model's parameters' device) before its forward.
 
     Returns, on the last pipeline stage, one metrics dict per micro-batch (``{"output": ...}`` when
-    ``loss_fn`` is None); an empty list on other stages. How losses combine is the loss function's contract
+    ``loss_fn`` is None: the output, or ``read(batch, output)``); an empty list on other stages. How losses
+    combine is the loss function's contract
     (``rlhf.engine``: per-token sums and counts, so the step's loss is the mean over the global batch).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -53,7 +60,8 @@ def run_microbatches(model: torch.nn.Module, microbatches: Sequence[dict], *, lo
     config.variable_seq_lengths = False
     fb = get_forward_backward_func()
     device = device if device is not None else next(model.parameters()).device
-    return fb(forward_step_func=partial(_forward_step, loss_fn, output, device), data_iterator=iter(microbatches),
+    return fb(forward_step_func=partial(_forward_step, loss_fn, output, device, read=read),
+              data_iterator=iter(microbatches),
               model=[model], num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
               forward_only=forward_only or loss_fn is None)
 

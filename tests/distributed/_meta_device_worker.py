@@ -44,7 +44,7 @@ def main(hf_dir: str) -> None:
     from rlhf.distributed import initialize_mesh
     from rlhf.distributed.device import to_device
     from rlhf.engine import ModelEngine, OptimConfig
-    from rlhf.experience import collate_sequences, forward_role, select_rows
+    from rlhf.ppo.experience import collate_sequences, forward_role, select_rows
     from rlhf.models import pipeline
     from rlhf.rollout.types import Sample
     from rlhf.sft import SFTTask

@@ -85,7 +85,7 @@ def _leaves(obj, path="batch"):
 
 
 def _ppo_batches():
-    from rlhf.experience import collate_sequences, pack_microbatch, select_rows
+    from rlhf.ppo.experience import collate_sequences, pack_microbatch, select_rows
     from rlhf.rollout.types import Sample
 
     samples = [Sample(0, [5, 6, 7], [8, 9], [-0.5, -0.25], True), Sample(0, [5, 6], [4, 3, 2], [-1.0] * 3, False)]
@@ -205,7 +205,7 @@ def test_forward_step_moves_the_micro_batch_to_the_given_device():
         return out.sum(), {}
 
     batch = _trainer_batches()[1]  # packed SFT
-    out, loss_func = pipeline._forward_step(loss_fn, "logits", META, iter([batch]), model)
+    out, loss_func = pipeline._forward_step(loss_fn, "head", META, iter([batch]), model)
     loss_func(out)
     assert got["model"] == (META, META) and set(got["loss"].values()) == {META}
     assert batch["input_ids"].device == torch.device("cpu")  # the host copy is left as it was

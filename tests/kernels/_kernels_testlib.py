@@ -51,7 +51,7 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
     Returns the packed `[T, Hq, D]` output (padding rows dropped), differentiable wrt q, k, v.
     """
     lens = (cu[1:] - cu[:-1]).tolist()
-    b, lmax, (t, hq, d), hkv = len(lens), max(lens), q.shape, k.shape[1]
+    b, lmax, (_, hq, d), hkv = len(lens), max(lens), q.shape, k.shape[1]
     scale = d**-0.5 if scale is None else scale
     mask = torch.arange(lmax)[None, :] < torch.tensor(lens)[:, None]  # (B, L) real tokens
 

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 tests/launch/_memory_worker.py ACTOR_HF RM_HF OUT.json CONFIG_JSON
 
 The four real engines (actor and critic with megatron DDP + optimizer, ref and reward frozen) at TP2, under the
-trainer's MemoryScheduler with --colocate_all, run the trainer's own experience forwards (rlhf.experience.
-forward_role) and PPO losses (PPOTrainer._actor_loss / _critic_loss) on full-length synthetic samples.
+trainer's MemoryScheduler with --colocate_all, run the trainer's own experience forwards (rlhf.ppo.experience.
+forward_role) and PPO losses (rlhf.algo.ppo_losses.make_actor_loss / make_critic_loss) on full-length synthetic samples.
 
 What is measured, per phase, on rank 0 (the CPU analogue of CUDA's peak allocated bytes):
 
@@ -21,7 +21,6 @@ A warm-up step first creates Adam's lazily built state, so the measured step is 
 import json
 import os
 import sys
-import types
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,7 @@ def allocation_peak(fn) -> int:
 
 
 def synthetic_experience(vocab: int, n: int, prompt_len: int, resp_len: int, seed: int):
-    from rlhf.experience import Experience, collate_sequences
+    from rlhf.ppo.experience import Experience, collate_sequences
     from rlhf.rollout.types import Sample
 
     g = torch.Generator().manual_seed(seed)
@@ -66,7 +65,7 @@ def synthetic_experience(vocab: int, n: int, prompt_len: int, resp_len: int, see
                for i in range(n)]
     batch = collate_sequences(samples, pad_id=0, T=resp_len)
     shape = (n, resp_len)
-    exp = Experience(samples, batch, old_logprobs=-torch.rand(shape, generator=g) - 1,
+    exp = Experience(samples=samples, batch=batch, old_logprobs=-torch.rand(shape, generator=g) - 1,
                      vllm_logprobs=-torch.rand(shape, generator=g) - 1, rewards=torch.randn(n, generator=g),
                      ref_logprobs=-torch.rand(shape, generator=g) - 1, values=torch.randn(shape, generator=g))
     exp.advantages, exp.returns = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
@@ -77,9 +76,10 @@ def measure(actor_dir: str, rm_dir: str, cfg: dict, mesh) -> dict:
     from megatron.core import parallel_state as ps
 
     from rlhf.engine import ModelEngine, OptimConfig
-    from rlhf.experience import forward_role, select_rows
+    from rlhf.algo.ppo_losses import make_actor_loss, make_critic_loss
+    from rlhf.models.outputs import response_logprobs, response_values
     from rlhf.offload import MemoryScheduler, OffloadManager
-    from rlhf.ppo import PPOTrainer
+    from rlhf.ppo.experience import forward_role, select_rows
 
     optim = OptimConfig(lr=1e-4, warmup_ratio=0.0, total_steps=10, use_distributed_optimizer=cfg["zero_stage"] >= 1)
     common = dict(bf16=cfg["bf16"], recompute=cfg["gradient_checkpointing"])
@@ -92,21 +92,21 @@ def measure(actor_dir: str, rm_dir: str, cfg: dict, mesh) -> dict:
     P, T = cfg["prompt_max_len"], cfg["generate_max_len"]
     n = cfg["rollout_samples"]
     exp = synthetic_experience(roles["actor"].spec.vocab_size, n, P, T, seed=1)
-    args = types.SimpleNamespace(temperature=1.0, use_tis=False, eps_clip=0.2, kl_estimator="k1", value_clip=0.2)
-    trainer = types.SimpleNamespace(args=args, actor=roles["actor"], kl_in_loss=False,
-                                    kl_ctl=types.SimpleNamespace(value=0.0))
+    actor_loss = make_actor_loss(lambda b, h: response_logprobs(roles["actor"], b, h, 1.0, entropy=True),
+                                 eps_clip=0.2, kl_in_loss=False, kl_coef=0.0, kl_estimator="k1")
+    critic_loss = make_critic_loss(response_values, value_clip=0.2)
     mrb, mtb = cfg["micro_rollout_batch_size"], cfg["micro_train_batch_size"]
     fwd_mbs = [select_rows(exp.batch, range(i, i + mrb), True) for i in range(0, n, mrb)]
     per_step = cfg["train_batch_size"] // mesh.dp // mtb
     train_mbs = [exp.select(range(i, i + mtb), True) for i in range(0, per_step * mtb, mtb)]
 
     def actor_step():
-        roles["actor"].train_step(train_mbs, lambda b, h: PPOTrainer._actor_loss(trainer, b, h),
+        roles["actor"].train_step(train_mbs, actor_loss,
                                   ("policy_loss",), output="hidden")
 
     def critic_step():
-        roles["critic"].train_step(train_mbs, lambda b, v: PPOTrainer._critic_loss(trainer, b, v),
-                                   ("value_loss",), output="logits")
+        roles["critic"].train_step(train_mbs, critic_loss,
+                                   ("value_loss",), output="head")
 
     def forward(role):
         return lambda: forward_role(roles[role], role, fwd_mbs, 1.0)

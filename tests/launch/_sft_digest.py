@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from rlhf import sft, trainer  # noqa: E402
+from rlhf import checkpoint, sft, trainer  # noqa: E402
 from rlhf.checkpoint import Checkpointer  # noqa: E402
 
 
@@ -31,6 +31,6 @@ def digest_instead_of_export(args, engine, mesh, extra) -> None:
 
 
 if __name__ == "__main__":
-    trainer.export_hf = digest_instead_of_export
+    checkpoint.export_hf = digest_instead_of_export
     Checkpointer.save = lambda self, *a, **k: None
     sys.exit(trainer.main(sft, sys.argv[1:]))

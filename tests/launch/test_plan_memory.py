@@ -130,7 +130,7 @@ def test_cli_exit_codes_and_surface(capsys):
     assert tool.main(["--pretrain", "/nonexistent", "--reward_pretrain", m7]) == 2
     assert "--pretrain /nonexistent" in capsys.readouterr().err
     # The PPO flags the planner shares with launch/ppo.py keep their names and defaults.
-    from rlhf.ppo_args import add_args
+    from rlhf.ppo.args import add_args
 
     ppo, planner = argparse.ArgumentParser(), argparse.ArgumentParser()
     add_args(ppo)

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from rlhf.convert import fill_from_hf  # noqa: E402
+from rlhf.models.convert import fill_from_hf  # noqa: E402
 from rlhf.distributed import initialize_mesh  # noqa: E402
-from rlhf.engine import ModelEngine, OptimConfig, describe_source  # noqa: E402
+from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
+from rlhf.models.source import describe_source  # noqa: E402
 from rlhf.models.gpt import build_model  # noqa: E402
 from rlhf.models.hf_llama import full_from_tp_shards  # noqa: E402
 from rlhf.models.lora import LoraConfig, apply_lora, lora_modules, merged_named_tensors  # noqa: E402

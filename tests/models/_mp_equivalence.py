@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from rlhf.convert import hf_to_megatron_rank, plan_hf_to_megatron  # noqa: E402
+from rlhf.models.convert import hf_to_megatron_rank, plan_hf_to_megatron  # noqa: E402
 from rlhf.distributed import initialize_mesh  # noqa: E402
 from rlhf.models.checkpoint_io import load_model  # noqa: E402
 from rlhf.models.gpt import build_model  # noqa: E402

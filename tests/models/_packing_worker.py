@@ -19,7 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import kernels  # noqa: E402
-from rlhf.convert import fill_from_hf  # noqa: E402
+from rlhf.models.convert import fill_from_hf  # noqa: E402
 from rlhf.distributed import destroy_mesh, initialize_mesh  # noqa: E402
 from rlhf.models import gpt  # noqa: E402
 from rlhf.models.packing import make_packed_batch, split_packed  # noqa: E402

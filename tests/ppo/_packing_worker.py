@@ -16,8 +16,8 @@ a = p.parse_args()
 from rlhf.algo.ppo_losses import policy_loss, value_loss  # noqa: E402
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
 from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
-from rlhf.experience import (actor_logprobs, collate_sequences, forward_role, prepare_microbatches,  # noqa: E402
-                             response_values, select_rows)
+from rlhf.models.outputs import response_logprobs, response_values  # noqa: E402
+from rlhf.ppo.experience import collate_sequences, forward_role, prepare_microbatches, select_rows  # noqa: E402
 from rlhf.rollout.types import Sample  # noqa: E402
 
 mesh = initialize_mesh(a.tp, a.pp, DistEnv.from_environ(), seed=3)
@@ -54,7 +54,7 @@ packed_x = prepare_microbatches(padded_x, packing=True, pp=mesh.pp, pad_id=0)
 
 def actor_loss(engine):
     def fn(b, hidden):
-        lp = actor_logprobs(engine, b, hidden, 0.9)
+        lp = response_logprobs(engine, b, hidden, 0.9)
         return policy_loss(lp, b["old_logprobs"] - 0.05, b["advantages"], b["action_mask"])
     return fn
 
@@ -63,7 +63,7 @@ def critic_loss(b, v):
     return value_loss(response_values(v, b), b["values"] + 0.1, b["returns"], b["action_mask"], value_clip=0.2)
 
 
-for name, fn_of, output in (("actor", actor_loss, "hidden"), ("critic", lambda e: critic_loss, "logits")):
+for name, fn_of, output in (("actor", actor_loss, "hidden"), ("critic", lambda e: critic_loss, "head")):
     ms = [e.train_step(mbs, fn_of(e), ("policy_loss",) if name == "actor" else ("value_loss",), output=output)
           for e, mbs in zip(roles[name], (padded_x, packed_x))]
     key = "policy_loss" if name == "actor" else "value_loss"

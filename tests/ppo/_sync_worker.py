@@ -25,7 +25,7 @@ a = p.parse_args()
 
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
 from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
-from rlhf.experience import collate_sequences, forward_role, select_rows  # noqa: E402
+from rlhf.ppo.experience import collate_sequences, forward_role, select_rows  # noqa: E402
 from rlhf.rollout import RolloutConfig, build_rollout  # noqa: E402
 from rlhf.rollout.weight_sync import WeightSync  # noqa: E402
 
@@ -77,7 +77,6 @@ if mesh.is_rank0:
                                   "engine_version": engine.version,
                                   "trainable": sorted({n.rsplit(".", 1)[-1] for n, p in actor.model.named_parameters()
                                                        if p.requires_grad})}), flush=True)
-from megatron.core import parallel_state as ps  # noqa: E402
 
 from rlhf.distributed.mesh import _destroy_megatron_groups  # noqa: E402
 

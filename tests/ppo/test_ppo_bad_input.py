@@ -2,7 +2,6 @@
 construction fail loudly). An over-long prompt is not an error: it is truncated and counted."""
 import argparse
 import json
-import os
 
 import pytest
 from ppo_common import ppo_args, write_prompts
@@ -74,7 +73,7 @@ def test_long_prompt_truncated_and_counted(ppo_setup, tmp_path):
     from transformers import AutoTokenizer
 
     from rlhf.ppo import load_prompts
-    from rlhf.ppo_args import add_args
+    from rlhf.ppo.args import add_args
 
     path = tmp_path / "long.jsonl"
     rows = [{"prompt": "say: apple"}, {"prompt": "say: " + " ".join(["banana cherry"] * 40)}]

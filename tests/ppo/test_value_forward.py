@@ -44,7 +44,7 @@ def _hf_scores(rm_dir: str, samples) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_reward_and_critic_match_hf_per_token(ppo_setup, engines, packing):
-    from rlhf.experience import collate_sequences, forward_role, prepare_microbatches, select_rows
+    from rlhf.ppo.experience import collate_sequences, forward_role, prepare_microbatches, select_rows
 
     eng = engines
     samples = _samples(eng.spec.vocab_size)

@@ -1,65 +1,64 @@
 """``launch/ppo.py`` flags: the PPO parameter table users know from OpenRLHF / AIAK-RLHF, checked before any
-model is loaded. Each check raises ``ValueError`` naming the flag and its value."""
+model is loaded. Each check raises ``ValueError`` naming the flag and its value. Flags shared with other entry
+points come from the groups in ``rlhf.config`` and ``rlhf.rewards``."""
 from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from rlhf.config import (add_batch_args, add_engine_args, add_optim_args, add_output_args,
+                             add_rollout_backend_args, add_sampling_args, add_text_args)
+    from rlhf.models.lora import add_lora_args
+    from rlhf.rewards import add_reward_args
+
     g = p.add_argument_group("models and data")
     g.add_argument("--pretrain", required=True, help="actor (and reference) model: HF folder or megatron checkpoint")
-    g.add_argument("--reward_pretrain", default=None,
-                   help="reward model(s), comma-separated: HF *ForSequenceClassification folders (rlhf/rewards.py)")
-    g.add_argument("--reward_weights", default=None, help="one weight per reward model (default 1.0 each: a sum)")
-    g.add_argument("--reward_fn", default=None,
-                   help="rule reward module:function, fn(prompts, responses) -> list[float]; alone or added")
-    g.add_argument("--reward_fn_weight", type=float, default=1.0, help="weight of --reward_fn in the sum")
+    add_reward_args(g)
     g.add_argument("--critic_pretrain", default=None, help="critic init (default: the first --reward_pretrain)")
-    g.add_argument("--save_path", required=True, help="the final actor is exported here in HF format")
-    g.add_argument("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>/checkpoints)")
-    g.add_argument("--max_ckpt_num", type=int, default=3)
     g.add_argument("--prompt_data", required=True, help="comma-separated jsonl/json/parquet files or HF disk folders")
     g.add_argument("--prompt_data_probs", default=None, help="mixing probabilities, one per --prompt_data entry")
-    g.add_argument("--input_key", default="input", help="the prompt field")
+    add_text_args(g, input_key=True)
     g.add_argument("--label_key", default=None, help="optional field passed through with each prompt")
-    g.add_argument("--input_template", default=None)
-    g.add_argument("--apply_chat_template", action="store_true")
-    g.add_argument("--max_samples", type=int, default=100_000_000)
-    g.add_argument("--skip_bad_samples", action="store_true")
-    g = p.add_argument_group("batching")
-    g.add_argument("--micro_train_batch_size", type=int, default=8, help="samples per forward/backward per rank")
-    g.add_argument("--train_batch_size", type=int, default=128, help="samples (responses) per optimizer step")
+    g = p.add_argument_group("batching and generation")
+    add_batch_args(g, micro_bs=8, epochs=1)
     g.add_argument("--micro_rollout_batch_size", type=int, default=8, help="samples per experience forward per rank")
     g.add_argument("--rollout_batch_size", type=int, default=512, help="prompts per rollout (global)")
     g.add_argument("--n_samples_per_prompt", type=int, default=1)
-    g.add_argument("--max_epochs", type=int, default=1, help="PPO passes over each rollout batch")
     g.add_argument("--num_episodes", type=int, default=1, help="passes over the prompt data")
-    g.add_argument("--generate_max_len", type=int, default=1024)
-    g.add_argument("--prompt_max_len", type=int, default=1024)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top_p", type=float, default=1.0)
+    add_sampling_args(g)
     g.add_argument("--ignore_eos", action="store_true",
                    help="generate exactly --generate_max_len tokens per response (benchmarks)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--actor_learning_rate", type=float, default=1e-6)
     g.add_argument("--critic_learning_rate", type=float, default=9e-6)
-    g.add_argument("--lr_warmup_ratio", type=float, default=0.03)
-    g.add_argument("--lr_scheduler", default="cosine_with_min_lr")
-    g.add_argument("--l2", type=float, default=0.0)
-    g.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
-    g.add_argument("--max_norm", type=float, default=1.0, help="gradient clipping")
-    g.add_argument("--max_skipped_steps", type=int, default=3,
-                   help="updates with a non-finite loss or grad norm are skipped (and counted); this many in a row "
-                        "stop the job with an error")
+    add_optim_args(g)
+    _add_ppo_algo_args(g)
+    g = p.add_argument_group("placement and memory")
+    _add_placement_args(g)
+    add_rollout_backend_args(g)
+    add_engine_args(g)
+    add_lora_args(p)  # --lora_rank etc.: the actor's adapters; --lora_export: the final actor export
+    p.add_argument("--critic_lora_rank", type=int, default=0,
+                   help="LoRA rank of the critic (0: full fine-tuning); shares --lora_alpha/--target_modules/"
+                        "--lora_dropout; its score head always trains")
+    g = p.add_argument_group("running")
+    add_output_args(g, what="actor")
+    g.add_argument("--gold_reward_fn", default=None,
+                   help="module:function scoring (prompts, replies) with a rule; logged as gold_reward, never "
+                        "optimized (e.g. rlhf.demo.sort_task:gold_rewards)")
+
+
+def _add_ppo_algo_args(g) -> None:
     g.add_argument("--init_kl_coef", type=float, default=0.01)
     g.add_argument("--kl_target", type=float, default=None, help="adaptive KL target (default: fixed coefficient)")
     g.add_argument("--kl_horizon", type=float, default=10000)
     g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"])
-    g.add_argument("--normalize_reward", action="store_true",
-                   help="normalize each reward model's score with its saved mean/std (config.json 'rlhf')")
     g.add_argument("--eps_clip", type=float, default=0.2)
     g.add_argument("--value_clip", type=float, default=0.2)
     g.add_argument("--gamma", type=float, default=1.0)
@@ -72,7 +71,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use_tis", action="store_true",
                    help="truncated importance sampling: weight the policy loss by min(p_trainer/p_vllm, --tis_cap)")
     g.add_argument("--tis_cap", type=float, default=2.0)
-    g = p.add_argument_group("placement and memory")
+
+
+def _add_placement_args(g) -> None:
     g.add_argument("--colocate_all", "--colocate_all_models", action=argparse.BooleanOptionalAction, default=True,
                    help="all four roles and vLLM share every rank (the only layout of this trainer)")
     g.add_argument("--ref_reward_offload", action="store_true", help="keep ref/reward weights on host between uses")
@@ -80,56 +81,53 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vllm_num_engines", type=int, default=None, help="must equal world size / vLLM TP")
     g.add_argument("--vllm_tensor_parallel_size", type=int, default=1)
     g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.95)
-    g.add_argument("--vllm_kv_cache_mb", type=int, default=None,
-                   help="vLLM KV cache per rank in MB (vLLM's kv_cache_memory_bytes). Default: 256 on CPU; on CUDA "
-                        "--vllm_gpu_memory_utilization decides, and this flag, when given, replaces it")
     g.add_argument("--vllm_enforce_eager", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--rollout_backend", default="auto", help="auto (vLLM if installed) | vllm | megatron (fallback)")
     g.add_argument("--weight_sync_bucket_mb", type=int, default=512)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--gradient_checkpointing", action="store_true")
-    g.add_argument("--transformer_impl", choices=["local", "transformer_engine"], default=None,
-                   help="megatron layer implementation (megatron's flag); default: transformer_engine where it "
-                        "imports on CUDA, else local. Checkpoints are the same under either")
-    g.add_argument("--packing_samples", action="store_true")
-    g.add_argument("--zero_stage", type=int, default=0,
-                   help="compatibility: >=1 maps to megatron's distributed optimizer (ZeRO-1)")
-    g.add_argument("--flash_attn", action="store_true", help="compatibility: TE/flash attention when installed")
-    g.add_argument("--tensor_model_parallel_size", "--tp", type=int, default=1)
-    g.add_argument("--pipeline_model_parallel_size", "--pp", type=int, default=1)
-    from rlhf.models.lora import add_lora_args
-
-    add_lora_args(p)  # --lora_rank etc.: the actor's adapters; --lora_export: the final actor export
-    p.add_argument("--critic_lora_rank", type=int, default=0,
-                   help="LoRA rank of the critic (0: full fine-tuning); shares --lora_alpha/--target_modules/"
-                        "--lora_dropout; its score head always trains")
-    g = p.add_argument_group("running")
-    g.add_argument("--save_steps", type=int, default=-1, help="checkpoint every N PPO steps (-1: only at the end)")
-    g.add_argument("--logging_steps", type=int, default=1)
-    g.add_argument("--tensorboard", "--use_tensorboard", dest="tensorboard", default=None)
-    g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--load_checkpoint", action="store_true")
-    g.add_argument("--gold_reward_fn", default=None,
-                   help="module:function scoring (prompts, replies) with a rule; logged as gold_reward, never "
-                        "optimized (e.g. rlhf.demo.sort_task:gold_rewards)")
-    g.add_argument("--stop_after_steps", type=int, default=-1, help="stop (as if killed) after N steps; for tests")
 
 
-def validate(args: argparse.Namespace, world_size: int) -> dict:
-    """Flag-only checks (plus model configs). Returns the derived sizes."""
-    from rlhf.algo.advantages import get_estimator
+@dataclass
+class PPOSetup:
+    """What ``validate`` derives from the flags and the model configs (no weights read)."""
+
+    dp: int
+    """data-parallel size: world size / (TP x PP)"""
+    engines: int
+    """generation engines: world size / vLLM TP (the megatron fallback: one per DP rank)"""
+    samples: int
+    """samples per step, global: --rollout_batch_size x --n_samples_per_prompt"""
+    sources: dict[str, Any]
+    """``describe_source`` of each model flag: {"--pretrain": ..., "--critic_pretrain": ..., "--reward_pretrain":
+    [one per reward model]}"""
+    rewards: Any
+    """the ``RewardConfig``"""
+
+
+def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
+    """Flag-only checks (plus model configs), before any process group or model."""
     from rlhf.config import check_paths_exist, check_resumable
     from rlhf.distributed.mesh import validate_layout
-    from rlhf.engine import describe_source
-    from rlhf.models.spec import check_parallel_fit
-
     from rlhf.models.gpt import resolve_transformer_impl
+    from rlhf.models.lora import lora_config_from_args
 
     resolve_transformer_impl(args.transformer_impl, lora=bool(getattr(args, "lora_rank", 0)))  # before any model
     if not args.colocate_all:
         raise ValueError("--no-colocate_all: this trainer runs every role in one SPMD job on every rank; separate "
                          "placement (Ray-style) is not supported")
     dp = validate_layout(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    _check_algo(args)
+    engines = _check_batch_sizes(args, world_size, dp)
+    check_paths_exist("--prompt_data", args.prompt_data)
+    check_resumable(args)
+    lora_config_from_args(args)
+    lora_config_from_args(args, "critic_lora_rank")
+    rewards, sources = _check_models(args)
+    return PPOSetup(dp=dp, engines=engines, samples=args.rollout_batch_size * args.n_samples_per_prompt,
+                    sources=sources, rewards=rewards)
+
+
+def _check_algo(args: argparse.Namespace) -> None:
+    from rlhf.algo.advantages import get_estimator
+
     if args.use_rollout_logprobs and args.use_tis:
         raise ValueError("--use_tis corrects for the generator's log-probs differing from the trainer's, but with "
                          "--use_rollout_logprobs they are the same; use one of them")
@@ -139,7 +137,7 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     estimator = get_estimator(args.advantage_estimator)
-    if args.advantage_estimator in ("grpo", "dr_grpo") and args.n_samples_per_prompt < 2:
+    if estimator.needs_groups and args.n_samples_per_prompt < 2:
         raise ValueError(f"--advantage_estimator {args.advantage_estimator} needs --n_samples_per_prompt >= 2, "
                          f"got {args.n_samples_per_prompt}")
     if args.temperature <= 0:
@@ -150,6 +148,10 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
         raise ValueError(f"--zero_stage must be 0..3, got {args.zero_stage}")
     if args.vllm_tensor_parallel_size < 1:
         raise ValueError(f"--vllm_tensor_parallel_size must be >= 1, got {args.vllm_tensor_parallel_size}")
+
+
+def _check_batch_sizes(args: argparse.Namespace, world_size: int, dp: int) -> int:
+    """The batch flags against each other and the layout; returns the number of generation engines."""
     engines = (world_size // args.vllm_tensor_parallel_size if args.rollout_backend != "megatron" else dp)
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     checks = [
@@ -171,23 +173,25 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
-    check_paths_exist("--prompt_data", args.prompt_data)
-    check_resumable(args)
-    from rlhf.models.lora import lora_config_from_args
+    return engines
 
-    lora_config_from_args(args)
-    lora_config_from_args(args, "critic_lora_rank")
+
+def _check_models(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """Every model flag's config: the reward models, the actor, the critic (when the estimator needs one)."""
+    from rlhf.algo.advantages import get_estimator
+    from rlhf.models.source import describe_source
+    from rlhf.models.spec import check_parallel_fit
     from rlhf.rewards import RewardConfig
 
+    needs_critic = get_estimator(args.advantage_estimator).needs_critic
     rewards = RewardConfig.from_args(args)
     critic = args.critic_pretrain or (rewards.paths[0] if rewards.paths else None)
-    if estimator.needs_critic and critic is None:
+    if needs_critic and critic is None:
         raise ValueError(f"--reward_fn {args.reward_fn} without --reward_pretrain: the critic of "
                          f"--advantage_estimator {args.advantage_estimator} needs --critic_pretrain")
     sources = {"--reward_pretrain": rewards.validate_models(args.tensor_model_parallel_size,
                                                             args.pipeline_model_parallel_size)}
-    for flag, path in (("--pretrain", args.pretrain),
-                       ("--critic_pretrain", critic if estimator.needs_critic else None)):
+    for flag, path in (("--pretrain", args.pretrain), ("--critic_pretrain", critic if needs_critic else None)):
         if path is None:
             continue
         try:
@@ -197,8 +201,7 @@ def validate(args: argparse.Namespace, world_size: int) -> dict:
         check_parallel_fit(src["spec"], args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            src["padded_vocab"])
         sources[flag] = src
-    return {"dp": dp, "engines": engines, "samples": samples, "needs_critic": estimator.needs_critic,
-            "sources": sources, "rewards": rewards}
+    return rewards, sources
 
 
 def log_compat(args: argparse.Namespace) -> None:

@@ -1,4 +1,4 @@
-"""Experience making: from generated samples to the tensors PPO trains on.
+"""Experience: from generated samples to the tensors PPO trains on (the ``make_experience`` stage's records).
 
 Shapes: B samples on this DP rank, S = padded prompt+response length, T = ``--generate_max_len`` (response
 tensors always have this width, so they concatenate and all-gather without re-padding), H hidden size.
@@ -6,12 +6,13 @@ tensors always have this width, so they concatenate and all-gather without re-pa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
+from rlhf.distributed.collectives import to_all_stages
+from rlhf.models.outputs import response_logprobs, response_values, sequence_scores
 from rlhf.rollout.types import Sample
 
 
@@ -62,106 +63,52 @@ def prepare_microbatches(mbs: list[dict], *, packing: bool, pp: int, pad_id: int
     return [pack_microbatch(mb, pad_id, pad_to) for mb in mbs]
 
 
-def response_hidden(hidden: torch.Tensor, batch: dict) -> torch.Tensor:
-    """hidden (B, S, H) [or packed (1, N, H)] -> (B, T, H) at the positions that predict the response tokens."""
-    if "packed_resp_pos" in batch:
-        return hidden[0][batch["packed_resp_pos"]]
-    return hidden.gather(1, batch["resp_pos"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-
-
-def response_values(values: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Critic output (B, S) [or packed (1, N)] -> (B, T) fp32 at the positions before each response token."""
-    if "packed_resp_pos" in batch:
-        return values[0][batch["packed_resp_pos"]].float()
-    return values.gather(1, batch["resp_pos"]).float()
-
-
-def sequence_scores(values: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Reward-model output at each sequence's last token -> (B,) fp32."""
-    from rlhf.algo.losses import sequence_rewards
-
-    if "packed_last" in batch:
-        return values[0][batch["packed_last"]].float()
-    return sequence_rewards(values, batch["attention_mask"])
-
-
-def actor_logprobs(engine, batch: dict, hidden: torch.Tensor, temperature: float, entropy: bool = False):
-    """log p(response token) at ``temperature`` from the final hidden states, through the fused vocab-parallel
-    kernel (the [tokens, vocab] logits are never whole in memory). Returns (B, T) fp32 (and entropy)."""
-    import kernels
-
-    mesh = engine.mesh
-    weight = engine.model.output_weight()
-    h = response_hidden(hidden, batch).to(weight.dtype)  # (B, T, H); bf16 models hand fp32 hidden states back
-    b, t, hdim = h.shape
-    out = kernels.fused_linear_logprobs(h.reshape(-1, hdim), weight,
-                                        batch["response_ids"].reshape(-1), temperature=temperature,
-                                        tp_group=mesh.tp_group if mesh.tp > 1 else None,
-                                        return_entropy=entropy, vocab_size=engine.spec.vocab_size)
-    if entropy:
-        return out[0].view(b, t), out[1].view(b, t)
-    return out.view(b, t)
-
-
-def _collect(outs: list[dict], key: str) -> torch.Tensor | None:
-    return torch.cat([o[key] for o in outs]) if outs else None
-
-
 def forward_role(engine, role: str, microbatches: list[dict], temperature: float) -> torch.Tensor:
-    """One frozen forward of ``role`` over this rank's micro-batches; the result on every pipeline stage.
+    """One frozen forward of ``role`` over this rank's micro-batches (the pipeline's no-loss path, each output read
+    where the role needs it); the result on every pipeline stage.
     actor/ref -> log-probs (B, T); critic -> values (B, T); reward -> scores (B,)."""
-    def fn(batch: dict, out: torch.Tensor):
-        if role in ("actor", "ref"):
-            res = actor_logprobs(engine, batch, out, temperature)
-        elif role == "critic":
-            res = response_values(out, batch)
-        else:
-            res = sequence_scores(out, batch)
-        return torch.zeros(()), {"out": res}
+    if role in ("actor", "ref"):
+        def read(batch: dict, hidden: torch.Tensor) -> torch.Tensor:
+            return response_logprobs(engine, batch, hidden, temperature)
+        output = "hidden"
+    else:
+        reader = response_values if role == "critic" else sequence_scores
 
-    output = "hidden" if role in ("actor", "ref") else "logits"
-    outs = engine.forward(microbatches, output=output, loss_fn=fn)
-    local = _collect(outs, "out")
+        def read(batch: dict, out: torch.Tensor) -> torch.Tensor:
+            return reader(out, batch)
+        output = "head"
+    outs = engine.forward(microbatches, output=output, read=read)
+    local = torch.cat([o["output"] for o in outs]) if outs else None  # last stage only
     B = sum(mb["response_ids"].shape[0] for mb in microbatches)
     T = microbatches[0]["response_ids"].shape[1]
-    shape = (B,) if role == "reward" else (B, T)
-    return to_all_stages(local, shape, engine.mesh)
-
-
-def to_all_stages(t: torch.Tensor | None, shape: tuple, mesh) -> torch.Tensor:
-    """Broadcast a last-stage result over the pipeline group (a no-op without PP)."""
-    if mesh.pp == 1:
-        return t
-    buf = t.contiguous().float() if mesh.is_last_stage else torch.empty(shape, dtype=torch.float32,
-                                                                          device=mesh.device)
-    dist.broadcast(buf, src=dist.get_global_rank(mesh.pp_group, mesh.pp - 1), group=mesh.pp_group)
-    return buf
-
-
-def dp_all_gather(t: torch.Tensor, mesh) -> torch.Tensor:
-    """Concatenate a per-DP-rank tensor over the DP group, in DP-rank order (dim 0)."""
-    if mesh.dp == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(mesh.dp)]
-    dist.all_gather(parts, t.contiguous(), group=mesh.dp_group)
-    return torch.cat(parts)
+    return to_all_stages(local, (B,) if role == "reward" else (B, T), engine.mesh)
 
 
 @dataclass
 class Experience:
-    """This DP rank's share of one rollout, ready for the PPO updates. Response tensors are (B, T)."""
+    """This DP rank's share of one rollout, ready for the PPO updates. B samples, T = --generate_max_len."""
 
     samples: list[Sample]
-    batch: dict  # collate_sequences of all B samples
+    batch: dict
+    """``collate_sequences`` of the B samples: input_ids, attention_mask (B, S); response_ids, action_mask,
+    resp_pos (B, T)"""
     old_logprobs: torch.Tensor
+    """(B, T) log-probs the updates' ratio starts from: the actor's forward in make_experience, or, with
+    --use_rollout_logprobs, the generator's (``vllm_logprobs``)"""
     vllm_logprobs: torch.Tensor
-    rewards: torch.Tensor  # (B,)
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
+    """(B, T) the generator's log-probs of the sampled tokens (vLLM or the megatron fallback)"""
+    rewards: torch.Tensor
+    """(B,) the combined reward being optimized (normalized where asked; rlhf/rewards.py)"""
     ref_logprobs: torch.Tensor | None = None
+    """(B, T) the reference model's, when --init_kl_coef > 0"""
     values: torch.Tensor | None = None
+    """(B, T) the critic's, when the estimator needs a critic"""
     kl: torch.Tensor | None = None
-    info: dict = field(default_factory=dict)
+    """(B, T) per-token KL estimate of old_logprobs against ref_logprobs (zeros without a reference)"""
+    advantages: torch.Tensor | None = None
+    """(B, T) from compute_advantages"""
+    returns: torch.Tensor | None = None
+    """(B, T) from compute_advantages"""
 
     def select(self, idx: Sequence[int], trim: bool = True) -> dict:
         """A training micro-batch: the collated rows ``idx`` plus their experience tensors. ``trim`` cuts the

@@ -1,0 +1,118 @@
+"""PPO's models on every rank: actor, critic, reference, reward models, the generator and the memory schedule
+that time-shares them (``rlhf.offload``). Built in the order that matters on CUDA: vLLM first (its start-up
+claims a fraction of the memory free then), then the megatron engines."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("rlhf")
+
+
+@dataclass
+class PPORoles:
+    actor: Any
+    """the trained policy (``ModelEngine``)"""
+    critic: Any | None
+    """the trained value model, when the estimator needs one"""
+    ref: Any | None
+    """the frozen reference policy, when --init_kl_coef > 0"""
+    reward_models: dict[str, Any]
+    """frozen reward models by role name: "reward", "reward1", ... (in --reward_pretrain order)"""
+    rollout: Any
+    """the generator: vLLM in these processes, or the megatron fallback that samples with the actor"""
+    weight_sync: Any
+    """actor shards -> the generator (``rlhf.rollout.weight_sync.WeightSync``)"""
+    memory: Any
+    """``MemoryScheduler``: what is resident in each phase"""
+    managers: dict[str, Any]
+    """one ``OffloadManager`` per role"""
+
+    @property
+    def engines(self) -> dict[str, Any]:
+        """Every megatron engine by role name."""
+        return {k: v for k, v in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref),
+                                  *self.reward_models.items()) if v is not None}
+
+    @property
+    def trainable(self) -> dict[str, Any]:
+        return {k: v for k, v in (("actor", self.actor), ("critic", self.critic)) if v is not None}
+
+    def all_on_device(self) -> None:
+        """Every role's parameters and optimizer states on the device (before a save, a load or the export)."""
+        for m in self.managers.values():
+            m.onload()
+        self.memory.current = None
+
+
+def rollout_config(args: argparse.Namespace):
+    from rlhf.rollout import RolloutConfig
+    from rlhf.rollout.types import mb_to_bytes
+
+    return RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size, num_engines=args.vllm_num_engines,
+                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                         kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb),
+                         max_model_len=args.prompt_max_len + args.generate_max_len,
+                         dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
+                         enforce_eager=args.vllm_enforce_eager, backend=args.rollout_backend,
+                         weight_sync_bucket_mb=args.weight_sync_bucket_mb)
+
+
+def build_roles(args: argparse.Namespace, setup, mesh, estimator, total_updates: int) -> PPORoles:
+    """Every role of the job on this rank, then the memory schedule; ``total_updates`` sizes the LR schedules."""
+    from rlhf.config import optim_config
+    from rlhf.engine import ModelEngine
+    from rlhf.models.lora import lora_config_from_args
+    from rlhf.rollout import build_rollout
+    from rlhf.rollout.model_dir import vllm_model_dir
+    from rlhf.rollout.vllm_engine import vllm_available
+    from rlhf.rollout.weight_sync import WeightSync
+
+    rcfg = rollout_config(args)
+    # vLLM starts before any model is on the device (on CUDA its start-up claims --vllm_gpu_memory_utilization
+    # of the memory that is free then), and goes to sleep at once; the first weight sync wakes it.
+    rollout = None
+    if rcfg.backend == "vllm" or (rcfg.backend == "auto" and vllm_available()):
+        model_dir = vllm_model_dir(args.pretrain, setup.sources["--pretrain"], mesh,
+                                   out_dir=os.path.join(args.save_path, "vllm_config"))
+        rollout = build_rollout(mesh, None, rcfg, model_dir)
+        rollout.sleep()
+    common = dict(bf16=args.bf16, recompute=args.gradient_checkpointing)
+    impl = dict(transformer_impl=args.transformer_impl)
+    actor = ModelEngine(mesh, args.pretrain, optim=optim_config(args, args.actor_learning_rate, total_updates),
+                        value_head=False, name="actor", lora=lora_config_from_args(args), **common, **impl)
+    ref = (ModelEngine(mesh, args.pretrain, value_head=False, name="ref", bf16=args.bf16, **impl)
+           if args.init_kl_coef > 0 else None)
+    reward_models = {f"reward{i or ''}": ModelEngine(mesh, path, value_head=True, name=f"reward{i or ''}",
+                                                     bf16=args.bf16, **impl)
+                     for i, path in enumerate(setup.rewards.paths)}
+    critic = (ModelEngine(mesh, args.critic_pretrain or setup.rewards.paths[0], value_head=True, name="critic",
+                          optim=optim_config(args, args.critic_learning_rate, total_updates),
+                          lora=lora_config_from_args(args, "critic_lora_rank"), **common, **impl)
+              if estimator.needs_critic else None)
+    roles = PPORoles(actor=actor, critic=critic, ref=ref, reward_models=reward_models, rollout=rollout,
+                     weight_sync=None, memory=None, managers={})
+    _add_memory_schedule(roles, args, mesh)
+    if roles.rollout is None:  # the megatron fallback generates with the actor itself
+        roles.rollout = build_rollout(mesh, actor, rcfg, "")
+    torch.manual_seed(args.seed)
+    roles.weight_sync = WeightSync(actor, mesh, rcfg.weight_sync_bucket_mb << 20)
+    return roles
+
+
+def _add_memory_schedule(roles: PPORoles, args: argparse.Namespace, mesh) -> None:
+    from rlhf.offload import MemoryScheduler, OffloadManager, cpu_offload_moves
+
+    roles.managers = {k: OffloadManager(v, name=k) for k, v in roles.engines.items()}
+    moves = mesh.device.type != "cpu" or cpu_offload_moves()
+    roles.memory = MemoryScheduler(roles.managers, colocate_all=args.colocate_all,
+                                   ref_reward_offload=args.ref_reward_offload, adam_offload=args.adam_offload,
+                                   move=moves)
+    if not moves and mesh.is_rank0 and (args.colocate_all or args.ref_reward_offload or args.adam_offload):
+        log.info("offload: the device is the CPU, so parameters, gradients and optimizer states stay where "
+                 "they are (a host copy cannot lower peak memory); RLHF_OFFLOAD_ON_CPU=1 copies anyway")

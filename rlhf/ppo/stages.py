@@ -1,0 +1,227 @@
+"""The stages of one PPO step, in order: sync -> generate -> make_experience -> compute_advantages -> update.
+
+Each stage is a function of the roles (``rlhf.ppo.roles.PPORoles``), the flags and the previous stage's record,
+timed by phase name, and enters its memory phase (``rlhf.offload``) before it runs."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.distributed.collectives import dp_all_gather
+from rlhf.ppo.experience import (Experience, collate_sequences, forward_role, prepare_microbatches,
+                                 select_rows)
+from rlhf.rollout.types import Sample
+
+
+def sync_weights(roles, timer) -> dict[str, float]:
+    """weight_sync: the actor's shards into the generator (after each update, and once at the start)."""
+    roles.memory.enter("weight_sync")
+    with timer.phase("weight_sync"):
+        roles.rollout.wake_up(["weights"])
+        return roles.weight_sync.sync(roles.rollout)
+
+
+@dataclass
+class Rollout:
+    """What ``generate`` made: every sample of the step, and this DP rank's share."""
+
+    prompt_idx: list[int]
+    """the step's prompts, as indices into the prompt dataset"""
+    samples: list[Sample]
+    """every sample of the step, prompt-major (the same list on every rank)"""
+    local: list[Sample]
+    """this DP rank's contiguous share of ``samples``"""
+
+    @property
+    def tokens(self) -> float:
+        """prompt + response tokens of every sample (the throughput figures' numerator)"""
+        return float(sum(len(s.prompt_ids) + len(s.response_ids) for s in self.samples))
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.samples)
+
+
+def generate(roles, args: argparse.Namespace, prompts: list, prompt_idx: list[int], step: int, mesh,
+             timer) -> Rollout:
+    """rollout: ``--n_samples_per_prompt`` samples per prompt; ``prompts`` are the dataset's PromptSamples."""
+    # The fallback generator runs the actor itself, so its parameters stay resident (weight_sync's residency).
+    roles.memory.enter("weight_sync" if roles.rollout.reads_actor_params else "rollout")
+    with timer.phase("rollout"):
+        roles.rollout.wake_up(["kv_cache"])
+        samples = roles.rollout.generate([prompts[i].prompt_ids.tolist() for i in prompt_idx],
+                                         n=args.n_samples_per_prompt, temperature=args.temperature,
+                                         top_p=args.top_p, max_tokens=args.generate_max_len,
+                                         seed=args.seed * 100_003 + step, ignore_eos=args.ignore_eos)
+        roles.rollout.sleep()
+    per = len(samples) // mesh.dp
+    return Rollout(prompt_idx=prompt_idx, samples=samples, local=samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per])
+
+
+def experience_microbatches(rollout: Rollout, args: argparse.Namespace, mesh, pad_id: int) -> tuple[dict, list]:
+    """This rank's samples collated on the device (B rows, response width T = --generate_max_len), and the
+    --micro_rollout_batch_size micro-batches of the experience forwards (packed with --packing_samples)."""
+    from rlhf.distributed.device import to_device
+
+    batch = to_device(collate_sequences(rollout.local, pad_id, args.generate_max_len), mesh.device)
+    trim, mrb = mesh.pp == 1, args.micro_rollout_batch_size
+    mbs = prepare_microbatches([select_rows(batch, range(i, i + mrb), trim)
+                                for i in range(0, len(rollout.local), mrb)],
+                               packing=args.packing_samples, pp=mesh.pp, pad_id=pad_id)
+    return batch, mbs
+
+
+def frozen_forwards(roles, args: argparse.Namespace, mbs: list, tokens: float, timer) -> dict[str, torch.Tensor]:
+    """make_experience's forwards, one role after another: actor and ref log-probs (B, T) at the sampling
+    temperature (no actor forward with --use_rollout_logprobs), critic values (B, T), reward scores (B,)."""
+    roles.memory.enter("make_experience")
+    out = {}
+    engines = roles.engines
+    order = ("ref", *roles.reward_models, "critic")
+    for role in order if args.use_rollout_logprobs else ("actor", *order):
+        if role in engines:
+            with timer.phase(f"{role}_fwd", tokens=tokens):
+                out[role] = forward_role(engines[role], "reward" if role in roles.reward_models else role, mbs,
+                                         args.temperature if role in ("actor", "ref") else 1.0)
+    return out
+
+
+def generator_logprobs(local: list[Sample], T: int) -> torch.Tensor:
+    """The generator's log-probs of the sampled tokens, right-padded to (B, T) with zeros."""
+    lp = torch.zeros(len(local), T)
+    for b, s in enumerate(local):
+        lp[b, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    return lp
+
+
+class RewardSources:
+    """The step's reward: reward-model scores and the rule function (``--reward_fn``), combined as
+    ``rlhf.rewards`` describes; the rule function reads the prompt texts and the decoded replies."""
+
+    def __init__(self, cfg, sources: list, prompts: list, tokenizer, mesh):
+        from rlhf.rewards import load_reward_fn
+
+        self.cfg, self.prompts, self.tokenizer, self.mesh = cfg, prompts, tokenizer, mesh
+        self.fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
+        self.norms = cfg.norms(sources)
+
+    def texts(self, rollout: Rollout, samples: list[Sample]) -> tuple[list[str], list[str]]:
+        """(prompt texts as the model saw them, decoded replies) of ``samples``."""
+        texts = [self.prompts[rollout.prompt_idx[s.prompt_index]].prompt for s in samples]
+        return texts, self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+
+    def score(self, model_scores: dict[str, torch.Tensor], rollout: Rollout
+              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """This rank's (optimized, raw) rewards (B,) from the reward models' scores (by role name), and each
+        source's global mean as reward/rm<i>, reward/fn (when there is more than one, or normalization)."""
+        from rlhf.rewards import call_reward_fn, combine_rewards, source_metrics
+
+        scores = dict(zip(self.cfg.rm_names, model_scores.values()))
+        if self.fn is not None:
+            scores["fn"] = call_reward_fn(self.fn, *self.texts(rollout, rollout.local)).to(self.mesh.device)
+        rewards, raw = combine_rewards(scores, self.cfg.source_weights, self.norms)
+        metrics = {}
+        if len(scores) > 1 or self.norms:
+            metrics.update(source_metrics({k: dp_all_gather(v, self.mesh) for k, v in scores.items()}))
+        if self.norms:
+            metrics["reward_normalized"] = dp_all_gather(rewards, self.mesh).mean().item()
+        return rewards, raw, metrics
+
+
+def make_experience(roles, args: argparse.Namespace, rollout: Rollout, rewards: RewardSources, mesh, pad_id: int,
+                    timer) -> tuple[Experience, torch.Tensor, dict[str, float]]:
+    """make_experience: the frozen forwards and the rewards of this rank's samples. Returns the experience,
+    the raw (unnormalized) combined rewards (B,) and the reward metrics."""
+    batch, mbs = experience_microbatches(rollout, args, mesh, pad_id)
+    out = frozen_forwards(roles, args, mbs, rollout.tokens, timer)
+    vllm_lp = generator_logprobs(rollout.local, args.generate_max_len)
+    combined, raw, metrics = rewards.score({r: out[r] for r in roles.reward_models}, rollout)
+    vllm_lp = vllm_lp.to(batch["action_mask"].device)
+    exp = Experience(samples=rollout.local, batch=batch,
+                     old_logprobs=vllm_lp if args.use_rollout_logprobs else out["actor"], vllm_logprobs=vllm_lp,
+                     rewards=combined, ref_logprobs=out.get("ref"), values=out.get("critic"))
+    return exp, raw, metrics
+
+
+def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl_coef: float,
+                       args: argparse.Namespace, mesh) -> dict[str, float]:
+    """advantages: the per-token KL estimate, then the estimator over the global batch (gathered over DP, so
+    GRPO groups and whitening see every sample); fills ``exp.kl``, ``exp.advantages``, ``exp.returns``.
+    Returns the global reward, KL and advantage statistics (and the generator-vs-trainer log-prob drift)."""
+    from rlhf.algo.ppo_losses import kl_estimate, masked_mean, masked_whiten
+
+    mask = exp.batch["action_mask"]
+    exp.kl = (kl_estimate(exp.old_logprobs, exp.ref_logprobs, args.kl_estimator, mask)
+              if exp.ref_logprobs is not None else torch.zeros_like(exp.old_logprobs))
+    g = lambda t: dp_all_gather(t, mesh) if t is not None else None  # noqa: E731
+    gmask, gkl = g(mask), g(exp.kl)
+    res = estimator(rewards=g(exp.rewards), kl=gkl, values=g(exp.values), action_mask=gmask,
+                    kl_coef=0.0 if estimator.kl_in_loss else kl_coef, gamma=args.gamma, lambd=args.lambd,
+                    n_samples_per_prompt=args.n_samples_per_prompt)
+    adv = masked_whiten(res["advantages"], gmask) if estimator.whiten else res["advantages"]
+    lo, B = mesh.dp_rank * mask.shape[0], mask.shape[0]
+    exp.advantages, exp.returns = adv[lo:lo + B], res["returns"][lo:lo + B]
+    graw = g(raw_rewards)
+    out = {"reward": graw.mean().item(), "reward_std": graw.std().item() if graw.numel() > 1 else 0.0,
+           "kl": masked_mean(gkl, gmask).item(), "advantages_abs": masked_mean(adv.abs(), gmask).item()}
+    if not args.use_rollout_logprobs:  # generator vs trainer log-probs of the same weights
+        gdiff = (g(exp.vllm_logprobs) - g(exp.old_logprobs)).abs()
+        out["rollout_logprob_drift"] = masked_mean(gdiff, gmask).item()
+        out["rollout_logprob_drift_max"] = gdiff.masked_fill(~gmask, 0).max().item()
+    return out
+
+
+def update_plans(B: int, args: argparse.Namespace, dp: int, step: int) -> list[list[list[int]]]:
+    """Each optimizer step's micro-batches (row indices into this rank's B samples): --max_epochs shuffled
+    passes, --train_batch_size samples (global) per step, --micro_train_batch_size per micro-batch."""
+    per_update = args.train_batch_size // dp // args.micro_train_batch_size
+    m = args.micro_train_batch_size
+    plans = []
+    for epoch in range(args.max_epochs):
+        gen = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + epoch)
+        perm = torch.randperm(B, generator=gen).tolist()
+        micro = [perm[i:i + m] for i in range(0, B, m)]
+        plans += [micro[i:i + per_update] for i in range(0, len(micro), per_update)]
+    return plans
+
+
+def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef: float, step: int, mesh,
+           pad_id: int, tokens: float, timer) -> dict[str, float]:
+    """critic_update then actor_update over the same plans; metrics averaged over the optimizer steps."""
+    from rlhf.algo.ppo_losses import ACTOR_METRICS, CRITIC_METRICS, make_actor_loss, make_critic_loss
+    from rlhf.models.outputs import response_logprobs, response_values
+
+    plans = update_plans(exp.old_logprobs.shape[0], args, mesh.dp, step)
+    trim = mesh.pp == 1
+
+    def microbatches(plan: list[list[int]]) -> list[dict]:
+        return prepare_microbatches([exp.select(ix, trim) for ix in plan], packing=args.packing_samples,
+                                    pp=mesh.pp, pad_id=pad_id)
+
+    sums: dict[str, float] = {}
+    if roles.critic is not None:
+        critic_loss = make_critic_loss(response_values, value_clip=args.value_clip)
+        _train_role(roles, "critic", plans, microbatches, critic_loss, CRITIC_METRICS, "head", sums,
+                    tokens * args.max_epochs, timer)
+    actor_loss = make_actor_loss(
+        lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, args.temperature, entropy=True),
+        eps_clip=args.eps_clip, kl_in_loss=estimator.kl_in_loss, kl_coef=kl_coef, kl_estimator=args.kl_estimator,
+        tis_cap=args.tis_cap if args.use_tis else None)
+    keys = ACTOR_METRICS + (("kl_loss",) if estimator.kl_in_loss else ())
+    _train_role(roles, "actor", plans, microbatches, actor_loss, keys, "hidden", sums, tokens * args.max_epochs,
+                timer)
+    out = {k: v / len(plans) for k, v in sums.items()}
+    out["entropy"] = out.pop("actor/entropy")
+    return out
+
+
+def _train_role(roles, role: str, plans: list, microbatches, loss_fn, keys: tuple, output: str, sums: dict,
+                tokens: float, timer) -> None:
+    roles.memory.enter(f"{role}_update")
+    engine = roles.engines[role]
+    with timer.phase(f"{role}_update", tokens=tokens):
+        for plan in plans:
+            for k, v in engine.train_step(microbatches(plan), loss_fn, keys, output=output).items():
+                sums[f"{role}/{k}"] = sums.get(f"{role}/{k}", 0.0) + v

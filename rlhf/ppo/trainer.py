@@ -1,0 +1,242 @@
+"""The PPO loop: build every role once, then one step at a time (``PPOTrainer.train_step``, on one screen),
+checkpoints, the final export. The stages live in ``rlhf.ppo.stages``, the roles in ``rlhf.ppo.roles``."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf.ppo.stages import (RewardSources, Rollout, compute_advantages, generate, make_experience, sync_weights,
+                             update)
+
+log = logging.getLogger("rlhf")
+
+
+def load_prompts(args: argparse.Namespace, tokenizer) -> tuple[list, dict]:
+    """Prompts from --prompt_data; the data layer's errors are re-worded with the PPO flag names."""
+    from rlhf.data import DataConfig, build_prompt_dataset
+
+    try:
+        cfg = DataConfig.from_args(args, dataset=args.prompt_data, dataset_probs=args.prompt_data_probs,
+                                   output_key=None, max_len=args.prompt_max_len + args.generate_max_len)
+        prompts, stats = build_prompt_dataset(cfg, tokenizer)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--dataset_probs", "--prompt_data_probs")
+                         .replace("--dataset", "--prompt_data")) from None
+    if not prompts:
+        raise ValueError(f"--prompt_data {args.prompt_data}: no prompts")
+    if stats.num_truncated:
+        log.warning("%d prompts longer than --prompt_max_len %d were truncated (kept their last tokens)",
+                    stats.num_truncated, args.prompt_max_len)
+    return prompts, {"num_prompts": len(prompts), "num_truncated": stats.num_truncated}
+
+
+def load_gold_fn(spec: str):
+    """``--gold_reward_fn module:function``; the function maps (prompt texts, reply texts) to floats."""
+    from rlhf.rewards import load_reward_fn
+
+    return load_reward_fn(spec, "--gold_reward_fn")
+
+
+class PPOTrainer:
+    def __init__(self, args: argparse.Namespace, setup, prompts: list, tokenizer):
+        from rlhf.algo.advantages import get_estimator
+        from rlhf.algo.kl import make_kl_controller
+        from rlhf.checkpoint import Checkpointer
+        from rlhf.data import BatchConfig, DistributedBatchSampler, pad_token_id
+        from rlhf.distributed import DistEnv, initialize_mesh
+        from rlhf.distributed.health import check_config_consistency
+        from rlhf.ppo.args import log_compat
+        from rlhf.ppo.roles import build_roles
+
+        self.args, self.prompts, self.tokenizer = args, prompts, tokenizer
+        self.gold_fn = load_gold_fn(args.gold_reward_fn) if args.gold_reward_fn else None
+        self.pad_id = pad_token_id(tokenizer)
+        self.estimator = get_estimator(args.advantage_estimator)
+        self.total_steps = len(prompts) // args.rollout_batch_size * args.num_episodes
+        updates = setup.samples // args.train_batch_size * args.max_epochs * self.total_steps
+        torch.manual_seed(args.seed)
+        self.mesh = mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                           DistEnv.from_environ(), seed=args.seed)
+        check_config_consistency(args)
+        log_compat(args)
+        self.roles = build_roles(args, setup, mesh, self.estimator, updates)
+        self.rewards = RewardSources(setup.rewards, setup.sources["--reward_pretrain"], prompts, tokenizer, mesh)
+        self.kl_ctl = make_kl_controller(args.init_kl_coef, args.kl_target, args.kl_horizon)
+        self.sampler = DistributedBatchSampler(len(prompts), BatchConfig(args.rollout_batch_size,
+                                                                         args.rollout_batch_size), seed=args.seed)
+        self.ckpt = Checkpointer(mesh, args.ckpt_path or os.path.join(args.save_path, "checkpoints"),
+                                 args.max_ckpt_num)
+        for role, eng in self.roles.trainable.items():
+            eng.ckpt_prefix = f"{role}."
+        self.step = 0
+        if args.load_checkpoint:
+            self.roles.all_on_device()
+            state = self.ckpt.load(self.roles.trainable)
+            self.step = state["step"]
+            self.sampler.load_state_dict(state["extra"]["sampler"])
+            self.kl_ctl.load_state_dict(state["extra"]["kl_ctl"])
+        self.actor_changed = True  # vLLM starts from dummy weights
+
+    # ----------------------------------------------------------------------------------------------- one step
+    def train_step(self, timer) -> dict[str, float]:
+        """One PPO step: sync -> generate -> make_experience -> compute_advantages -> update."""
+        args, roles, mesh = self.args, self.roles, self.mesh
+        prompt_idx = self.sampler.next_step()[0]
+        metrics: dict[str, float] = {}
+        if self.actor_changed:
+            metrics.update(sync_weights(roles, timer))
+            self.actor_changed = False
+        rollout = generate(roles, args, self.prompts, prompt_idx, self.step, mesh, timer)
+        metrics.update(self.gold_metrics(rollout))
+        timer.metrics["tokens_per_s/rollout"] = rollout.generated_tokens / timer.metrics["time/rollout"]
+        exp, raw_rewards, reward_metrics = make_experience(roles, args, rollout, self.rewards, mesh, self.pad_id,
+                                                           timer)
+        metrics.update(reward_metrics)
+        with timer.phase("advantages"):
+            metrics.update(compute_advantages(exp, raw_rewards, self.estimator, self.kl_ctl.value, args, mesh))
+        # Global means (the same on every rank): a non-finite reward or advantage skips this step's updates.
+        bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
+        if bad:
+            for eng in roles.trainable.values():
+                eng.skip(bad)  # counted per trainable role; --max_skipped_steps in a row stop the job
+            metrics["skipped_steps"] = float(roles.actor.skipped_steps)
+        else:
+            metrics.update(update(roles, exp, args, self.estimator, self.kl_ctl.value, self.step, mesh,
+                                  self.pad_id, rollout.tokens, timer))
+            self.actor_changed = True
+            self.kl_ctl.update(metrics["kl"], len(rollout.samples))
+        metrics.update(self.step_stats(rollout))
+        return metrics
+
+    def gold_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """--gold_reward_fn over every sample: measured only, never optimized."""
+        if self.gold_fn is None:
+            return {}
+        gold = self.gold_fn(*self.rewards.texts(rollout, rollout.samples))
+        return {"gold_reward": sum(gold) / len(gold)}
+
+    def step_stats(self, rollout: Rollout) -> dict[str, float]:
+        n = len(rollout.samples)
+        return {"kl_coef": self.kl_ctl.value, "response_length": rollout.generated_tokens / n,
+                "finished_frac": sum(s.finished for s in rollout.samples) / n,
+                "weight_version": float(self.roles.weight_sync.version),
+                **self.roles.memory.pop_stats()}  # what each phase moved (and freed on CUDA)
+
+    # ------------------------------------------------------------------------------------------------- loop
+    def save(self) -> None:
+        self.roles.all_on_device()
+        self.ckpt.save(self.step, self.roles.trainable, {"sampler": self.sampler.state_dict(),
+                                                         "kl_ctl": self.kl_ctl.state_dict()})
+
+    def fit(self) -> dict[str, Any]:
+        from rlhf.metrics import MetricsLogger, PhaseTimer
+
+        args, mesh = self.args, self.mesh
+        if mesh.is_rank0:
+            log.info("ppo: %d prompts, %d steps of %d prompts x %d samples; %s; dp=%d tp=%d pp=%d; generation: %s",
+                     len(self.prompts), self.total_steps, args.rollout_batch_size, args.n_samples_per_prompt,
+                     args.advantage_estimator, mesh.dp, mesh.tp, mesh.pp, self.roles.rollout.name)
+        logger = MetricsLogger(mesh.is_rank0, self.total_steps, args.tensorboard, prefix="ppo",
+                               jsonl_path=os.path.join(args.save_path, "metrics.jsonl"))
+        timer = PhaseTimer()
+        history: list[dict[str, float]] = []
+        start, t_end = self.step, time.perf_counter()
+        while self.step < self.total_steps:
+            if 0 <= args.stop_after_steps <= self.step - start:
+                log.info("stopping after %d steps (--stop_after_steps)", args.stop_after_steps)
+                logger.close()
+                return {"history": history, "stopped": True}
+            timer.reset()
+            m = self.train_step(timer)
+            self.step += 1
+            m.update(timer.metrics)
+            m["time/step"] = sum(v for k, v in timer.metrics.items() if k.startswith("time/"))
+            if self.step % args.logging_steps == 0 or self.step == self.total_steps:
+                logger.log(self.step, m)
+            now = time.perf_counter()  # wall time between step ends, logging included (bench/ppo_vs_trl.py)
+            m["time/step_wall"], t_end = now - t_end, now
+            history.append(m)
+            if (args.save_steps > 0 and self.step % args.save_steps == 0) or self.step == self.total_steps:
+                self.save()
+        logger.close()
+        self.export(history)
+        return {"history": history, "stopped": False}
+
+    def export(self, history: list[dict[str, float]]) -> None:
+        from rlhf.checkpoint import export_hf
+
+        self.roles.all_on_device()
+        export_hf(self.args, self.roles.actor, self.mesh, {"ppo_steps": self.step})
+        if self.mesh.is_rank0:
+            with open(os.path.join(self.args.save_path, "ppo_result.json"), "w") as f:
+                json.dump({"history": history}, f, indent=1)
+
+    def close(self) -> None:
+        """megatron groups first, then vLLM (whose deletion takes the default group with it), then the rest."""
+        from megatron.core import parallel_state as ps
+
+        from rlhf.distributed.mesh import _destroy_megatron_groups
+
+        if ps.model_parallel_is_initialized():
+            _destroy_megatron_groups()
+        self.roles.rollout.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from rlhf.distributed import DistEnv
+    from rlhf.metrics import setup_logging
+    from rlhf.ppo.args import validate
+
+    env = DistEnv.from_environ()
+    setup_logging(env.rank)
+    setup = validate(args, env.world_size)  # flags, files and model configs: before any model is loaded
+    if args.gold_reward_fn:
+        load_gold_fn(args.gold_reward_fn)
+    _check_generator(args, setup, env.world_size)
+    tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
+    prompts, stats = load_prompts(args, tokenizer)
+    if len(prompts) < args.rollout_batch_size:
+        raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} is larger than the number of prompts "
+                         f"({len(prompts)} in --prompt_data)")
+    trainer = PPOTrainer(args, setup, prompts, tokenizer)
+    try:
+        result = trainer.fit()
+        result["data"] = stats
+    finally:
+        trainer.close()
+    return result
+
+
+def _check_generator(args: argparse.Namespace, setup, world_size: int) -> None:
+    """vLLM is installed when asked for, and the actor fits its tensor-parallel layout."""
+    if not setup.engines or args.rollout_backend == "megatron":
+        return
+    from rlhf.rollout.vllm_engine import check_vllm_fit, vllm_available
+
+    if vllm_available():
+        from rlhf.rollout.types import RolloutConfig
+
+        check_vllm_fit(setup.sources["--pretrain"]["spec"],
+                       RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size,
+                                     num_engines=args.vllm_num_engines), world_size)
+    elif args.rollout_backend == "vllm":
+        raise ValueError("--rollout_backend vllm: vllm is not installed")
+
+
+def main(argv=None) -> int:
+    from rlhf.config import cli_main
+    from rlhf.ppo.args import add_args
+
+    return cli_main(add_args, run, argv)
