@@ -1,5 +1,5 @@
 """Megatron-style, 3D-parallel, single-job RLHF trainer. Importing this package imports no heavy dependency."""
-from rlhf._lazy_jit import install as _install_lazy_jit
+from rlhf.compat.lazy_jit import install as _install_lazy_jit
 
 __version__ = "0.1.0"
-_install_lazy_jit()  # megatron-core's torch.compile decorators compile at first call (rlhf/_lazy_jit.py)
+_install_lazy_jit()  # megatron-core's torch.compile decorators compile at first call (rlhf/compat/lazy_jit.py)

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def rng_device_type() -> str:
     """Whose generators megatron's RNG tracker holds: CUDA states on a GPU, CPU states under the CPU shim."""
-    from rlhf.distributed import cuda_shim
+    from rlhf.compat import cuda as cuda_shim
 
     return "cuda" if torch.cuda.is_available() and not cuda_shim.is_installed() else "cpu"
 
@@ -180,7 +180,7 @@ class Checkpointer:
     def save(self, step: int, engines: Mapping[str, Any], extra: dict[str, Any]) -> str:
         from megatron.core import dist_checkpointing
 
-        from rlhf.distributed import cuda_shim
+        from rlhf.compat import cuda as cuda_shim
 
         cuda_shim.install()
         for eng in engines.values():
@@ -245,7 +245,9 @@ class Checkpointer:
         with open(os.path.join(folder, "trainer.json")) as f:
             state = json.load(f)
         if any(uses_distributed_optimizer(eng) for eng in engines.values()):
-            _fix_torch_adam_step_load()
+            from rlhf.compat.megatron import fix_torch_adam_step_load
+
+            fix_torch_adam_step_load()
         with torch.no_grad():
             sd = {role: engine_sharded_state_dict(eng, is_loading=True) for role, eng in engines.items()}
             loaded = dist_checkpointing.load(sd, os.path.join(folder, "state"))
@@ -266,7 +268,7 @@ class Checkpointer:
 # megatron's DistributedOptimizer (--zero_stage >= 1) defaults to 'fully_sharded_model_space', whose flattened
 # ShardedTensors megatron-core 0.16's own dist_checkpointing rejects ("ShardedTensor.flattened_range is not
 # supported"). 'fully_reshardable' gathers each DP group's optimizer state into the canonical per-parameter
-# layout, so the checkpoint stays loadable at another TP/PP/DP, like the model shards (../shared/FACTS.md).
+# layout, so the checkpoint stays loadable at another TP/PP/DP, like the model shards (measured with 0.16.1).
 DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -287,44 +289,14 @@ def engine_sharded_state_dict(engine: Any, is_loading: bool = False) -> dict:
     """
     if not uses_distributed_optimizer(engine):
         return engine.sharded_state_dict(is_loading=is_loading)
-    from rlhf.engine import _init_optimizer_state
+    from rlhf.compat.megatron import init_optimizer_state
 
     sd = engine.sharded_state_dict(include_optimizer=False, is_loading=is_loading)
     if is_loading:
-        _init_optimizer_state(engine.optimizer)
+        init_optimizer_state(engine.optimizer)
     sd["optimizer"] = engine.optimizer.sharded_state_dict(sd["model"], is_loading=is_loading,
                                                           metadata=DIST_OPTIM_METADATA)
     return sd
-
-
-def _fix_torch_adam_step_load() -> None:
-    """Work around a megatron-core 0.16 bug in loading the distributed optimizer's 'fully_reshardable' state.
-
-    With torch's Adam (no apex/TE), ``DistributedOptimizer.load_state_dict`` first gives every parameter's
-    state a ``step`` (from the param groups), then ``_set_main_param_and_optimizer_states`` copies *every*
-    destination key from a source that deliberately has no ``step``: ``KeyError: 'step'``. Here the copy skips
-    ``step`` and leaves megatron's value in place (which ``ModelEngine.load_sharded`` then unshares). Idempotent.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    orig = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(orig, "_rlhf_step_fix", False):
-        return
-
-    def set_states(self, model_param, tensors):
-        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return orig(self, model_param, tensors)
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
-        step = state.pop("step", None)
-        try:
-            return orig(self, model_param, tensors)
-        finally:
-            if step is not None:
-                state["step"] = step
-
-    set_states._rlhf_step_fix = True
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
 def _json_default(o: Any) -> Any:

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from rlhf.compat.megatron import init_optimizer_state, step_if_finite, unshare_adam_steps
 from rlhf.distributed.mesh import ParallelMesh
 from rlhf.models.source import describe_source
 from rlhf.models.lora import LoraConfig
@@ -176,7 +177,7 @@ class ModelEngine:
                                 device=self.mesh.device)
         metrics = self.reduce_metrics(outs, metric_keys)  # the same on every rank, so is the decision below
         loss_key = metric_keys[0]
-        stepped, grad_norm, bad = self._step_if_finite(metrics[loss_key], loss_key)
+        stepped, grad_norm, bad = step_if_finite(self.optimizer, metrics[loss_key], loss_key)
         if stepped:
             self.scheduler.step(increment=1)
             self.steps += 1
@@ -187,27 +188,6 @@ class ModelEngine:
         metrics["skipped_steps"] = float(self.skipped_steps)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
-
-    def _step_if_finite(self, loss: float, loss_key: str) -> tuple[bool, float, str]:
-        """megatron's optimizer step (prepare grads, global grad norm, clip, step), with the norm measured first:
-        a non-finite loss or grad norm leaves parameters, optimizer states and scheduler untouched.
-        Returns (stepped, grad norm, what was non-finite)."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-        opt = self.optimizer
-        found_inf = opt.prepare_grads()  # fp16 loss scaling only; copies the grads to the fp32 main params
-        grad_norm = float(opt.get_grad_norm())  # over every rank that holds a part of the model: the same everywhere
-        bad = [f"{k}={v}" for k, v in ((loss_key, loss), ("grad_norm", grad_norm)) if not math.isfinite(v)]
-        if found_inf or bad:
-            return False, grad_norm, ", ".join(bad) or "inf/nan gradients (loss scaler)"
-        for inner in _inner_optimizers(opt):  # as megatron's ChainedOptimizer.step clips: one global norm
-            params = inner.get_parameters()
-            if params and inner.config.clip_grad > 0.0 and not getattr(inner, "is_stub_optimizer", False):
-                clip_grad_by_total_norm_fp32(params, inner.config.clip_grad, grad_norm,
-                                             inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-        if not opt.step_with_ready_grads():
-            return False, grad_norm, "optimizer step failed"
-        return True, grad_norm, ""
 
     def skip(self, what: str) -> None:
         """Count an update that was not applied because ``what`` was non-finite; after ``--max_skipped_steps``
@@ -254,7 +234,7 @@ class ModelEngine:
         sd = {"model": model_sd}
         if include_optimizer and self.optimizer is not None:
             if is_loading:
-                _init_optimizer_state(self.optimizer)
+                init_optimizer_state(self.optimizer)
             sd["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
         return sd
 
@@ -298,7 +278,7 @@ class ModelEngine:
                                f"unexpected {unexpected[:5]}")
         if "optimizer" in loaded and self.optimizer is not None:
             self.optimizer.load_state_dict(loaded["optimizer"])
-            _unshare_adam_steps(self.optimizer)
+            unshare_adam_steps(self.optimizer)
 
 
 def _seeded_score_init(model: torch.nn.Module, spec: ModelSpec) -> None:
@@ -308,28 +288,3 @@ def _seeded_score_init(model: torch.nn.Module, spec: ModelSpec) -> None:
         with torch.no_grad():
             model.output_layer.weight.copy_(torch.randn(model.output_layer.weight.shape, generator=g)
                                             / spec.hidden_size ** 0.5)
-
-
-def _inner_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _init_optimizer_state(optimizer) -> None:
-    """Adam creates its state lazily at the first step; a load needs the tensors to exist to load into."""
-    for opt in _inner_optimizers(optimizer):
-        if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
-            opt._init_optimizer_states_with_dummy_values()
-        elif hasattr(opt, "init_state_fn") and opt.init_state_fn is not None:
-            opt.init_state_fn(opt.optimizer, getattr(opt, "config", None))
-
-
-def _unshare_adam_steps(optimizer) -> None:
-    """After a load, megatron may give every parameter the *same* ``step`` tensor; torch's Adam then bumps it
-    once per parameter per step and bias correction goes wrong silently (../shared/FACTS.md). One each."""
-    for opt in _inner_optimizers(optimizer):
-        torch_opt = getattr(opt, "optimizer", None)
-        if torch_opt is None:
-            continue
-        for state in torch_opt.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()

@@ -36,12 +36,14 @@ PHASES = ("rollout", "make_experience", "actor_update", "critic_update", "weight
 _MiB = 2 ** 20
 
 
-def _inner_optimizers(optimizer: Any) -> list:
+def torch_optimizers(optimizer: Any) -> list:
     """The torch optimizers inside a megatron (possibly chained) optimizer."""
+    from rlhf.compat.megatron import inner_optimizers
+
     if optimizer is None:
         return []
     outs = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in inner_optimizers(optimizer):
         torch_opt = getattr(opt, "optimizer", opt)
         if isinstance(torch_opt, torch.optim.Optimizer):
             outs.append(torch_opt)
@@ -63,14 +65,14 @@ def _grad_tensors(engine: Any) -> Iterator[torch.Tensor]:
     if ddp is not None:
         for buf in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
             yield buf.grad_data
-    main_params = [p for opt in _inner_optimizers(engine.optimizer) for g in opt.param_groups for p in g["params"]]
+    main_params = [p for opt in torch_optimizers(engine.optimizer) for g in opt.param_groups for p in g["params"]]
     for p in list(engine.model.parameters()) + main_params:
         yield getattr(p, "main_grad", None)
         yield p.grad
 
 
 def _optimizer_tensors(engine: Any) -> Iterator[torch.Tensor]:
-    for opt in _inner_optimizers(engine.optimizer):
+    for opt in torch_optimizers(engine.optimizer):
         for group in opt.param_groups:
             yield from group["params"]  # fp32 main params of mixed-precision optimizers (else the params again)
         for state in opt.state.values():

@@ -157,7 +157,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result.update(write_best(args, v, samples, scores, prompts, raw_inputs, tokenizer))
         return result
     finally:
-        close(rollout)
+        from rlhf.rollout import shutdown
+
+        shutdown(mesh, rollout)
 
 
 def build_generator(args: argparse.Namespace, v: dict, mesh):
@@ -230,21 +232,6 @@ def write_best(args: argparse.Namespace, v: dict, samples: list, scores: dict, p
     log.info("rejection sampling: wrote %d rows to %s; mean score of all samples %.4f, of the kept %.4f",
              len(rows), args.output_path, result["mean_score_all"], result["mean_score_best"])
     return result
-
-
-def close(rollout) -> None:
-    """megatron groups first, then vLLM (whose deletion takes the default group with it), then the rest."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from rlhf.distributed.mesh import _destroy_megatron_groups
-
-    if ps.model_parallel_is_initialized():
-        _destroy_megatron_groups()
-    if rollout is not None:
-        rollout.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:

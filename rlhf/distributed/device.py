@@ -1,5 +1,5 @@
 """The one device rule: which device a rank computes on, the process-group backend that goes with it, and moving
-data there. Device-specific code lives here and in ``cuda_shim.py``; the rest of the library only reads
+data there. Device-specific code lives here and in ``rlhf/compat/cuda.py``; the rest of the library only reads
 ``mesh.device``.
 
 * CPU (no usable GPU, or ``RLHF_DEVICE=cpu``): gloo, every tensor on the CPU.

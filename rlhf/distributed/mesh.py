@@ -1,15 +1,17 @@
 """The parallel layout of the job as one object: megatron-core's TP/PP/DP groups plus this rank's place in them.
 
-Everything that needs a process group receives a ``ParallelMesh``; nothing else reads megatron's
-``parallel_state`` globals (megatron itself still does, internally).
+Everything that needs a process group receives a ``ParallelMesh``. The mesh owns the megatron groups it created
+and destroys them (``destroy_groups``). megatron's ``parallel_state`` is process-global, so one mesh is live per
+process (``ParallelMesh.active``); megatron's layers and the model code built on them (``rlhf.models.gpt``,
+``rlhf.models.pipeline``) read it, as megatron does; the trainers and workflows read only the mesh.
 """
 from __future__ import annotations
 
 import datetime
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,10 @@ class ParallelMesh:
     dp_group: Any
     backend: str
     device: torch.device
+    megatron_groups: list = field(default_factory=list, repr=False, compare=False)
+    """the process groups megatron created for this mesh (megatron forgets them without destroying them)"""
+    active: ClassVar["ParallelMesh | None"] = None
+    """the mesh megatron's process-global ``parallel_state`` currently holds"""
 
     @property
     def rank(self) -> int:
@@ -59,8 +65,26 @@ class ParallelMesh:
     def barrier(self) -> None:
         dist.barrier()
 
+    def destroy_groups(self) -> None:
+        """megatron's groups of this mesh. megatron's ``destroy_model_parallel`` forgets its groups without
+        destroying them; each gloo group keeps its threads, so re-initialising a layout (tests, layout changes)
+        would pile up thousands of threads. The default group stays (vLLM's teardown needs it)."""
+        from megatron.core import parallel_state as ps
+
+        from rlhf.compat.megatron import live_process_groups
+
+        if ParallelMesh.active is self:
+            ps.destroy_model_parallel()
+            ParallelMesh.active = None
+        live = set(live_process_groups())
+        for g in self.megatron_groups:
+            if g in live:
+                dist.destroy_process_group(g)
+        self.megatron_groups.clear()
+
     def destroy(self) -> None:
-        destroy_mesh()
+        """Its groups, then the default group."""
+        destroy_mesh(self)
 
 
 def validate_layout(world_size: int, tp: int, pp: int) -> int:
@@ -122,22 +146,24 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
         dev = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     else:
         dev = select_device(env.local_rank, str(device) if device is not None else None)
-    from rlhf.distributed import cuda_shim
+    from rlhf.compat import cuda as cuda_shim
+    from rlhf.compat.megatron import live_process_groups
 
     cuda_shim.install()
     env = init_process_group(env, timeout_s, dev)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    if ps.model_parallel_is_initialized():
-        _destroy_megatron_groups()
-    before = _live_groups()
+    if ParallelMesh.active is not None:
+        ParallelMesh.active.destroy_groups()
+    elif ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    before = live_process_groups()
     # megatron's groups inherit the default group's backend, which already has gloo in it (CPU: gloo alone; CUDA:
     # cpu:gloo,cuda:nccl): its extra *_gloo copies would only double the threads.
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  create_gloo_process_groups=False)
-    global _MEGATRON_GROUPS
-    _MEGATRON_GROUPS = [g for g in _live_groups() if g not in before]
+    groups = [g for g in live_process_groups() if g not in before]
     cuda_shim.install()  # rebind modules that megatron imported lazily
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     backend = str(dist.get_backend())
@@ -145,39 +171,19 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
                         tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
                         dp_rank=ps.get_data_parallel_rank(), tp_group=ps.get_tensor_model_parallel_group(),
                         pp_group=ps.get_pipeline_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
-                        backend=backend, device=dev)
+                        backend=backend, device=dev, megatron_groups=groups)
+    ParallelMesh.active = mesh
     if env.rank == 0:
         log.info("mesh: world=%d tp=%d pp=%d dp=%d backend=%s device=%s launcher=%s", env.world_size, tp, pp, dp,
                  backend, dev, env.launcher)
     return mesh
 
 
-_MEGATRON_GROUPS: list = []
-
-
-def _live_groups() -> list:
-    return [g for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD]
-
-
-def _destroy_megatron_groups() -> None:
-    """megatron's ``destroy_model_parallel`` forgets its groups without destroying them; each gloo group keeps
-    its threads, so re-initialising a layout (tests, layout changes) would pile up thousands of threads."""
-    from megatron.core import parallel_state as ps
-
-    global _MEGATRON_GROUPS
-    ps.destroy_model_parallel()
-    live = set(_live_groups())
-    for g in _MEGATRON_GROUPS:
-        if g in live:
-            dist.destroy_process_group(g)
-    _MEGATRON_GROUPS = []
-
-
-def destroy_mesh() -> None:
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        _destroy_megatron_groups()
+def destroy_mesh(mesh: ParallelMesh | None = None) -> None:
+    """The mesh's megatron groups (default: the live mesh), then the default process group."""
+    mesh = mesh or ParallelMesh.active
+    if mesh is not None:
+        mesh.destroy_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -12,7 +12,7 @@ def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = False,
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
 
-    from rlhf.distributed import cuda_shim
+    from rlhf.compat import cuda as cuda_shim
 
     cuda_shim.install()
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False,

@@ -227,31 +227,9 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
     cls = _gpt_model_class()
     model = cls(spec, config, padded_vocab, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                 value_head=value_head, use_te=use_te)
-    _ensure_tp_attributes(model)
+    from rlhf.compat.megatron import ensure_tp_attributes
+
+    ensure_tp_attributes(model, te_available())
     return model
 
 
-def _ensure_tp_attributes(model: torch.nn.Module) -> None:
-    """megatron-core 0.16 sets ``tensor_model_parallel``/``partition_dim`` inside its CPU weight initialiser, so
-    with ``perform_initialization=False`` (weights about to be loaded) they are missing, and grad-norm, the
-    distributed optimizer and our TP gathers would treat sharded weights as replicated. Set them here."""
-    from megatron.core import tensor_parallel as mtp
-
-    def mark(param, dim):
-        if param is not None and not hasattr(param, "tensor_model_parallel"):
-            mtp.set_tensor_model_parallel_attributes(param, True, dim, 1)
-
-    column, row = (mtp.ColumnParallelLinear,), (mtp.RowParallelLinear,)
-    if te_available():  # megatron's TE wrappers (their fused norm weights stay replicated)
-        from megatron.core.extensions import transformer_engine as mte
-
-        column += (mte.TEColumnParallelLinear, mte.TELayerNormColumnParallelLinear)
-        row += (mte.TERowParallelLinear,)
-    for module in model.modules():
-        if isinstance(module, column):
-            mark(module.weight, 0)
-            mark(getattr(module, "bias", None), 0)
-        elif isinstance(module, row):
-            mark(module.weight, 1)
-        elif isinstance(module, mtp.VocabParallelEmbedding):
-            mark(module.weight, 0)

@@ -9,7 +9,7 @@ functions:
   lazily through ``get(hf_name, rows=None, cols=None)`` so that a rank never loads more than it needs;
 * ``hf_from_megatron(name, tensor, ...)`` turns one full (TP-gathered, TP=1) megatron parameter into HF tensors.
 
-Layouts (see ../shared/FACTS.md): ``linear_qkv`` stacks, per KV group, ``[q heads of the group | k | v]``
+Layouts (megatron-core 0.16.1): ``linear_qkv`` stacks, per KV group, ``[q heads of the group | k | v]``
 and TP splits whole groups; ``linear_fc1`` is ``[gate ; up]`` per TP shard. Unknown names raise.
 """
 from __future__ import annotations

@@ -53,11 +53,12 @@ def run_microbatches(model: torch.nn.Module, microbatches: Sequence[dict], *, lo
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from rlhf.compat.megatron import fixed_seq_lengths
+
     if not microbatches:
         return []
     b, s = microbatches[0]["input_ids"].shape
-    config = model.config
-    config.variable_seq_lengths = False
+    fixed_seq_lengths(model)
     fb = get_forward_backward_func()
     device = device if device is not None else next(model.parameters()).device
     return fb(forward_step_func=partial(_forward_step, loss_fn, output, device, read=read),

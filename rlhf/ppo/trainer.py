@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rlhf.ppo.stages import (RewardSources, Rollout, compute_advantages, generate, make_experience, sync_weights,
                              update)
@@ -180,16 +179,9 @@ class PPOTrainer:
                 json.dump({"history": history}, f, indent=1)
 
     def close(self) -> None:
-        """megatron groups first, then vLLM (whose deletion takes the default group with it), then the rest."""
-        from megatron.core import parallel_state as ps
+        from rlhf.rollout import shutdown
 
-        from rlhf.distributed.mesh import _destroy_megatron_groups
-
-        if ps.model_parallel_is_initialized():
-            _destroy_megatron_groups()
-        self.roles.rollout.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(self.mesh, self.roles.rollout)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -19,3 +19,16 @@ def build_rollout(mesh, actor, cfg: RolloutConfig, hf_dir: str):
     from rlhf.rollout.megatron_engine import MegatronRollout
 
     return MegatronRollout(mesh, actor, cfg)
+
+
+def shutdown(mesh, rollout) -> None:
+    """The end of a job that built a generator: megatron's groups first, then the generator (deleting a vLLM
+    engine destroys the default process group with it), then the default group if it is still there."""
+    import torch.distributed as dist
+
+    if mesh is not None:
+        mesh.destroy_groups()
+    if rollout is not None:
+        rollout.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()

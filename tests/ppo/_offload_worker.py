@@ -20,7 +20,7 @@ from rlhf.algo.losses import sft_loss  # noqa: E402
 from rlhf.distributed import initialize_mesh  # noqa: E402
 from rlhf.distributed.mesh import destroy_mesh  # noqa: E402
 from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
-from rlhf.offload import OffloadManager, _inner_optimizers  # noqa: E402
+from rlhf.offload import OffloadManager, torch_optimizers  # noqa: E402
 
 RESULTS: dict[str, str] = {}
 
@@ -115,7 +115,7 @@ def trainable(mesh, hf_dir: str, tag: str, bf16: bool, dist_opt: bool) -> None:
         for p in cycled.ddp.buffers[0].params))
     man = OffloadManager(cycled)
     if bf16:  # mixed precision: the optimizer's fp32 main params are storages of their own, moved with it
-        mains = [p for opt in _inner_optimizers(cycled.optimizer) for g in opt.param_groups for p in g["params"]]
+        mains = [p for opt in torch_optimizers(cycled.optimizer) for g in opt.param_groups for p in g["params"]]
         owned = {s._cdata for s in man.storages()["optimizer"]}
         check(f"{tag}/fp32_main_params_moved_with_optimizer", bool(mains) and all(
             p.dtype == torch.float32 and p.untyped_storage()._cdata in owned for p in mains))

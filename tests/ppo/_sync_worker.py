@@ -78,10 +78,7 @@ if mesh.is_rank0:
                                   "trainable": sorted({n.rsplit(".", 1)[-1] for n, p in actor.model.named_parameters()
                                                        if p.requires_grad})}), flush=True)
 
-from rlhf.distributed.mesh import _destroy_megatron_groups  # noqa: E402
+from rlhf.rollout import shutdown  # noqa: E402
 
-_destroy_megatron_groups()
-engine.close()
-if torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()
+shutdown(mesh, engine)
 sys.exit(0)

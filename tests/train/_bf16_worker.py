@@ -28,12 +28,11 @@ from rlhf.metrics import metric_series  # noqa: E402
 STEPS = 2  # compared; each run has one more (a run stopped at its last step would still export)
 
 
-def keep_default_group() -> None:
+def keep_default_group(mesh=None) -> None:
     """``destroy_mesh`` between runs: megatron's groups only (the next run's ``initialize_mesh`` rebuilds them)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        mesh_mod._destroy_megatron_groups()
+    mesh = mesh or mesh_mod.ParallelMesh.active
+    if mesh is not None:
+        mesh.destroy_groups()
 
 
 def main() -> None:

@@ -34,10 +34,10 @@ def _batch():
 
 def _snapshot(eng):
     params = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
-    from rlhf.engine import _inner_optimizers
+    from rlhf.compat.megatron import inner_optimizers
 
     states = {(i, j): {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
-              for i, inner in enumerate(_inner_optimizers(eng.optimizer))
+              for i, inner in enumerate(inner_optimizers(eng.optimizer))
               for j, s in enumerate(inner.optimizer.state.values())}
     assert states  # Adam's moments exist after the first step
     return params, states, eng.steps, eng.optimizer.param_groups[0]["lr"], eng.scheduler.num_steps

@@ -1,6 +1,6 @@
 """Let megatron-core run on a CPU-only torch build.
 
-megatron-core 0.16 assumes CUDA in a handful of places (see ../shared/FACTS.md): ``torch.cuda.current_device()``
+megatron-core 0.16.1 assumes CUDA in a handful of places: ``torch.cuda.current_device()``
 as a device argument, literal ``device="cuda"`` in the pipeline schedule, optimizer and grad clipping,
 ``Tensor.cuda()``, ``param.type() == 'torch.cuda.FloatTensor'`` checks, and the CUDA RNG state used by the
 tensor-parallel RNG tracker.
@@ -133,6 +133,7 @@ def _import_megatron_modules() -> None:
     import megatron.core.tensor_parallel.random  # noqa: F401
 
 
+# megatron-core 0.16.1: device="cuda" literals and torch.cuda calls in its modules (CPU-only torch).
 def rebind_megatron_modules() -> int:
     """Point the global ``torch`` of every loaded megatron module at the CPU copy. Returns how many changed.
 
@@ -158,13 +159,19 @@ def install() -> bool:
     if _INSTALLED:
         rebind_megatron_modules()
         return True
+    from rlhf.compat import check_version
+
+    check_version("megatron-core")
+    check_version("torch")
     _CPU_TORCH = _make_cpu_torch()
     _import_megatron_modules()
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.tensor_parallel import random as mrandom
 
+    # megatron-core 0.16.1: the TP RNG tracker saves and restores the CUDA RNG state.
     mrandom._get_cuda_rng_state = _cpu_get_rng_state
     mrandom._set_cuda_rng_state = _cpu_set_rng_state
+    # megatron-core 0.16.1: these three check param.type() == 'torch.cuda.FloatTensor'.
     optimizer.Float16OptimizerWithFloat16Params.__init__ = _with_cuda_type_names(
         optimizer.Float16OptimizerWithFloat16Params.__init__)
     build = distrib_optimizer.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
@@ -177,7 +184,7 @@ def install() -> bool:
                 getattr(mod, "clip_grad_by_total_norm_fp32", None) is not None and \
                 not getattr(mod.clip_grad_by_total_norm_fp32, "__rlhf_shimmed__", False):
             mod.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
-    torch.Tensor.cuda = _tensor_cuda_noop
+    torch.Tensor.cuda = _tensor_cuda_noop  # megatron-core 0.16.1 calls .cuda() on CPU tensors
     n = rebind_megatron_modules()
     _INSTALLED = True
     log.info("CPU shim for megatron-core installed (%d modules rebound to a CPU torch namespace)", n)

@@ -1,0 +1,132 @@
+"""Workarounds of megatron-core 0.16.1 internals (checked against the installed release at import)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from rlhf.compat import check_version
+
+check_version("megatron-core")
+
+
+def inner_optimizers(optimizer) -> list:
+    """The optimizers inside a megatron ``ChainedOptimizer`` (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+# megatron-core 0.16.1: optimizer state exists only after the first step; a load needs tensors to load into.
+def init_optimizer_state(optimizer) -> None:
+    """Create Adam's state with dummy values (megatron's private initialisers), before a checkpoint load."""
+    for opt in inner_optimizers(optimizer):
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            opt._init_optimizer_states_with_dummy_values()
+        elif hasattr(opt, "init_state_fn") and opt.init_state_fn is not None:
+            opt.init_state_fn(opt.optimizer, getattr(opt, "config", None))
+
+
+# megatron-core 0.16.1: a loaded optimizer may share one ``step`` tensor between all parameters.
+def unshare_adam_steps(optimizer) -> None:
+    """After a load, megatron may give every parameter the *same* ``step`` tensor; torch's Adam then bumps it
+    once per parameter per step and bias correction goes wrong silently. One tensor each."""
+    for opt in inner_optimizers(optimizer):
+        torch_opt = getattr(opt, "optimizer", None)
+        if torch_opt is None:
+            continue
+        for state in torch_opt.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+# megatron-core 0.16.1: ``optimizer.step()`` has no hook between the grad norm and the update; its parts are used.
+def step_if_finite(opt, loss: float, loss_key: str) -> tuple[bool, float, str]:
+    """megatron's optimizer step (prepare grads, global grad norm, clip, step), with the norm measured first:
+    a non-finite loss or grad norm leaves parameters and optimizer states untouched.
+    Returns (stepped, grad norm, what was non-finite)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = opt.prepare_grads()  # fp16 loss scaling only; copies the grads to the fp32 main params
+    grad_norm = float(opt.get_grad_norm())  # over every rank that holds a part of the model: the same everywhere
+    bad = [f"{k}={v}" for k, v in ((loss_key, loss), ("grad_norm", grad_norm)) if not math.isfinite(v)]
+    if found_inf or bad:
+        return False, grad_norm, ", ".join(bad) or "inf/nan gradients (loss scaler)"
+    for inner in inner_optimizers(opt):  # as megatron's ChainedOptimizer.step clips: one global norm
+        params = inner.get_parameters()
+        if params and inner.config.clip_grad > 0.0 and not getattr(inner, "is_stub_optimizer", False):
+            clip_grad_by_total_norm_fp32(params, inner.config.clip_grad, grad_norm,
+                                         inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    if not opt.step_with_ready_grads():
+        return False, grad_norm, "optimizer step failed"
+    return True, grad_norm, ""
+
+
+# megatron-core 0.16.1: DistributedOptimizer loading with torch Adam raises KeyError: 'step'.
+def fix_torch_adam_step_load() -> None:
+    """Work around a megatron-core 0.16 bug in loading the distributed optimizer's 'fully_reshardable' state.
+
+    With torch's Adam (no apex/TE), ``DistributedOptimizer.load_state_dict`` first gives every parameter's
+    state a ``step`` (from the param groups), then ``_set_main_param_and_optimizer_states`` copies *every*
+    destination key from a source that deliberately has no ``step``: ``KeyError: 'step'``. Here the copy skips
+    ``step`` and leaves megatron's value in place (which ``unshare_adam_steps`` then unshares). Idempotent.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(orig, "_rlhf_step_fix", False):
+        return
+
+    def set_states(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return orig(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            return orig(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    set_states._rlhf_step_fix = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+# megatron-core 0.16.1: TP attributes are set only by its weight initialiser (missing when weights are loaded).
+def ensure_tp_attributes(model: torch.nn.Module, with_te: bool) -> None:
+    """megatron-core 0.16 sets ``tensor_model_parallel``/``partition_dim`` inside its CPU weight initialiser, so
+    with ``perform_initialization=False`` (weights about to be loaded) they are missing, and grad-norm, the
+    distributed optimizer and our TP gathers would treat sharded weights as replicated. Set them here."""
+    from megatron.core import tensor_parallel as mtp
+
+    def mark(param, dim):
+        if param is not None and not hasattr(param, "tensor_model_parallel"):
+            mtp.set_tensor_model_parallel_attributes(param, True, dim, 1)
+
+    column, row = (mtp.ColumnParallelLinear,), (mtp.RowParallelLinear,)
+    if with_te:  # megatron's TE wrappers (their fused norm weights stay replicated)
+        from megatron.core.extensions import transformer_engine as mte
+
+        column += (mte.TEColumnParallelLinear, mte.TELayerNormColumnParallelLinear)
+        row += (mte.TERowParallelLinear,)
+    for module in model.modules():
+        if isinstance(module, column):
+            mark(module.weight, 0)
+            mark(getattr(module, "bias", None), 0)
+        elif isinstance(module, row):
+            mark(module.weight, 1)
+        elif isinstance(module, mtp.VocabParallelEmbedding):
+            mark(module.weight, 0)
+
+
+# torch 2.13 / megatron-core 0.16.1: no public list of process groups; megatron forgets its groups undestroyed.
+def live_process_groups() -> list:
+    """Every process group of this process but the default one (torch's private registry)."""
+    return [g for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD]
+
+
+# megatron-core 0.16.1: the schedule reads ``variable_seq_lengths`` from the model config on every call.
+def fixed_seq_lengths(model: torch.nn.Module) -> None:
+    """Our micro-batches of one schedule call share one shape (padded, or packed to one length with PP), so
+    megatron need not exchange shapes between stages; set on the config megatron's schedule reads."""
+    model.config.variable_seq_lengths = False

@@ -1,0 +1,110 @@
+"""Workarounds of vLLM 0.32.0 internals (checked against the installed release at import). Imported only when
+a vLLM engine is built."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import uuid
+import zlib
+
+import torch
+
+from rlhf.compat import TESTED, check_version
+
+log = logging.getLogger(__name__)
+check_version("vllm")
+
+TESTED_VLLM = TESTED["vllm"]
+SHM_DIR = "/dev/shm"
+_SHM_TAG_ENV = "RLHF_VLLM_SHM_TAG"
+
+
+# vLLM 0.32.0: ``LLM(seed=...)`` reseeds the process's global torch RNG, which the trainer owns.
+@contextlib.contextmanager
+def keep_torch_rng():
+    """Restore the global torch RNG state after the block (wrap vLLM's engine construction)."""
+    state = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
+
+
+# vLLM 0.32.0 (CPU): the LM head multiplies by a prepacked copy that reload_weights leaves stale when tied.
+def repack_cpu_lm_head(model) -> bool:
+    """vLLM's CPU backend multiplies by a *prepacked copy* of the LM head. With tied embeddings the head's weight
+    is the embedding, which ``reload_weights`` updates in place while skipping ``lm_head.*``, so the prepacked copy
+    kept the old (dummy) weights: log-probs were off by up to ~12 nats on SmolLM2. Re-pack it from the current
+    weight (harmless when untied). Runs inside the engine (``LLM.apply_model``)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    head = getattr(model, "lm_head", None)
+    if head is not None and hasattr(head, "cpu_linear"):
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+        return True
+    return False
+
+
+# vLLM 0.32.0 (CPU, TP > 1): under external_launcher every job's shared-memory segments get one fixed name.
+def unique_cpu_shm_names(tag: str) -> None:
+    """vLLM's CPU all-reduce names its /dev/shm segments from ``VLLM_DIST_IDENT``, which ``external_launcher``
+    (init method ``env://``) leaves constant, so a second job on the machine, or the relaunch of a job that was
+    killed (SIGKILL leaves the segments behind), fails with "create shm in SHMManager failed. errno: 17". The
+    names get this job's ``tag`` (the same on every rank) in front."""
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    cls = cc._CPUSHMDistributed
+    orig = getattr(cls.make_group_name, "_rlhf_orig", cls.make_group_name)
+
+    def make_group_name(communicator) -> str:
+        # shm_open accepts '/' only in front of a name: vLLM's "//-tp:0-..." keeps working only there.
+        return f"{os.environ.get(_SHM_TAG_ENV, '')}{orig(communicator).lstrip('/')}"
+
+    make_group_name._rlhf_orig = orig
+    cls.make_group_name = staticmethod(make_group_name)
+    os.environ[_SHM_TAG_ENV] = tag
+
+
+def _host_id() -> str:
+    return f"{zlib.crc32(socket.gethostname().encode()) & 0xffff:04x}"
+
+
+def new_shm_tag() -> str:
+    """``rlhf<pid>h<host>x<random>-``: the creating process and its machine (to find leftovers of dead jobs) and a
+    random part."""
+    return f"rlhf{os.getpid()}h{_host_id()}x{uuid.uuid4().hex[:8]}-"
+
+
+def remove_dead_shm(shm_dir: str = SHM_DIR) -> list[str]:
+    """Delete the vLLM segments of jobs whose tagging process ran on this machine and no longer exists: what a
+    SIGKILLed job left behind. Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        m = re.match(r"rlhf(\d+)h([0-9a-f]{4})x[0-9a-f]+-.*-cpushm", name)
+        if m is None or m.group(2) != _host_id() or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed %d shared-memory segment(s) left by killed vLLM jobs from %s", len(removed), shm_dir)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,93 @@
+"""rlhf.compat: the version check of the patched packages, and the vLLM shared-memory names (the relaunch of a
+killed TP job failed with "create shm in SHMManager failed. errno: 17" before them)."""
+from __future__ import annotations
+
+import logging
+import os
+import types
+
+import torch
+
+from rlhf import compat
+
+
+def test_version_mismatch_names_package_and_both_versions():
+    assert compat.version_mismatch("vllm", "0.32.0") is None
+    assert compat.version_mismatch("vllm", "0.32.0+cpu") is None
+    assert compat.version_mismatch("torch", "2.13.0+cpu") is None
+    assert compat.version_mismatch("vllm", None) is None  # not installed: nothing patched
+    msg = compat.version_mismatch("megatron-core", "0.17.0")
+    assert "megatron-core 0.17.0" in msg and "0.16.1" in msg
+    assert "2.11.0" in compat.version_mismatch("torch", "2.11.0")
+
+
+def test_check_version_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(compat, "_checked", set())
+    monkeypatch.setattr(compat, "installed_version", lambda pkg: "0.99.0")
+    with caplog.at_level(logging.WARNING, logger="rlhf.compat"):
+        compat.check_version("vllm")
+        compat.check_version("vllm")
+    assert [r.getMessage() for r in caplog.records if "vllm 0.99.0" in r.getMessage()] and len(caplog.records) == 1
+    caplog.clear()
+    monkeypatch.setattr(compat, "installed_version", lambda pkg: compat.TESTED[pkg])
+    with caplog.at_level(logging.WARNING, logger="rlhf.compat"):
+        compat.check_version("megatron-core")
+    assert not caplog.records
+
+
+def test_installed_releases_are_the_tested_ones():
+    """What setup_env.sh installs here is what the patches were written against (no warning in the suite)."""
+    for pkg in ("megatron-core", "vllm", "torch"):
+        assert compat.version_mismatch(pkg, compat.installed_version(pkg)) is None, pkg
+
+
+def test_keep_torch_rng_restores_the_global_generator():
+    from rlhf.compat.vllm import keep_torch_rng
+
+    torch.manual_seed(3)
+    want = torch.rand(2)
+    torch.manual_seed(3)
+    with keep_torch_rng():
+        torch.manual_seed(123)  # what LLM(seed=...) does
+    assert torch.equal(torch.rand(2), want)
+
+
+def test_cpu_shm_names_get_the_job_tag(monkeypatch):
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    from rlhf.compat.vllm import new_shm_tag, unique_cpu_shm_names
+
+    monkeypatch.setattr(_CPUSHMDistributed, "make_group_name", _CPUSHMDistributed.make_group_name)
+    monkeypatch.setenv("VLLM_DIST_IDENT", "//")  # what external_launcher's env:// init method gives every job
+    comm = types.SimpleNamespace(unique_name="tp:0", ranks=[0, 1])
+    plain = _CPUSHMDistributed.make_group_name(comm)
+    tag_a, tag_b = new_shm_tag(), new_shm_tag()
+    assert tag_a != tag_b
+    unique_cpu_shm_names(tag_a)
+    assert _CPUSHMDistributed.make_group_name(comm) == tag_a + plain.lstrip("/")
+    unique_cpu_shm_names(tag_b)  # a second engine in the process: re-tagged, not tagged twice
+    assert _CPUSHMDistributed.make_group_name(comm) == tag_b + plain.lstrip("/")
+    assert "/" not in tag_b + plain.lstrip("/")
+
+
+def test_remove_dead_shm_keeps_live_and_foreign_segments(tmp_path):
+    from rlhf.compat.vllm import _host_id, remove_dead_shm
+
+    dead = 2 ** 22 + 12345  # above the default pid_max
+    while True:
+        try:
+            os.kill(dead, 0)
+            dead += 1
+        except ProcessLookupError:
+            break
+    host = _host_id()
+    other = f"{(int(host, 16) + 1) & 0xffff:04x}"
+    names = {f"rlhf{dead}h{host}x0123abcd--tp:0-[0-1]-cpushm_0": False,
+             f"rlhf{os.getpid()}h{host}x0123abcd--tp:0-[0-1]-cpushm_0": True,
+             f"rlhf{dead}h{other}x0123abcd--tp:0-[0-1]-cpushm_0": True,
+             "-tp:0-[0-1]-cpushm_0": True, "psm_1234": True}
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    removed = remove_dead_shm(str(tmp_path))
+    assert removed == [f"rlhf{dead}h{host}x0123abcd--tp:0-[0-1]-cpushm_0"]
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n, keep in names.items() if keep)
