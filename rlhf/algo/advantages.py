@@ -49,8 +49,9 @@ def get_estimator(name: str) -> Callable[..., dict[str, torch.Tensor]]:
     return ADVANTAGE_ESTIMATORS[name]
 
 
-def last_token_index(action_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last real token of each right-padded row. (B, T) -> (B,) long (T - 1 for an empty row)."""
+def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last response token of each right-padded row. (B, T) -> (B,) long (T - 1 for an empty row;
+    ``rlhf.algo.losses.last_token_index`` is the attention-mask twin, 0 for an empty row)."""
     t = action_mask.shape[1]
     return t - 1 - (action_mask != 0).long().fliplr().argmax(dim=1)
 
@@ -67,7 +68,7 @@ def compute_token_rewards(rewards: torch.Tensor, kl: torch.Tensor | None, action
     token_rewards = torch.zeros(b, t, dtype=upcast(rewards).dtype, device=mask.device)
     if kl is not None:
         token_rewards = token_rewards - kl_coef * upcast(kl)
-    token_rewards.scatter_add_(1, last_token_index(mask).unsqueeze(1), upcast(rewards).view(b, 1))
+    token_rewards.scatter_add_(1, last_action_index(mask).unsqueeze(1), upcast(rewards).view(b, 1))
     return torch.where(mask, token_rewards, torch.zeros_like(token_rewards))
 
 

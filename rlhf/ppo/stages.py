@@ -166,11 +166,20 @@ def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl
     graw = g(raw_rewards)
     out = {"reward": graw.mean().item(), "reward_std": graw.std().item() if graw.numel() > 1 else 0.0,
            "kl": masked_mean(gkl, gmask).item(), "advantages_abs": masked_mean(adv.abs(), gmask).item()}
-    if not args.use_rollout_logprobs:  # generator vs trainer log-probs of the same weights
-        gdiff = (g(exp.vllm_logprobs) - g(exp.old_logprobs)).abs()
-        out["rollout_logprob_drift"] = masked_mean(gdiff, gmask).item()
-        out["rollout_logprob_drift_max"] = gdiff.masked_fill(~gmask, 0).max().item()
+    if not args.use_rollout_logprobs:  # with it, old_logprobs are the generator's: nothing to compare
+        out.update(logprob_drift(exp, mesh))
     return out
+
+
+def logprob_drift(exp: Experience, mesh) -> dict[str, float]:
+    """The generator's log-probs against the trainer's for the same weights and tokens, over the global batch:
+    mean and max |logp_vLLM - logp_trainer| on response tokens (a weight-sync or kernel mismatch shows here)."""
+    from rlhf.algo.ppo_losses import masked_mean
+
+    gmask = dp_all_gather(exp.batch["action_mask"], mesh)
+    gdiff = (dp_all_gather(exp.vllm_logprobs, mesh) - dp_all_gather(exp.old_logprobs, mesh)).abs()
+    return {"rollout_logprob_drift": masked_mean(gdiff, gmask).item(),
+            "rollout_logprob_drift_max": gdiff.masked_fill(~gmask, 0).max().item()}
 
 
 def update_plans(B: int, args: argparse.Namespace, dp: int, step: int) -> list[list[list[int]]]:

@@ -1,7 +1,7 @@
 """Plain data types of the rollout phase."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -64,4 +64,3 @@ class Sample:
     response_ids: list[int]
     logprobs: list[float]
     finished: bool
-    extra: dict = field(default_factory=dict)
