@@ -232,10 +232,14 @@ def cli_main(add_args, run, argv=None) -> int:
     p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
+    from rlhf.migration import add_launcher_args, apply_launcher_args
+
+    add_launcher_args(p)
     args = p.parse_args(argv)
     from rlhf.engine import TrainingDiverged
 
     try:
+        apply_launcher_args(args)
         run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -41,6 +41,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     _add_ppo_algo_args(g)
     g = p.add_argument_group("placement and memory")
     _add_placement_args(g)
+    from rlhf.migration import add_placement_args
+
+    add_placement_args(g)  # OpenRLHF's Ray placement flags: checked, then every role is on every rank
     add_rollout_backend_args(g)
     add_engine_args(g)
     add_lora_args(p)  # --lora_rank etc.: the actor's adapters; --lora_export: the final actor export
