@@ -338,7 +338,13 @@ def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> 
         from rlhf.models.hf_io import copy_tokenizer_files
         from rlhf.models.spec import SEQ_CLS_ARCHS
 
+        from rlhf.models.reward_format import OPENRLHF_CONFIG_KEYS, reward_stats
+
         cfg = dict(engine.source["hf_config"])
+        stats = reward_stats(cfg)  # a reward model started from OpenRLHF's format keeps its statistics in ours
+        cfg = {k: v for k, v in cfg.items() if k not in OPENRLHF_CONFIG_KEYS}
+        if stats is not None and engine.value_head:
+            cfg["rlhf"] = {"reward_mean": stats[0], "reward_std": stats[1], **cfg.get("rlhf", {})}
         if engine.value_head:
             cfg["architectures"] = [SEQ_CLS_ARCHS[engine.spec.model_type]]
             cfg["num_labels"] = 1

@@ -209,13 +209,17 @@ def write_best(args: argparse.Namespace, v: dict, samples: list, scores: dict, p
                tokenizer) -> dict[str, float]:
     """Rank 0: the rule reward, the combined score, the best sample per prompt -> --output_path (and every
     sample -> --candidates_path). Returns the mean scores."""
-    from rlhf.rewards import call_reward_fn, combine_rewards, load_reward_fn
+    from rlhf.rewards import call_remote_rm, call_reward_fn, combine_rewards, load_reward_fn
 
     rewards = v["rewards"]
     replies = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    texts = [prompts[s.prompt_index].prompt for s in samples]
     if rewards.reward_fn:
-        texts = [prompts[s.prompt_index].prompt for s in samples]
         scores["fn"] = call_reward_fn(load_reward_fn(rewards.reward_fn), texts, replies)
+    if rewards.remote_rm_url:
+        scores["remote"] = call_remote_rm(rewards.remote_rm_url, [t + r for t, r in zip(texts, replies)], texts,
+                                          [prompts[s.prompt_index].label for s in samples],
+                                          timeout=rewards.remote_rm_timeout)
     total, _ = combine_rewards(scores, rewards.source_weights, rewards.norms(v["rm_sources"]))
     best = pick_best(total, len(prompts), args.best_of_n)
     rows = [{"input": raw_inputs[samples[i].prompt_index], "output": replies[i], "score": total[i].item()}

@@ -25,6 +25,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from rlhf.models.reward_format import reward_stats
+
 RewardFn = Callable[[list, list], list]
 
 
@@ -65,8 +67,61 @@ def add_reward_args(g) -> None:
     g.add_argument("--reward_fn", default=None,
                    help="rule reward module:function, fn(prompts, responses) -> list[float]; alone or added")
     g.add_argument("--reward_fn_weight", type=float, default=1.0, help="weight of --reward_fn in the sum")
+    g.add_argument("--remote_rm_url", default=None,
+                   help="OpenRLHF's remote reward model: HTTP POST {query, prompts, labels} -> {rewards} (one URL)")
+    g.add_argument("--remote_rm_weight", type=float, default=1.0, help="weight of --remote_rm_url in the sum")
+    g.add_argument("--remote_rm_timeout", type=float, default=120.0, help="seconds per request (retried 5 times)")
     g.add_argument("--normalize_reward", action="store_true",
                    help="each reward model's score through its saved mean/std (config.json 'rlhf') before the sum")
+
+
+def call_remote_rm(url: str, queries: Sequence[str], prompts: Sequence[str], labels: Sequence | None = None, *,
+                   timeout: float = 120.0, retries: int = 5, backoff: float = 1.0) -> torch.Tensor:
+    """OpenRLHF's remote reward model: POST ``{"query": [prompt + response], "prompts": [...], "labels": [...]}``
+    as JSON, read ``{"rewards": [float, ...]}`` (``"reward"`` too). Retries connection errors and 5xx answers with
+    exponential backoff; then ValueError naming --remote_rm_url. (N,) fp32."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"query": list(queries), "prompts": list(prompts),
+                       "labels": list(labels) if labels is not None else [None] * len(queries)}).encode()
+    last = ""
+    for attempt in range(retries):
+        try:
+            req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                answer = json.loads(resp.read())
+            break
+        except urllib.error.HTTPError as e:
+            last = f"HTTP {e.code} {e.reason}"
+            if e.code < 500:
+                raise ValueError(f"--remote_rm_url {url}: {last}") from None
+        except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:
+            last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+        time.sleep(backoff * 2 ** attempt)
+    else:
+        raise ValueError(f"--remote_rm_url {url}: no answer after {retries} attempts ({last}); is the reward server "
+                         f"running?")
+    vals = answer.get("rewards", answer.get("reward")) if isinstance(answer, dict) else answer
+    return call_reward_fn(lambda p, r: vals, prompts, list(queries), flag="--remote_rm_url")
+
+
+def check_remote_rm(url: str) -> None:
+    """Before any model loads: the URL is http(s) and something listens at its host and port."""
+    import socket
+    import urllib.parse
+
+    u = urllib.parse.urlparse(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"--remote_rm_url must be an http(s) URL, got {url!r}")
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        socket.create_connection((u.hostname, port), timeout=10).close()
+    except OSError as e:
+        raise ValueError(f"--remote_rm_url {url}: cannot connect to {u.hostname}:{port} ({e}); start the reward "
+                         f"server first") from None
 
 
 def _floats(flag: str, value: str | None, n: int) -> list[float]:
@@ -96,6 +151,12 @@ class RewardConfig:
     """(--reward_fn_weight) its weight in the sum."""
     normalize_reward: bool = False
     """(--normalize_reward) each reward model's score through its own saved mean/std before the sum."""
+    remote_rm_url: str | None = None
+    """(--remote_rm_url) a reward server in OpenRLHF's protocol (``call_remote_rm``)."""
+    remote_rm_weight: float = 1.0
+    """(--remote_rm_weight) its weight in the sum."""
+    remote_rm_timeout: float = 120.0
+    """(--remote_rm_timeout) seconds per request."""
     paths: list[str] = field(init=False)
     weights: list[float] = field(init=False)
 
@@ -106,15 +167,19 @@ class RewardConfig:
         if not self.paths and self.reward_weights is not None:
             raise ValueError(f"--reward_weights {self.reward_weights} needs --reward_pretrain")
         self.weights = _floats("--reward_weights", self.reward_weights, len(self.paths))
-        if not self.paths and not self.reward_fn:
-            raise ValueError("no reward: pass --reward_pretrain (reward models) and/or --reward_fn module:function")
+        if not self.paths and not self.reward_fn and not self.remote_rm_url:
+            raise ValueError("no reward: pass --reward_pretrain (reward models), --reward_fn module:function and/or "
+                             "--remote_rm_url http://host:port/path")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RewardConfig":
         return cls(reward_pretrain=args.reward_pretrain, reward_weights=getattr(args, "reward_weights", None),
                    reward_fn=getattr(args, "reward_fn", None),
                    reward_fn_weight=getattr(args, "reward_fn_weight", 1.0),
-                   normalize_reward=getattr(args, "normalize_reward", False))
+                   normalize_reward=getattr(args, "normalize_reward", False),
+                   remote_rm_url=getattr(args, "remote_rm_url", None),
+                   remote_rm_weight=getattr(args, "remote_rm_weight", 1.0),
+                   remote_rm_timeout=getattr(args, "remote_rm_timeout", 120.0))
 
     @property
     def rm_names(self) -> list[str]:
@@ -122,10 +187,12 @@ class RewardConfig:
 
     @property
     def source_weights(self) -> dict[str, float]:
-        """``{name: weight}`` of every source, reward models first, then ``fn``."""
+        """``{name: weight}`` of every source, reward models first, then ``fn``, then ``remote``."""
         out = dict(zip(self.rm_names, self.weights))
         if self.reward_fn:
             out["fn"] = self.reward_fn_weight
+        if self.remote_rm_url:
+            out["remote"] = self.remote_rm_weight
         return out
 
     def validate_models(self, tp: int, pp: int) -> list[dict]:
@@ -144,14 +211,15 @@ class RewardConfig:
             if not src["spec"].is_seq_cls:
                 raise ValueError(f"--reward_pretrain {path}: expected a *ForSequenceClassification model (a trained "
                                  f"reward model), got {src['hf_config'].get('architectures')}")
-            if self.normalize_reward:
-                stats = src["hf_config"].get("rlhf", {})
-                if "reward_mean" not in stats or "reward_std" not in stats:
-                    raise ValueError(f"--normalize_reward: {path}/config.json has no rlhf.reward_mean/reward_std "
-                                     f"(saved by launch/rm.py); train the reward model here or drop the flag")
+            if self.normalize_reward and reward_stats(src["hf_config"]) is None:
+                raise ValueError(f"--normalize_reward: {path}/config.json has no reward statistics (rlhf.reward_mean/"
+                                 f"reward_std saved by launch/rm.py, or OpenRLHF's mean/std); train the reward model "
+                                 f"here or drop the flag")
             sources.append(src)
         if self.reward_fn:
             load_reward_fn(self.reward_fn)
+        if self.remote_rm_url:
+            check_remote_rm(self.remote_rm_url)
         return sources
 
     def norms(self, sources: Sequence[dict]) -> dict[str, tuple[float, float]]:
@@ -160,14 +228,16 @@ class RewardConfig:
             return {}
         out = {}
         for name, src in zip(self.rm_names, sources):
-            stats = src["hf_config"]["rlhf"]
-            out[name] = (float(stats["reward_mean"]), max(float(stats["reward_std"]), 1e-6))
+            mean, std = reward_stats(src["hf_config"])
+            out[name] = (mean, max(std, 1e-6))
         return out
 
     def describe(self) -> str:
         parts = [f"{w:g} x {n} ({p})" for n, p, w in zip(self.rm_names, self.paths, self.weights)]
         if self.reward_fn:
             parts.append(f"{self.reward_fn_weight:g} x fn ({self.reward_fn})")
+        if self.remote_rm_url:
+            parts.append(f"{self.remote_rm_weight:g} x remote ({self.remote_rm_url})")
         return " + ".join(parts) + ("; reward models normalized by their saved mean/std" if self.normalize_reward
                                     else "")
 

@@ -46,6 +46,14 @@ class RMTask:
         m = engine.reduce_metrics(outs, self.metric_keys)
         return {"acc": m["acc"], "reward_gap": m["reward_gap"], "loss": m["loss"]}
 
+    def after_export(self, args: argparse.Namespace, mesh) -> None:
+        """--export_format openrlhf: the exported folder rewritten in OpenRLHF's format (rank 0)."""
+        if args.export_format == "openrlhf" and mesh.is_rank0:
+            from rlhf.models.reward_format import to_openrlhf
+
+            to_openrlhf(args.save_path)
+        dist.barrier()
+
     def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]:
         """Mean and std of the trained model's rewards over the training responses (chosen and rejected), for
         PPO's ``--normalize_reward``."""
@@ -67,6 +75,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p, lr=9e-6, epochs=1)
     add_key_args(p, pairs=True)
     p.add_argument("--margin_key", default=None, help="optional per-pair margin field")
+    p.add_argument("--export_format", choices=["hf", "openrlhf"], default="hf",
+                   help="hf: *ForSequenceClassification with score.weight; openrlhf: OpenRLHF's reward-model folder "
+                        "(value_head.weight, mean/std in config.json) for OpenRLHF's --reward_pretrain")
 
 
 TASK = RMTask

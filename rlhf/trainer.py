@@ -39,6 +39,7 @@ class Task(Protocol):
     #   setup(args, mesh, engine)           after the trained engine is built, e.g. a frozen reference engine
     #   before_step(engine, microbatches)   before each train step, e.g. attach reference log-probs to the
     #                                       micro-batches; returns extra metrics (phase timings)
+    #   after_export(args, mesh)            after the HF export, e.g. rewrite it in another format
 
 
 def load_split(args: argparse.Namespace, tokenizer, build) -> tuple[list, list, dict[str, float]]:
@@ -238,6 +239,8 @@ class SupervisedLoop:
         extra = self.task.export_extra(self.engine, train_batches[mesh.dp_rank::mesh.dp])
         result.update(extra)
         export_hf(args, self.engine, mesh, extra)
+        if hasattr(self.task, "after_export"):
+            self.task.after_export(args, mesh)
         self.metrics_log.close()
         if mesh.is_rank0:
             with open(os.path.join(args.save_path, "train_result.json"), "w") as f:

@@ -37,7 +37,9 @@ _LAYER_SIMPLE = {
 
 
 def hf_head_name(spec: ModelSpec) -> str:
-    return "score.weight" if spec.is_seq_cls else "lm_head.weight"
+    """The head's tensor in the HF folder read: ``score.weight`` (ours, HF), ``value_head.weight`` or another
+    ``value_head_prefix`` (OpenRLHF's reward/critic models, ``rlhf.models.reward_format``), ``lm_head.weight``."""
+    return f"{spec.extra.get('score_head', 'score')}.weight" if spec.is_seq_cls else "lm_head.weight"
 
 
 def _shard_rows(n: int, tp_rank: int, tp: int) -> tuple[int, int]:
@@ -60,7 +62,7 @@ def megatron_shard_from_hf(name: str, get: HFGetter, spec: ModelSpec, *, tp_rank
             out[: real_hi - lo] = get(hf_name, rows=(lo, real_hi))
         return out
     if name == "output_layer.weight":  # scalar head, replicated over TP
-        return get("score.weight")
+        return get(hf_head_name(spec))
     if name == "decoder.final_layernorm.weight":
         return get("model.norm.weight")
     m = _LAYER.match(name)
@@ -149,7 +151,7 @@ def expected_hf_names(spec: ModelSpec) -> set[str]:
     """Every HF tensor name a checkpoint of this spec must contain (and may contain, nothing else)."""
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if spec.is_seq_cls:
-        names.add("score.weight")
+        names.add(hf_head_name(spec))
     elif not spec.tie_word_embeddings:
         names.add("lm_head.weight")
     for i in range(spec.num_layers):

@@ -35,6 +35,7 @@ _BENIGN_KEYS = {
     "max_position_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "embedding_multiplier", "_attn_implementation_autoset",
     "rlhf",  # our own block: reward normalisation statistics etc.
+    "normalize_reward", "mean", "std", "value_head_prefix",  # OpenRLHF's reward/critic models (reward_format.py)
 }
 
 
@@ -118,8 +119,10 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         raise ValueError(f"{source}: unsupported config field mlp_bias=True")
     if cfg.get("pretraining_tp", 1) not in (None, 1):
         raise ValueError(f"{source}: unsupported config field pretraining_tp={cfg['pretraining_tp']}")
+    from rlhf.models.reward_format import head_prefix, is_openrlhf_config
+
     archs = cfg.get("architectures") or []
-    is_seq_cls = any(a.endswith("ForSequenceClassification") for a in archs)
+    is_seq_cls = any(a.endswith("ForSequenceClassification") for a in archs) or is_openrlhf_config(cfg)
     if is_seq_cls and int(cfg.get("num_labels", len(cfg.get("id2label", {}) or {}) or 1)) != 1:
         raise ValueError(f"{source}: unsupported config field num_labels={cfg.get('num_labels')} (a scalar head "
                          "has num_labels=1)")
@@ -139,7 +142,8 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
                      sliding_window=sliding, attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
                      initializer_range=float(cfg.get("initializer_range", 0.02)),
                      pad_token_id=cfg.get("pad_token_id"), is_seq_cls=is_seq_cls, torch_dtype=str(dtype),
-                     extra={k: cfg[k] for k in ("bos_token_id", "eos_token_id", "rlhf") if k in cfg})
+                     extra={**{k: cfg[k] for k in ("bos_token_id", "eos_token_id", "rlhf") if k in cfg},
+                            **({"score_head": head_prefix(cfg)} if is_seq_cls else {})})
 
 
 def _sliding_window(cfg: dict[str, Any], model_type: str, max_pos: int, source: str) -> int | None:

@@ -190,8 +190,9 @@ def _check_models(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     rewards = RewardConfig.from_args(args)
     critic = args.critic_pretrain or (rewards.paths[0] if rewards.paths else None)
     if needs_critic and critic is None:
-        raise ValueError(f"--reward_fn {args.reward_fn} without --reward_pretrain: the critic of "
-                         f"--advantage_estimator {args.advantage_estimator} needs --critic_pretrain")
+        what = f"--reward_fn {args.reward_fn}" if args.reward_fn else f"--remote_rm_url {args.remote_rm_url}"
+        raise ValueError(f"{what} without --reward_pretrain: the critic of --advantage_estimator "
+                         f"{args.advantage_estimator} needs --critic_pretrain")
     sources = {"--reward_pretrain": rewards.validate_models(args.tensor_model_parallel_size,
                                                             args.pipeline_model_parallel_size)}
     for flag, path in (("--pretrain", args.pretrain), ("--critic_pretrain", critic if needs_critic else None)):

@@ -116,11 +116,16 @@ class RewardSources:
               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """This rank's (optimized, raw) rewards (B,) from the reward models' scores (by role name), and each
         source's global mean as reward/rm<i>, reward/fn (when there is more than one, or normalization)."""
-        from rlhf.rewards import call_reward_fn, combine_rewards, source_metrics
+        from rlhf.rewards import call_remote_rm, call_reward_fn, combine_rewards, source_metrics
 
         scores = dict(zip(self.cfg.rm_names, model_scores.values()))
         if self.fn is not None:
             scores["fn"] = call_reward_fn(self.fn, *self.texts(rollout, rollout.local)).to(self.mesh.device)
+        if self.cfg.remote_rm_url:  # this rank's share, as OpenRLHF's remote_rm_fn sends it
+            texts, replies = self.texts(rollout, rollout.local)
+            labels = [self.prompts[rollout.prompt_idx[s.prompt_index]].label for s in rollout.local]
+            scores["remote"] = call_remote_rm(self.cfg.remote_rm_url, [t + r for t, r in zip(texts, replies)],
+                                              texts, labels, timeout=self.cfg.remote_rm_timeout).to(self.mesh.device)
         rewards, raw = combine_rewards(scores, self.cfg.source_weights, self.norms)
         metrics = {}
         if len(scores) > 1 or self.norms:

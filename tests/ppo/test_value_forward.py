@@ -65,3 +65,57 @@ def test_reward_and_critic_match_hf_per_token(ppo_setup, engines, packing):
         assert torch.allclose(values[b, :r], want, atol=2e-5), (b, values[b, :r], want)
     # the score varies along a sequence: the per-position comparison above checks real values, not a constant
     assert ref[0].std() > 1e-2
+
+
+def _openrlhf_by_hand(hf_rm: str, out) -> str:
+    """OpenRLHF's reward-model folder, written here from an HF *ForSequenceClassification folder without our
+    converter: the base model's keys, ``value_head.weight``, the causal LM's architectures, its statistics."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_rm, out)
+    sd = load_file(f"{out}/model.safetensors")
+    sd["value_head.weight"] = sd.pop("score.weight")
+    save_file(sd, f"{out}/model.safetensors", metadata={"format": "pt"})
+    with open(f"{out}/config.json") as f:
+        cfg = json.load(f)
+    for k in ("num_labels", "id2label", "label2id"):
+        cfg.pop(k, None)
+    cfg.update(architectures=["LlamaForCausalLM"], normalize_reward=True, mean=0.3, std=2.0,
+               value_head_prefix="value_head")
+    with open(f"{out}/config.json", "w") as f:
+        json.dump(cfg, f)
+    return str(out)
+
+
+def test_openrlhf_format_reward_model_scores_as_hf(ppo_setup, engines, tmp_path):
+    """An OpenRLHF-format reward model loads as --reward_pretrain and scores as HF does, raw and normalized
+    with its own mean/std; our converter takes it to our format and back without changing a weight."""
+    from safetensors.torch import load_file
+
+    from rlhf.engine import ModelEngine
+    from rlhf.models.reward_format import from_openrlhf, to_openrlhf
+    from rlhf.models.spec import load_hf_config
+    from rlhf.rewards import RewardConfig, combine_rewards, score_sequences
+
+    path = _openrlhf_by_hand(ppo_setup["rm"], tmp_path / "openrlhf_rm")
+    cfg = RewardConfig(reward_pretrain=path, normalize_reward=True)
+    norms = cfg.norms(cfg.validate_models(1, 1))
+    assert norms == {"rm0": (0.3, 2.0)}
+    eng = ModelEngine(engines.mesh, path, value_head=True, name="reward1")
+    samples = _samples(eng.spec.vocab_size)
+    scores = score_sequences(eng, [s.prompt_ids + s.response_ids for s in samples], pad_id=0, micro_batch_size=2)
+    want = torch.stack([r[-1] for r in _hf_scores(ppo_setup["rm"], samples)])
+    assert torch.allclose(scores, want, atol=2e-5), (scores, want)
+    normalized, raw = combine_rewards({"rm0": scores}, cfg.source_weights, norms)
+    assert torch.allclose(normalized, (want - 0.3) / 2.0, atol=2e-5) and torch.equal(raw, scores)
+    ours = from_openrlhf(path, str(tmp_path / "ours"))
+    assert load_hf_config(ours)["rlhf"] == {"reward_mean": 0.3, "reward_std": 2.0}
+    assert load_hf_config(ours)["architectures"] == ["LlamaForSequenceClassification"]
+    original = load_file(f"{ppo_setup['rm']}/model.safetensors")
+    converted = load_file(f"{ours}/model.safetensors")
+    assert converted.keys() == original.keys() and all(torch.equal(converted[k], original[k]) for k in original)
+    back = load_file(f"{to_openrlhf(ours, str(tmp_path / 'back'))}/model.safetensors")
+    assert torch.equal(back["value_head.weight"], original["score.weight"])

@@ -42,13 +42,21 @@ def test_rm_accuracy_export_and_scores(train_setup, tmp_path):
     p = run_torchrun(RM, 2, ["--pretrain", train_setup["model"], "--dataset", train_setup["rm"],
                              "--eval_dataset", train_setup["rm_eval"], "--max_epochs", "2",
                              "--learning_rate", "2e-3", "--prompt_key", "prompt", "--chosen_key", "chosen",
-                             "--rejected_key", "rejected"] + common(save))
+                             "--rejected_key", "rejected", "--export_format", "openrlhf"] + common(save))
     assert p.returncode == 0, tail(p)
     res = json.load(open(os.path.join(save, "train_result.json")))
     assert res["eval"]["acc"] >= 0.9, res
     assert res["reward_std"] > 0
     import transformers
 
+    from rlhf.models.reward_format import from_openrlhf
+
+    # --export_format openrlhf: OpenRLHF's folder (value_head.weight, its statistics as mean/std), which our
+    # converter turns back into an HF sequence classifier for the checks below.
+    cfg = json.load(open(os.path.join(save, "config.json")))
+    assert cfg["value_head_prefix"] == "value_head" and cfg["mean"] == pytest.approx(res["reward_mean"])
+    assert "value_head.weight" in _final_weights(save)
+    save = from_openrlhf(save, str(tmp_path / "rm_hf"))
     model = transformers.AutoModelForSequenceClassification.from_pretrained(save).eval()
     tok = transformers.AutoTokenizer.from_pretrained(save)
     assert model.config.rlhf["reward_mean"] == pytest.approx(res["reward_mean"])
