@@ -85,6 +85,9 @@ def add_text_args(g, *, input_key: bool = False) -> None:
     g.add_argument("--max_samples", type=int, default=100_000_000)
     g.add_argument("--skip_bad_samples", action="store_true",
                    help="skip (and count) samples with a missing key or empty field instead of failing")
+    g.add_argument("--dataset_format", choices=["auto", "plain", "webgpt", "hh"], default="auto",
+                   help="the seed datasets' layouts (rlhf/data/presets.py): webgpt comparisons, hh-rlhf dialogues; "
+                        "auto: by dataset name, then by record keys; plain: the key flags as given")
 
 
 def add_sampling_args(g, *, max_new_tokens: str = "--generate_max_len") -> None:
@@ -197,10 +200,15 @@ def optim_config(args: argparse.Namespace, lr: float, total_steps: int):
 
 
 def check_paths_exist(flag: str, value: str | None) -> None:
-    """Each entry of a comma-separated data flag (``path`` or ``folder@split``) must exist."""
-    for path in value.split(",") if value else []:
-        if not os.path.exists(path.split("@")[0]):
-            raise ValueError(f"{flag}: not found: {path}")
+    """Each entry of a comma-separated data flag (``path``, ``path@split``, or a Hub name in the local HF cache)
+    must exist."""
+    from rlhf.data.sources import hub_cache_dir, local_path, parse_dataset_flag
+
+    for spec in parse_dataset_flag(value) if value else []:
+        if not os.path.exists(local_path(spec)):
+            hub = (f" (nor a Hub dataset in the local HF cache {hub_cache_dir()}; nothing is downloaded)"
+                   if spec.path.count("/") == 1 and not spec.path.startswith((".", "/")) else "")
+            raise ValueError(f"{flag}: not found: {spec}{hub}")
 
 
 def check_resumable(args: argparse.Namespace) -> None:

@@ -25,6 +25,7 @@ import torch
 from rlhf.data.config import DataConfig
 from rlhf.data.formatting import (PromptSample, RMSample, SFTSample, prompt_sample, record_problem, rm_sides,
                                   sft_sample)
+from rlhf.data import presets
 from rlhf.data.mixing import mix
 from rlhf.data.sources import Record, check_sources_exist, read_source
 
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
+_KEY_FLAGS = {"sft": "--input_key/--output_key (--apply_chat_template for message lists)",
+              "rm": "--prompt_key/--chosen_key/--rejected_key (--apply_chat_template for message lists)",
+              "prompt": "--input_key (PPO: the prompt field)"}
 _SKIP_HINT = "(pass --skip_bad_samples to skip and count such records)"
 _LOGGED_BAD = 5  # with skip_bad_samples, how many bad records are named in the log
 
@@ -60,7 +64,7 @@ def load_records(cfg: DataConfig, task: str) -> tuple[list[Record], DataStats]:
     stats = DataStats()
     per_source: list[list[Record]] = []
     for spec in cfg.specs:
-        records = read_source(spec)
+        records = presets.apply(cfg.dataset_format, spec.path, read_source(spec), cfg)
         stats.num_records += len(records)
         good = []
         for r in records:
@@ -69,14 +73,14 @@ def load_records(cfg: DataConfig, task: str) -> tuple[list[Record], DataStats]:
                 good.append(r)
                 continue
             if not cfg.skip_bad_samples:
-                raise ValueError(f"{r.where}: {problem} {_SKIP_HINT}")
+                raise ValueError(f"{r.where}: {problem}{_key_hint(r, problem, task)} {_SKIP_HINT}")
             if stats.num_bad_skipped < _LOGGED_BAD:
                 log.warning("skipping bad record %s: %s", r.where, problem)
             stats.num_bad_skipped += 1
         if not good:
             first = record_problem(records[0], task, cfg)
             raise ValueError(f"--dataset entry {spec}: all {len(records)} records are bad (first: "
-                             f"{records[0].where}: {first}); check --input_key/--output_key and friends")
+                             f"{records[0].where}: {first}{_key_hint(records[0], first, task)})")
         per_source.append(good)
     if stats.num_bad_skipped:
         log.warning("--skip_bad_samples: skipped %d bad records of %d", stats.num_bad_skipped, stats.num_records)
@@ -85,6 +89,14 @@ def load_records(cfg: DataConfig, task: str) -> tuple[list[Record], DataStats]:
     for i, spec in enumerate(cfg.specs):
         stats.per_dataset[str(spec)] = sum(1 for s, _ in order if s == i)
     return [per_source[s][j] for s, j in order], stats
+
+
+def _key_hint(record: Record, problem: str, task: str) -> str:
+    """For a missing key: the keys the record has, and the flags that map them."""
+    if record.data is None or not problem.startswith("missing key"):
+        return ""
+    return (f"; its records have keys {sorted(record.data)[:12]}: map them with {_KEY_FLAGS[task]}, or pick a "
+            f"layout with --dataset_format ({', '.join(presets.FORMATS[2:])})")
 
 
 def _check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
