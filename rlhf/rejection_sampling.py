@@ -59,54 +59,30 @@ def validate(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     """Flags and model configs, before any process group or model."""
     from rlhf.config import check_paths_exist
     from rlhf.distributed.mesh import validate_layout
-    from rlhf.models.source import describe_source
-    from rlhf.models.spec import check_parallel_fit
     from rlhf.rewards import RewardConfig
+    from rlhf.rollout import plan_policy_generator
 
     tp = args.tensor_model_parallel_size
     validate_layout(world_size, tp, 1)
     for name in ("best_of_n", "max_new_tokens", "prompt_max_len", "micro_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.temperature <= 0:
-        raise ValueError(f"--temperature must be > 0 for sampling, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top_p must be in (0, 1], got {args.top_p}")
     for flag, path in (("--output_path", args.output_path), ("--candidates_path", args.candidates_path)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"{flag} {path}: its folder does not exist")
     check_paths_exist("--dataset", args.dataset)
     rewards = RewardConfig.from_args(args)
     rm_sources = rewards.validate_models(tp, 1)
-    try:
-        src = describe_source(args.pretrain)
-    except ValueError as e:
-        raise ValueError(f"--pretrain {args.pretrain}: {e}") from None
-    check_parallel_fit(src["spec"], tp, 1, src["padded_vocab"])
-    from rlhf.rollout.types import RolloutConfig, mb_to_bytes
-    from rlhf.rollout.vllm_engine import check_vllm_fit, vllm_available
-
-    rcfg = RolloutConfig(tensor_parallel_size=tp, kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb),
-                         max_model_len=args.prompt_max_len + args.max_new_tokens,
-                         dtype="bfloat16" if args.bf16 else "float32", seed=args.seed, backend=args.rollout_backend)
-    use_vllm = rcfg.backend == "vllm" or (rcfg.backend == "auto" and vllm_available())
-    if use_vllm:
-        if not vllm_available():
-            raise ValueError("--rollout_backend vllm: vllm is not installed")
-        check_vllm_fit(src["spec"], rcfg, world_size)
+    src, rcfg, use_vllm = plan_policy_generator(args, world_size)
     return {"source": src, "rewards": rewards, "rm_sources": rm_sources, "rollout": rcfg, "use_vllm": use_vllm}
 
 
 def load_prompts(args: argparse.Namespace, tokenizer) -> tuple[list, list]:
     """(raw prompt field values, PromptSamples), in data order (``--dataset_probs`` mixing and shuffling apply)."""
     from rlhf.data import DataConfig
-    from rlhf.data.build import load_records
-    from rlhf.data.formatting import prompt_sample
+    from rlhf.data.build import load_prompts_with_raw
 
-    cfg = DataConfig.from_args(args, output_key=None)
-    records, _ = load_records(cfg, "prompt")
-    samples = [prompt_sample(r, cfg, tokenizer)[0] for r in records]
-    return [r.data[args.input_key] for r in records], samples
+    return load_prompts_with_raw(DataConfig.from_args(args, output_key=None), tokenizer)
 
 
 def pick_best(total: torch.Tensor, n_prompts: int, n: int) -> list[int]:
@@ -125,9 +101,12 @@ def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
+    from rlhf.data import pad_token_id
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.health import check_config_consistency
     from rlhf.metrics import setup_logging
+    from rlhf.rewards import score_with_models
+    from rlhf.rollout import build_policy_generator
 
     env = DistEnv.from_environ()
     setup_logging(env.rank)
@@ -142,7 +121,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  rewards.describe())
     rollout = None
     try:
-        rollout = build_generator(args, v, mesh)
+        rollout = build_policy_generator(mesh, args.pretrain, v["source"], v["rollout"], use_vllm=v["use_vllm"],
+                                         out_dir=os.path.dirname(os.path.abspath(args.output_path)),
+                                         bf16=args.bf16, transformer_impl=getattr(args, "transformer_impl", None))
         ids = [p.prompt_ids.tolist() for p in prompts]
         engines = env.world_size // args.tensor_model_parallel_size
         ids += [ids[-1]] * (-len(ids) % engines)  # every engine gets an equal share; the copies are dropped
@@ -151,7 +132,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         samples = [s for s in samples if s.prompt_index < len(prompts)]
         assert len(samples) == len(prompts) * args.best_of_n, "prompt-major, best_of_n samples per prompt"
         gc.collect()
-        scores = score_with_reward_models(args, rewards, samples, tokenizer, mesh)
+        scores = score_with_models(rewards, [s.prompt_ids + s.response_ids for s in samples], pad_token_id(tokenizer),
+                                   args.micro_batch_size, mesh, bf16=args.bf16,
+                                   transformer_impl=getattr(args, "transformer_impl", None))
         result: dict[str, Any] = {"prompts": len(prompts), "samples": len(samples)}
         if mesh.is_rank0:
             result.update(write_best(args, v, samples, scores, prompts, raw_inputs, tokenizer))
@@ -160,49 +143,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from rlhf.rollout import shutdown
 
         shutdown(mesh, rollout)
-
-
-def build_generator(args: argparse.Namespace, v: dict, mesh):
-    """vLLM with the policy's weights synced from a frozen megatron engine (then freed), or the megatron
-    fallback generator that samples with that engine."""
-    from rlhf.engine import ModelEngine
-    from rlhf.rollout import build_rollout
-
-    def policy():
-        return ModelEngine(mesh, args.pretrain, value_head=False, name="policy", bf16=args.bf16,
-                           transformer_impl=getattr(args, "transformer_impl", None))
-
-    if not v["use_vllm"]:
-        return build_rollout(mesh, policy(), v["rollout"], "")
-    from rlhf.rollout.model_dir import vllm_model_dir
-    from rlhf.rollout.weight_sync import WeightSync
-
-    model_dir = vllm_model_dir(args.pretrain, v["source"], mesh, out_dir=os.path.join(
-        os.path.dirname(os.path.abspath(args.output_path)), "vllm_config"))
-    rollout = build_rollout(mesh, None, v["rollout"], model_dir)
-    engine = policy()
-    WeightSync(engine, mesh).sync(rollout)
-    del engine  # vLLM holds its own copy now
-    gc.collect()
-    return rollout
-
-
-def score_with_reward_models(args: argparse.Namespace, rewards, samples: list, tokenizer,
-                             mesh) -> dict[str, torch.Tensor]:
-    """Each reward model's score of every sample (N,), one model resident at a time, data-parallel."""
-    from rlhf.data import pad_token_id
-    from rlhf.engine import ModelEngine
-    from rlhf.rewards import score_sequences
-
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
-    scores: dict[str, torch.Tensor] = {}
-    for name, path in zip(rewards.rm_names, rewards.paths):
-        rm = ModelEngine(mesh, path, value_head=True, name=name, bf16=args.bf16,
-                         transformer_impl=getattr(args, "transformer_impl", None))
-        scores[name] = score_sequences(rm, seqs, pad_token_id(tokenizer), args.micro_batch_size).cpu()
-        del rm
-        gc.collect()
-    return scores
 
 
 def write_best(args: argparse.Namespace, v: dict, samples: list, scores: dict, prompts: list, raw_inputs: list,

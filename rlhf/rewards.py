@@ -296,3 +296,20 @@ def score_sequences(engine, seqs: Sequence[Sequence[int]], pad_id: int, micro_ba
     mine = torch.cat([o["output"] for o in outs]) if outs else None
     mine = to_all_stages(mine, (per,), mesh)
     return dp_all_gather(mine.float().contiguous(), mesh)[:n]
+
+
+def score_with_models(cfg: RewardConfig, seqs: Sequence[Sequence[int]], pad_id: int, micro_batch_size: int, mesh, *,
+                      bf16: bool = False, transformer_impl: str | None = None) -> dict[str, torch.Tensor]:
+    """Each reward model's score of every token sequence, ``{rm name: (N,)}`` on the host: one model resident at a
+    time, data-parallel (``score_sequences``)."""
+    import gc
+
+    from rlhf.engine import ModelEngine
+
+    scores: dict[str, torch.Tensor] = {}
+    for name, path in zip(cfg.rm_names, cfg.paths):
+        rm = ModelEngine(mesh, path, value_head=True, name=name, bf16=bf16, transformer_impl=transformer_impl)
+        scores[name] = score_sequences(rm, seqs, pad_id, micro_batch_size).cpu()
+        del rm
+        gc.collect()
+    return scores

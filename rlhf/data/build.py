@@ -177,3 +177,10 @@ def _finish(samples: list, stats: DataStats, cfg: DataConfig, len_flag: str) -> 
         raise ValueError(f"no samples left: all {stats.num_mixed} were dropped because the prompt alone fills "
                          f"--{len_flag} {getattr(cfg, len_flag)}")
     return samples, stats
+
+
+def load_prompts_with_raw(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list, list[PromptSample]]:
+    """(raw prompt field values, PromptSamples) in data order (mixing and shuffling apply), for jobs that write the
+    prompt back out as they read it (rejection sampling, batch inference)."""
+    records, _ = load_records(cfg, "prompt")
+    return [r.data[cfg.input_key] for r in records], [prompt_sample(r, cfg, tokenizer)[0] for r in records]

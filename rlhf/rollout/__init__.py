@@ -32,3 +32,62 @@ def shutdown(mesh, rollout) -> None:
         rollout.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def build_policy_generator(mesh, pretrain: str, source: dict, cfg: RolloutConfig, *, use_vllm: bool, out_dir: str,
+                           bf16: bool = False, transformer_impl: str | None = None):
+    """A generator for a fixed policy (rejection sampling, batch inference): vLLM with the policy's weights synced
+    from a frozen megatron engine that is freed afterwards (``out_dir``/vllm_config holds the folder vLLM starts
+    from when ``pretrain`` is a megatron checkpoint), or the megatron fallback that samples with that engine."""
+    import gc
+    import os
+
+    from rlhf.engine import ModelEngine
+
+    def policy():
+        return ModelEngine(mesh, pretrain, value_head=False, name="policy", bf16=bf16,
+                           transformer_impl=transformer_impl)
+
+    if not use_vllm:
+        return build_rollout(mesh, policy(), cfg, "")
+    from rlhf.rollout.model_dir import vllm_model_dir
+    from rlhf.rollout.weight_sync import WeightSync
+
+    rollout = build_rollout(mesh, None, cfg, vllm_model_dir(pretrain, source, mesh,
+                                                            out_dir=os.path.join(out_dir, "vllm_config")))
+    engine = policy()
+    WeightSync(engine, mesh).sync(rollout)
+    del engine  # vLLM holds its own copy now
+    gc.collect()
+    return rollout
+
+
+def plan_policy_generator(args, world_size: int) -> tuple[dict, RolloutConfig, bool]:
+    """Checks for a fixed-policy generator before any model loads (``--pretrain``, ``--tp``,
+    ``--max_new_tokens``, ``--prompt_max_len``, ``--temperature``, ``--top_p``, ``--vllm_kv_cache_mb``,
+    ``--rollout_backend``, ``--bf16``, ``--seed``): the policy's ``describe_source``, the generator's config and
+    whether it is vLLM."""
+    from rlhf.models.source import describe_source
+    from rlhf.models.spec import check_parallel_fit
+    from rlhf.rollout.types import mb_to_bytes
+    from rlhf.rollout.vllm_engine import check_vllm_fit, vllm_available
+
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature must be > 0 for sampling, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top_p must be in (0, 1], got {args.top_p}")
+    tp = args.tensor_model_parallel_size
+    try:
+        src = describe_source(args.pretrain)
+    except ValueError as e:
+        raise ValueError(f"--pretrain {args.pretrain}: {e}") from None
+    check_parallel_fit(src["spec"], tp, 1, src["padded_vocab"])
+    rcfg = RolloutConfig(tensor_parallel_size=tp, kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb),
+                         max_model_len=args.prompt_max_len + args.max_new_tokens,
+                         dtype="bfloat16" if args.bf16 else "float32", seed=args.seed, backend=args.rollout_backend)
+    use_vllm = rcfg.backend == "vllm" or (rcfg.backend == "auto" and vllm_available())
+    if use_vllm:
+        if not vllm_available():
+            raise ValueError("--rollout_backend vllm: vllm is not installed")
+        check_vllm_fit(src["spec"], rcfg, world_size)
+    return src, rcfg, use_vllm
