@@ -9,7 +9,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "rlhf")
 # Each workflow and the modules that belong to it alone (conditional SFT is a mode of SFT).
 WORKFLOWS = {"sft": ("rlhf.sft", "rlhf.conditional"), "rm": ("rlhf.rm",), "dpo": ("rlhf.dpo",), "kto": ("rlhf.kto",),
-             "ppo": ("rlhf.ppo",), "rejection_sampling": ("rlhf.rejection_sampling",)}
+             "ppo": ("rlhf.ppo",), "rejection_sampling": ("rlhf.rejection_sampling",),
+             "batch_inference": ("rlhf.batch_inference",)}
 
 
 def modules():
