@@ -66,6 +66,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
     add_common_args(p, lr=5e-6, epochs=2)
     add_key_args(p, pairs=False)
+    p.add_argument("--pretrain_mode", action="store_true",
+                   help="continued pretraining (OpenRLHF's flag): the loss on every token of --input_key's text")
     from rlhf.conditional import add_args as add_conditional_args
 
     add_conditional_args(p)

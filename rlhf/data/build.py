@@ -108,7 +108,7 @@ def build_sft_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
                       preloaded: tuple[list[Record], DataStats] | None = None) -> tuple[list[SFTSample], DataStats]:
     """SFT samples: ``input_ids`` (S<=max_len,) and a ``loss_mask`` that is True on response tokens (+ eos).
     ``preloaded``: checked records (and their counts) from ``load_records``, e.g. rewritten by conditional SFT."""
-    if not cfg.output_key and not cfg.apply_chat_template:
+    if not cfg.output_key and not cfg.apply_chat_template and not cfg.pretrain_mode:
         raise ValueError("--output_key is required unless --apply_chat_template is set (then --input_key may hold "
                          "a whole conversation whose last, assistant message is the response)")
     _check_tokenizer(tokenizer)

@@ -50,6 +50,9 @@ class DataConfig:
     """--prompt_max_len: PPO prompts longer than this keep their last tokens (and a leading BOS)."""
     skip_bad_samples: bool = False
     """--skip_bad_samples: skip and count records with a missing key or an empty field instead of failing."""
+    pretrain_mode: bool = False
+    """--pretrain_mode (SFT): continued pretraining, the loss on every token of ``input_key``'s text (no prompt,
+    no template)."""
     dataset_format: str = "auto"
     """--dataset_format: auto | plain | webgpt | hh (``rlhf.data.presets``): the seed systems' dataset layouts."""
     specs: list[DatasetSpec] = field(init=False, repr=False)

@@ -100,6 +100,10 @@ def record_problem(record: Record, task: str, cfg: DataConfig) -> str | None:
     if record.error is not None:
         return record.error
     d, chat = record.data, cfg.apply_chat_template
+    if task == "sft" and cfg.pretrain_mode:
+        problem = _field_problem(d, cfg.input_key, False)
+        return problem or (None if isinstance(d[cfg.input_key], str) else
+                           f"key {cfg.input_key!r} must be a text string with --pretrain_mode")
     if task == "sft":
         keys = [cfg.input_key] + ([cfg.output_key] if cfg.output_key else [])
     elif task == "rm":
@@ -183,7 +187,9 @@ def tokenize_pair(prompt_text: str, response_text: str, cfg: DataConfig,
 def sft_sample(record: Record, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[SFTSample, bool]:
     """The full-length sample of a checked record and whether it is longer than ``cfg.max_len``."""
     d = record.data
-    if cfg.output_key:
+    if cfg.pretrain_mode:  # the whole text is the target (the tokenizer's BOS, if any, is the "prompt")
+        pt, rt = "", d[cfg.input_key]
+    elif cfg.output_key:
         pt, rt = render_pair(d[cfg.input_key], d[cfg.output_key], cfg, tokenizer, record.where)
     else:
         pt, rt = render_pair(None, d[cfg.input_key], cfg, tokenizer, record.where)

@@ -175,3 +175,20 @@ def test_bos_goes_on_the_prompt_only_and_survives_left_truncation(tmp_path, bos_
                                        bos_tok)
     assert stats.num_truncated == 1 and p.prompt_ids.tolist() == [1] + bos_tok.encode("own fox",
                                                                                      add_special_tokens=False)
+
+
+def test_pretrain_mode_trains_on_every_token(tmp_path, tok):
+    """--pretrain_mode: the record's text alone, the loss on all of it (and EOS); the tokenizer's BOS is the only
+    position without a target. Checked against the tokenizer by hand."""
+    from _data_testlib import write_jsonl
+
+    from rlhf.data import DataConfig, build_sft_dataset
+
+    text = "the quick brown fox jumps"
+    path = write_jsonl(tmp_path / "raw.jsonl", [{"text": text, "other": 1}])
+    samples, _ = build_sft_dataset(DataConfig(dataset=path, input_key="text", output_key=None,
+                                              pretrain_mode=True), tok)
+    want = tok.encode("", add_special_tokens=True) + tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    assert samples[0].input_ids.tolist() == want
+    n_bos = len(tok.encode("", add_special_tokens=True))
+    assert samples[0].loss_mask.tolist() == [False] * n_bos + [True] * (len(want) - n_bos)
