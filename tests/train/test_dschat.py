@@ -1,0 +1,85 @@
+"""launch/dschat.py: DeepSpeed-Chat's step commands mapped onto ours (rlhf/migration.py), its --data_split, the
+flags refused by name, and step 1 run end to end (in this process, one rank) on a Hub-named dataset from the
+local HF cache."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlhf.migration import dschat_to_ours, split_parts
+
+
+def _flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+@pytest.fixture
+def rm_static(tmp_path, monkeypatch):
+    """A cached Hub snapshot of a Dahoas/rm-static-like dataset (prompt, response, chosen, rejected)."""
+    snap = tmp_path / "hub" / "datasets--Dahoas--rm-static" / "snapshots" / "r1" / "data"
+    snap.mkdir(parents=True)
+    rows = [{"prompt": f"\n\nHuman: sort {i} {i + 2} {i + 1}\n\nAssistant:", "response": f" {i} {i + 1} {i + 2}",
+             "chosen": f" {i} {i + 1} {i + 2}", "rejected": f" {i + 2} {i} {i + 1}"} for i in range(60)]
+    pq.write_table(pa.Table.from_pylist(rows), snap / "train-00000-of-00001.parquet")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    return rows
+
+
+def test_data_split_partitions_each_dataset():
+    parts = split_parts(100, "2,4,4", seed=1234)
+    assert [len(p) for p in parts] == [20, 40, 40]
+    assert sorted(sum(parts, [])) == list(range(100))
+    assert parts == split_parts(100, "2,4,4", seed=1234) and parts != split_parts(100, "2,4,4", seed=1)
+    with pytest.raises(ValueError, match="--data_split must be three"):
+        split_parts(10, "5,5", 0)
+
+
+def test_steps_map_to_our_flags(rm_static, tmp_path):
+    common = ["--data_path", "Dahoas/rm-static", "--data_output_path", str(tmp_path / "data"), "--dtype", "bf16"]
+    s1 = dschat_to_ours(1, ["--model_name_or_path", "m", "--per_device_train_batch_size", "4",
+                            "--gradient_accumulation_steps", "2", "--output_dir", "o1", "--lora_dim", "8", *common], 2)
+    assert (_flag(s1, "--train_batch_size"), _flag(s1, "--micro_train_batch_size"), _flag(s1, "--lora_rank")) == \
+        ("16", "4", "8") and "--bf16" in s1 and _flag(s1, "--output_key") == "chosen"
+    parts = [len(open(_flag(dschat_to_ours(k, args + common, 1), "--dataset" if k < 3 else "--prompt_data"))
+                  .readlines())
+             for k, args in ((1, ["--model_name_or_path", "m", "--output_dir", "o"]),
+                             (2, ["--model_name_or_path", "m", "--output_dir", "o"]),
+                             (3, ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c",
+                                  "--output_dir", "o"]))]
+    assert parts == [12, 24, 24]  # 60 rows at 2,4,4
+    s3 = dschat_to_ours(3, ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir",
+                            "o3", "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "2",
+                            "--ppo_epochs", "2", "--offload_reference_model", "--enable_hybrid_engine", *common], 2)
+    assert (_flag(s3, "--rollout_batch_size"), _flag(s3, "--train_batch_size"), _flag(s3, "--max_epochs"),
+            _flag(s3, "--critic_pretrain"), _flag(s3, "--save_path")) == ("8", "4", "2", "c", os.path.join("o3", "actor"))
+    assert "--ref_reward_offload" in s3
+
+
+@pytest.mark.parametrize("flags,needle", [(["--enable_ema"], "--enable_ema: the EMA of the actor is not implemented"),
+                                          (["--unsup_coef", "27.8"], "--unsup_coef: the pretraining (ptx) loss"),
+                                          (["--dtype", "fp16"], "--dtype fp16: fp16 mixed precision is not supported")])
+def test_flags_without_a_meaning_here_are_named(rm_static, tmp_path, flags, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        dschat_to_ours(1, ["--model_name_or_path", "m", "--output_dir", "o", "--data_path", "Dahoas/rm-static",
+                           "--data_output_path", str(tmp_path / "d"), *flags], 1)
+
+
+def test_step1_runs(train_setup, rm_static, tmp_path, monkeypatch):
+    from helpers import REPO, free_port
+
+    sys.path.insert(0, os.path.join(REPO, "launch"))
+    import dschat
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    out = tmp_path / "step1"
+    argv = ["--step", "1", "--model_name_or_path", train_setup["model"], "--data_path", "Dahoas/rm-static",
+            "--data_output_path", str(tmp_path / "data"), "--per_device_train_batch_size", "4", "--max_seq_len", "64",
+            "--learning_rate", "1e-3", "--dtype", "fp32", "--output_dir", str(out), "--local_rank=0"]
+    assert dschat.main(argv) == 0
+    res = json.load(open(out / "train_result.json"))
+    assert res["train"]["loss"] > 0 and (out / "config.json").exists()
