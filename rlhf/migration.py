@@ -97,7 +97,6 @@ def _check_role_placement(args: argparse.Namespace, world: int) -> None:
 # ------------------------------------------------------------------------------------------------ DeepSpeed-Chat
 DSCHAT_ENTRY = {1: "sft", 2: "rm", 3: "ppo"}
 _DSCHAT_NOT_HERE = {
-    "--enable_ema": "the EMA of the actor is not implemented here",
     "--unsupervised_dataset_name": "the pretraining (ptx) loss is not implemented here",
     "--unsup_coef": "the pretraining (ptx) loss is not implemented here",
     "--offload": "ZeRO-Offload of the trained model: use --dtype bf16 and more ranks (PPO: --adam_offload)",
@@ -159,7 +158,8 @@ def dschat_parser(step: int) -> argparse.ArgumentParser:
         for k, v in (("--actor_learning_rate", 9.65e-6), ("--critic_learning_rate", 5e-6),
                      ("--actor_weight_decay", 0.0), ("--critic_weight_decay", 0.0)):
             a(k, type=float, default=v)
-        for k in ("--offload_reference_model", "--actor_gradient_checkpointing", "--critic_gradient_checkpointing"):
+        for k in ("--offload_reference_model", "--actor_gradient_checkpointing", "--critic_gradient_checkpointing",
+                  "--enable_ema"):
             a(k, action="store_true")
     return p
 
@@ -265,6 +265,8 @@ def _dschat_ppo(ds: argparse.Namespace, world: int, rows: int) -> list[str]:
            "--init_kl_coef", "0.1", "--eps_clip", "0.2", "--value_clip", "0.2", "--gamma", "1.0", "--lambd", "0.95"]
     if ds.offload_reference_model:
         out.append("--ref_reward_offload")
+    if ds.enable_ema:  # DeepSpeed-Chat's EMA coefficient
+        out += ["--enable_ema", "--ema_beta", "0.992"]
     if ds.actor_gradient_checkpointing or ds.critic_gradient_checkpointing:
         out.append("--gradient_checkpointing")
     return out

@@ -74,6 +74,9 @@ def _add_ppo_algo_args(g) -> None:
     g.add_argument("--use_tis", action="store_true",
                    help="truncated importance sampling: weight the policy loss by min(p_trainer/p_vllm, --tis_cap)")
     g.add_argument("--tis_cap", type=float, default=2.0)
+    g.add_argument("--enable_ema", action="store_true",
+                   help="keep an exponential moving average of the actor; exported to <save_path>/ema")
+    g.add_argument("--ema_beta", type=float, default=0.992, help="--enable_ema: ema = beta * ema + (1 - beta) * actor")
 
 
 def _add_placement_args(g) -> None:
@@ -123,6 +126,9 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     check_resumable(args)
     lora_config_from_args(args)
     lora_config_from_args(args, "critic_lora_rank")
+    from rlhf.ppo.ema import check_ema_args
+
+    check_ema_args(args)
     rewards, sources = _check_models(args)
     return PPOSetup(dp=dp, engines=engines, samples=args.rollout_batch_size * args.n_samples_per_prompt,
                     sources=sources, rewards=rewards)

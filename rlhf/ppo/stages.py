@@ -202,8 +202,9 @@ def update_plans(B: int, args: argparse.Namespace, dp: int, step: int) -> list[l
 
 
 def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef: float, step: int, mesh,
-           pad_id: int, tokens: float, timer) -> dict[str, float]:
-    """critic_update then actor_update over the same plans; metrics averaged over the optimizer steps."""
+           pad_id: int, tokens: float, timer, after_actor_step=None) -> dict[str, float]:
+    """critic_update then actor_update over the same plans; metrics averaged over the optimizer steps.
+    ``after_actor_step()`` runs after each actor optimizer step (--enable_ema)."""
     from rlhf.algo.ppo_losses import ACTOR_METRICS, CRITIC_METRICS, make_actor_loss, make_critic_loss
     from rlhf.models.outputs import response_logprobs, response_values
 
@@ -225,17 +226,19 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
         tis_cap=args.tis_cap if args.use_tis else None)
     keys = ACTOR_METRICS + (("kl_loss",) if estimator.kl_in_loss else ())
     _train_role(roles, "actor", plans, microbatches, actor_loss, keys, "hidden", sums, tokens * args.max_epochs,
-                timer)
+                timer, after_step=after_actor_step)
     out = {k: v / len(plans) for k, v in sums.items()}
     out["entropy"] = out.pop("actor/entropy")
     return out
 
 
 def _train_role(roles, role: str, plans: list, microbatches, loss_fn, keys: tuple, output: str, sums: dict,
-                tokens: float, timer) -> None:
+                tokens: float, timer, after_step=None) -> None:
     roles.memory.enter(f"{role}_update")
     engine = roles.engines[role]
     with timer.phase(f"{role}_update", tokens=tokens):
         for plan in plans:
             for k, v in engine.train_step(microbatches(plan), loss_fn, keys, output=output).items():
                 sums[f"{role}/{k}"] = sums.get(f"{role}/{k}", 0.0) + v
+            if after_step is not None:
+                after_step()

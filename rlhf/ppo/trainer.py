@@ -75,10 +75,15 @@ class PPOTrainer:
                                  args.max_ckpt_num)
         for role, eng in self.roles.trainable.items():
             eng.ckpt_prefix = f"{role}."
+        self.ema = None
+        if args.enable_ema:
+            from rlhf.ppo.ema import ActorEMA
+
+            self.ema = ActorEMA(args, self.roles.actor, mesh)
         self.step = 0
         if args.load_checkpoint:
             self.roles.all_on_device()
-            state = self.ckpt.load(self.roles.trainable)
+            state = self.ckpt.load(self.checkpointed())
             self.step = state["step"]
             self.sampler.load_state_dict(state["extra"]["sampler"])
             self.kl_ctl.load_state_dict(state["extra"]["kl_ctl"])
@@ -109,7 +114,8 @@ class PPOTrainer:
             metrics["skipped_steps"] = float(roles.actor.skipped_steps)
         else:
             metrics.update(update(roles, exp, args, self.estimator, self.kl_ctl.value, self.step, mesh,
-                                  self.pad_id, rollout.tokens, timer))
+                                  self.pad_id, rollout.tokens, timer,
+                                  after_actor_step=self.ema.update if self.ema else None))
             self.actor_changed = True
             self.kl_ctl.update(metrics["kl"], len(rollout.samples))
         metrics.update(self.step_stats(rollout))
@@ -130,9 +136,15 @@ class PPOTrainer:
                 **self.roles.memory.pop_stats()}  # what each phase moved (and freed on CUDA)
 
     # ------------------------------------------------------------------------------------------------- loop
+    def checkpointed(self) -> dict:
+        """What a checkpoint holds: the trained roles and, with --enable_ema, the average."""
+        return {**self.roles.trainable, **({"ema": self.ema.engine} if self.ema else {})}
+
     def save(self) -> None:
         self.roles.all_on_device()
-        self.ckpt.save(self.step, self.roles.trainable, {"sampler": self.sampler.state_dict(),
+        if self.ema is not None and self.ema.offload is not None:
+            self.ema.offload.onload(params=True, grads=False, optimizer=False)
+        self.ckpt.save(self.step, self.checkpointed(), {"sampler": self.sampler.state_dict(),
                                                          "kl_ctl": self.kl_ctl.state_dict()})
 
     def fit(self) -> dict[str, Any]:
@@ -174,6 +186,8 @@ class PPOTrainer:
 
         self.roles.all_on_device()
         export_hf(self.args, self.roles.actor, self.mesh, {"ppo_steps": self.step})
+        if self.ema is not None:
+            self.ema.export(self.args, self.mesh, self.step)
         if self.mesh.is_rank0:
             with open(os.path.join(self.args.save_path, "ppo_result.json"), "w") as f:
                 json.dump({"history": history}, f, indent=1)

@@ -54,15 +54,15 @@ def test_steps_map_to_our_flags(rm_static, tmp_path):
     assert parts == [12, 24, 24]  # 60 rows at 2,4,4
     s3 = dschat_to_ours(3, ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir",
                             "o3", "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "2",
-                            "--ppo_epochs", "2", "--offload_reference_model", "--enable_hybrid_engine", *common], 2)
+                            "--ppo_epochs", "2", "--offload_reference_model", "--enable_hybrid_engine", "--enable_ema",
+                            *common], 2)
     got = [_flag(s3, f) for f in ("--rollout_batch_size", "--train_batch_size", "--max_epochs", "--critic_pretrain",
                                   "--save_path")]
     assert got == ["8", "4", "2", "c", os.path.join("o3", "actor")]
-    assert "--ref_reward_offload" in s3
+    assert "--ref_reward_offload" in s3 and _flag(s3, "--ema_beta") == "0.992"
 
 
-@pytest.mark.parametrize("flags,needle", [(["--enable_ema"], "--enable_ema: the EMA of the actor is not implemented"),
-                                          (["--unsup_coef", "27.8"], "--unsup_coef: the pretraining (ptx) loss"),
+@pytest.mark.parametrize("flags,needle", [(["--unsup_coef", "27.8"], "--unsup_coef: the pretraining (ptx) loss"),
                                           (["--dtype", "fp16"], "--dtype fp16: fp16 mixed precision is not supported")])
 def test_flags_without_a_meaning_here_are_named(rm_static, tmp_path, flags, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
