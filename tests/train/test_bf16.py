@@ -18,10 +18,12 @@ from _train_testlib import write_jsonl
 #         which the loss sees, moves 40x less), grad_norm 5.5e-2, acc 1/16 (one pair of 16 flips)
 #   dpo:  loss 2.6e-4, chosen/rejected_reward 4.8e-3, margin 5.4e-4, grad_norm 6.6e-4, acc 0
 #   kto:  loss 3e-5, chosen/rejected_reward 3.3e-3, kl 3.1e-2 (of 2.4: unscaled by beta), grad_norm 3.3e-4, acc 0
-# The bounds are about 3x those; an accuracy is a count of 16 pairs per step, so it gets whole flips (3 or 2).
+# A second 2-core machine of this project (2026-11-24, the base commit too) measured the same within 2x, except
+#   rm: loss 7.9e-4 (step 2: 0.66089 vs 0.66169), reward_gap 3.1e-3
+# The bounds are about 3x the larger; an accuracy is a count of 16 pairs per step, so it gets whole flips (3 or 2).
 TOL = {
     "sft": {"loss": 6e-3, "grad_norm": 3e-2},
-    "rm": {"loss": 3e-4, "reward_gap": 4e-3, "chosen_reward": 0.15, "rejected_reward": 0.15, "grad_norm": 0.15,
+    "rm": {"loss": 2.5e-3, "reward_gap": 1e-2, "chosen_reward": 0.15, "rejected_reward": 0.15, "grad_norm": 0.15,
            "acc": 3 / 16},
     "dpo": {"loss": 1e-3, "chosen_reward": 1.5e-2, "rejected_reward": 1.5e-2, "margin": 2e-3, "grad_norm": 2e-3,
             "acc": 2 / 16},
