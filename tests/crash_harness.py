@@ -42,23 +42,32 @@ def _pattern(task: str, event: str, k: int) -> re.Pattern | None:
 
 
 def launch_and_kill(script: str, nproc: int, args: list[str], task: str, point: tuple[str, float], jitter: float,
-                    rng: random.Random, timeout: float = 600) -> tuple[bool, str]:
-    """One launch, killed at ``point``. Returns (killed, log). ``killed`` is False if the job ended first."""
+                    rng: random.Random, timeout: float = 600,
+                    later: tuple[tuple[str, float], ...] = ()) -> tuple[bool, str]:
+    """One launch, killed at ``point``. Returns (killed, log). ``killed`` is False if the job ended first.
+
+    The kill comes a seeded random delay of up to ``jitter`` seconds after the event, but never after the event of
+    a ``later`` kill point (or the export): on a machine fast enough to run past it within the delay, the kill
+    falls at that event instead, so every later point still comes in a later launch."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(free_port()), os.path.join(REPO, script), *args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=test_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
-    hit = threading.Event()
+    hit, overrun = threading.Event(), threading.Event()
     event, k = point
     pat = _pattern(task, event, int(k))
+    guards = [g for g in (_pattern(task, e, int(j)) for e, j in (*later, ("export", 0))) if g is not None]
 
     def reader() -> None:
         for ln in proc.stdout:
             lines.append(ln)
             if pat is not None and pat.search(ln):
                 hit.set()
+            if hit.is_set() and any(g.search(ln) for g in guards if g.pattern != getattr(pat, "pattern", None)):
+                overrun.set()
         hit.set()  # the job ended
+        overrun.set()
 
     t = threading.Thread(target=reader, daemon=True)
     t.start()
@@ -66,7 +75,7 @@ def launch_and_kill(script: str, nproc: int, args: list[str], task: str, point: 
         hit.wait(timeout=float(k))
     else:
         hit.wait(timeout=timeout)
-    time.sleep(rng.uniform(0, jitter))
+    overrun.wait(timeout=rng.uniform(0, jitter))
     killed = proc.poll() is None
     if killed:
         kill_tree(proc.pid)
@@ -95,6 +104,7 @@ def crash_and_resume(script: str, nproc: int, args: list[str], task: str, ckpt_d
             assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
             records.append({"point": point, "killed": False, "resumed": resume})
             break
-        killed, log = launch_and_kill(script, nproc, launch_args, task, point, jitter, rng)
+        later = tuple(points[points.index(point) + 1:])
+        killed, log = launch_and_kill(script, nproc, launch_args, task, point, jitter, rng, later=later)
         records.append({"point": point, "killed": killed, "resumed": resume, "log_tail": log[-1500:]})
     return records
