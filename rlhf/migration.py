@@ -97,8 +97,6 @@ def _check_role_placement(args: argparse.Namespace, world: int) -> None:
 # ------------------------------------------------------------------------------------------------ DeepSpeed-Chat
 DSCHAT_ENTRY = {1: "sft", 2: "rm", 3: "ppo"}
 _DSCHAT_NOT_HERE = {
-    "--unsupervised_dataset_name": "the pretraining (ptx) loss is not implemented here",
-    "--unsup_coef": "the pretraining (ptx) loss is not implemented here",
     "--offload": "ZeRO-Offload of the trained model: use --dtype bf16 and more ranks (PPO: --adam_offload)",
     "--dropout": "dropout is taken from the model's config",
     "--actor_dropout": "dropout is taken from the model's config",
@@ -115,8 +113,7 @@ _DSCHAT_NOT_HERE = {
 # flags that change nothing here (said once in the log)
 _DSCHAT_NOOPS = ("--per_device_eval_batch_size", "--print_loss", "--print_answers", "--only_optimize_lora",
                  "--enable_hybrid_engine", "--release_inference_cache", "--tp_gather_partition_size",
-                 "--preprocessing_num_workers", "--num_padding_at_beginning", "--eval_interval", "--eval_iters",
-                 "--unsupervised_dataset_config_name")
+                 "--preprocessing_num_workers", "--num_padding_at_beginning", "--eval_interval", "--eval_iters")
 
 
 def dschat_parser(step: int) -> argparse.ArgumentParser:
@@ -150,6 +147,9 @@ def dschat_parser(step: int) -> argparse.ArgumentParser:
     else:
         for k in ("--actor_model_name_or_path", "--critic_model_name_or_path"):
             a(k, required=True)
+        a("--unsupervised_dataset_name", default=None)
+        a("--unsupervised_dataset_config_name", default=None)
+        a("--unsup_coef", type=float, default=27.8)
         for k, v in (("--per_device_generation_batch_size", 16), ("--per_device_training_batch_size", 16),
                      ("--generation_batches", 1), ("--ppo_epochs", 1), ("--max_answer_seq_len", 256),
                      ("--max_prompt_seq_len", 256), ("--actor_zero_stage", 0), ("--critic_zero_stage", 0),
@@ -243,6 +243,21 @@ def dschat_to_ours(step: int, argv: list[str], world_size: int) -> list[str]:
     return _dschat_ppo(ds, world_size, rows) + common
 
 
+def _unsup_path(ds: argparse.Namespace) -> str:
+    """--unsupervised_dataset_name [--unsupervised_dataset_config_name]: a local folder or a cached Hub name, and
+    the config's subfolder inside it."""
+    from rlhf.data.sources import DatasetSpec, local_path
+
+    path = ds.unsupervised_dataset_name
+    if ds.unsupervised_dataset_config_name:
+        sub = os.path.join(local_path(DatasetSpec(path)), ds.unsupervised_dataset_config_name)
+        if not os.path.isdir(sub):
+            raise ValueError(f"--unsupervised_dataset_config_name {ds.unsupervised_dataset_config_name}: no such "
+                             f"folder in {path} ({sub})")
+        return sub
+    return path
+
+
 def _dschat_ppo(ds: argparse.Namespace, world: int, rows: int) -> list[str]:
     if ds.actor_weight_decay != ds.critic_weight_decay:
         raise ValueError(f"--actor_weight_decay {ds.actor_weight_decay} and --critic_weight_decay "
@@ -267,6 +282,8 @@ def _dschat_ppo(ds: argparse.Namespace, world: int, rows: int) -> list[str]:
         out.append("--ref_reward_offload")
     if ds.enable_ema:  # DeepSpeed-Chat's EMA coefficient
         out += ["--enable_ema", "--ema_beta", "0.992"]
+    if ds.unsupervised_dataset_name:  # PPO-ptx
+        out += ["--pretrain_data", _unsup_path(ds), "--ptx_coef", str(ds.unsup_coef)]
     if ds.actor_gradient_checkpointing or ds.critic_gradient_checkpointing:
         out.append("--gradient_checkpointing")
     return out

@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 
 import psutil
 from helpers import REPO, free_port, test_env

@@ -49,3 +49,18 @@ def response_logprobs(engine, batch: dict, hidden: torch.Tensor, temperature: fl
     if entropy:
         return out[0].view(b, t), out[1].view(b, t)
     return out.view(b, t)
+
+
+def next_token_logprobs_from_hidden(engine, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
+    """log p(input_ids[:, t+1] | ...) from the final hidden states of a padded batch (B, S, H), through the fused
+    vocab-parallel kernel. Returns (B, S-1) fp32."""
+    import kernels
+
+    mesh = engine.mesh
+    weight = engine.model.output_weight()
+    h = hidden[:, :-1].to(weight.dtype)  # (B, S-1, H)
+    b, t, hdim = h.shape
+    out = kernels.fused_linear_logprobs(h.reshape(-1, hdim), weight, batch["input_ids"][:, 1:].reshape(-1).long(),
+                                        temperature=1.0, tp_group=mesh.tp_group if mesh.tp > 1 else None,
+                                        vocab_size=engine.spec.vocab_size)
+    return out.view(b, t)

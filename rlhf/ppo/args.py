@@ -74,6 +74,14 @@ def _add_ppo_algo_args(g) -> None:
     g.add_argument("--use_tis", action="store_true",
                    help="truncated importance sampling: weight the policy loss by min(p_trainer/p_vllm, --tis_cap)")
     g.add_argument("--tis_cap", type=float, default=2.0)
+    g.add_argument("--pretrain_data", "--unsupervised_dataset_name", dest="pretrain_data", default=None,
+                   help="PPO-ptx: plain texts whose next-token loss joins each actor step (files, folders, cached Hub "
+                        "names); DeepSpeed-Chat's --unsupervised_dataset_name")
+    g.add_argument("--pretrain_input_key", default="text", help="--pretrain_data: the text field")
+    g.add_argument("--pretrain_max_len", type=int, default=None,
+                   help="--pretrain_data: longer texts keep their start (default --prompt_max_len + --generate_max_len)")
+    g.add_argument("--ptx_coef", "--unsup_coef", dest="ptx_coef", type=float, default=0.05,
+                   help="weight of the ptx loss (OpenRLHF's --ptx_coef; DeepSpeed-Chat's --unsup_coef)")
     g.add_argument("--enable_ema", action="store_true",
                    help="keep an exponential moving average of the actor; exported to <save_path>/ema")
     g.add_argument("--ema_beta", type=float, default=0.992, help="--enable_ema: ema = beta * ema + (1 - beta) * actor")
@@ -129,6 +137,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     from rlhf.ppo.ema import check_ema_args
 
     check_ema_args(args)
+    _check_ptx(args)
     rewards, sources = _check_models(args)
     return PPOSetup(dp=dp, engines=engines, samples=args.rollout_batch_size * args.n_samples_per_prompt,
                     sources=sources, rewards=rewards)
@@ -157,6 +166,19 @@ def _check_algo(args: argparse.Namespace) -> None:
         raise ValueError(f"--zero_stage must be 0..3, got {args.zero_stage}")
     if args.vllm_tensor_parallel_size < 1:
         raise ValueError(f"--vllm_tensor_parallel_size must be >= 1, got {args.vllm_tensor_parallel_size}")
+
+
+def _check_ptx(args: argparse.Namespace) -> None:
+    if not args.pretrain_data:
+        return
+    from rlhf.config import check_paths_exist
+
+    check_paths_exist("--pretrain_data", args.pretrain_data)
+    if args.ptx_coef < 0:
+        raise ValueError(f"--ptx_coef must be >= 0, got {args.ptx_coef}")
+    if args.pipeline_model_parallel_size > 1 or args.packing_samples:
+        raise ValueError("--pretrain_data with --pipeline_model_parallel_size > 1 or --packing_samples is not "
+                         "supported yet (the ptx micro-batches are padded and shaped apart from the experience's)")
 
 
 def _check_batch_sizes(args: argparse.Namespace, world_size: int, dp: int) -> int:

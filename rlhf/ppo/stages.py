@@ -202,9 +202,10 @@ def update_plans(B: int, args: argparse.Namespace, dp: int, step: int) -> list[l
 
 
 def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef: float, step: int, mesh,
-           pad_id: int, tokens: float, timer, after_actor_step=None) -> dict[str, float]:
+           pad_id: int, tokens: float, timer, after_actor_step=None, ptx=None) -> dict[str, float]:
     """critic_update then actor_update over the same plans; metrics averaged over the optimizer steps.
-    ``after_actor_step()`` runs after each actor optimizer step (--enable_ema)."""
+    ``after_actor_step()`` runs after each actor optimizer step (--enable_ema); ``ptx`` (``rlhf.ppo.ptx.PtxData``)
+    adds its pretraining micro-batches and loss to each actor step."""
     from rlhf.algo.ppo_losses import ACTOR_METRICS, CRITIC_METRICS, make_actor_loss, make_critic_loss
     from rlhf.models.outputs import response_logprobs, response_values
 
@@ -218,27 +219,37 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
     sums: dict[str, float] = {}
     if roles.critic is not None:
         critic_loss = make_critic_loss(response_values, value_clip=args.value_clip)
-        _train_role(roles, "critic", plans, microbatches, critic_loss, CRITIC_METRICS, "head", sums,
-                    tokens * args.max_epochs, timer)
+        _train_role(roles, "critic", plans, lambda plan: (microbatches(plan), critic_loss), CRITIC_METRICS, "head",
+                    sums, tokens * args.max_epochs, timer)
     actor_loss = make_actor_loss(
         lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, args.temperature, entropy=True),
         eps_clip=args.eps_clip, kl_in_loss=estimator.kl_in_loss, kl_coef=kl_coef, kl_estimator=args.kl_estimator,
         tis_cap=args.tis_cap if args.use_tis else None)
     keys = ACTOR_METRICS + (("kl_loss",) if estimator.kl_in_loss else ())
-    _train_role(roles, "actor", plans, microbatches, actor_loss, keys, "hidden", sums, tokens * args.max_epochs,
-                timer, after_step=after_actor_step)
+
+    def actor_batches(plan: list[list[int]]) -> tuple[list[dict], object]:
+        mbs = microbatches(plan)
+        if ptx is None:
+            return mbs, actor_loss
+        extra = ptx.next_microbatches()
+        return mbs + extra, ptx.combined_loss(actor_loss, mbs, extra, keys)
+
+    _train_role(roles, "actor", plans, actor_batches, keys + (("ptx_loss",) if ptx else ()), "hidden", sums,
+                tokens * args.max_epochs, timer, after_step=after_actor_step)
     out = {k: v / len(plans) for k, v in sums.items()}
     out["entropy"] = out.pop("actor/entropy")
     return out
 
 
-def _train_role(roles, role: str, plans: list, microbatches, loss_fn, keys: tuple, output: str, sums: dict,
+def _train_role(roles, role: str, plans: list, batches, keys: tuple, output: str, sums: dict,
                 tokens: float, timer, after_step=None) -> None:
+    """``batches(plan) -> (micro-batches, loss_fn)`` of each optimizer step."""
     roles.memory.enter(f"{role}_update")
     engine = roles.engines[role]
     with timer.phase(f"{role}_update", tokens=tokens):
         for plan in plans:
-            for k, v in engine.train_step(microbatches(plan), loss_fn, keys, output=output).items():
+            mbs, loss_fn = batches(plan)
+            for k, v in engine.train_step(mbs, loss_fn, keys, output=output).items():
                 sums[f"{role}/{k}"] = sums.get(f"{role}/{k}", 0.0) + v
             if after_step is not None:
                 after_step()

@@ -45,7 +45,7 @@ def load_gold_fn(spec: str):
 
 
 class PPOTrainer:
-    def __init__(self, args: argparse.Namespace, setup, prompts: list, tokenizer):
+    def __init__(self, args: argparse.Namespace, setup, prompts: list, tokenizer, ptx_samples: list | None = None):
         from rlhf.algo.advantages import get_estimator
         from rlhf.algo.kl import make_kl_controller
         from rlhf.checkpoint import Checkpointer
@@ -80,6 +80,11 @@ class PPOTrainer:
             from rlhf.ppo.ema import ActorEMA
 
             self.ema = ActorEMA(args, self.roles.actor, mesh)
+        self.ptx = None
+        if ptx_samples:
+            from rlhf.ppo.ptx import PtxData
+
+            self.ptx = PtxData(args, ptx_samples, self.pad_id, mesh, self.roles.actor)
         self.step = 0
         if args.load_checkpoint:
             self.roles.all_on_device()
@@ -87,6 +92,8 @@ class PPOTrainer:
             self.step = state["step"]
             self.sampler.load_state_dict(state["extra"]["sampler"])
             self.kl_ctl.load_state_dict(state["extra"]["kl_ctl"])
+            if self.ptx is not None:
+                self.ptx.sampler.load_state_dict(state["extra"]["ptx_sampler"])
         self.actor_changed = True  # vLLM starts from dummy weights
 
     # ----------------------------------------------------------------------------------------------- one step
@@ -115,7 +122,7 @@ class PPOTrainer:
         else:
             metrics.update(update(roles, exp, args, self.estimator, self.kl_ctl.value, self.step, mesh,
                                   self.pad_id, rollout.tokens, timer,
-                                  after_actor_step=self.ema.update if self.ema else None))
+                                  after_actor_step=self.ema.update if self.ema else None, ptx=self.ptx))
             self.actor_changed = True
             self.kl_ctl.update(metrics["kl"], len(rollout.samples))
         metrics.update(self.step_stats(rollout))
@@ -144,8 +151,10 @@ class PPOTrainer:
         self.roles.all_on_device()
         if self.ema is not None and self.ema.offload is not None:
             self.ema.offload.onload(params=True, grads=False, optimizer=False)
-        self.ckpt.save(self.step, self.checkpointed(), {"sampler": self.sampler.state_dict(),
-                                                         "kl_ctl": self.kl_ctl.state_dict()})
+        extra = {"sampler": self.sampler.state_dict(), "kl_ctl": self.kl_ctl.state_dict()}
+        if self.ptx is not None:
+            extra["ptx_sampler"] = self.ptx.sampler.state_dict()
+        self.ckpt.save(self.step, self.checkpointed(), extra)
 
     def fit(self) -> dict[str, Any]:
         from rlhf.metrics import MetricsLogger, PhaseTimer
@@ -216,7 +225,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if len(prompts) < args.rollout_batch_size:
         raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} is larger than the number of prompts "
                          f"({len(prompts)} in --prompt_data)")
-    trainer = PPOTrainer(args, setup, prompts, tokenizer)
+    ptx_samples = None
+    if args.pretrain_data:
+        from rlhf.ppo.ptx import load_ptx_samples
+
+        ptx_samples = load_ptx_samples(args, tokenizer)
+    trainer = PPOTrainer(args, setup, prompts, tokenizer, ptx_samples)
     try:
         result = trainer.fit()
         result["data"] = stats

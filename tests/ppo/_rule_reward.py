@@ -12,3 +12,8 @@ NOT_CALLABLE = 3
 def one_nan_reward(prompts: list[str], responses: list[str]) -> list[float]:
     """0.5 for every reply but the first of each batch, which scores NaN (the non-finite guard's test)."""
     return [float("nan")] + [0.5] * (len(responses) - 1)
+
+
+def constant_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """0.5 for every reply: GRPO's advantages are all zero, so only other losses (ptx) move the actor."""
+    return [0.5] * len(responses)

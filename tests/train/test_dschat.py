@@ -55,14 +55,15 @@ def test_steps_map_to_our_flags(rm_static, tmp_path):
     s3 = dschat_to_ours(3, ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir",
                             "o3", "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "2",
                             "--ppo_epochs", "2", "--offload_reference_model", "--enable_hybrid_engine", "--enable_ema",
-                            *common], 2)
+                            "--unsupervised_dataset_name", "Dahoas/rm-static", "--unsup_coef", "0.5", *common], 2)
     got = [_flag(s3, f) for f in ("--rollout_batch_size", "--train_batch_size", "--max_epochs", "--critic_pretrain",
                                   "--save_path")]
     assert got == ["8", "4", "2", "c", os.path.join("o3", "actor")]
     assert "--ref_reward_offload" in s3 and _flag(s3, "--ema_beta") == "0.992"
+    assert (_flag(s3, "--pretrain_data"), _flag(s3, "--ptx_coef")) == ("Dahoas/rm-static", "0.5")
 
 
-@pytest.mark.parametrize("flags,needle", [(["--unsup_coef", "27.8"], "--unsup_coef: the pretraining (ptx) loss"),
+@pytest.mark.parametrize("flags,needle", [(["--dropout", "0.1"], "--dropout: dropout is taken from the model's config"),
                                           (["--dtype", "fp16"], "--dtype fp16: fp16 mixed precision is not supported")])
 def test_flags_without_a_meaning_here_are_named(rm_static, tmp_path, flags, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):

@@ -1,0 +1,62 @@
+"""The pretraining (ptx) loss of PPO-ptx (InstructGPT; OpenRLHF's ``--pretrain_data``/``--ptx_coef``, DeepSpeed-Chat's
+``--unsupervised_dataset_name``/``--unsup_coef``): each actor optimizer step also takes one
+``--micro_train_batch_size`` micro-batch per update micro-batch of plain text from ``--pretrain_data``
+(``--pretrain_input_key``), and the step's loss is ``policy_mean + ptx_coef * next-token NLL mean``
+(``rlhf.algo.ppo_losses.make_ptx_combined_loss``). Its sampler is checkpointed with the run."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+
+def load_ptx_samples(args: argparse.Namespace, tokenizer) -> list:
+    """The --pretrain_data texts as SFT samples in pretrain mode, before any model loads."""
+    from rlhf.data import DataConfig, build_sft_dataset
+
+    cfg = DataConfig(dataset=args.pretrain_data, input_key=args.pretrain_input_key, output_key=None,
+                     pretrain_mode=True, max_len=args.pretrain_max_len or args.prompt_max_len + args.generate_max_len,
+                     seed=args.seed, skip_bad_samples=args.skip_bad_samples)
+    try:
+        samples, _ = build_sft_dataset(cfg, tokenizer)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--input_key", "--pretrain_input_key")
+                         .replace("--dataset", "--pretrain_data")) from None
+    if len(samples) < args.train_batch_size:
+        raise ValueError(f"--pretrain_data {args.pretrain_data}: {len(samples)} texts, fewer than one "
+                         f"--train_batch_size {args.train_batch_size}")
+    return samples
+
+
+class PtxData:
+    def __init__(self, args: argparse.Namespace, samples: list, pad_id: int, mesh, actor):
+        from rlhf.data import BatchConfig, DistributedBatchSampler
+
+        self.samples, self.pad_id, self.mesh, self.actor = samples, pad_id, mesh, actor
+        self.coef = float(args.ptx_coef)
+        self.sampler = DistributedBatchSampler(len(samples), BatchConfig(args.train_batch_size,
+                                                                         args.micro_train_batch_size, mesh.dp,
+                                                                         mesh.dp_rank), seed=args.seed + 1)
+
+    def next_microbatches(self) -> list[dict]:
+        from rlhf.data import collate_sft
+
+        return [collate_sft([self.samples[i] for i in idx], self.pad_id) for idx in self.sampler.next_step()]
+
+    def logprobs(self, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
+        from rlhf.models.outputs import next_token_logprobs_from_hidden
+
+        return next_token_logprobs_from_hidden(self.actor, batch, hidden)
+
+    def combined_loss(self, actor_loss, policy_mbs: list[dict], ptx_mbs: list[dict], metric_keys: tuple):
+        """The step's loss over ``policy_mbs + ptx_mbs``, with the token counts of the whole step (all DP ranks)."""
+        from rlhf.algo.ppo_losses import make_ptx_combined_loss
+
+        counts = torch.tensor([float(sum(int(mb["action_mask"].sum()) for mb in policy_mbs)),
+                               float(sum(int(mb["loss_mask"][:, 1:].sum()) for mb in ptx_mbs))],
+                              dtype=torch.float64)
+        if self.mesh.dp > 1:
+            dist.all_reduce(counts, group=self.mesh.dp_group)
+        return make_ptx_combined_loss(actor_loss, self.logprobs, ptx_coef=self.coef, n_policy=counts[0].item(),
+                                      n_ptx=counts[1].item(), metric_keys=metric_keys)
