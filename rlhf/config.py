@@ -85,7 +85,7 @@ def add_text_args(g, *, input_key: bool = False) -> None:
     g.add_argument("--max_samples", type=int, default=100_000_000)
     g.add_argument("--skip_bad_samples", action="store_true",
                    help="skip (and count) samples with a missing key or empty field instead of failing")
-    g.add_argument("--dataset_format", choices=["auto", "plain", "webgpt", "hh"], default="auto",
+    g.add_argument("--dataset_format", choices=["auto", "plain", "webgpt", "hh", "chat"], default="auto",
                    help="the seed datasets' layouts (rlhf/data/presets.py): webgpt comparisons, hh-rlhf dialogues; "
                         "auto: by dataset name, then by record keys; plain: the key flags as given")
 

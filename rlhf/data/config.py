@@ -54,7 +54,7 @@ class DataConfig:
     """--pretrain_mode (SFT): continued pretraining, the loss on every token of ``input_key``'s text (no prompt,
     no template)."""
     dataset_format: str = "auto"
-    """--dataset_format: auto | plain | webgpt | hh (``rlhf.data.presets``): the seed systems' dataset layouts."""
+    """--dataset_format: auto | plain | webgpt | hh | chat (``rlhf.data.presets``): the seed datasets' layouts."""
     specs: list[DatasetSpec] = field(init=False, repr=False)
     probs: list[float] | None = field(init=False, repr=False)
 

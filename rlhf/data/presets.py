@@ -6,6 +6,9 @@ then by the keys of its records):
 * ``hh``: Anthropic/hh-rlhf (and full-hh-rlhf's ``chosen``/``rejected`` dialogues): ``"\\n\\nHuman: ...
   \\n\\nAssistant: ..."`` texts split into the shared prompt (up to and including the last ``Assistant:``) and each
   reply.
+* ``chat``: preference mixtures whose ``chosen``/``rejected`` are whole conversations (lists of ``{role,
+  content}`` messages, no prompt field): the shared messages before the last are the prompt, each last message the
+  reply (rendered with ``--apply_chat_template``).
 * ``plain``: the records as they are, read through ``--input_key``/``--output_key``/``--prompt_key``/... (chat
   message lists go through ``--apply_chat_template``).
 
@@ -22,7 +25,7 @@ from rlhf.data.sources import Record
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("auto", "plain", "webgpt", "hh")
+FORMATS = ("auto", "plain", "webgpt", "hh", "chat")
 _WEBGPT_KEYS = {"question", "answer_0", "answer_1", "score_0", "score_1"}
 _HH_TURN = "\n\nAssistant:"
 
@@ -40,6 +43,8 @@ def detect(name: str, records: list[Record]) -> str:
     c, r = first.get("chosen"), first.get("rejected")
     if isinstance(c, str) and isinstance(r, str) and c.lstrip().startswith("Human:") and _HH_TURN in c:
         return "hh"
+    if isinstance(c, list) and isinstance(r, list) and "prompt" not in first and len(c) > 1:
+        return "chat"
     return "plain"
 
 
@@ -67,12 +72,19 @@ def _hh(d: dict[str, Any]) -> tuple[str, str, str]:
     return prompt, chosen, rejected
 
 
+def _chat(d: dict[str, Any]) -> tuple[list, list, list]:
+    c, r = d["chosen"], d["rejected"]
+    if c[:-1] != r[:-1]:
+        raise ValueError("chosen and rejected conversations differ before their last message")
+    return list(c[:-1]), list(c[-1:]), list(r[-1:])
+
+
 def apply(fmt: str, name: str, records: list[Record], cfg) -> list[Record]:
     """``records`` of dataset ``name`` rewritten by preset ``fmt`` (``auto``: detected) into ``cfg``'s keys."""
     fmt = detect(name, records) if fmt == "auto" else fmt
     if fmt == "plain":
         return records
-    convert = {"webgpt": _webgpt, "hh": _hh}[fmt]
+    convert = {"webgpt": _webgpt, "hh": _hh, "chat": _chat}[fmt]
     out, ties = [], 0
     for r in records:
         if r.data is None:

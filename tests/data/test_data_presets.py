@@ -94,8 +94,20 @@ def test_hh_rlhf_dialogues(tmp_path):
     assert (sft[0].data["input"], sft[0].data["output"]) == (prompt, "1 2 3")
 
 
+def test_chat_preference_mixture(tmp_path):
+    """chosen/rejected as whole conversations without a prompt field: the shared turns are the prompt."""
+    shared = [{"role": "user", "content": "sort 3 1 2"}]
+    rows = [{"chosen": shared + [{"role": "assistant", "content": "1 2 3"}],
+             "rejected": shared + [{"role": "assistant", "content": "3 2 1"}]}]
+    path = _jsonl(tmp_path / "mix.jsonl", rows)
+    records, _ = load_records(DataConfig(dataset=path, prompt_key="prompt", apply_chat_template=True), "rm")
+    d = records[0].data
+    assert (d["prompt"], d["chosen"], d["rejected"]) == (shared, [{"role": "assistant", "content": "1 2 3"}],
+                                                          [{"role": "assistant", "content": "3 2 1"}])
+
+
 def test_unknown_keys_name_what_was_found_and_the_flags(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a"}])
     with pytest.raises(ValueError, match=r"its records have keys \['answer', 'question'\]: map them with "
-                                         r"--input_key/--output_key .*--dataset_format \(webgpt, hh\)"):
+                                         r"--input_key/--output_key .*--dataset_format \(webgpt, hh, chat\)"):
         load_records(DataConfig(dataset=path), "sft")
