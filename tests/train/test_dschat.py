@@ -1,6 +1,7 @@
-"""launch/dschat.py: DeepSpeed-Chat's step commands mapped onto ours (rlhf/migration.py), its --data_split, the
-flags refused by name, and step 1 run end to end (in this process, one rank) on a Hub-named dataset from the
-local HF cache."""
+"""The seed systems' own launch commands: launch/dschat.py (DeepSpeed-Chat's steps mapped onto ours by
+rlhf/migration.py: the flags, its --data_split, the flags refused by name, and its three steps chained end to end
+on a Hub-named dataset from the local HF cache), and AIAK-RLHF's reward-model launch through
+``python -m torch.distributed.launch``."""
 from __future__ import annotations
 
 import json
@@ -71,17 +72,51 @@ def test_flags_without_a_meaning_here_are_named(rm_static, tmp_path, flags, need
                            "--data_output_path", str(tmp_path / "d"), *flags], 1)
 
 
-def test_step1_runs(train_setup, rm_static, tmp_path, monkeypatch):
-    from helpers import REPO, free_port
+def test_three_steps_chain(rm_static, tmp_path, monkeypatch):
+    """DeepSpeed-Chat's pipeline with its own command lines: step 1 (SFT) and step 2 (RM) in this process, step 3
+    (PPO, its actor from step 1 and its critic/reward from step 2) through torchrun on 2 ranks with vLLM."""
+    from helpers import REPO, free_port, run_torchrun, tail
+
+    from rlhf.models.tiny import make_tiny_hf
 
     sys.path.insert(0, os.path.join(REPO, "launch"))
     import dschat
 
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    out = tmp_path / "step1"
-    argv = ["--step", "1", "--model_name_or_path", train_setup["model"], "--data_path", "Dahoas/rm-static",
-            "--data_output_path", str(tmp_path / "data"), "--per_device_train_batch_size", "4", "--max_seq_len", "64",
-            "--learning_rate", "1e-3", "--dtype", "fp32", "--output_dir", str(out), "--local_rank=0"]
-    assert dschat.main(argv) == 0
-    res = json.load(open(out / "train_result.json"))
-    assert res["train"]["loss"] > 0 and (out / "config.json").exists()
+    # head_dim 32: one that vLLM's CPU attention supports
+    base = make_tiny_hf(str(tmp_path / "base"), "llama", seed=0, num_hidden_layers=2, hidden_size=64,
+                        num_attention_heads=2, num_key_value_heads=2, intermediate_size=128)
+    data = ["--data_path", "Dahoas/rm-static", "--data_output_path", str(tmp_path / "data"), "--dtype", "fp32"]
+    for step in (1, 2):
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        argv = ["--step", str(step), "--model_name_or_path", base, "--per_device_train_batch_size",
+                "4", "--max_seq_len", "64", "--learning_rate", "1e-3", "--output_dir", str(tmp_path / f"step{step}"),
+                "--local_rank=0", *data]
+        assert dschat.main(argv) == 0
+        assert json.load(open(tmp_path / f"step{step}" / "train_result.json"))["train"]["loss"] > 0
+    assert json.load(open(tmp_path / "step2" / "config.json"))["architectures"] == ["LlamaForSequenceClassification"]
+    p = run_torchrun(os.path.join(REPO, "launch/dschat.py"), 2, [
+        "--step", "3", "--actor_model_name_or_path", str(tmp_path / "step1"), "--critic_model_name_or_path",
+        str(tmp_path / "step2"), "--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "2",
+        "--max_answer_seq_len", "4", "--max_prompt_seq_len", "32", "--actor_learning_rate", "1e-3",
+        "--critic_learning_rate", "1e-3", "--output_dir", str(tmp_path / "step3"), "--enable_hybrid_engine", *data],
+        timeout=600, HF_HUB_CACHE=os.environ["HF_HUB_CACHE"])
+    assert p.returncode == 0, tail(p)
+    hist = json.load(open(tmp_path / "step3" / "actor" / "ppo_result.json"))["history"]
+    assert len(hist) == 6 and all(h["rollout_logprob_drift"] < 1e-3 for h in hist)  # 24 prompts, 4 per step
+
+
+def test_aiak_rm_under_torch_distributed_launch(train_setup, tmp_path):
+    """AIAK-RLHF starts reward-model training with ``python3 -m torch.distributed.launch`` (which adds
+    ``--local-rank=N``) and its node counts: the same command line trains and exports here."""
+    import subprocess
+
+    from helpers import REPO, free_port, tail, test_env
+
+    out = tmp_path / "rm"
+    cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), os.path.join(REPO, "launch/rm.py"), "--pretrain", train_setup["model"], "--dataset",
+           train_setup["rm"], "--save_path", str(out), "--train_batch_size", "16", "--micro_train_batch_size", "8",
+           "--max_samples", "64", "--max_len", "64", "--num_nodes", "1", "--num_gpus_per_node", "2"]
+    p = subprocess.run(cmd, cwd=REPO, env=test_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, tail(p)
+    assert json.load(open(out / "config.json"))["rlhf"]["reward_std"] > 0
