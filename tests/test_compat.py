@@ -35,6 +35,30 @@ def test_check_version_warns_once(monkeypatch, caplog):
     assert not caplog.records
 
 
+def test_check_versions_one_warning_per_mismatch_once(monkeypatch, caplog):
+    monkeypatch.setattr(compat, "_checked", set())
+    installed = {**compat.TESTED, "megatron-core": "0.17.0", "torch": "2.13.0+cpu"}
+    monkeypatch.setattr(compat, "installed_version", lambda pkg: installed[pkg])
+    with caplog.at_level(logging.WARNING, logger="rlhf.compat"):
+        msgs = compat.check_versions()
+        assert compat.check_versions() == []  # once per process
+    assert [r.getMessage() for r in caplog.records] == msgs and len(msgs) == 1
+    assert msgs[0].startswith("megatron-core 0.17.0 is installed; rlhf.compat's patches") and "0.16.1" in msgs[0]
+    caplog.clear()
+    monkeypatch.setattr(compat, "_checked", set())
+    monkeypatch.setattr(compat, "installed_version", lambda pkg: compat.TESTED[pkg])
+    with caplog.at_level(logging.WARNING, logger="rlhf.compat"):
+        assert compat.check_versions() == []
+    assert not caplog.records
+
+
+def test_vllm_engine_drives_the_tested_release():
+    from rlhf.compat.vllm import TESTED_VLLM
+    from rlhf.rollout import vllm_engine
+
+    assert vllm_engine.TESTED_VLLM is TESTED_VLLM == compat.TESTED["vllm"]
+
+
 def test_installed_releases_are_the_tested_ones():
     """What setup_env.sh installs here is what the patches were written against (no warning in the suite)."""
     for pkg in ("megatron-core", "vllm", "torch"):

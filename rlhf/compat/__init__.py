@@ -8,7 +8,8 @@ what it works around and for which version:
     lazy_jit.py   megatron-core 0.16.1: its import-time ``torch.compile`` decorators, deferred to the first call
 
 Importing ``megatron.py``, ``vllm.py`` or ``cuda.py`` checks the installed version of what it patches against
-the one tested (``TESTED``) and logs one warning per mismatch. This module imports nothing heavy.
+the one tested (``TESTED``) and logs one warning per mismatch, once per process (``check_versions``). This module
+imports nothing heavy (versions come from package metadata).
 """
 from __future__ import annotations
 
@@ -48,9 +49,19 @@ def version_mismatch(package: str, installed: str | None) -> str | None:
 
 def check_version(package: str) -> None:
     """Log the mismatch warning for ``package`` once per process."""
-    if package in _checked:
-        return
-    _checked.add(package)
-    msg = version_mismatch(package, installed_version(package))
-    if msg:
-        log.warning(msg)
+    check_versions((package,))
+
+
+def check_versions(packages=None) -> list[str]:
+    """``check_version`` for each of ``packages`` (default: every package in ``TESTED``); returns the mismatch
+    messages of this call (empty when every installed release is the tested one or was checked before)."""
+    out = []
+    for package in (TESTED if packages is None else packages):
+        if package in _checked:
+            continue
+        _checked.add(package)
+        msg = version_mismatch(package, installed_version(package))
+        if msg:
+            log.warning(msg)
+            out.append(msg)
+    return out

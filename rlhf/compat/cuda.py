@@ -159,10 +159,9 @@ def install() -> bool:
     if _INSTALLED:
         rebind_megatron_modules()
         return True
-    from rlhf.compat import check_version
+    from rlhf.compat import check_versions
 
-    check_version("megatron-core")
-    check_version("torch")
+    check_versions(("megatron-core", "torch"))
     _CPU_TORCH = _make_cpu_torch()
     _import_megatron_modules()
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer

@@ -43,6 +43,7 @@ def lazy_compile(compile_fn: Callable[..., Callable]) -> Callable[..., Any]:
     return deco
 
 
+# megatron-core 0.16.1: jit_fuser is torch.compile applied at import (1.5-3 s of torch._dynamo per process).
 def _patch(module: Any) -> None:
     import torch
 

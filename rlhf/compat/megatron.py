@@ -1,4 +1,5 @@
-"""Workarounds of megatron-core 0.16.1 internals (checked against the installed release at import)."""
+"""Workarounds of megatron-core 0.16.1 internals, and one of torch 2.13's (the process-group registry); both are
+checked against the installed releases at import."""
 from __future__ import annotations
 
 import math
@@ -6,9 +7,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from rlhf.compat import check_version
+from rlhf.compat import check_versions
 
-check_version("megatron-core")
+check_versions(("megatron-core", "torch"))
 
 
 def inner_optimizers(optimizer) -> list:

