@@ -1,8 +1,10 @@
 """Run micro-batches through a (possibly pipelined) model with megatron's schedules.
 
-The contract is megatron-core's: a loss function ``loss_fn(batch, output) -> (loss, metrics)`` plugs in
-without touching pipeline code. ``output`` is whatever the last stage's ``model(...)`` returns: vocab-parallel
-logits (B, S, V_local), values (B, S), or hidden states (B, S, H).
+The contract is megatron-core's per-token one: a loss function ``loss_fn(batch, output) -> (loss_sum,
+num_tokens, metrics)`` plugs in without touching pipeline code. With ``calculate_per_token_loss`` (set by
+``rlhf.engine``) megatron does not divide by the number of micro-batches: it divides the gradients by the
+step's total token count over every micro-batch and DP rank. ``output`` is whatever the last stage's
+``model(...)`` returns: vocab-parallel logits (B, S, V_local), values (B, S), or hidden states (B, S, H).
 """
 from __future__ import annotations
 
