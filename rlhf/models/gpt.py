@@ -1,4 +1,4 @@
-"""Build a megatron-core GPTModel for Llama-family architectures (llama, qwen2, mistral).
+"""Build a megatron-core GPTModel for Llama-family architectures (llama, qwen2, qwen3, mistral).
 
 The same class serves the policy/reference (vocab-parallel logits, or final hidden states for the fused
 log-prob kernel) and the critic/reward (a scalar ``score`` head, laid out like HF ``*ForSequenceClassification``).
@@ -6,11 +6,13 @@ log-prob kernel) and the critic/reward (a scalar ``score`` head, laid out like H
 from __future__ import annotations
 
 import logging
+import math
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from rlhf.models import rope
 from rlhf.models.spec import ModelSpec, check_parallel_fit, padded_vocab_size
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ def without_extra_state(sharded_state_dict: dict) -> dict:
     return {k: v for k, v in sharded_state_dict.items() if "_extra_state" not in k}
 
 
-def layer_spec(use_te: bool | None = None):
+def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False):
     """transformer-engine spec when TE and CUDA are there, megatron's local (torch) spec otherwise."""
     global _SPEC_LOGGED
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -90,11 +92,11 @@ def layer_spec(use_te: bool | None = None):
                  "or no CUDA; packed THD batches via kernels.varlen_attention)")
         _SPEC_LOGGED = True
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     # Packed (THD) sequences without TE: megatron's local spec with a varlen core attention (see that module).
     from rlhf.models.packed_attention import local_spec_with_packed_attention
 
-    return local_spec_with_packed_attention()
+    return local_spec_with_packed_attention(qk_layernorm=qk_layernorm)
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch.dtype = torch.float32,
@@ -108,10 +110,14 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch
         kwargs["window_size"] = (spec.sliding_window - 1, 0)
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    factor = rope.attention_factor(spec.rope_scaling)
+    if factor != 1.0:  # YaRN scales cos and sin, i.e. q and k: the scores by factor**2 (rlhf.models.rope)
+        kwargs["softmax_scale"] = factor * factor / math.sqrt(spec.head_dim)
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
         normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, gated_linear_unit=True,
+        qk_layernorm=spec.qk_norm,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0,
         attention_dropout=spec.attention_dropout, init_method_std=spec.initializer_range,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=params_dtype,
@@ -145,11 +151,14 @@ def _gpt_model_class():
 
         def __init__(self, spec: ModelSpec, config, padded_vocab: int, pre_process: bool, post_process: bool,
                      value_head: bool, use_te: bool | None = None):
-            super().__init__(config=config, transformer_layer_spec=layer_spec(use_te), vocab_size=padded_vocab,
+            super().__init__(config=config, transformer_layer_spec=layer_spec(use_te, spec.qk_norm),
+                             vocab_size=padded_vocab,
                              max_sequence_length=spec.max_position_embeddings, pre_process=pre_process,
                              post_process=post_process, parallel_output=True,
                              share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
                              position_embedding_type="rope", rotary_base=spec.rope_theta)
+            if spec.rope_scaling is not None:  # megatron's own inv_freq is plain RoPE (rlhf.models.rope)
+                self.rotary_pos_emb.inv_freq = rope.inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
             self.spec = spec
             self.value_head = value_head
             self.true_vocab_size = spec.vocab_size

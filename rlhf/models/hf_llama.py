@@ -1,4 +1,5 @@
-"""HF <-> Megatron parameter mapping for the Llama family (llama, qwen2, mistral share one layout).
+"""HF <-> Megatron parameter mapping for the Llama family (llama, qwen2, qwen3, mistral share one layout; qwen3
+adds ``q_norm``/``k_norm``).
 
 Megatron-side names are those of a model state dict (local layer index, this rank's TP shard), under the local
 layer spec or Transformer Engine's (whose fused norms are ``linear_qkv.layer_norm_weight`` and
@@ -10,7 +11,8 @@ functions:
 * ``hf_from_megatron(name, tensor, ...)`` turns one full (TP-gathered, TP=1) megatron parameter into HF tensors.
 
 Layouts (megatron-core 0.16.1): ``linear_qkv`` stacks, per KV group, ``[q heads of the group | k | v]``
-and TP splits whole groups; ``linear_fc1`` is ``[gate ; up]`` per TP shard. Unknown names raise.
+and TP splits whole groups (when TP exceeds the KV groups, megatron replicates them: ``TP / groups`` ranks
+split one group's rows evenly); ``linear_fc1`` is ``[gate ; up]`` per TP shard. Unknown names raise.
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ _LAYER_SIMPLE = {
     # the Transformer Engine layer spec fuses each norm into the linear after it (--transformer_impl)
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    # qwen3: RMSNorm over head_dim on each query / key head, replicated over TP
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 
 
@@ -75,15 +80,13 @@ def megatron_shard_from_hf(name: str, get: HFGetter, spec: ModelSpec, *, tp_rank
     groups, per_group = spec.num_kv_heads, spec.num_attention_heads // spec.num_kv_heads
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         suffix = rest.rsplit(".", 1)[1]
+        if groups < tp:  # KV heads replicated: tp / groups ranks share a group, each holds a slice of its rows
+            ranks_per_group = tp // groups
+            fused = _qkv_groups(get, p, suffix, tp_rank // ranks_per_group, 1, per_group, d)
+            lo, hi = _shard_rows(fused.shape[0], tp_rank % ranks_per_group, ranks_per_group)
+            return fused[lo:hi].contiguous()
         g_lo, g_hi = _shard_rows(groups, tp_rank, tp)
-        q = get(p + f"self_attn.q_proj.{suffix}", rows=(g_lo * per_group * d, g_hi * per_group * d))
-        k = get(p + f"self_attn.k_proj.{suffix}", rows=(g_lo * d, g_hi * d))
-        v = get(p + f"self_attn.v_proj.{suffix}", rows=(g_lo * d, g_hi * d))
-        n = g_hi - g_lo
-        q = q.reshape(n, per_group * d, *q.shape[1:])
-        k = k.reshape(n, d, *k.shape[1:])
-        v = v.reshape(n, d, *v.shape[1:])
-        return torch.cat([q, k, v], dim=1).reshape(n * (per_group + 2) * d, *q.shape[2:])
+        return _qkv_groups(get, p, suffix, g_lo, g_hi - g_lo, per_group, d)
     if rest == "self_attention.linear_proj.weight":
         lo, hi = _shard_rows(spec.num_attention_heads * d, tp_rank, tp)
         return get(p + "self_attn.o_proj.weight")[:, lo:hi].contiguous()
@@ -94,6 +97,17 @@ def megatron_shard_from_hf(name: str, get: HFGetter, spec: ModelSpec, *, tp_rank
         lo, hi = _shard_rows(spec.intermediate_size, tp_rank, tp)
         return get(p + "mlp.down_proj.weight")[:, lo:hi].contiguous()
     raise ValueError(f"unknown megatron parameter {name!r}")
+
+
+def _qkv_groups(get: HFGetter, p: str, suffix: str, first: int, n: int, per_group: int, d: int) -> torch.Tensor:
+    """Megatron's fused rows ``[q heads | k | v]`` of KV groups ``first .. first + n - 1``."""
+    q = get(p + f"self_attn.q_proj.{suffix}", rows=(first * per_group * d, (first + n) * per_group * d))
+    k = get(p + f"self_attn.k_proj.{suffix}", rows=(first * d, (first + n) * d))
+    v = get(p + f"self_attn.v_proj.{suffix}", rows=(first * d, (first + n) * d))
+    q = q.reshape(n, per_group * d, *q.shape[1:])
+    k = k.reshape(n, d, *k.shape[1:])
+    v = v.reshape(n, d, *v.shape[1:])
+    return torch.cat([q, k, v], dim=1).reshape(n * (per_group + 2) * d, *q.shape[2:])
 
 
 def _dtype_of(get: HFGetter, hf_name: str) -> torch.dtype:
@@ -162,6 +176,8 @@ def expected_hf_names(spec: ModelSpec) -> set[str]:
                   p + "mlp.down_proj.weight"}
         if spec.qkv_bias:
             names |= {p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"}
+        if spec.qk_norm:
+            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
     return names
 
 

@@ -104,11 +104,12 @@ def _self_attention_cu_seqlens(params) -> torch.Tensor:
     return cu
 
 
-def local_spec_with_packed_attention():
-    """megatron's local GPT layer spec (RMSNorm) with ``PackedDotProductAttention`` as core attention."""
+def local_spec_with_packed_attention(qk_layernorm: bool = False):
+    """megatron's local GPT layer spec (RMSNorm; with ``qk_layernorm`` an RMSNorm on every query and key head)
+    with ``PackedDotProductAttention`` as core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     attn = spec.submodules.self_attention
     assert attn.submodules.core_attention is DotProductAttention, attn.submodules.core_attention
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules,

@@ -1,8 +1,9 @@
 """Architecture description read from a Hugging Face ``config.json``, checked before any weight is touched.
 
 ``ModelSpec`` is the one place that knows which HF fields we honour. A field that would change the math and that
-we do not implement (rope scaling, a non-SiLU activation, MLP biases, ...) raises ``ValueError`` naming it, and
-so does any key we have never heard of: nothing is silently dropped.
+we do not implement (a rope type other than those of ``rlhf.models.rope``, a non-SiLU activation, MLP
+biases, ...) raises ``ValueError`` naming it, and so does any key we have never heard of: nothing is silently
+dropped.
 """
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                   "mistral": "MistralForCausalLM"}
 SEQ_CLS_ARCHS = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-                 "mistral": "MistralForSequenceClassification"}
+                 "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification"}
 
 # Keys that carry no math for us (generation defaults, bookkeeping, generic PretrainedConfig attributes).
 _BENIGN_KEYS = {
@@ -31,7 +33,8 @@ _BENIGN_KEYS = {
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "num_beam_groups",
     "diversity_penalty", "quantization_config", "max_window_layers", "layer_types", "use_sliding_window",
     "sliding_window", "pretraining_tp", "mlp_bias", "attention_bias", "attention_dropout", "hidden_act",
-    "rope_scaling", "rope_parameters", "rope_theta", "head_dim", "tie_word_embeddings", "rms_norm_eps",
+    "rope_scaling", "rope_parameters", "rope_theta", "original_max_position_embeddings", "head_dim",
+    "tie_word_embeddings", "rms_norm_eps",
     "max_position_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "embedding_multiplier", "_attn_implementation_autoset",
     "rlhf",  # our own block: reward normalisation statistics etc.
@@ -57,6 +60,8 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     sliding_window: int | None = None
+    qk_norm: bool = False  # qwen3: RMSNorm over head_dim on each query and key head (megatron's qk_layernorm)
+    rope_scaling: dict | None = None  # rlhf.models.rope: rope_type and its filled-in parameters; None = plain
     attention_dropout: float = 0.0
     initializer_range: float = 0.02
     pad_token_id: int | None = None
@@ -74,7 +79,7 @@ class ModelSpec:
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
         mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         emb = self.vocab_size * h
         head = h if self.is_seq_cls else (0 if self.tie_word_embeddings else emb)
         return self.num_layers * per_layer + emb + h + head
@@ -83,23 +88,6 @@ class ModelSpec:
         d = asdict(self)
         d.pop("extra")
         return d
-
-
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    params = cfg.get("rope_parameters")
-    scaling = cfg.get("rope_scaling")
-    for block, name in ((params, "rope_parameters"), (scaling, "rope_scaling")):
-        if isinstance(block, dict):
-            rope_type = block.get("rope_type", block.get("type", "default"))
-            if rope_type not in (None, "default"):
-                raise ValueError(f"unsupported config field {name}.rope_type={rope_type!r}: only plain RoPE "
-                                 "(rope_type 'default') is implemented")
-            extra = set(block) - {"rope_type", "type", "rope_theta"}
-            if extra:
-                raise ValueError(f"unsupported config field(s) {name}.{sorted(extra)}")
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(cfg.get("rope_theta", 10000.0))
 
 
 def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
@@ -132,12 +120,16 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     sliding = _sliding_window(cfg, model_type, max_pos, source)
     qkv_bias = True if model_type == "qwen2" else bool(cfg.get("attention_bias", False))
+    from rlhf.models.rope import parse_rope
+
+    rope_theta, rope_scaling = parse_rope(cfg, source)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     return ModelSpec(model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
                      intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
                      num_attention_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                      head_dim=head_dim, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                     rope_theta=_rope_theta(cfg), max_position_embeddings=max_pos,
+                     rope_theta=rope_theta, rope_scaling=rope_scaling, qk_norm=model_type == "qwen3",
+                     max_position_embeddings=max_pos,
                      tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
                      sliding_window=sliding, attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
                      initializer_range=float(cfg.get("initializer_range", 0.02)),
@@ -147,9 +139,9 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
 
 
 def _sliding_window(cfg: dict[str, Any], model_type: str, max_pos: int, source: str) -> int | None:
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         if cfg.get("use_sliding_window"):
-            raise ValueError(f"{source}: unsupported config field use_sliding_window=True (qwen2)")
+            raise ValueError(f"{source}: unsupported config field use_sliding_window=True ({model_type})")
         types = cfg.get("layer_types")
         if types and any(t != "full_attention" for t in types):
             raise ValueError(f"{source}: unsupported config field layer_types={sorted(set(types))}")
@@ -173,11 +165,18 @@ def load_hf_config(path: str) -> dict[str, Any]:
 
 
 def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, padded_vocab: int | None = None) -> None:
-    """TP must divide heads, KV heads and the (padded) vocab; PP must divide the layers."""
+    """TP must divide heads and the (padded) vocab, and divide the KV heads or be a multiple of them (megatron
+    then replicates each KV head over TP / KV heads ranks); PP must divide the layers."""
     if spec.num_attention_heads % tp:
         raise ValueError(f"--tp {tp} does not divide num_attention_heads={spec.num_attention_heads}")
-    if spec.num_kv_heads % tp:
-        raise ValueError(f"--tp {tp} does not divide num_key_value_heads={spec.num_kv_heads}")
+    kv = spec.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"--tp {tp} and num_key_value_heads={kv}: one must divide the other (KV heads are "
+                         "replicated when TP exceeds them)")
+    group_rows = (spec.num_attention_heads // kv + 2) * spec.head_dim
+    if kv < tp and group_rows % (tp // kv):
+        raise ValueError(f"--tp {tp}: each KV group's {group_rows} fused q/k/v rows must split over "
+                         f"{tp // kv} ranks")
     vocab = padded_vocab or spec.vocab_size
     if vocab % tp:
         raise ValueError(f"--tp {tp} does not divide the vocab size {vocab}")

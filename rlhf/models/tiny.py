@@ -52,7 +52,7 @@ def make_tiny_hf(out: str, model_type: str = "llama", seq_cls: bool = False, see
     dims.update(overrides)
     dims.setdefault("vocab_size", len(tok))
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mistral": transformers.MistralConfig}[model_type]
+               "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[model_type]
     cfg = cfg_cls(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   **dims)
     if seq_cls:

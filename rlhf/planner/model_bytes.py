@@ -97,9 +97,9 @@ class PlanConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         for spec in (self.actor, self.reward) + ((self.critic,) if self.critic else ()):
-            if spec.num_attention_heads % self.tp or spec.num_kv_heads % self.tp:
+            if spec.num_attention_heads % self.tp or (spec.num_kv_heads % self.tp and self.tp % spec.num_kv_heads):
                 raise ValueError(f"--tp {self.tp} does not divide num_attention_heads={spec.num_attention_heads} "
-                                 f"and num_key_value_heads={spec.num_kv_heads}")
+                                 f"and num_key_value_heads={spec.num_kv_heads} (nor is it a multiple of the latter)")
             if spec.num_layers % self.pp:
                 raise ValueError(f"--pp {self.pp} does not divide num_hidden_layers={spec.num_layers}")
 
@@ -201,7 +201,7 @@ def layer_saved_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_by
            the same MLP tensors.
     """
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size / tp
-    q, kv = spec.num_attention_heads * d / tp, spec.num_kv_heads * d / tp
+    q, kv = spec.num_attention_heads * d / tp, max(spec.num_kv_heads / tp, 1) * d  # KV heads replicated past TP
     heads = spec.num_attention_heads / tp
     e = dtype_bytes
     if impl == "te":
@@ -217,7 +217,7 @@ def layer_working_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_
     ``local`` five h-wide tensors the layer still references: input, attention output, residual sum, normed
     copies; then fc1 output, SiLU output, gated product) and, with ``local``, an RMSNorm computing in fp32."""
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size / tp
-    q, kv = spec.num_attention_heads * d / tp, spec.num_kv_heads * d / tp
+    q, kv = spec.num_attention_heads * d / tp, max(spec.num_kv_heads / tp, 1) * d  # KV heads replicated past TP
     heads = spec.num_attention_heads / tp
     e = dtype_bytes
     if impl == "te":

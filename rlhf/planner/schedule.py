@@ -129,7 +129,8 @@ def candidate_changes(cfg: PlanConfig) -> list[list[tuple[str, dict]]]:
     specs = [cfg.actor, cfg.reward] + ([cfg.critic] if cfg.critic else [])
 
     def divides_heads(n: int) -> bool:
-        return all(s.num_attention_heads % n == 0 and s.num_kv_heads % n == 0 for s in specs)
+        return all(s.num_attention_heads % n == 0 and (s.num_kv_heads % n == 0 or n % s.num_kv_heads == 0)
+                   for s in specs)
 
     groups: list[list[tuple[str, dict]]] = []
     for flag in ("ref_reward_offload", "adam_offload", "gradient_checkpointing"):

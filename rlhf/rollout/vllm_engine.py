@@ -81,9 +81,10 @@ def check_vllm_fit(spec, cfg: RolloutConfig, world_size: int) -> None:
     if cfg.num_engines is not None and cfg.num_engines != engines:
         raise ValueError(f"--vllm_num_engines {cfg.num_engines}: with colocation every rank hosts an engine shard, "
                          f"so engines = world size {world_size} / --vllm_tensor_parallel_size {tp} = {engines}")
-    if spec.num_attention_heads % tp or spec.num_kv_heads % tp:
+    if spec.num_attention_heads % tp or (spec.num_kv_heads % tp and tp % spec.num_kv_heads):
         raise ValueError(f"--vllm_tensor_parallel_size {tp} must divide num_attention_heads="
-                         f"{spec.num_attention_heads} and num_key_value_heads={spec.num_kv_heads}")
+                         f"{spec.num_attention_heads}, and divide num_key_value_heads={spec.num_kv_heads} or be a "
+                         "multiple of it (vLLM replicates KV heads)")
     if not torch.cuda.is_available() and spec.head_dim not in CPU_HEAD_SIZES:
         raise ValueError(f"vLLM's CPU attention does not support head_dim={spec.head_dim} (supported: "
                          f"{list(CPU_HEAD_SIZES)}); use --rollout_backend megatron or another model")

@@ -2,9 +2,10 @@
 
     torchrun --nproc_per_node 4 tests/models/_mp_equivalence.py WORKDIR
 
-For each tiny model (llama, qwen2, mistral x CausalLM / SequenceClassification) it converts HF -> Megatron
+For each tiny model (llama, qwen2, mistral x CausalLM / SequenceClassification, and the scaled-RoPE, qwen3 and
+one-KV-head models of conftest.EXTRA_MODELS) it converts HF -> Megatron
 in-process at TP2xPP2, then loads the checkpoint at TP1 (DP4), TP2 (DP2xTP2), PP2 (DP2xPP2) and TP2xPP2 and
-compares the forward with transformers. Then, for an untied and a tied causal LM, it compares loss and every
+compares the forward with transformers. Then, for GRAD_MODELS, it compares loss and every
 gradient of one training step at each layout with the single-rank run. Rank 0 writes WORKDIR/result.json.
 """
 import json
@@ -24,8 +25,10 @@ from rlhf.models.hf_llama import full_from_tp_shards, hf_from_megatron, tp_parti
 from rlhf.models.pipeline import gather_vocab_parallel, run_microbatches  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp) on 4 ranks: DP4, DP2xTP2, DP2xPP2, TP2xPP2
-MODELS = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("mistral", False),
-          ("mistral", True)]
+MODELS = ["llama", "llama-cls", "qwen2", "qwen2-cls", "mistral", "mistral-cls",
+          # conftest.EXTRA_MODELS: scaled RoPE, qwen3, one KV head (replicated over TP)
+          "llama-llama3", "llama-linear", "qwen2-yarn", "qwen3", "qwen3-cls", "llama-kv1"]
+GRAD_MODELS = ["llama", "mistral", "qwen3", "llama-kv1"]
 
 
 def progress(msg):
@@ -172,9 +175,9 @@ def main():
     torch.set_num_threads(1)
     initialize_mesh(1, 1)
     results = {}
-    for arch, seq_cls in MODELS:
-        logits_check(work, f"{arch}{'-cls' if seq_cls else ''}", results)
-    for name in ("llama", "mistral"):  # untied and tied (mistral-tied is generated tied)
+    for name in MODELS:
+        logits_check(work, name, results)
+    for name in GRAD_MODELS:  # untied, tied (mistral is generated tied), q/k norms, a replicated KV head
         grad_check(work, name, results)
     if dist.get_rank() == 0:
         with open(os.path.join(work, "result.json"), "w") as f:

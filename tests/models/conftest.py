@@ -3,9 +3,26 @@ import os
 import pytest
 
 
+# The families and options beyond the base three: scaled RoPE (original contexts shorter than the test's
+# 24-token sequences; llama3's factors put its frequencies in all three bands), qwen3 (q/k norms, head_dim 32
+# != hidden / heads = 16) and a single KV head (replicated at TP 2).
+EXTRA_MODELS = {
+    "llama-llama3": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 0.25,
+                                                 "high_freq_factor": 2.0, "original_max_position_embeddings": 16})),
+    "llama-linear": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2-yarn": ("qwen2", dict(tie_word_embeddings=False, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                          "original_max_position_embeddings": 8},
+                                 max_position_embeddings=32)),
+    "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+    "qwen3-cls": ("qwen3", dict(head_dim=32)),
+    "llama-kv1": ("llama", dict(num_key_value_heads=1)),
+}
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """Tiny llama/qwen2/mistral HF folders (CausalLM and SequenceClassification) sharing one tokenizer."""
+    """Tiny llama/qwen2/mistral HF folders (CausalLM and SequenceClassification) sharing one tokenizer, plus
+    ``EXTRA_MODELS``."""
     from rlhf.models.tiny import make_tiny_hf, make_tokenizer
 
     work = tmp_path_factory.mktemp("tiny")
@@ -20,4 +37,6 @@ def tiny_models(tmp_path_factory):
                 kw = dict(tie_word_embeddings=False)
             make_tiny_hf(os.path.join(work, "hf", arch + ("-cls" if cls else "")), arch, cls, seed=3,
                          tokenizer_dir=tok, **kw)
+    for name, (arch, kw) in EXTRA_MODELS.items():
+        make_tiny_hf(os.path.join(work, "hf", name), arch, name.endswith("-cls"), seed=4, tokenizer_dir=tok, **kw)
     return work

@@ -10,7 +10,8 @@ import pytest
 from helpers import REPO, run_torchrun, tail
 
 LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
-MODELS = ["llama", "llama-cls", "qwen2", "qwen2-cls", "mistral", "mistral-cls"]
+MODELS = ["llama", "llama-cls", "qwen2", "qwen2-cls", "mistral", "mistral-cls",
+          "llama-llama3", "llama-linear", "qwen2-yarn", "qwen3", "qwen3-cls", "llama-kv1"]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,8 @@ def test_converted_logits_match_transformers(result, model, layout):
     assert result[f"logits/{model}/{layout}"] <= 1e-4
 
 
-@pytest.mark.parametrize("model", ["llama", "mistral"])  # untied; tied embeddings + sliding window
+# untied; tied embeddings + sliding window; q/k norms; one KV head replicated over TP 2
+@pytest.mark.parametrize("model", ["llama", "mistral", "qwen3", "llama-kv1"])
 @pytest.mark.parametrize("layout", LAYOUTS)  # DP4, DP2xTP2, DP2xPP2, TP2xPP2
 def test_loss_and_grads_match_single_rank(result, model, layout):
     r = result[f"grads/{model}/{layout}"]

@@ -56,8 +56,11 @@ def test_missing_required_field():
 def test_parallel_fit():
     s = spec_from_hf_config(cfg())
     check_parallel_fit(s, 2, 2, padded_vocab_size(1000))
-    with pytest.raises(ValueError, match="num_key_value_heads=2"):
-        check_parallel_fit(s, 4, 1, 1024)
+    check_parallel_fit(s, 4, 1, 1024)  # TP 4 over 2 KV heads: each KV head replicated on 2 ranks
+    check_parallel_fit(s, 8, 1, 1024)
+    with pytest.raises(ValueError, match=r"--tp 6 and num_key_value_heads=4: one must divide the other"):
+        check_parallel_fit(spec_from_hf_config(cfg(num_attention_heads=12, num_key_value_heads=4,
+                                                   hidden_size=96)), 6, 1, 1536)
     with pytest.raises(ValueError, match="num_attention_heads=8"):
         check_parallel_fit(spec_from_hf_config(cfg(num_key_value_heads=8)), 3, 1, 1536)
     with pytest.raises(ValueError, match="vocab size 1004"):

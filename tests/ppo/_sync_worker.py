@@ -21,6 +21,7 @@ p.add_argument("--tp", type=int, default=1)
 p.add_argument("--pp", type=int, default=1)
 p.add_argument("--bucket_mb", type=float, default=0.25)
 p.add_argument("--lora_rank", type=int, default=0, help="LoRA actor: vLLM must get the merged weights")
+p.add_argument("--prompt_len", type=int, default=4, help="longer prompts reach past a scaled RoPE's original context")
 a = p.parse_args()
 
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
@@ -39,14 +40,14 @@ cfg = RolloutConfig(tensor_parallel_size=2, kv_cache_bytes=32 << 20, max_model_l
 engine = build_rollout(mesh, actor, cfg, a.actor)
 sync = WeightSync(actor, mesh, bucket_bytes=int(a.bucket_mb * 2**20))
 T, temp = 8, 0.7
-prompts = [[1, 20 + i, 30 + i, 40 + i] for i in range(4)]
+prompts = [[1] + [20 + i + 10 * (j % 3) + j // 3 for j in range(a.prompt_len - 1)] for i in range(4)]
 
 
 def drift(seed):
     samples = engine.generate(prompts, n=2, temperature=temp, top_p=1.0, max_tokens=T, seed=seed)
     per = len(samples) // mesh.dp
     local = samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
-    batch = collate_sequences(local, 0, T, seq_len=None if mesh.pp == 1 else 4 + T)
+    batch = collate_sequences(local, 0, T, seq_len=None if mesh.pp == 1 else a.prompt_len + T)
     mbs = [select_rows(batch, range(len(local)), trim=mesh.pp == 1)]
     lp = forward_role(actor, "actor", mbs, temp)
     vl = torch.zeros_like(lp)

@@ -38,3 +38,24 @@ def reward_pair(ppo_setup):
         json.dump(cfg, open(cfg_path, "w"), indent=2)
         out.append(path)
     return out
+
+
+@pytest.fixture(scope="session")
+def family_actors(ppo_setup):
+    """Actors of the newer families, with the base actor's tokenizer. The prompts (about 25 tokens) run past
+    both original contexts (16), so the scaled frequencies matter.
+
+    qwen3_yarn_kv1: Qwen3 (q/k norms, head_dim 64 != hidden / heads = 32), YaRN RoPE, ONE KV head (replicated
+                    over TP 2 in megatron and in vLLM)
+    llama3_rope:    Llama with Llama-3.1-style RoPE scaling"""
+    from rlhf.models.tiny import make_tiny_hf
+
+    work, tok = ppo_setup["work"], ppo_setup["actor"]
+    dims = {**DIMS, "max_position_embeddings": 64}
+    qwen3 = make_tiny_hf(os.path.join(work, "qwen3_yarn_kv1"), "qwen3", seed=6, tokenizer_dir=tok,
+                         **{**dims, "num_key_value_heads": 1, "head_dim": 64, "tie_word_embeddings": False},
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    llama3 = make_tiny_hf(os.path.join(work, "llama3_rope"), "llama", seed=7, tokenizer_dir=tok, **dims,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.25,
+                                        "high_freq_factor": 2.0, "original_max_position_embeddings": 16})
+    return {"qwen3_yarn_kv1": qwen3, "llama3_rope": llama3}

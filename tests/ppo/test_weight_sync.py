@@ -25,3 +25,17 @@ def test_weight_sync_after_update(ppo_setup, tp, pp, actor, lora):
     assert r["buckets"] > 1  # 0.25 MB buckets: the bucketed path is exercised
     if lora:  # only the adapters trained, and vLLM (which has no adapters) follows them: merged weights
         assert r["trainable"] == ["lora_A", "lora_B"], r
+
+
+@pytest.mark.parametrize("tp,pp,actor", [(2, 1, "qwen3_yarn_kv1"), (1, 2, "llama3_rope")],
+                         ids=["qwen3_yarn_one_kv_head_tp2", "llama3_rope_pp2"])
+def test_weight_sync_of_newer_families(family_actors, tp, pp, actor):
+    """Qwen3's q/k norms, a KV head replicated over TP 2 (megatron and vLLM) and scaled RoPE (YaRN; Llama 3.1's)
+    at positions past the original context: vLLM's log-probs still equal the trainer's after each sync."""
+    p = run_torchrun(WORKER, 2, ["--actor", family_actors[actor], "--tp", str(tp), "--pp", str(pp),
+                                 "--prompt_len", "24"], timeout=600)
+    assert p.returncode == 0, tail(p)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, tail(p)
+    r = json.loads(line[0][7:])
+    assert r["synced"] <= 1e-4 and r["resynced"] <= 1e-4 and r["stale"] > 1e-2, r
