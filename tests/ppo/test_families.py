@@ -1,0 +1,48 @@
+"""A few PPO (GRPO) steps with each newer family, end to end on 2 ranks: megatron actor at TP 2, vLLM at TP 2,
+a rule reward (no reward model, no critic: the cheapest full loop).
+
+qwen3_yarn_kv1: Qwen3 (q/k norms, explicit head_dim) with YaRN RoPE and one KV head, replicated over TP 2 in both
+engines; llama3_rope: Llama 3.1-style RoPE scaling. Prompts run past the original context (16 tokens). Every step
+logs the largest |vLLM - trainer| log-prob over the sampled tokens; it stays at fp32 rounding, so weight sync,
+KV-head replication and the scaled RoPE agree between the two engines. The export loads in transformers as the
+same family with the same RoPE and KV heads, and training moved its weights.
+"""
+import json
+import os
+
+import pytest
+import torch
+from helpers import REPO, run_torchrun, tail, require
+from ppo_common import ppo_args
+
+require("vllm")
+PPO = os.path.join(REPO, "launch/ppo.py")
+
+
+@pytest.mark.parametrize("actor,arch", [("qwen3_yarn_kv1", "Qwen3ForCausalLM"), ("llama3_rope", "LlamaForCausalLM")])
+def test_grpo_steps_with_newer_families(ppo_setup, family_actors, tmp_path, actor, arch):
+    import transformers
+    from safetensors.torch import load_file
+
+    save = str(tmp_path / "out")
+    args = ppo_args({**ppo_setup, "actor": family_actors[actor]}, save,
+                    **{"--advantage_estimator": "grpo", "--tp": 2, "--rollout_batch_size": 8,
+                       "--train_batch_size": 16, "--micro_rollout_batch_size": 8, "--num_episodes": 1,
+                       "--max_samples": 16, "--init_kl_coef": 0.05, "--reward_fn": "_rule_reward:length_reward",
+                       "--reward_pretrain": None, "--generate_max_len": 8})
+    p = run_torchrun(PPO, 2, args, timeout=900, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
+    assert p.returncode == 0, tail(p)
+    hist = json.load(open(os.path.join(save, "ppo_result.json")))["history"]
+    assert len(hist) == 2
+    for m in hist:
+        assert m["rollout_logprob_drift_max"] <= 1e-4, m
+    src = json.load(open(os.path.join(family_actors[actor], "config.json")))
+    out = json.load(open(os.path.join(save, "config.json")))
+    assert out["architectures"] == [arch]
+    for key in ("num_key_value_heads", "head_dim", "rope_parameters", "rope_scaling"):
+        assert out.get(key) == src.get(key), key
+    model = transformers.AutoModelForCausalLM.from_pretrained(save, dtype=torch.float32)
+    before = load_file(os.path.join(family_actors[actor], "model.safetensors"))
+    after = model.state_dict()
+    assert set(before) <= set(after)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
