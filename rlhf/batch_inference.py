@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     v = validate(args, env.world_size)
     tokenizer = AutoTokenizer.from_pretrained(args.pretrain or v["rewards"].paths[0])
     cfg = DataConfig.from_args(args, output_key=args.output_key if args.mode == "reward" else None)
-    mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed)
+    mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed,
+                           ep=args.expert_model_parallel_size)
     job = generate_chunks if args.mode == "generate" else reward_chunks
     return job(args, v, cfg, tokenizer, mesh)
 

@@ -47,6 +47,8 @@ def add_optim_args(g) -> None:
     g.add_argument("--max_skipped_steps", type=int, default=3,
                    help="updates with a non-finite loss or grad norm are skipped (and counted); this many in a row "
                         "stop the job with an error")
+    g.add_argument("--aux_loss_coef", type=float, default=0.0,
+                   help="MoE models: coefficient of megatron's per-layer load-balancing loss (0: off)")
 
 
 def add_engine_args(g) -> None:
@@ -74,6 +76,8 @@ def add_parallel_args(g, *, pp: bool = True, tp_help: str | None = None) -> None
     g.add_argument("--tensor_model_parallel_size", "--tp", type=int, default=1, help=tp_help)
     if pp:
         g.add_argument("--pipeline_model_parallel_size", "--pp", type=int, default=1)
+    g.add_argument("--expert_model_parallel_size", "--ep", type=int, default=1,
+                   help="MoE models: spread each layer's experts over this many data-parallel ranks")
 
 
 def add_text_args(g, *, input_key: bool = False) -> None:
@@ -190,13 +194,15 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
 
 def optim_config(args: argparse.Namespace, lr: float, total_steps: int):
     """The optimizer of a trained role from the shared optimisation flags (``--l2``, ``--adam_betas``,
-    ``--max_norm``, ``--lr_warmup_ratio``, ``--lr_scheduler``, ``--max_skipped_steps``, ``--zero_stage``)."""
+    ``--max_norm``, ``--lr_warmup_ratio``, ``--lr_scheduler``, ``--max_skipped_steps``, ``--zero_stage``,
+    ``--aux_loss_coef``)."""
     from rlhf.engine import OptimConfig
 
     return OptimConfig(lr=lr, weight_decay=args.l2, adam_betas=tuple(args.adam_betas), clip_grad=args.max_norm,
                        max_skipped_steps=args.max_skipped_steps, warmup_ratio=args.lr_warmup_ratio,
                        scheduler=args.lr_scheduler, total_steps=total_steps,
-                       use_distributed_optimizer=args.zero_stage >= 1)
+                       use_distributed_optimizer=args.zero_stage >= 1,
+                       aux_loss_coef=getattr(args, "aux_loss_coef", 0.0))
 
 
 def check_paths_exist(flag: str, value: str | None) -> None:

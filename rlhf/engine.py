@@ -51,6 +51,8 @@ class OptimConfig:
     total_steps: int = 1
     use_distributed_optimizer: bool = False
     """ZeRO-1 style sharding of the optimizer states over DP (``--zero_stage >= 1``)."""
+    aux_loss_coef: float = 0.0
+    """(--aux_loss_coef) MoE models: megatron's load-balancing loss, per layer; 0 turns it off."""
     max_skipped_steps: int = 3
     """(--max_skipped_steps) updates with a non-finite loss or grad norm are skipped; this many in a row stop the
     job."""
@@ -58,6 +60,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.max_skipped_steps < 1:
             raise ValueError(f"--max_skipped_steps must be >= 1, got {self.max_skipped_steps}")
+        if self.aux_loss_coef < 0:
+            raise ValueError(f"--aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
         if self.lr <= 0:
             raise ValueError(f"--learning_rate must be > 0, got {self.lr}")
         if not 0 <= self.warmup_ratio < 1:
@@ -67,6 +71,22 @@ class OptimConfig:
         if self.scheduler not in aliases:
             raise ValueError(f"--lr_scheduler must be one of {sorted(aliases)}, got {self.scheduler!r}")
         self.scheduler = aliases[self.scheduler]
+
+
+def _check_moe(spec: ModelSpec, mesh: ParallelMesh, name: str, *, trained: bool, lora: bool) -> int:
+    """The EP a model of this role is built at (the mesh's for an MoE model, 1 for a dense one); raises before any
+    weight is read on what megatron-core 0.16.1 cannot train here."""
+    if not spec.num_experts:
+        if mesh.ep > 1 and mesh.is_rank0:
+            log.info("%s: a dense model; --expert_model_parallel_size %d applies to MoE models only", name, mesh.ep)
+        return 1
+    if trained and mesh.tp > 1:
+        raise ValueError(f"{name}: training an MoE model ({spec.model_type}) at --tp {mesh.tp} needs sequence "
+                         "parallelism, which megatron's local layer spec lacks: use --tp 1 and spread the experts "
+                         "with --expert_model_parallel_size")
+    if lora:
+        raise ValueError(f"{name}: --lora_rank with an MoE model ({spec.model_type}) is not supported")
+    return mesh.ep
 
 
 class ModelEngine:
@@ -86,9 +106,11 @@ class ModelEngine:
             log.info("%s: LoRA wraps megatron's local linears: the local layer spec runs instead of TE's", name)
         # --transformer_impl (None: TE where it imports on CUDA); checkpoints are the same under either spec
         self.transformer_impl = resolve_transformer_impl(transformer_impl, lora=lora is not None)
+        ep = _check_moe(self.spec, mesh, name, trained=optim is not None, lora=lora is not None)
         model = build_model(self.spec, tp=mesh.tp, pp=mesh.pp, pp_rank=mesh.pp_rank, value_head=value_head,
                             params_dtype=torch.float32, padded_vocab=self.padded_vocab, recompute=recompute,
-                            init_weights=False, use_te=self.transformer_impl == "transformer_engine")
+                            init_weights=False, use_te=self.transformer_impl == "transformer_engine", ep=ep,
+                            aux_loss_coef=optim.aux_loss_coef if optim is not None else 0.0)
         self.value_head = model.value_head
         if value_head and not self.spec.is_seq_cls:
             _seeded_score_init(model, self.spec)
@@ -98,7 +120,8 @@ class ModelEngine:
             from rlhf.models.convert import fill_from_hf
 
             fill_from_hf(model, ckpt_dir, self.spec, self.padded_vocab, tp=mesh.tp, pp=mesh.pp,
-                         tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, skip_head=value_head and not self.spec.is_seq_cls)
+                         tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, skip_head=value_head and not self.spec.is_seq_cls,
+                         ep_rank=mesh.ep_rank if ep > 1 else 0, ep=ep)
         if value_head and not self.spec.is_seq_cls:
             log.info("%s: %s is a causal LM; its score head starts from a seeded random init", name, ckpt_dir)
         self.lora = lora

@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rewards = v["rewards"]
     tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
     raw_inputs, prompts = load_prompts(args, tokenizer)
-    mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed)
+    mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed,
+                           ep=args.expert_model_parallel_size)
     check_config_consistency(args)
     if mesh.is_rank0:
         log.info("rejection sampling: %d prompts x best of %d; reward = %s", len(prompts), args.best_of_n,

@@ -143,7 +143,8 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
     setup_logging(env.rank)
     tokenizer, train, evals, stats, total_steps = prepare(args, task, env.world_size)
     torch.manual_seed(args.seed)
-    mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, env, seed=args.seed)
+    mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, env, seed=args.seed,
+                           ep=args.expert_model_parallel_size)
     from rlhf.distributed.health import check_config_consistency; check_config_consistency(args)  # noqa: E702
     log_compat_mappings(args)
     if mesh.is_rank0:

@@ -1,8 +1,9 @@
 """Check a converted Megatron checkpoint against Hugging Face ``transformers`` on the same tokens.
 
     torchrun --nproc_per_node 4 tools/compare_logits.py --hf DIR --ckpt DIR --tp 2 --pp 2
+    torchrun --nproc_per_node 4 tools/compare_logits.py --hf DIR --ckpt DIR --tp 2 --ep 2   # MoE
 
-Loads the checkpoint at TP=T, PP=P (any layout, whatever it was written at), runs a forward on fixed random
+Loads the checkpoint at TP=T, PP=P, EP=E (any layout, whatever it was written at), runs a forward on fixed random
 token ids, runs ``transformers`` on the same ids in fp32 and prints ``max_abs_logit_diff=<float>`` as its last
 line. For reward/critic checkpoints the per-token scalar head outputs are compared.
 """
@@ -19,6 +20,7 @@ def parse(argv=None):
     p.add_argument("--ckpt", required=True, help="megatron checkpoint folder")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", "--expert_model_parallel_size", type=int, default=1, help="expert parallelism (MoE)")
     p.add_argument("--batch_size", type=int, default=2)
     p.add_argument("--seq_len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -40,8 +42,8 @@ def main(argv=None) -> int:
         manifest = read_manifest(args.ckpt)
         spec = spec_from_manifest(manifest)
         load_hf_config(args.hf)
-        check_parallel_fit(spec, args.tp, args.pp, manifest["padded_vocab_size"])
-        validate_layout(env.world_size, args.tp, args.pp)
+        check_parallel_fit(spec, args.tp, args.pp, manifest["padded_vocab_size"], args.ep)
+        validate_layout(env.world_size, args.tp, args.pp, args.ep)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -60,9 +62,9 @@ def compare(args, manifest, spec) -> float:
     from rlhf.models.pipeline import gather_vocab_parallel, run_microbatches
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    mesh = initialize_mesh(args.tp, args.pp)
+    mesh = initialize_mesh(args.tp, args.pp, ep=args.ep)
     model = build_model(spec, tp=args.tp, pp=args.pp, pp_rank=mesh.pp_rank, params_dtype=torch.float32,
-                        padded_vocab=manifest["padded_vocab_size"])
+                        padded_vocab=manifest["padded_vocab_size"], ep=args.ep)
     load_model(model, os.path.join(args.ckpt, "model"))
     model.to(mesh.device).eval()
     g = torch.Generator().manual_seed(args.seed)

@@ -1,9 +1,11 @@
-"""Convert an HF Llama/Qwen2/Mistral folder (CausalLM or SequenceClassification) to a megatron-core checkpoint.
+"""Convert an HF Llama/Qwen2/Qwen3/Mistral/Mixtral/Qwen3-MoE folder (CausalLM or SequenceClassification) to a
+megatron-core checkpoint.
 
-    python tools/convert_hf_to_megatron.py --hf DIR --out DIR --tp 2 --pp 2
+    python tools/convert_hf_to_megatron.py --hf DIR --out DIR --tp 2 --pp 2 [--ep 2]
 
-The result is a ``dist_checkpointing`` folder that loads at any TP/PP that fits the model, with the tokenizer
-files and ``rlhf_manifest.json`` beside it. TP x PP local processes write it, each reading only its shard.
+The result is a ``dist_checkpointing`` folder that loads at any TP/PP(/EP) that fits the model, with the
+tokenizer files and ``rlhf_manifest.json`` beside it. TP x PP x EP local processes write it, each reading only its
+shard.
 """
 import argparse
 import logging
@@ -19,6 +21,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="output checkpoint folder (must not exist)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to write at")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to write at")
+    p.add_argument("--ep", "--expert_model_parallel_size", type=int, default=1,
+                   help="expert-parallel size to write at (MoE models)")
     p.add_argument("--make_vocab_size_divisible_by", type=int, default=128)
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
@@ -27,12 +31,12 @@ def main(argv=None) -> int:
 
     try:
         plan = plan_hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.overwrite,
-                                   args.make_vocab_size_divisible_by)
+                                   args.make_vocab_size_divisible_by, ep=args.ep)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     seconds = convert_hf_to_megatron(plan, overwrite=args.overwrite)
-    print(f"converted {args.hf} -> {args.out} at tp={args.tp} pp={args.pp} in {seconds:.1f}s")
+    print(f"converted {args.hf} -> {args.out} at tp={args.tp} pp={args.pp} ep={args.ep} in {seconds:.1f}s")
     return 0
 
 

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--model_type", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    p.add_argument("--model_type", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"])
     p.add_argument("--seq_cls", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden_size", type=int, default=64)

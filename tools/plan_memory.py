@@ -46,6 +46,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--critic_pretrain", default=None, help="critic config (default: --reward_pretrain)")
     g.add_argument("--tensor_model_parallel_size", "--tp", dest="tp", type=int, default=1)
     g.add_argument("--pipeline_model_parallel_size", "--pp", dest="pp", type=int, default=1)
+    g.add_argument("--expert_model_parallel_size", "--ep", dest="ep", type=int, default=1,
+                   help="MoE roles: experts spread over this many data-parallel ranks")
     g.add_argument("--nnodes", type=int, default=1)
     g.add_argument("--gpus_per_node", type=int, default=8)
     g.add_argument("--gpu_memory_gib", type=float, default=80.0)
@@ -89,7 +91,7 @@ def config_from_args(args: argparse.Namespace):
     reward = load_spec("--reward_pretrain", args.reward_pretrain)
     needs_critic = get_estimator(args.advantage_estimator).needs_critic
     critic = load_spec("--critic_pretrain", args.critic_pretrain) if args.critic_pretrain else reward
-    fields = ("tp", "pp", "nnodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "reserved_gib",
+    fields = ("tp", "pp", "ep", "nnodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "reserved_gib",
               "layer_impl", "micro_train_batch_size", "train_batch_size", "micro_rollout_batch_size",
               "rollout_batch_size", "n_samples_per_prompt", "generate_max_len", "prompt_max_len", "bf16",
               "gradient_checkpointing", "zero_stage", "colocate_all", "ref_reward_offload", "adam_offload",

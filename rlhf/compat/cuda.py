@@ -131,6 +131,11 @@ def _import_megatron_modules() -> None:
     import megatron.core.optimizer.distrib_optimizer  # noqa: F401
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
     import megatron.core.tensor_parallel.random  # noqa: F401
+    import megatron.core.transformer.moe.experts  # noqa: F401  (MoE: torch.cuda.current_device(), device="cuda")
+    import megatron.core.transformer.moe.moe_layer  # noqa: F401
+    import megatron.core.transformer.moe.moe_utils  # noqa: F401
+    import megatron.core.transformer.moe.router  # noqa: F401
+    import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
 
 
 # megatron-core 0.16.1: device="cuda" literals and torch.cuda calls in its modules (CPU-only torch).

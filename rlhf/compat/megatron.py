@@ -131,3 +131,13 @@ def fixed_seq_lengths(model: torch.nn.Module) -> None:
     """Our micro-batches of one schedule call share one shape (padded, or packed to one length with PP), so
     megatron need not exchange shapes between stages; set on the config megatron's schedule reads."""
     model.config.variable_seq_lengths = False
+
+
+# megatron-core 0.16.1: moe_utils defines te_general_gemm only when TE imports, but its router reads it always.
+def moe_without_te() -> None:
+    """Without Transformer Engine the MoE router's linear raises NameError (``te_general_gemm``); megatron's own
+    check ``te_general_gemm is not None`` then takes its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

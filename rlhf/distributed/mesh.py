@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ParallelMesh:
-    """TP x PP x DP layout (megatron order: TP fastest, then DP, then PP) and the groups that go with it."""
+    """TP x PP x DP layout (megatron order: TP fastest, then DP, then PP) and the groups that go with it; for
+    MoE models also EP (``--expert_model_parallel_size``), which divides DP: the experts of one layer are spread
+    over ``ep`` consecutive DP ranks, everything else stays replicated over DP."""
 
     env: DistEnv
     tp: int
@@ -37,6 +39,10 @@ class ParallelMesh:
     dp_group: Any
     backend: str
     device: torch.device
+    ep: int = 1
+    """expert parallelism (MoE): each expert lives on one of ``ep`` ranks; carved out of DP, as megatron does"""
+    ep_rank: int = 0
+    ep_group: Any = None
     megatron_groups: list = field(default_factory=list, repr=False, compare=False)
     """the process groups megatron created for this mesh (megatron forgets them without destroying them)"""
     active: ClassVar["ParallelMesh | None"] = None
@@ -87,8 +93,8 @@ class ParallelMesh:
         destroy_mesh(self)
 
 
-def validate_layout(world_size: int, tp: int, pp: int) -> int:
-    """Check the TP/PP flags against the world size before anything is started; returns DP."""
+def validate_layout(world_size: int, tp: int, pp: int, ep: int = 1) -> int:
+    """Check the TP/PP/EP flags against the world size before anything is started; returns DP."""
     if tp < 1:
         raise ValueError(f"--tensor_model_parallel_size must be >= 1, got {tp}")
     if pp < 1:
@@ -96,7 +102,11 @@ def validate_layout(world_size: int, tp: int, pp: int) -> int:
     if world_size % (tp * pp) != 0:
         raise ValueError(f"world size {world_size} is not divisible by --tensor_model_parallel_size {tp} x "
                          f"--pipeline_model_parallel_size {pp}")
-    return world_size // (tp * pp)
+    dp = world_size // (tp * pp)
+    if ep < 1 or dp % ep:
+        raise ValueError(f"--expert_model_parallel_size {ep} must be >= 1 and divide the data-parallel size {dp} "
+                         f"(world {world_size} / tp {tp} / pp {pp})")
+    return dp
 
 
 def default_backend() -> str:
@@ -132,7 +142,7 @@ def init_process_group(env: DistEnv | None = None, timeout_s: float = 600.0,
 
 
 def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: int = 1234,
-                    timeout_s: float = 600.0, device: str | torch.device | None = None) -> ParallelMesh:
+                    timeout_s: float = 600.0, device: str | torch.device | None = None, ep: int = 1) -> ParallelMesh:
     """Start the process group if needed, build megatron's TP/PP/DP groups and seed its RNG tracker.
 
     ``device``: ``"cpu"`` keeps the job on the CPU (the converters do, beside a training job that holds the
@@ -140,7 +150,7 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
     from rlhf.distributed.device import select_device
 
     env = env or DistEnv.from_environ()
-    dp = validate_layout(env.world_size, tp, pp)
+    dp = validate_layout(env.world_size, tp, pp, ep)
     if dist.is_initialized():  # the group's backend decides: a CUDA job has NCCL in it
         on_cuda = "nccl" in str(dist.get_backend())
         dev = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
@@ -162,7 +172,11 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
     # megatron's groups inherit the default group's backend, which already has gloo in it (CPU: gloo alone; CUDA:
     # cpu:gloo,cuda:nccl): its extra *_gloo copies would only double the threads.
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
                                  create_gloo_process_groups=False)
+    if ep > 1:  # expert weights are TP-sharded over the expert-TP group: the same ranks as TP (weight sync relies)
+        assert dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()) == \
+            dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
     groups = [g for g in live_process_groups() if g not in before]
     cuda_shim.install()  # rebind modules that megatron imported lazily
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -171,11 +185,13 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
                         tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
                         dp_rank=ps.get_data_parallel_rank(), tp_group=ps.get_tensor_model_parallel_group(),
                         pp_group=ps.get_pipeline_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
-                        backend=backend, device=dev, megatron_groups=groups)
+                        backend=backend, device=dev, megatron_groups=groups, ep=ep,
+                        ep_rank=ps.get_expert_model_parallel_rank(),
+                        ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None)
     ParallelMesh.active = mesh
     if env.rank == 0:
-        log.info("mesh: world=%d tp=%d pp=%d dp=%d backend=%s device=%s launcher=%s", env.world_size, tp, pp, dp,
-                 backend, dev, env.launcher)
+        log.info("mesh: world=%d tp=%d pp=%d dp=%d%s backend=%s device=%s launcher=%s", env.world_size, tp, pp, dp,
+                 f" ep={ep}" if ep > 1 else "", backend, dev, env.launcher)
     return mesh
 
 

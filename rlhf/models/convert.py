@@ -1,6 +1,6 @@
 """HF <-> Megatron checkpoint conversion (the logic behind ``tools/convert_*.py``).
 
-HF -> Megatron runs one process per TP x PP rank (spawned here, or the ranks of an enclosing torchrun). Each
+HF -> Megatron runs one process per TP x PP (x EP) rank (spawned here, or the ranks of an enclosing torchrun). Each
 rank reads from the HF safetensors only the rows of its own shard, so the job as a whole holds one copy of the
 weights. Megatron -> HF loads at TP=1/PP=1 in one process and moves tensors one by one from the model into
 safetensors shards, so it too holds about one copy.
@@ -35,30 +35,31 @@ class HFToMegatronPlan:
     hf_config: dict
     padded_vocab: int
     dtype: str
+    ep: int = 1
 
 
 def plan_hf_to_megatron(hf: str, out: str, tp: int, pp: int, overwrite: bool = False,
-                        vocab_divisible_by: int = 128) -> HFToMegatronPlan:
+                        vocab_divisible_by: int = 128, ep: int = 1) -> HFToMegatronPlan:
     """Every check that can fail, before any process is started or any weight is read."""
     if not os.path.isdir(hf):
         raise ValueError(f"--hf folder not found: {hf}")
-    if tp < 1 or pp < 1:
-        raise ValueError(f"--tp and --pp must be >= 1, got --tp {tp} --pp {pp}")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"--tp, --pp and --ep must be >= 1, got --tp {tp} --pp {pp} --ep {ep}")
     cfg = load_hf_config(hf)
     spec = spec_from_hf_config(cfg, source=os.path.join(hf, "config.json"))
     padded = padded_vocab_size(spec.vocab_size, vocab_divisible_by)
-    check_parallel_fit(spec, tp, pp, padded)
+    check_parallel_fit(spec, tp, pp, padded, ep)
     reader = HFCheckpointReader(hf)
     check_hf_names(reader.keys(), spec, hf)
     if os.path.exists(out) and not overwrite:
         raise ValueError(f"--out folder already exists: {out}")
     dtype = str(reader.get("model.embed_tokens.weight", rows=(0, 1)).dtype).replace("torch.", "")
     torch_dtype(dtype)
-    return HFToMegatronPlan(hf, out, tp, pp, spec, cfg, padded, dtype)
+    return HFToMegatronPlan(hf, out, tp, pp, spec, cfg, padded, dtype, ep)
 
 
 def fill_from_hf(model: torch.nn.Module, hf_dir: str, spec: ModelSpec, padded_vocab: int, *, tp: int, pp: int,
-                 tp_rank: int, pp_rank: int, skip_head: bool = False) -> None:
+                 tp_rank: int, pp_rank: int, skip_head: bool = False, ep_rank: int = 0, ep: int = 1) -> None:
     """Fill this rank's stage of ``model`` from an HF folder, reading only this rank's rows of each tensor.
 
     ``skip_head``: leave the (freshly initialised) score head alone, for a value model made from a causal LM.
@@ -71,7 +72,8 @@ def fill_from_hf(model: torch.nn.Module, hf_dir: str, spec: ModelSpec, padded_vo
             if skip_head and name == "output_layer.weight":
                 continue
             shard = megatron_shard_from_hf(name, reader.get, spec, tp_rank=tp_rank, tp=tp,
-                                           layer_offset=layer_offset, padded_vocab=padded_vocab)
+                                           layer_offset=layer_offset, padded_vocab=padded_vocab, ep_rank=ep_rank,
+                                           ep=ep)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: HF shard shape {tuple(shard.shape)} != megatron {tuple(param.shape)}")
             param.copy_(shard)
@@ -85,11 +87,12 @@ def hf_to_megatron_rank(plan: HFToMegatronPlan, tmp_dir: str) -> None:
     from rlhf.distributed import initialize_mesh
     from rlhf.models.gpt import build_model
 
-    mesh = initialize_mesh(plan.tp, plan.pp, device="cpu")  # beside a training job that may hold the GPUs
+    mesh = initialize_mesh(plan.tp, plan.pp, device="cpu", ep=plan.ep)  # beside a job that may hold the GPUs
     model = build_model(plan.spec, tp=plan.tp, pp=plan.pp, pp_rank=mesh.pp_rank,  # CPU: the local spec
-                        params_dtype=torch_dtype(plan.dtype), padded_vocab=plan.padded_vocab, use_te=False)
+                        params_dtype=torch_dtype(plan.dtype), padded_vocab=plan.padded_vocab, use_te=False,
+                        ep=plan.ep)
     fill_from_hf(model, plan.hf, plan.spec, plan.padded_vocab, tp=plan.tp, pp=plan.pp, tp_rank=mesh.tp_rank,
-                 pp_rank=mesh.pp_rank)
+                 pp_rank=mesh.pp_rank, ep_rank=mesh.ep_rank, ep=plan.ep)
     save_model(model, os.path.join(tmp_dir, "model"))
 
 
@@ -98,7 +101,7 @@ def _spawned(local_rank: int, plan: HFToMegatronPlan, tmp_dir: str, port: int) -
     from rlhf.distributed.mesh import destroy_mesh
 
     torch.set_num_threads(1)
-    DistEnv(local_rank, plan.tp * plan.pp, local_rank, "127.0.0.1", port, "spawn").export()
+    DistEnv(local_rank, plan.tp * plan.pp * plan.ep, local_rank, "127.0.0.1", port, "spawn").export()
     try:
         hf_to_megatron_rank(plan, tmp_dir)
     finally:
@@ -106,15 +109,17 @@ def _spawned(local_rank: int, plan: HFToMegatronPlan, tmp_dir: str, port: int) -
 
 
 def convert_hf_to_megatron(plan: HFToMegatronPlan, overwrite: bool = False) -> float:
-    """Spawn TP x PP local ranks (gloo) that write the dist checkpoint; publish it atomically. Returns seconds."""
+    """Spawn TP x PP x EP local ranks (gloo) that write the dist checkpoint (EP: DP = EP, each rank its experts);
+    publish it atomically. Returns seconds."""
     import torch.multiprocessing as mp
 
     t0 = time.time()
     with atomic_dir(plan.out, overwrite=overwrite) as tmp:
-        mp.spawn(_spawned, args=(plan, tmp, free_port()), nprocs=plan.tp * plan.pp, join=True)
+        mp.spawn(_spawned, args=(plan, tmp, free_port()), nprocs=plan.tp * plan.pp * plan.ep, join=True)
         copy_tokenizer_files(plan.hf, tmp)
         write_manifest(tmp, spec=plan.spec, hf_config=plan.hf_config, padded_vocab=plan.padded_vocab,
-                       source=os.path.abspath(plan.hf), tp=plan.tp, pp=plan.pp, dtype=plan.dtype)
+                       source=os.path.abspath(plan.hf), tp=plan.tp, pp=plan.pp, dtype=plan.dtype,
+                       extra={"saved_at_ep": plan.ep})
     return time.time() - t0
 
 

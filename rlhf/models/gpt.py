@@ -1,4 +1,5 @@
-"""Build a megatron-core GPTModel for Llama-family architectures (llama, qwen2, qwen3, mistral).
+"""Build a megatron-core GPTModel for Llama-family architectures (llama, qwen2, qwen3, mistral; the MoE ones
+mixtral and qwen3_moe on megatron's MoE layer).
 
 The same class serves the policy/reference (vocab-parallel logits, or final hidden states for the fused
 log-prob kernel) and the critic/reward (a scalar ``score`` head, laid out like HF ``*ForSequenceClassification``).
@@ -81,7 +82,7 @@ def without_extra_state(sharded_state_dict: dict) -> dict:
     return {k: v for k, v in sharded_state_dict.items() if "_extra_state" not in k}
 
 
-def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False):
+def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_experts: int = 0):
     """transformer-engine spec when TE and CUDA are there, megatron's local (torch) spec otherwise."""
     global _SPEC_LOGGED
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -92,16 +93,37 @@ def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False):
                  "or no CUDA; packed THD batches via kernels.varlen_attention)")
         _SPEC_LOGGED = True
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        # MoE: SequentialMLP of TE linears (grouped GEMM off: the same parameter names as the local spec)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, num_experts=num_experts or None,
+                                                          moe_grouped_gemm=False)
     # Packed (THD) sequences without TE: megatron's local spec with a varlen core attention (see that module).
     from rlhf.models.packed_attention import local_spec_with_packed_attention
 
-    return local_spec_with_packed_attention(qk_layernorm=qk_layernorm)
+    return local_spec_with_packed_attention(qk_layernorm=qk_layernorm, num_experts=num_experts)
+
+
+def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0) -> dict:
+    """megatron's MoE settings equal to HF's routing: softmax over the experts, top-k, renormalised (mixtral;
+    qwen3_moe with ``norm_topk_prob``) or not. megatron's ``pre_softmax=False`` takes the top-k logits and then
+    a softmax over those k, which is the renormalised HF weight; ``pre_softmax=True`` the plain softmax. Dropless
+    (no capacity factor), as HF. ``aux_loss_coef`` (``--aux_loss_coef``): megatron's load-balancing loss, per
+    layer, added to the gradients by the router; 0 turns it off. Tokens reach their experts by the allgather
+    dispatcher (gloo and NCCL alike)."""
+    if not spec.num_experts:
+        return {}
+    return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
+                moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_score_function="softmax",
+                moe_router_pre_softmax=not spec.moe_norm_topk, moe_router_dtype="fp32",
+                moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
+                moe_aux_loss_coeff=float(aux_loss_coef), moe_token_dispatcher_type="allgather",
+                moe_grouped_gemm=False, moe_permute_fusion=False, expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=tp)
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch.dtype = torch.float32,
-                       bf16: bool = False, init_weights: bool = False, recompute: bool = False):
-    """The megatron ``TransformerConfig`` equivalent to an HF Llama-family config."""
+                       bf16: bool = False, init_weights: bool = False, recompute: bool = False, ep: int = 1,
+                       aux_loss_coef: float = 0.0):
+    """The megatron ``TransformerConfig`` equivalent to an HF Llama-family config (MoE: ``moe_config``)."""
     from megatron.core.transformer import TransformerConfig
 
     kwargs = {}
@@ -113,6 +135,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch
     factor = rope.attention_factor(spec.rope_scaling)
     if factor != 1.0:  # YaRN scales cos and sin, i.e. q and k: the scores by factor**2 (rlhf.models.rope)
         kwargs["softmax_scale"] = factor * factor / math.sqrt(spec.head_dim)
+    kwargs.update(moe_config(spec, tp, ep, aux_loss_coef))
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
@@ -151,8 +174,8 @@ def _gpt_model_class():
 
         def __init__(self, spec: ModelSpec, config, padded_vocab: int, pre_process: bool, post_process: bool,
                      value_head: bool, use_te: bool | None = None):
-            super().__init__(config=config, transformer_layer_spec=layer_spec(use_te, spec.qk_norm),
-                             vocab_size=padded_vocab,
+            super().__init__(config=config, vocab_size=padded_vocab,
+                             transformer_layer_spec=layer_spec(use_te, spec.qk_norm, spec.num_experts),
                              max_sequence_length=spec.max_position_embeddings, pre_process=pre_process,
                              post_process=post_process, parallel_output=True,
                              share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
@@ -222,7 +245,8 @@ def mask_padded_vocab(logits: torch.Tensor, true_vocab: int) -> torch.Tensor:
 
 def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: bool | None = None,
                 params_dtype: torch.dtype = torch.float32, bf16: bool = False, init_weights: bool = False,
-                recompute: bool = False, padded_vocab: int | None = None, use_te: bool | None = None):
+                recompute: bool = False, padded_vocab: int | None = None, use_te: bool | None = None, ep: int = 1,
+                aux_loss_coef: float = 0.0):
     """One pipeline stage of the model for the current rank (megatron's parallel state must be initialised).
 
     ``init_weights=False`` leaves parameters uninitialised (they are about to be loaded from a checkpoint);
@@ -230,9 +254,13 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
     """
     value_head = spec.is_seq_cls if value_head is None else value_head
     padded_vocab = padded_vocab or padded_vocab_size(spec.vocab_size)
-    check_parallel_fit(spec, tp, pp, padded_vocab)
+    check_parallel_fit(spec, tp, pp, padded_vocab, ep)
     config = transformer_config(spec, tp, pp, params_dtype=params_dtype, bf16=bf16, init_weights=init_weights,
-                                recompute=recompute)
+                                recompute=recompute, ep=ep, aux_loss_coef=aux_loss_coef)
+    if spec.num_experts:
+        from rlhf.compat.megatron import moe_without_te
+
+        moe_without_te()
     cls = _gpt_model_class()
     model = cls(spec, config, padded_vocab, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                 value_head=value_head, use_te=use_te)

@@ -1,5 +1,7 @@
 """HF <-> Megatron parameter mapping for the Llama family (llama, qwen2, qwen3, mistral share one layout; qwen3
-adds ``q_norm``/``k_norm``).
+adds ``q_norm``/``k_norm``; mixtral and qwen3_moe replace the MLP by a router and experts, each expert laid out
+like a dense MLP: ``mlp.router.weight`` <- ``gate.weight``, ``mlp.experts.local_experts.j.linear_fc1`` <-
+``[gate; up]`` of the expert's TP shard, ``linear_fc2`` <- ``down``).
 
 Megatron-side names are those of a model state dict (local layer index, this rank's TP shard), under the local
 layer spec or Transformer Engine's (whose fused norms are ``linear_qkv.layer_norm_weight`` and
@@ -53,9 +55,29 @@ def _shard_rows(n: int, tp_rank: int, tp: int) -> tuple[int, int]:
     return tp_rank * size, (tp_rank + 1) * size
 
 
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+
+def _moe_prefix(spec: ModelSpec) -> str:
+    return "block_sparse_moe" if spec.model_type == "mixtral" else "mlp"
+
+
+def hf_expert_names(spec: ModelSpec, layer: int, expert: int) -> tuple[str, str, str]:
+    """HF (gate, up, down) weight names of one expert: mixtral's ``w1, w3, w2``, qwen3_moe's ``*_proj``."""
+    p = f"model.layers.{layer}.{_moe_prefix(spec)}.experts.{expert}."
+    if spec.model_type == "mixtral":
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def hf_router_name(spec: ModelSpec, layer: int) -> str:
+    return f"model.layers.{layer}.{_moe_prefix(spec)}.gate.weight"
+
+
 def megatron_shard_from_hf(name: str, get: HFGetter, spec: ModelSpec, *, tp_rank: int, tp: int, layer_offset: int,
-                           padded_vocab: int) -> torch.Tensor:
-    """This rank's shard of megatron parameter ``name`` (local naming), from HF tensors."""
+                           padded_vocab: int, ep_rank: int = 0, ep: int = 1) -> torch.Tensor:
+    """This rank's shard of megatron parameter ``name`` (local naming), from HF tensors. MoE: local expert ``j``
+    of EP rank ``r`` is global expert ``r * num_experts / ep + j``; experts are TP-sharded like a dense MLP."""
     h, d = spec.hidden_size, spec.head_dim
     if name == "embedding.word_embeddings.weight" or (name == "output_layer.weight" and not spec.is_seq_cls):
         hf_name = "model.embed_tokens.weight" if (name.startswith("embedding") or spec.tie_word_embeddings) \
@@ -96,6 +118,15 @@ def megatron_shard_from_hf(name: str, get: HFGetter, spec: ModelSpec, *, tp_rank
     if rest == "mlp.linear_fc2.weight":
         lo, hi = _shard_rows(spec.intermediate_size, tp_rank, tp)
         return get(p + "mlp.down_proj.weight")[:, lo:hi].contiguous()
+    if spec.num_experts and rest == "mlp.router.weight":
+        return get(hf_router_name(spec, layer))
+    e = _EXPERT.match(rest) if spec.num_experts else None
+    if e:
+        gate, up, down = hf_expert_names(spec, layer, ep_rank * (spec.num_experts // ep) + int(e.group(1)))
+        lo, hi = _shard_rows(spec.moe_ffn_hidden_size, tp_rank, tp)
+        if e.group(2) == "linear_fc1":
+            return torch.cat([get(gate, rows=(lo, hi)), get(up, rows=(lo, hi))])
+        return get(down)[:, lo:hi].contiguous()
     raise ValueError(f"unknown megatron parameter {name!r}")
 
 
@@ -114,9 +145,10 @@ def _dtype_of(get: HFGetter, hf_name: str) -> torch.dtype:
     return get(hf_name, rows=(0, 1)).dtype
 
 
-def hf_from_megatron(name: str, tensor: torch.Tensor, spec: ModelSpec, *,
-                     layer_offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF tensors from one full (TP=1) megatron parameter. Padded vocab rows are dropped."""
+def hf_from_megatron(name: str, tensor: torch.Tensor, spec: ModelSpec, *, layer_offset: int = 0,
+                     expert_offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors from one full (TP=1) megatron parameter. Padded vocab rows are dropped. MoE: local expert ``j``
+    is global expert ``expert_offset + j`` (``ep_rank * num_experts / ep``)."""
     d = spec.head_dim
     if name == "embedding.word_embeddings.weight":
         yield "model.embed_tokens.weight", tensor[: spec.vocab_size]
@@ -158,6 +190,19 @@ def hf_from_megatron(name: str, tensor: torch.Tensor, spec: ModelSpec, *,
     if rest == "mlp.linear_fc2.weight":
         yield p + "mlp.down_proj.weight", tensor
         return
+    if spec.num_experts and rest == "mlp.router.weight":
+        yield hf_router_name(spec, layer), tensor
+        return
+    e = _EXPERT.match(rest) if spec.num_experts else None
+    if e:
+        gate, up, down = hf_expert_names(spec, layer, expert_offset + int(e.group(1)))
+        if e.group(2) == "linear_fc1":
+            g, u = torch.chunk(tensor, 2, dim=0)
+            yield gate, g
+            yield up, u
+        else:
+            yield down, tensor
+        return
     raise ValueError(f"unknown megatron parameter {name!r}")
 
 
@@ -172,8 +217,13 @@ def expected_hf_names(spec: ModelSpec) -> set[str]:
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
                   p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight",
-                  p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                  p + "mlp.down_proj.weight"}
+                  p + "self_attn.o_proj.weight"}
+        if spec.num_experts:
+            names.add(hf_router_name(spec, i))
+            for e in range(spec.num_experts):
+                names |= set(hf_expert_names(spec, i, e))
+        else:
+            names |= {p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"}
         if spec.qkv_bias:
             names |= {p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"}
         if spec.qk_norm:
@@ -198,12 +248,13 @@ def check_hf_names(found: set[str], spec: ModelSpec, source: str) -> None:
 def full_from_tp_shards(name: str, shards: list[torch.Tensor], partition_dim: int | None) -> torch.Tensor:
     """Rebuild the TP=1 tensor of megatron parameter ``name`` from its TP shards (rank order).
 
-    Column-parallel shards concatenate along dim 0, except ``linear_fc1`` whose shards are each ``[gate; up]``;
+    Column-parallel shards concatenate along dim 0, except ``linear_fc1`` (dense or expert) whose shards are each
+    ``[gate; up]``;
     row-parallel along dim 1; replicated parameters (``partition_dim`` None) are taken from rank 0.
     """
     if partition_dim is None or len(shards) == 1:
         return shards[0]
-    if name.endswith("mlp.linear_fc1.weight"):
+    if name.endswith("linear_fc1.weight"):  # the dense MLP's and each expert's
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=partition_dim)

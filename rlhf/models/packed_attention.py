@@ -104,12 +104,14 @@ def _self_attention_cu_seqlens(params) -> torch.Tensor:
     return cu
 
 
-def local_spec_with_packed_attention(qk_layernorm: bool = False):
-    """megatron's local GPT layer spec (RMSNorm; with ``qk_layernorm`` an RMSNorm on every query and key head)
-    with ``PackedDotProductAttention`` as core attention."""
+def local_spec_with_packed_attention(qk_layernorm: bool = False, num_experts: int = 0):
+    """megatron's local GPT layer spec (RMSNorm; with ``qk_layernorm`` an RMSNorm on every query and key head;
+    with ``num_experts`` megatron's MoE layer with its SequentialMLP experts) with ``PackedDotProductAttention``
+    as core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm,
+                                    num_experts=num_experts or None, moe_grouped_gemm=False)
     attn = spec.submodules.self_attention
     assert attn.submodules.core_attention is DotProductAttention, attn.submodules.core_attention
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules,

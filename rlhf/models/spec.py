@@ -12,11 +12,14 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                   "mistral": "MistralForCausalLM"}
+                   "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                   "qwen3_moe": "Qwen3MoeForCausalLM"}
 SEQ_CLS_ARCHS = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-                 "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification"}
+                 "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
+                 "mixtral": "MixtralForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification"}
 
 # Keys that carry no math for us (generation defaults, bookkeeping, generic PretrainedConfig attributes).
 _BENIGN_KEYS = {
@@ -37,6 +40,11 @@ _BENIGN_KEYS = {
     "tie_word_embeddings", "rms_norm_eps",
     "max_position_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "embedding_multiplier", "_attn_implementation_autoset",
+    # MoE (mixtral, qwen3_moe; checked by _moe_fields). router_aux_loss_coef / output_router_logits are HF's
+    # training switches: our load-balancing loss is --aux_loss_coef.
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "router_aux_loss_coef", "output_router_logits", "router_jitter_noise", "decoder_sparse_step", "mlp_only_layers",
+    "shared_expert_intermediate_size",
     "rlhf",  # our own block: reward normalisation statistics etc.
     "normalize_reward", "mean", "std", "value_head_prefix",  # OpenRLHF's reward/critic models (reward_format.py)
 }
@@ -62,6 +70,10 @@ class ModelSpec:
     sliding_window: int | None = None
     qk_norm: bool = False  # qwen3: RMSNorm over head_dim on each query and key head (megatron's qk_layernorm)
     rope_scaling: dict | None = None  # rlhf.models.rope: rope_type and its filled-in parameters; None = plain
+    num_experts: int = 0  # MoE (mixtral, qwen3_moe): experts per layer; 0 = a dense MLP
+    moe_topk: int = 0  # experts per token
+    moe_ffn_hidden_size: int = 0  # each expert's intermediate size
+    moe_norm_topk: bool = True  # renormalise the top-k routing weights (mixtral always; qwen3_moe: norm_topk_prob)
     attention_dropout: float = 0.0
     initializer_range: float = 0.02
     pad_token_id: int | None = None
@@ -79,6 +91,8 @@ class ModelSpec:
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
         mlp = 3 * h * self.intermediate_size
+        if self.num_experts:
+            mlp = self.num_experts * (3 * h * self.moe_ffn_hidden_size + h)  # experts + router
         per_layer = attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         emb = self.vocab_size * h
         head = h if self.is_seq_cls else (0 if self.tie_word_embeddings else emb)
@@ -120,6 +134,7 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     sliding = _sliding_window(cfg, model_type, max_pos, source)
     qkv_bias = True if model_type == "qwen2" else bool(cfg.get("attention_bias", False))
+    moe = _moe_fields(cfg, model_type, source)
     from rlhf.models.rope import parse_rope
 
     rope_theta, rope_scaling = parse_rope(cfg, source)
@@ -128,25 +143,60 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
                      intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
                      num_attention_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                      head_dim=head_dim, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                     rope_theta=rope_theta, rope_scaling=rope_scaling, qk_norm=model_type == "qwen3",
+                     rope_theta=rope_theta, rope_scaling=rope_scaling, qk_norm=model_type in ("qwen3", "qwen3_moe"),
                      max_position_embeddings=max_pos,
                      tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
                      sliding_window=sliding, attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
                      initializer_range=float(cfg.get("initializer_range", 0.02)),
-                     pad_token_id=cfg.get("pad_token_id"), is_seq_cls=is_seq_cls, torch_dtype=str(dtype),
+                     pad_token_id=cfg.get("pad_token_id"), is_seq_cls=is_seq_cls, torch_dtype=str(dtype), **moe,
                      extra={**{k: cfg[k] for k in ("bos_token_id", "eos_token_id", "rlhf") if k in cfg},
                             **({"score_head": head_prefix(cfg)} if is_seq_cls else {})})
 
 
+def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The MoE fields of a mixtral / qwen3_moe config; an option we do not implement raises naming it."""
+    if model_type not in MOE_MODEL_TYPES:
+        for key in ("num_local_experts", "num_experts", "moe_intermediate_size"):
+            if cfg.get(key):
+                raise ValueError(f"{source}: unsupported config field {key}={cfg[key]} for model_type={model_type!r}")
+        return {}
+    experts, topk = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0), cfg.get("num_experts_per_tok")
+    if experts < 1 or not topk:
+        raise ValueError(f"{source}: model_type={model_type!r} needs num_local_experts (or num_experts) and "
+                         "num_experts_per_tok")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{source}: unsupported config field shared_expert_intermediate_size="
+                         f"{cfg['shared_expert_intermediate_size']} (shared experts are not implemented)")
+    if cfg.get("router_jitter_noise"):
+        raise ValueError(f"{source}: unsupported config field router_jitter_noise={cfg['router_jitter_noise']} "
+                         "(a noisy router is not implemented)")
+    if model_type == "mixtral":
+        ffn, norm = int(cfg["intermediate_size"]), True
+    else:
+        if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+            raise ValueError(f"{source}: unsupported config field(s) decoder_sparse_step="
+                             f"{cfg.get('decoder_sparse_step', 1)} / mlp_only_layers={cfg.get('mlp_only_layers')} "
+                             "(dense layers between MoE layers are not implemented)")
+        if not cfg.get("moe_intermediate_size"):
+            raise ValueError(f"{source}: missing required config field 'moe_intermediate_size'")
+        ffn, norm = int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False))
+    if not 1 <= int(topk) <= experts:
+        raise ValueError(f"{source}: config field num_experts_per_tok={topk} must be in [1, {experts}]")
+    if int(topk) == 1 and norm:
+        raise ValueError(f"{source}: unsupported config field num_experts_per_tok=1 with renormalised routing "
+                         "(megatron's router renormalises only k >= 2)")
+    return {"num_experts": experts, "moe_topk": int(topk), "moe_ffn_hidden_size": ffn, "moe_norm_topk": norm}
+
+
 def _sliding_window(cfg: dict[str, Any], model_type: str, max_pos: int, source: str) -> int | None:
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{source}: unsupported config field use_sliding_window=True ({model_type})")
         types = cfg.get("layer_types")
         if types and any(t != "full_attention" for t in types):
             raise ValueError(f"{source}: unsupported config field layer_types={sorted(set(types))}")
         return None
-    window = cfg.get("sliding_window") if model_type == "mistral" else None
+    window = cfg.get("sliding_window") if model_type in ("mistral", "mixtral") else None
     if model_type == "llama" and cfg.get("sliding_window") is not None:
         raise ValueError(f"{source}: unsupported config field sliding_window for llama")
     if window is None or int(window) >= max_pos:
@@ -164,9 +214,13 @@ def load_hf_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, padded_vocab: int | None = None) -> None:
+def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, padded_vocab: int | None = None, ep: int = 1) -> None:
     """TP must divide heads and the (padded) vocab, and divide the KV heads or be a multiple of them (megatron
-    then replicates each KV head over TP / KV heads ranks); PP must divide the layers."""
+    then replicates each KV head over TP / KV heads ranks); PP must divide the layers; EP the experts."""
+    if ep > 1 and not spec.num_experts:
+        raise ValueError(f"--expert_model_parallel_size {ep}: {spec.model_type} is not a mixture-of-experts model")
+    if spec.num_experts and spec.num_experts % ep:
+        raise ValueError(f"--expert_model_parallel_size {ep} does not divide num_experts={spec.num_experts}")
     if spec.num_attention_heads % tp:
         raise ValueError(f"--tp {tp} does not divide num_attention_heads={spec.num_attention_heads}")
     kv = spec.num_kv_heads
@@ -180,7 +234,9 @@ def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, padded_vocab: int | No
     vocab = padded_vocab or spec.vocab_size
     if vocab % tp:
         raise ValueError(f"--tp {tp} does not divide the vocab size {vocab}")
-    if spec.intermediate_size % tp:
+    if spec.num_experts and spec.moe_ffn_hidden_size % tp:
+        raise ValueError(f"--tp {tp} does not divide the experts' intermediate size {spec.moe_ffn_hidden_size}")
+    if not spec.num_experts and spec.intermediate_size % tp:
         raise ValueError(f"--tp {tp} does not divide intermediate_size={spec.intermediate_size}")
     if spec.num_layers % pp:
         raise ValueError(f"--pp {pp} does not divide num_hidden_layers={spec.num_layers}")

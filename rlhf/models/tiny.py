@@ -52,7 +52,8 @@ def make_tiny_hf(out: str, model_type: str = "llama", seq_cls: bool = False, see
     dims.update(overrides)
     dims.setdefault("vocab_size", len(tok))
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[model_type]
+               "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
+               "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[model_type]
     cfg = cfg_cls(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   **dims)
     if seq_cls:
@@ -64,5 +65,7 @@ def make_tiny_hf(out: str, model_type: str = "llama", seq_cls: bool = False, see
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(".gate.weight") and "experts" not in name:  # an MoE router (HF: zeros for qwen3_moe)
+                p.copy_(torch.randn_like(p))  # logits far apart: the top-k choice is not a rounding coin toss
     model.save_pretrained(out)
     return out

@@ -51,6 +51,8 @@ class PlanConfig:
     """A reference model exists (``--init_kl_coef > 0``)."""
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """Expert parallelism of MoE roles (carved out of DP; dense roles ignore it)."""
     nnodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
@@ -102,6 +104,12 @@ class PlanConfig:
                                  f"and num_key_value_heads={spec.num_kv_heads} (nor is it a multiple of the latter)")
             if spec.num_layers % self.pp:
                 raise ValueError(f"--pp {self.pp} does not divide num_hidden_layers={spec.num_layers}")
+            if spec.num_experts and spec.num_experts % self.ep:
+                raise ValueError(f"--expert_model_parallel_size {self.ep} does not divide num_experts="
+                                 f"{spec.num_experts}")
+        if self.ep < 1 or (world // (self.tp * self.pp)) % self.ep:
+            raise ValueError(f"--expert_model_parallel_size {self.ep} must divide the data-parallel size "
+                             f"{world // (self.tp * self.pp)}")
 
     @property
     def world(self) -> int:
@@ -132,8 +140,15 @@ class PlanConfig:
 
 
 # ------------------------------------------------------------------------------------------ model state
-def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, value_head: bool) -> list[int]:
-    """Elements of each parameter tensor one TP rank of pipeline ``stage`` holds, in megatron's module order."""
+def mlp_width(spec: ModelSpec) -> int:
+    """The MLP intermediate width one token passes through: an MoE token goes through ``top-k`` experts."""
+    return spec.moe_ffn_hidden_size * spec.moe_topk if spec.num_experts else spec.intermediate_size
+
+
+def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, value_head: bool,
+                       ep: int = 1) -> list[int]:
+    """Elements of each parameter tensor one TP rank of pipeline ``stage`` holds, in megatron's module order
+    (MoE: the router, then this EP rank's ``num_experts / ep`` experts, each TP-sharded like a dense MLP)."""
     h, d = spec.hidden_size, spec.head_dim
     qkv = (spec.num_attention_heads + 2 * spec.num_kv_heads) * d // tp
     vocab = padded_vocab_size(spec.vocab_size) // tp
@@ -142,7 +157,11 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, value_head
         out.append(vocab * h)  # word embeddings (vocab-parallel)
     for _ in range(spec.num_layers // pp):
         out += [h, qkv * h] + ([qkv] if spec.qkv_bias else []) + [spec.num_attention_heads * d // tp * h]
-        out += [h, 2 * spec.intermediate_size // tp * h, spec.intermediate_size // tp * h]
+        if spec.num_experts:
+            f = spec.moe_ffn_hidden_size // tp
+            out += [h, spec.num_experts * h] + [2 * f * h, f * h] * (spec.num_experts // ep)
+        else:
+            out += [h, 2 * spec.intermediate_size // tp * h, spec.intermediate_size // tp * h]
     if stage == pp - 1:
         out.append(h)  # final norm
         if value_head:
@@ -173,7 +192,7 @@ class RoleState:
 
 def role_state(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: bool, trainable: bool) -> RoleState:
     """Bytes of one role's parameters, gradients and optimizer states on one rank of ``stage``."""
-    numels = stage_param_numels(spec, cfg.tp, cfg.pp, stage, value_head)
+    numels = stage_param_numels(spec, cfg.tp, cfg.pp, stage, value_head, cfg.ep if spec.num_experts else 1)
     n = sum(numels)
     e = cfg.dtype_bytes
     if not trainable:
@@ -183,6 +202,10 @@ def role_state(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: bool, t
     params = (buf if dist_opt else n) * e  # the distributed optimizer re-maps the params into DDP's buffer
     grads = buf * 4
     per_elem = 8 + (4 if cfg.bf16 else 0)  # exp_avg + exp_avg_sq (+ fp32 master params for bf16 params)
+    if dist_opt and spec.num_experts and cfg.ep > 1:  # experts are sharded over the expert-DP group (DP / EP)
+        experts = spec.num_layers // cfg.pp * spec.num_experts // cfg.ep * 3 * (spec.moe_ffn_hidden_size // cfg.tp) \
+            * spec.hidden_size
+        return RoleState(params, grads, per_elem * ((n - experts) // cfg.dp + experts // (cfg.dp // cfg.ep)))
     optimizer = per_elem * (n // cfg.dp if dist_opt else n)
     return RoleState(params, grads, optimizer)
 
@@ -200,7 +223,7 @@ def layer_saved_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_by
            parameter dtype: megatron's softmax sees the model before ``Float16Module`` and does not upcast);
            the same MLP tensors.
     """
-    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size / tp
+    h, d, i = spec.hidden_size, spec.head_dim, mlp_width(spec) / tp
     q, kv = spec.num_attention_heads * d / tp, max(spec.num_kv_heads / tp, 1) * d  # KV heads replicated past TP
     heads = spec.num_attention_heads / tp
     e = dtype_bytes
@@ -216,7 +239,7 @@ def layer_working_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_
     GQA-expanded K and V; with ``local`` the [S, S] scores and probabilities per head), the MLP block (with
     ``local`` five h-wide tensors the layer still references: input, attention output, residual sum, normed
     copies; then fc1 output, SiLU output, gated product) and, with ``local``, an RMSNorm computing in fp32."""
-    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size / tp
+    h, d, i = spec.hidden_size, spec.head_dim, mlp_width(spec) / tp
     q, kv = spec.num_attention_heads * d / tp, max(spec.num_kv_heads / tp, 1) * d  # KV heads replicated past TP
     heads = spec.num_attention_heads / tp
     e = dtype_bytes
@@ -293,7 +316,7 @@ def vllm_memory(cfg: PlanConfig) -> VLLMMemory:
     e = cfg.dtype_bytes
     numels = stage_param_numels(spec, vtp, 1, 0, False)
     weights = sum(numels) * e
-    h, i = spec.hidden_size, spec.intermediate_size / vtp
+    h, i = spec.hidden_size, mlp_width(spec) / vtp
     qkv = (spec.num_attention_heads + 2 * spec.num_kv_heads) * spec.head_dim / vtp
     # vLLM's start-up profile: one forward of max_num_batched_tokens tokens, then fp32 logits of max_num_seqs rows.
     acts = int(cfg.vllm_max_num_batched_tokens * e * (2 * h + max(qkv + spec.num_attention_heads * spec.head_dim

@@ -63,7 +63,8 @@ class PPOTrainer:
         updates = setup.samples // args.train_batch_size * args.max_epochs * self.total_steps
         torch.manual_seed(args.seed)
         self.mesh = mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                           DistEnv.from_environ(), seed=args.seed)
+                                           DistEnv.from_environ(), seed=args.seed,
+                                           ep=args.expert_model_parallel_size)
         check_config_consistency(args)
         log_compat(args)
         self.roles = build_roles(args, setup, mesh, self.estimator, updates)

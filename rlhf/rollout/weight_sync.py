@@ -2,8 +2,9 @@
 
     plan   (once)  every rank learns every pipeline stage's parameter list: name, local shape, TP partition dim
     bucket         parameters of one stage, in order, grouped until the full (TP-gathered) size reaches
-                   ``bucket_bytes``
-    gather         the stage's ranks all-gather the bucket over TP in ONE collective (flattened)
+                   ``bucket_bytes``; MoE experts in buckets of their own
+    gather         the stage's ranks all-gather the bucket over TP in ONE collective (flattened); an expert
+                   bucket then over EP too (each EP rank holds other experts under the same local names)
     broadcast      with PP > 1 the stage broadcasts the gathered bucket over the PP group, so every rank
                    (hence every vLLM worker, whatever vLLM's own TP) holds full tensors
     convert        megatron names/layouts -> HF names/layouts (``rlhf.models.hf_llama.hf_from_megatron``); a LoRA
@@ -37,6 +38,10 @@ class _Param:
     dtype: torch.dtype
     partition_dim: int | None
 
+    @property
+    def expert(self) -> bool:
+        return ".local_experts." in self.name
+
 
 class WeightSync:
     """Streams the actor's weights (megatron TP/PP shards on every rank) as full HF tensors."""
@@ -56,7 +61,9 @@ class WeightSync:
         self.stages = [[_Param(n, s, getattr(torch, d), pd) for n, s, d, pd in st] for st in stages]
         n_layers = actor.spec.num_layers
         self.layer_offsets = [s * (n_layers // mesh.pp) for s in range(mesh.pp)]
-        self.buckets = [(s, b) for s, params in enumerate(self.stages) for b in self._bucketize(params)]
+        self.buckets = [(s, b) for s, params in enumerate(self.stages)
+                        for kind in (False, True) for b in self._bucketize([p for p in params if p.expert == kind])]
+        self.experts_per_rank = actor.spec.num_experts // mesh.ep if mesh.ep > 1 else 0
 
     def _full_bytes(self, p: _Param) -> int:
         n = 1
@@ -76,9 +83,11 @@ class WeightSync:
             buckets.append(cur)
         return buckets
 
-    def _gather_bucket(self, stage: int, params: list[_Param]) -> dict[str, torch.Tensor]:
-        """Full TP=1 megatron tensors of one bucket, on every rank."""
+    def _gather_bucket(self, stage: int, params: list[_Param]) -> list[tuple[str, torch.Tensor, int]]:
+        """(name, full TP=1 megatron tensor, expert offset) of one bucket, on every rank; an expert bucket
+        yields each parameter once per EP rank, with that rank's first global expert as offset."""
         mesh = self.mesh
+        ep = mesh.ep if params[0].expert and mesh.ep > 1 else 1
         dtype = params[0].dtype
         assert all(p.dtype == dtype for p in params), "one dtype per model"
         numels = [int(torch.Size(p.shape).numel()) for p in params]
@@ -93,16 +102,21 @@ class WeightSync:
                 dist.all_gather_into_tensor(parts, flat, group=mesh.tp_group)
             else:
                 parts = flat
+            if ep > 1:
+                every = torch.empty(ep * parts.numel(), dtype=dtype, device=parts.device)
+                dist.all_gather_into_tensor(every, parts, group=mesh.ep_group)
+                parts = every
         else:
-            parts = torch.empty(mesh.tp * total, dtype=dtype, device=mesh.device)
+            parts = torch.empty(ep * mesh.tp * total, dtype=dtype, device=mesh.device)
         if mesh.pp > 1:
             dist.broadcast(parts, src=dist.get_global_rank(mesh.pp_group, stage), group=mesh.pp_group)
-        ranks = parts.view(mesh.tp, total) if mesh.tp > 1 else parts.view(1, total)
-        out, off = {}, 0
-        for p, n in zip(params, numels):
-            shards = [ranks[r, off:off + n].view(p.shape) for r in range(ranks.shape[0])]
-            out[p.name] = full_from_tp_shards(p.name, shards, p.partition_dim)
-            off += n
+        out = []
+        for e, of_rank in enumerate(parts.view(ep, mesh.tp, total)):  # (tp, total) per EP rank
+            off = 0
+            for p, n in zip(params, numels):
+                shards = [of_rank[r, off:off + n].view(p.shape) for r in range(mesh.tp)]
+                out.append((p.name, full_from_tp_shards(p.name, shards, p.partition_dim), e * self.experts_per_rank))
+                off += n
         return out
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -110,8 +124,8 @@ class WeightSync:
         t0, nbytes = time.perf_counter(), 0
         for stage, params in self.buckets:
             full = self._gather_bucket(stage, params)
-            for name, tensor in full.items():
-                for hf_name, hf_tensor in hf_from_megatron(name, tensor, self.actor.spec,
+            for name, tensor, expert_offset in full:
+                for hf_name, hf_tensor in hf_from_megatron(name, tensor, self.actor.spec, expert_offset=expert_offset,
                                                            layer_offset=self.layer_offsets[stage]):
                     nbytes += hf_tensor.numel() * hf_tensor.element_size()
                     yield hf_name, hf_tensor

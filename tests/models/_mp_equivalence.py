@@ -25,10 +25,14 @@ from rlhf.models.hf_llama import full_from_tp_shards, hf_from_megatron, tp_parti
 from rlhf.models.pipeline import gather_vocab_parallel, run_microbatches  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp) on 4 ranks: DP4, DP2xTP2, DP2xPP2, TP2xPP2
+# MoE (tp, pp, ep): converted at TP2xEP2, loaded at DP4, EP2, EP4, TP2xEP2, PP2xEP2. Training MoE at TP > 1 is
+# refused (megatron's local spec has no sequence parallelism), so the gradient layouts keep TP 1.
+MOE_LAYOUTS = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)]
+MOE_GRAD_LAYOUTS = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 2)]
 MODELS = ["llama", "llama-cls", "qwen2", "qwen2-cls", "mistral", "mistral-cls",
           # conftest.EXTRA_MODELS: scaled RoPE, qwen3, one KV head (replicated over TP)
-          "llama-llama3", "llama-linear", "qwen2-yarn", "qwen3", "qwen3-cls", "llama-kv1"]
-GRAD_MODELS = ["llama", "mistral", "qwen3", "llama-kv1"]
+          "llama-llama3", "llama-linear", "qwen2-yarn", "qwen3", "qwen3-cls", "llama-kv1", "mixtral", "qwen3_moe"]
+GRAD_MODELS = ["llama", "mistral", "qwen3", "llama-kv1", "mixtral", "qwen3_moe"]
 
 
 def progress(msg):
@@ -48,10 +52,18 @@ def hf_reference(hf_dir, is_seq_cls, ids):
         return m(input_ids=ids).logits
 
 
+def layouts(spec, grads=False):
+    if spec.num_experts:
+        return MOE_GRAD_LAYOUTS if grads else MOE_LAYOUTS
+    return [(tp, pp, 1) for tp, pp in LAYOUTS]
+
+
 def logits_check(work, name, results):
     hf_dir = os.path.join(work, "hf", name)
     ckpt = os.path.join(work, "mg", name)
     plan = plan_hf_to_megatron(hf_dir, ckpt, 2, 2, overwrite=True)
+    if plan.spec.num_experts:  # experts spread over 2 ranks in the checkpoint
+        plan = plan_hf_to_megatron(hf_dir, ckpt, 2, 1, overwrite=True, ep=2)
     if dist.get_rank() == 0:
         os.makedirs(os.path.join(ckpt, "model"), exist_ok=True)
     dist.barrier()
@@ -59,10 +71,10 @@ def logits_check(work, name, results):
     hf_to_megatron_rank(plan, ckpt)
     ids = torch.randint(0, plan.spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     ref = hf_reference(hf_dir, plan.spec.is_seq_cls, ids)
-    for tp, pp in LAYOUTS:
-        progress(f"logits {name} tp{tp} pp{pp}")
-        mesh = initialize_mesh(tp, pp)
-        model = build_model(plan.spec, tp=tp, pp=pp, pp_rank=mesh.pp_rank, padded_vocab=plan.padded_vocab)
+    for tp, pp, ep in layouts(plan.spec):
+        progress(f"logits {name} tp{tp} pp{pp} ep{ep}")
+        mesh = initialize_mesh(tp, pp, ep=ep)
+        model = build_model(plan.spec, tp=tp, pp=pp, pp_rank=mesh.pp_rank, padded_vocab=plan.padded_vocab, ep=ep)
         load_model(model, os.path.join(ckpt, "model"))
         model.eval()
         with torch.no_grad():
@@ -74,7 +86,11 @@ def logits_check(work, name, results):
                 ours = gather_vocab_parallel(ours)[..., : plan.spec.vocab_size]
             diff[0] = (ours.double() - ref.double()).abs().max()
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-        results[f"logits/{name}/tp{tp}pp{pp}"] = diff.item()
+        results[f"logits/{name}/{layout_name(tp, pp, ep)}"] = diff.item()
+
+
+def layout_name(tp, pp, ep):
+    return f"tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "")
 
 
 def lm_loss(batch, logits):
@@ -86,9 +102,10 @@ def lm_loss(batch, logits):
 
 
 def full_grads(model, mesh, spec):
-    """{hf_name: grad} of the whole model, gathered over TP and PP, on every rank."""
+    """{hf_name: grad} of the whole model, gathered over TP, PP and EP, on every rank."""
     local = {}
     layer_offset = mesh.pp_rank * (spec.num_layers // mesh.pp)
+    expert_offset = mesh.ep_rank * (spec.num_experts // mesh.ep) if spec.num_experts else 0
     for name, p in model.module.named_parameters():
         g = p.main_grad.detach().clone()
         shards = [torch.empty_like(g) for _ in range(mesh.tp)]
@@ -96,10 +113,11 @@ def full_grads(model, mesh, spec):
         full = full_from_tp_shards(name, shards, tp_partition_dim(p))
         if name == "output_layer.weight" and spec.tie_word_embeddings:
             continue  # the last stage's copy of a tied embedding: its grad is summed into the embedding's
-        for hf_name, t in hf_from_megatron(name, full, spec, layer_offset=layer_offset):
+        for hf_name, t in hf_from_megatron(name, full, spec, layer_offset=layer_offset, expert_offset=expert_offset):
             local[hf_name] = t.clone()
     everything = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, local if (mesh.tp_rank == 0 and mesh.dp_rank == 0) else {})
+    # DP replicas hold equal (all-reduced) grads; with EP the DP ranks 0 .. ep-1 hold different experts
+    dist.all_gather_object(everything, local if (mesh.tp_rank == 0 and mesh.dp_rank < mesh.ep) else {})
     merged = {}
     for d in everything:
         merged.update(d)
@@ -110,15 +128,15 @@ def grad_check(work, name, results):
     from rlhf.models.ddp import wrap_ddp
 
     ckpt = os.path.join(work, "mg", name)
-    plan = plan_hf_to_megatron(os.path.join(work, "hf", name), ckpt + "-unused", 2, 2, overwrite=True)
+    plan = plan_hf_to_megatron(os.path.join(work, "hf", name), ckpt + "-unused", 1, 1, overwrite=True)
     g = torch.Generator().manual_seed(2)
     n_micro_global, mbs, seq = 4, 2, 16
     data = torch.randint(0, plan.spec.vocab_size, (n_micro_global, mbs, seq + 1), generator=g)
     ref_loss, ref_grads = None, None
-    for tp, pp in LAYOUTS:
-        progress(f"grads {name} tp{tp} pp{pp}")
-        mesh = initialize_mesh(tp, pp)
-        model = build_model(plan.spec, tp=tp, pp=pp, pp_rank=mesh.pp_rank, padded_vocab=plan.padded_vocab)
+    for tp, pp, ep in layouts(plan.spec, grads=True):
+        progress(f"grads {name} tp{tp} pp{pp} ep{ep}")
+        mesh = initialize_mesh(tp, pp, ep=ep)
+        model = build_model(plan.spec, tp=tp, pp=pp, pp_rank=mesh.pp_rank, padded_vocab=plan.padded_vocab, ep=ep)
         load_model(model, os.path.join(ckpt, "model"))
         ddp = wrap_ddp(model)
         ddp.zero_grad_buffer()
@@ -138,14 +156,14 @@ def grad_check(work, name, results):
         loss = loss.item()
         grads = full_grads(ddp, mesh, plan.spec)
         if ref_grads is None:
-            assert (tp, pp) == (1, 1)
+            assert (tp, pp, ep) == (1, 1, 1)
             # single-rank reference: every rank's DP4 model equals the unsharded model; recompute locally on
             # the whole global batch without any collective, to be independent of DDP.
             ref_loss, ref_grads = single_rank_reference(plan, ckpt, data)
         gdiff = max((grads[k] - ref_grads[k]).abs().max().item() / (ref_grads[k].abs().max().item() + 1e-12)
                     for k in ref_grads)
         missing = sorted(set(ref_grads) ^ set(grads))
-        results[f"grads/{name}/tp{tp}pp{pp}"] = {"loss": loss, "ref_loss": ref_loss, "max_rel_grad_diff": gdiff,
+        results[f"grads/{name}/{layout_name(tp, pp, ep)}"] = {"loss": loss, "ref_loss": ref_loss, "max_rel_grad_diff": gdiff,
                                                  "mismatched_names": missing}
         del ddp, model
 

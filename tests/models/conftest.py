@@ -5,7 +5,7 @@ import pytest
 
 # The families and options beyond the base three: scaled RoPE (original contexts shorter than the test's
 # 24-token sequences; llama3's factors put its frequencies in all three bands), qwen3 (q/k norms, head_dim 32
-# != hidden / heads = 16) and a single KV head (replicated at TP 2).
+# != hidden / heads = 16), a single KV head (replicated at TP 2) and two MoE models.
 EXTRA_MODELS = {
     "llama-llama3": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 0.25,
                                                  "high_freq_factor": 2.0, "original_max_position_embeddings": 16})),
@@ -16,6 +16,11 @@ EXTRA_MODELS = {
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
     "qwen3-cls": ("qwen3", dict(head_dim=32)),
     "llama-kv1": ("llama", dict(num_key_value_heads=1)),
+    # MoE: 4 experts, top 2; mixtral renormalises the top-k weights, this qwen3_moe does not (norm_topk_prob)
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                                tie_word_embeddings=False)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32,
+                                    norm_topk_prob=False, tie_word_embeddings=False)),
 }
 
 

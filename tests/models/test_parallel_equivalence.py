@@ -12,6 +12,9 @@ from helpers import REPO, run_torchrun, tail
 LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
 MODELS = ["llama", "llama-cls", "qwen2", "qwen2-cls", "mistral", "mistral-cls",
           "llama-llama3", "llama-linear", "qwen2-yarn", "qwen3", "qwen3-cls", "llama-kv1"]
+MOE_MODELS = ["mixtral", "qwen3_moe"]  # renormalised top-2 routing; qwen3_moe with norm_topk_prob=False
+MOE_LAYOUTS = ["tp1pp1", "tp1pp1ep2", "tp1pp1ep4", "tp2pp1ep2", "tp1pp2ep2"]
+MOE_GRAD_LAYOUTS = ["tp1pp1", "tp1pp1ep2", "tp1pp1ep4", "tp1pp2ep2"]
 
 
 @pytest.fixture(scope="module")
@@ -22,15 +25,16 @@ def result(tiny_models):
         return json.load(f)
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model,layout", [(m, lay) for m in MODELS for lay in LAYOUTS] +
+                         [(m, lay) for m in MOE_MODELS for lay in MOE_LAYOUTS])
 def test_converted_logits_match_transformers(result, model, layout):
     assert result[f"logits/{model}/{layout}"] <= 1e-4
 
 
-# untied; tied embeddings + sliding window; q/k norms; one KV head replicated over TP 2
-@pytest.mark.parametrize("model", ["llama", "mistral", "qwen3", "llama-kv1"])
-@pytest.mark.parametrize("layout", LAYOUTS)  # DP4, DP2xTP2, DP2xPP2, TP2xPP2
+# untied; tied embeddings + sliding window; q/k norms; one KV head replicated over TP 2; experts over EP ranks
+@pytest.mark.parametrize("model,layout", [(m, lay) for m in ("llama", "mistral", "qwen3", "llama-kv1")
+                                          for lay in LAYOUTS] +  # DP4, DP2xTP2, DP2xPP2, TP2xPP2
+                         [(m, lay) for m in MOE_MODELS for lay in MOE_GRAD_LAYOUTS])
 def test_loss_and_grads_match_single_rank(result, model, layout):
     r = result[f"grads/{model}/{layout}"]
     assert r["mismatched_names"] == []
