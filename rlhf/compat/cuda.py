@@ -58,6 +58,30 @@ def _rewrite_device(fn: Callable) -> Callable:
     return wrapper
 
 
+class _HostStream:
+    """``torch.cuda.Stream`` on the host: megatron's MoE alltoall dispatcher makes one for its device-to-host
+    copies of the split sizes; on the CPU there is nothing to overlap."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> types.SimpleNamespace:
+        return _host_event()
+
+
+def _host_event(*args: Any, **kwargs: Any) -> types.SimpleNamespace:
+    return types.SimpleNamespace(record=lambda *a, **k: None, synchronize=lambda: None, wait=lambda *a, **k: None)
+
+
+_HOST_STREAM = _HostStream()
+
+
 def _make_cuda_namespace() -> types.SimpleNamespace:
     real = torch.cuda
     ns = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
@@ -74,6 +98,8 @@ def _make_cuda_namespace() -> types.SimpleNamespace:
     ns.memory_allocated = lambda *a, **k: 0
     ns.max_memory_allocated = lambda *a, **k: 0
     ns.reset_peak_memory_stats = lambda *a, **k: None
+    ns.Stream, ns.current_stream, ns.Event = _HostStream, (lambda *a, **k: _HOST_STREAM), _host_event
+    ns.stream = lambda *a, **k: contextlib.nullcontext()
     ns.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
                                     range=lambda *a, **k: contextlib.nullcontext())
     return ns
@@ -189,10 +215,30 @@ def install() -> bool:
                 not getattr(mod.clip_grad_by_total_norm_fp32, "__rlhf_shimmed__", False):
             mod.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
     torch.Tensor.cuda = _tensor_cuda_noop  # megatron-core 0.16.1 calls .cuda() on CPU tensors
+    _host_split_sizes()
     n = rebind_megatron_modules()
     _INSTALLED = True
     log.info("CPU shim for megatron-core installed (%d modules rebound to a CPU torch namespace)", n)
     return True
+
+
+# megatron-core 0.16.1: maybe_move_tensor_to_cpu turns only CUDA tensors into numpy (the alltoall split sizes).
+def _host_split_sizes() -> None:
+    """On the CPU the MoE alltoall dispatcher's split sizes stayed tensors, which ``all_to_all_single`` rejects
+    (it wants a list of ints); convert host tensors as the CUDA path converts device ones."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "__rlhf_shimmed__", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu.__rlhf_shimmed__ = True
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _tensor_cuda_noop(self: torch.Tensor, device: Any = None, non_blocking: bool = False,

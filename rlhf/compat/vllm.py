@@ -50,6 +50,30 @@ def repack_cpu_lm_head(model) -> bool:
     return False
 
 
+# vLLM 0.32.0 (CPU): reload_weights leaves MoE expert weights in checkpoint layout, not the kernel's prepacked one.
+def repack_cpu_moe_on_reload() -> None:
+    """vLLM's CPU MoE kernel reads its expert weights (``w13_weight``, ``w2_weight``) padded and prepacked.
+    ``UnquantizedFusedMoEMethod._setup_kernel`` prepacks them on the first load only; on a weight update it copies
+    the raw checkpoint layout in, so after a weight sync every expert output was wrong (log-probs off by 1.3-1.9
+    nats on tiny Mixtral / Qwen3-MoE). Run the experts' post-processing on updates too. During ``reload_weights``
+    the layer is a fresh copy whose tensors vLLM then copies into the live ones, so replacing them is safe.
+    Idempotent; CPU builds only."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    original = UnquantizedFusedMoEMethod._setup_kernel
+    if getattr(original, "_rlhf_repacks", False):
+        return
+
+    def _setup_kernel(self, layer, w13, w2):
+        update = self.moe_kernel is not None
+        original(self, layer, w13, w2)
+        if update:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    _setup_kernel._rlhf_repacks = True
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+
+
 # vLLM 0.32.0 (CPU, TP > 1): under external_launcher every job's shared-memory segments get one fixed name.
 def unique_cpu_shm_names(tag: str) -> None:
     """vLLM's CPU all-reduce names its /dev/shm segments from ``VLLM_DIST_IDENT``, which ``external_launcher``

@@ -107,15 +107,16 @@ def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0) ->
     qwen3_moe with ``norm_topk_prob``) or not. megatron's ``pre_softmax=False`` takes the top-k logits and then
     a softmax over those k, which is the renormalised HF weight; ``pre_softmax=True`` the plain softmax. Dropless
     (no capacity factor), as HF. ``aux_loss_coef`` (``--aux_loss_coef``): megatron's load-balancing loss, per
-    layer, added to the gradients by the router; 0 turns it off. Tokens reach their experts by the allgather
-    dispatcher (gloo and NCCL alike)."""
+    layer, added to the gradients by the router; 0 turns it off. Tokens reach their experts by the alltoall
+    dispatcher, which lets the ranks of an EP group hold different numbers of tokens (their micro-batches are
+    trimmed to their own lengths); the ranks must still run the same number of forwards."""
     if not spec.num_experts:
         return {}
     return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
                 moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_score_function="softmax",
                 moe_router_pre_softmax=not spec.moe_norm_topk, moe_router_dtype="fp32",
                 moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
-                moe_aux_loss_coeff=float(aux_loss_coef), moe_token_dispatcher_type="allgather",
+                moe_aux_loss_coeff=float(aux_loss_coef), moe_token_dispatcher_type="alltoall",
                 moe_grouped_gemm=False, moe_permute_fusion=False, expert_model_parallel_size=ep,
                 expert_tensor_parallel_size=tp)
 

@@ -157,6 +157,7 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, value_head
         out.append(vocab * h)  # word embeddings (vocab-parallel)
     for _ in range(spec.num_layers // pp):
         out += [h, qkv * h] + ([qkv] if spec.qkv_bias else []) + [spec.num_attention_heads * d // tp * h]
+        out += [d, d] if spec.qk_norm else []  # qwen3's q/k norms, replicated over TP
         if spec.num_experts:
             f = spec.moe_ffn_hidden_size // tp
             out += [h, spec.num_experts * h] + [2 * f * h, f * h] * (spec.num_experts // ep)

@@ -87,7 +87,7 @@ class MegatronRollout:
                 lps.append(lp)
                 done |= tok == eos if eos is not None else done
                 ids = torch.cat([ids, tok.unsqueeze(1)], dim=1)
-                if bool(done.all()):
+                if self._all_done(done):
                     break
             toks, lpt = torch.stack(tokens, 1), torch.stack(lps, 1)  # (n, R)
             for k in range(n):
@@ -96,6 +96,14 @@ class MegatronRollout:
                 local.append(Sample(lo + i, list(prompt), row[:end], lpt[k, :end].tolist(), eos in row))
         keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
         return gather_samples(local if keep else [], mesh)
+
+    def _all_done(self, done: torch.Tensor) -> bool:
+        """Every sample ended. With expert parallelism each forward is a collective over the EP group, so its
+        ranks stop together (tokens past an EOS are cut below)."""
+        stop = torch.tensor([1.0 if bool(done.all()) else 0.0])
+        if self.mesh.ep > 1 and self.actor.spec.num_experts:
+            dist.all_reduce(stop, op=dist.ReduceOp.MIN, group=self.mesh.ep_group)
+        return bool(stop.item())
 
     def close(self) -> None:
         pass

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.compat import installed_version
-from rlhf.compat.vllm import TESTED_VLLM, keep_torch_rng, repack_cpu_lm_head
+from rlhf.compat.vllm import TESTED_VLLM, keep_torch_rng, repack_cpu_lm_head, repack_cpu_moe_on_reload
 from rlhf.rollout.types import RolloutConfig, Sample
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class VLLMRollout:
         t0 = time.perf_counter()
         if not on_cuda:
             _tag_cpu_shm(mesh)
+            repack_cpu_moe_on_reload()
         with keep_torch_rng():
             self.llm = LLM(**kwargs)
         if mesh.is_rank0:

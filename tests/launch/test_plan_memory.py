@@ -24,6 +24,28 @@ def spec(name: str):
     return spec_from_hf_config(load_hf_config(os.path.join(CONFIGS, f"{name}.json")))
 
 
+def test_moe_param_counts_and_expert_sharding():
+    """Mixtral-8x7B (46.7B) and Qwen3-30B-A3B (30.5B, published totals); EP keeps num_experts / ep experts per
+    rank; the plan's per-rank actor state shrinks by the experts EP moves away."""
+    for name, billions in (("mixtral-8x7b", 46.70), ("qwen3-30b-a3b", 30.53)):
+        s = spec(name)
+        assert round(s.num_params / 1e9, 2) == billions
+        assert sum(stage_param_numels(s, 1, 1, 0, False)) == s.num_params
+        experts = s.num_layers * s.num_experts * 3 * s.hidden_size * s.moe_ffn_hidden_size
+        assert sum(stage_param_numels(s, 1, 1, 0, False, ep=8)) == s.num_params - experts * 7 // 8
+    m = spec("mixtral-8x7b")
+    base = dict(actor=m, reward=spec("llama2-7b"), nnodes=2, gpus_per_node=8, tp=2, bf16=True, zero_stage=1)
+    one, eight = role_state(m, PlanConfig(**base), 0, False, True), role_state(m, PlanConfig(**base, ep=8), 0,
+                                                                               False, True)
+    experts_per_tp_rank = m.num_layers * m.num_experts * 3 * m.hidden_size * m.moe_ffn_hidden_size // 2
+    assert one.params - eight.params == experts_per_tp_rank * 7 // 8 * 2  # bf16
+    assert eight.grads < one.grads
+    assert eight.optimizer == one.optimizer  # ZeRO-1 already spread every state over the 8 DP ranks
+    assert plan(PlanConfig(**base, ep=8))  # the whole schedule runs with an MoE actor
+    with pytest.raises(ValueError, match="--expert_model_parallel_size 3 does not divide num_experts=8"):
+        PlanConfig(**base, ep=3)
+
+
 def test_param_counts_match_the_spec_and_shard_exactly():
     for name, billions in (("llama2-7b", 6.74), ("llama2-13b", 13.02), ("llama2-70b", 68.98)):
         s = spec(name)

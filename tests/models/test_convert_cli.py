@@ -13,19 +13,25 @@ BACK = os.path.join(REPO, "tools/convert_megatron_to_hf.py")
 COMPARE = os.path.join(REPO, "tools/compare_logits.py")
 
 
-@pytest.mark.parametrize("name,auto", [("llama", "AutoModelForCausalLM"),
-                                       ("qwen2-cls", "AutoModelForSequenceClassification"),
-                                       ("qwen3", "AutoModelForCausalLM"),  # q/k norms, head_dim != hidden/heads
-                                       ("llama-kv1", "AutoModelForCausalLM")])  # 1 KV head split over TP 2
-def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_models, tmp_path, name, auto):
+@pytest.mark.parametrize("name,auto,layout", [
+    ("llama", "AutoModelForCausalLM", (2, 2, 1)),
+    ("qwen2-cls", "AutoModelForSequenceClassification", (2, 2, 1)),
+    ("qwen3", "AutoModelForCausalLM", (2, 2, 1)),  # q/k norms, head_dim != hidden/heads
+    ("llama-kv1", "AutoModelForCausalLM", (2, 2, 1)),  # 1 KV head split over TP 2
+    ("mixtral", "AutoModelForCausalLM", (1, 2, 2)),  # experts over EP 2 (block_sparse_moe.experts.E.w1/w2/w3)
+    ("qwen3_moe", "AutoModelForCausalLM", (2, 1, 2)),  # TP2 x EP2 (mlp.experts.E.gate_proj/up_proj/down_proj)
+])
+def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_models, tmp_path, name, auto, layout):
     import transformers
 
+    tp, pp, ep = layout
     hf = os.path.join(tiny_models, "hf", name)
     mg, back = str(tmp_path / "mg"), str(tmp_path / "back")
-    p = run_python([CONVERT, "--hf", hf, "--out", mg, "--tp", "2", "--pp", "2"])
+    p = run_python([CONVERT, "--hf", hf, "--out", mg, "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)])
     assert p.returncode == 0, tail(p)
     manifest = json.load(open(os.path.join(mg, "rlhf_manifest.json")))
-    assert (manifest["saved_at_tp"], manifest["saved_at_pp"], manifest["model_type"]) == (2, 2, name.split("-")[0])
+    assert (manifest["saved_at_tp"], manifest["saved_at_pp"], manifest["saved_at_ep"]) == layout
+    assert manifest["model_type"] == name.split("-")[0]
     assert os.path.exists(os.path.join(mg, "tokenizer.json"))
     p = run_python([BACK, "--ckpt", mg, "--out", back])
     assert p.returncode == 0, tail(p)
@@ -47,6 +53,20 @@ def test_compare_logits_tp2pp2_on_4_ranks(tiny_models, tmp_path):
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("max_abs_logit_diff="), last
     assert float(last.split("=")[1]) <= 1e-4
+
+
+def test_compare_logits_tp2_ep2_moe_on_4_ranks(tiny_models, tmp_path):
+    """The MoE path of the tools: converted at TP1 (every expert on one rank), compared at TP2 x EP2."""
+    hf = os.path.join(tiny_models, "hf", "mixtral")
+    mg = str(tmp_path / "mg")
+    assert run_python([CONVERT, "--hf", hf, "--out", mg]).returncode == 0
+    p = run_torchrun(COMPARE, 4, ["--hf", hf, "--ckpt", mg, "--tp", "2", "--ep", "2"])
+    assert p.returncode == 0, tail(p)
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("max_abs_logit_diff="), last
+    assert float(last.split("=")[1]) <= 1e-4
+    _one_line_error(run_python([CONVERT, "--hf", hf, "--out", str(tmp_path / "x"), "--ep", "3"]),
+                    "--expert_model_parallel_size 3 does not divide num_experts=4")
 
 
 def _one_line_error(p, needle):

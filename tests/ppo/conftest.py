@@ -47,7 +47,8 @@ def family_actors(ppo_setup):
 
     qwen3_yarn_kv1: Qwen3 (q/k norms, head_dim 64 != hidden / heads = 32), YaRN RoPE, ONE KV head (replicated
                     over TP 2 in megatron and in vLLM)
-    llama3_rope:    Llama with Llama-3.1-style RoPE scaling"""
+    llama3_rope:    Llama with Llama-3.1-style RoPE scaling
+    mixtral:        4 experts, top 2 (spread over 2 EP ranks by the tests)"""
     from rlhf.models.tiny import make_tiny_hf
 
     work, tok = ppo_setup["work"], ppo_setup["actor"]
@@ -58,4 +59,7 @@ def family_actors(ppo_setup):
     llama3 = make_tiny_hf(os.path.join(work, "llama3_rope"), "llama", seed=7, tokenizer_dir=tok, **dims,
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.25,
                                         "high_freq_factor": 2.0, "original_max_position_embeddings": 16})
-    return {"qwen3_yarn_kv1": qwen3, "llama3_rope": llama3}
+    mixtral = make_tiny_hf(os.path.join(work, "mixtral"), "mixtral", seed=8, tokenizer_dir=tok,
+                           **{**dims, "intermediate_size": 64, "tie_word_embeddings": False},
+                           num_local_experts=4, num_experts_per_tok=2)
+    return {"qwen3_yarn_kv1": qwen3, "llama3_rope": llama3, "mixtral": mixtral}
