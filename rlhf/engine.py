@@ -73,6 +73,21 @@ class OptimConfig:
         self.scheduler = aliases[self.scheduler]
 
 
+def moe_load_balancing_loss(mesh: ParallelMesh, microbatches: int) -> float:
+    """megatron's load-balancing loss of the last step (before ``--aux_loss_coef``), summed over the layers and
+    averaged over micro-batches and DP ranks (each EP rank routes its own tokens); clears megatron's tracker.
+    Collective."""
+    from megatron.core.transformer.moe import moe_utils
+
+    entry = moe_utils.get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    local = torch.zeros(1, dtype=torch.float64)
+    if entry is not None:  # this stage's layers; TP ranks hold the same values
+        local[0] = entry["values"].double().sum().cpu() / max(microbatches, 1)
+    moe_utils.clear_aux_losses_tracker()
+    dist.all_reduce(local)
+    return local.item() / (mesh.tp * mesh.dp)
+
+
 def _check_moe(spec: ModelSpec, mesh: ParallelMesh, name: str, *, trained: bool, lora: bool) -> int:
     """The EP a model of this role is built at (the mesh's for an MoE model, 1 for a dense one); raises before any
     weight is read on what megatron-core 0.16.1 cannot train here."""
@@ -196,9 +211,14 @@ class ModelEngine:
         self.module.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        track_aux = bool(self.spec.num_experts) and self.optim_cfg.aux_loss_coef > 0
+        if track_aux:
+            moe_load_balancing_loss(self.mesh, len(microbatches))  # clears the tracker
         outs = run_microbatches(self.module, microbatches, loss_fn=loss_fn, output=output,
                                 device=self.mesh.device)
         metrics = self.reduce_metrics(outs, metric_keys)  # the same on every rank, so is the decision below
+        if track_aux:
+            metrics["moe_load_balancing_loss"] = moe_load_balancing_loss(self.mesh, len(microbatches))
         loss_key = metric_keys[0]
         stepped, grad_norm, bad = step_if_finite(self.optimizer, metrics[loss_key], loss_key)
         if stepped:

@@ -48,7 +48,8 @@ def family_actors(ppo_setup):
     qwen3_yarn_kv1: Qwen3 (q/k norms, head_dim 64 != hidden / heads = 32), YaRN RoPE, ONE KV head (replicated
                     over TP 2 in megatron and in vLLM)
     llama3_rope:    Llama with Llama-3.1-style RoPE scaling
-    mixtral:        4 experts, top 2 (spread over 2 EP ranks by the tests)"""
+    mixtral:        4 experts, top 2, renormalised (spread over 2 EP ranks by the tests)
+    qwen3_moe:      4 experts, top 2, not renormalised (norm_topk_prob=False)"""
     from rlhf.models.tiny import make_tiny_hf
 
     work, tok = ppo_setup["work"], ppo_setup["actor"]
@@ -62,4 +63,7 @@ def family_actors(ppo_setup):
     mixtral = make_tiny_hf(os.path.join(work, "mixtral"), "mixtral", seed=8, tokenizer_dir=tok,
                            **{**dims, "intermediate_size": 64, "tie_word_embeddings": False},
                            num_local_experts=4, num_experts_per_tok=2)
-    return {"qwen3_yarn_kv1": qwen3, "llama3_rope": llama3, "mixtral": mixtral}
+    qwen3_moe = make_tiny_hf(os.path.join(work, "qwen3_moe"), "qwen3_moe", seed=9, tokenizer_dir=tok,
+                             **{**dims, "tie_word_embeddings": False}, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=64, norm_topk_prob=False)
+    return {"qwen3_yarn_kv1": qwen3, "llama3_rope": llama3, "mixtral": mixtral, "qwen3_moe": qwen3_moe}

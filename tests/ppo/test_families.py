@@ -1,11 +1,13 @@
-"""A few PPO (GRPO) steps with each newer family, end to end on 2 ranks: megatron actor at TP 2, vLLM at TP 2,
-a rule reward (no reward model, no critic: the cheapest full loop).
+"""A few PPO (GRPO) steps with each newer family, end to end on 2 ranks: the megatron actor at TP 2 or EP 2,
+vLLM at TP 2, a rule reward (no reward model, no critic: the cheapest full loop).
 
 qwen3_yarn_kv1: Qwen3 (q/k norms, explicit head_dim) with YaRN RoPE and one KV head, replicated over TP 2 in both
-engines; llama3_rope: Llama 3.1-style RoPE scaling. Prompts run past the original context (16 tokens). Every step
-logs the largest |vLLM - trainer| log-prob over the sampled tokens; it stays at fp32 rounding, so weight sync,
-KV-head replication and the scaled RoPE agree between the two engines. The export loads in transformers as the
-same family with the same RoPE and KV heads, and training moved its weights.
+engines; llama3_rope: Llama 3.1-style RoPE scaling; mixtral and qwen3_moe: experts over 2 EP ranks (megatron at
+TP 1, which MoE training needs), synced into vLLM's CPU MoE layers; mixtral with the load-balancing loss.
+Prompts run past the original context (16 tokens). Every step logs the largest |vLLM - trainer| log-prob over
+the sampled tokens; it stays at fp32 rounding, so weight sync, KV-head replication, the scaled RoPE and the
+experts agree between the two engines. The export loads in transformers as the same family with the same RoPE
+and KV heads, under the checkpoint's own tensor names, and training moved its weights.
 """
 import glob
 import json
@@ -22,7 +24,8 @@ PPO = os.path.join(REPO, "launch/ppo.py")
 
 @pytest.mark.parametrize("actor,arch,layout", [("qwen3_yarn_kv1", "Qwen3ForCausalLM", {"--tp": 2}),
                                                ("llama3_rope", "LlamaForCausalLM", {"--tp": 2}),
-                                               ("mixtral", "MixtralForCausalLM", {"--ep": 2, "--aux_loss_coef": 0.01})])
+                                               ("mixtral", "MixtralForCausalLM", {"--ep": 2, "--aux_loss_coef": 0.01}),
+                                               ("qwen3_moe", "Qwen3MoeForCausalLM", {"--ep": 2})])
 def test_grpo_steps_with_newer_families(ppo_setup, family_actors, tmp_path, actor, arch, layout):
     import transformers
     from safetensors.torch import load_file
@@ -39,6 +42,8 @@ def test_grpo_steps_with_newer_families(ppo_setup, family_actors, tmp_path, acto
     assert len(hist) == 2
     for m in hist:
         assert m["rollout_logprob_drift_max"] <= 1e-4, m
+        if "--aux_loss_coef" in layout:  # megatron's load-balancing loss, summed over the 2 MoE layers (1 each
+            assert 1.0 < m["actor/moe_load_balancing_loss"] < 8.0, m  # when balanced; 4 experts at most)
     src = json.load(open(os.path.join(family_actors[actor], "config.json")))
     out = json.load(open(os.path.join(save, "config.json")))
     assert out["architectures"] == [arch]
