@@ -105,17 +105,26 @@ def ensure_tp_attributes(model: torch.nn.Module, with_te: bool) -> None:
             mtp.set_tensor_model_parallel_attributes(param, True, dim, 1)
 
     column, row = (mtp.ColumnParallelLinear,), (mtp.RowParallelLinear,)
+    grouped: dict = {}
     if with_te:  # megatron's TE wrappers (their fused norm weights stay replicated)
         from megatron.core.extensions import transformer_engine as mte
 
         column += (mte.TEColumnParallelLinear, mte.TELayerNormColumnParallelLinear)
         row += (mte.TERowParallelLinear,)
+        grouped = {getattr(mte, "TEColumnParallelGroupedLinear", None): 0,  # MoE experts: weight0 .. weightN-1
+                   getattr(mte, "TERowParallelGroupedLinear", None): 1}
+        grouped.pop(None, None)
     for module in model.modules():
         if isinstance(module, column):
             mark(module.weight, 0)
             mark(getattr(module, "bias", None), 0)
         elif isinstance(module, row):
             mark(module.weight, 1)
+        elif grouped and isinstance(module, tuple(grouped)):
+            dim = next(d for cls, d in grouped.items() if isinstance(module, cls))
+            for name, param in module.named_parameters(recurse=False):
+                if name.startswith("weight"):
+                    mark(param, dim)
         elif isinstance(module, mtp.VocabParallelEmbedding):
             mark(module.weight, 0)
 

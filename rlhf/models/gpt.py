@@ -93,23 +93,24 @@ def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_exper
                  "or no CUDA; packed THD batches via kernels.varlen_attention)")
         _SPEC_LOGGED = True
     if use_te:
-        # MoE: SequentialMLP of TE linears (grouped GEMM off: the same parameter names as the local spec)
+        # MoE: TE's grouped GEMM (TEGroupedMLP; its experts are linear_fc1.weightJ, see rlhf.models.hf_llama)
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, num_experts=num_experts or None,
-                                                          moe_grouped_gemm=False)
+                                                          moe_grouped_gemm=bool(num_experts))
     # Packed (THD) sequences without TE: megatron's local spec with a varlen core attention (see that module).
     from rlhf.models.packed_attention import local_spec_with_packed_attention
 
     return local_spec_with_packed_attention(qk_layernorm=qk_layernorm, num_experts=num_experts)
 
 
-def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0) -> dict:
+def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0, grouped_gemm: bool = False) -> dict:
     """megatron's MoE settings equal to HF's routing: softmax over the experts, top-k, renormalised (mixtral;
     qwen3_moe with ``norm_topk_prob``) or not. megatron's ``pre_softmax=False`` takes the top-k logits and then
     a softmax over those k, which is the renormalised HF weight; ``pre_softmax=True`` the plain softmax. Dropless
     (no capacity factor), as HF. ``aux_loss_coef`` (``--aux_loss_coef``): megatron's load-balancing loss, per
     layer, added to the gradients by the router; 0 turns it off. Tokens reach their experts by the alltoall
     dispatcher, which lets the ranks of an EP group hold different numbers of tokens (their micro-batches are
-    trimmed to their own lengths); the ranks must still run the same number of forwards."""
+    trimmed to their own lengths); the ranks must still run the same number of forwards. ``grouped_gemm``: TE's
+    grouped GEMM (the TE layer spec); the local spec runs megatron's SequentialMLP."""
     if not spec.num_experts:
         return {}
     return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
@@ -117,13 +118,13 @@ def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0) ->
                 moe_router_pre_softmax=not spec.moe_norm_topk, moe_router_dtype="fp32",
                 moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
                 moe_aux_loss_coeff=float(aux_loss_coef), moe_token_dispatcher_type="alltoall",
-                moe_grouped_gemm=False, moe_permute_fusion=False, expert_model_parallel_size=ep,
+                moe_grouped_gemm=grouped_gemm, moe_permute_fusion=False, expert_model_parallel_size=ep,
                 expert_tensor_parallel_size=tp)
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch.dtype = torch.float32,
                        bf16: bool = False, init_weights: bool = False, recompute: bool = False, ep: int = 1,
-                       aux_loss_coef: float = 0.0):
+                       aux_loss_coef: float = 0.0, use_te: bool = False):
     """The megatron ``TransformerConfig`` equivalent to an HF Llama-family config (MoE: ``moe_config``)."""
     from megatron.core.transformer import TransformerConfig
 
@@ -136,7 +137,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch
     factor = rope.attention_factor(spec.rope_scaling)
     if factor != 1.0:  # YaRN scales cos and sin, i.e. q and k: the scores by factor**2 (rlhf.models.rope)
         kwargs["softmax_scale"] = factor * factor / math.sqrt(spec.head_dim)
-    kwargs.update(moe_config(spec, tp, ep, aux_loss_coef))
+    kwargs.update(moe_config(spec, tp, ep, aux_loss_coef, grouped_gemm=use_te))
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
@@ -256,8 +257,9 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
     value_head = spec.is_seq_cls if value_head is None else value_head
     padded_vocab = padded_vocab or padded_vocab_size(spec.vocab_size)
     check_parallel_fit(spec, tp, pp, padded_vocab, ep)
+    use_te = te_available() if use_te is None else use_te
     config = transformer_config(spec, tp, pp, params_dtype=params_dtype, bf16=bf16, init_weights=init_weights,
-                                recompute=recompute, ep=ep, aux_loss_coef=aux_loss_coef)
+                                recompute=recompute, ep=ep, aux_loss_coef=aux_loss_coef, use_te=use_te)
     if spec.num_experts:
         from rlhf.compat.megatron import moe_without_te
 

@@ -1,7 +1,8 @@
 """HF <-> Megatron parameter mapping for the Llama family (llama, qwen2, qwen3, mistral share one layout; qwen3
 adds ``q_norm``/``k_norm``; mixtral and qwen3_moe replace the MLP by a router and experts, each expert laid out
 like a dense MLP: ``mlp.router.weight`` <- ``gate.weight``, ``mlp.experts.local_experts.j.linear_fc1`` <-
-``[gate; up]`` of the expert's TP shard, ``linear_fc2`` <- ``down``).
+``[gate; up]`` of the expert's TP shard, ``linear_fc2`` <- ``down``; under TE's grouped GEMM the same tensors are
+``mlp.experts.linear_fc1.weightJ`` / ``linear_fc2.weightJ``).
 
 Megatron-side names are those of a model state dict (local layer index, this rank's TP shard), under the local
 layer spec or Transformer Engine's (whose fused norms are ``linear_qkv.layer_norm_weight`` and
@@ -55,7 +56,18 @@ def _shard_rows(n: int, tp_rank: int, tp: int) -> tuple[int, int]:
     return tp_rank * size, (tp_rank + 1) * size
 
 
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+# An expert's linears: megatron's SequentialMLP (local spec) ``local_experts.J.linear_fc1.weight``, or TE's grouped
+# GEMM (TEGroupedMLP, one GroupedLinear per projection) ``linear_fc1.weightJ``; J is the local expert index.
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(?P<j>\d+)\.(?P<fc>linear_fc[12])\.weight|"
+                     r"(?P<fc_g>linear_fc[12])\.weight(?P<j_g>\d+))$")
+
+
+def _expert(rest: str) -> tuple[int, str] | None:
+    """(local expert index, ``linear_fc1`` | ``linear_fc2``) of an expert parameter name, else None."""
+    m = _EXPERT.match(rest)
+    if not m:
+        return None
+    return (int(m["j"]), m["fc"]) if m["j"] is not None else (int(m["j_g"]), m["fc_g"])
 
 
 def _moe_prefix(spec: ModelSpec) -> str:
@@ -120,11 +132,11 @@ def megatron_shard_from_hf(name: str, get: HFGetter, spec: ModelSpec, *, tp_rank
         return get(p + "mlp.down_proj.weight")[:, lo:hi].contiguous()
     if spec.num_experts and rest == "mlp.router.weight":
         return get(hf_router_name(spec, layer))
-    e = _EXPERT.match(rest) if spec.num_experts else None
+    e = _expert(rest) if spec.num_experts else None
     if e:
-        gate, up, down = hf_expert_names(spec, layer, ep_rank * (spec.num_experts // ep) + int(e.group(1)))
+        gate, up, down = hf_expert_names(spec, layer, ep_rank * (spec.num_experts // ep) + e[0])
         lo, hi = _shard_rows(spec.moe_ffn_hidden_size, tp_rank, tp)
-        if e.group(2) == "linear_fc1":
+        if e[1] == "linear_fc1":
             return torch.cat([get(gate, rows=(lo, hi)), get(up, rows=(lo, hi))])
         return get(down)[:, lo:hi].contiguous()
     raise ValueError(f"unknown megatron parameter {name!r}")
@@ -193,10 +205,10 @@ def hf_from_megatron(name: str, tensor: torch.Tensor, spec: ModelSpec, *, layer_
     if spec.num_experts and rest == "mlp.router.weight":
         yield hf_router_name(spec, layer), tensor
         return
-    e = _EXPERT.match(rest) if spec.num_experts else None
+    e = _expert(rest) if spec.num_experts else None
     if e:
-        gate, up, down = hf_expert_names(spec, layer, expert_offset + int(e.group(1)))
-        if e.group(2) == "linear_fc1":
+        gate, up, down = hf_expert_names(spec, layer, expert_offset + e[0])
+        if e[1] == "linear_fc1":
             g, u = torch.chunk(tensor, 2, dim=0)
             yield gate, g
             yield up, u
@@ -254,7 +266,7 @@ def full_from_tp_shards(name: str, shards: list[torch.Tensor], partition_dim: in
     """
     if partition_dim is None or len(shards) == 1:
         return shards[0]
-    if name.endswith("linear_fc1.weight"):  # the dense MLP's and each expert's
+    if re.search(r"linear_fc1\.weight\d*$", name):  # the dense MLP's and each expert's (grouped: weightJ)
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=partition_dim)

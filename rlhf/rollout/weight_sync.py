@@ -40,7 +40,7 @@ class _Param:
 
     @property
     def expert(self) -> bool:
-        return ".local_experts." in self.name
+        return ".local_experts." in self.name or ".mlp.experts.linear_fc" in self.name  # local / TE grouped
 
 
 class WeightSync:

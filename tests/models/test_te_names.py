@@ -137,3 +137,38 @@ def test_the_flag_fails_before_any_model_loads(tmp_path, capsys):
     assert main(sft, argv) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
     assert err and "--transformer_impl transformer_engine needs CUDA" in err[0], err
+
+
+def test_te_grouped_expert_names_map_like_sequential_mlp(tmp_path):
+    """Under TE the experts run as a grouped GEMM (TEGroupedMLP): ``mlp.experts.linear_fc1.weightJ`` instead of
+    the local spec's ``mlp.experts.local_experts.J.linear_fc1.weight``. Both names must read and write the same HF
+    tensors at TP2 x EP2, and TP shards of a grouped fc1 must rebuild as ``[gate; up]``."""
+    from rlhf.models.hf_io import HFCheckpointReader
+    from rlhf.models.spec import load_hf_config, padded_vocab_size, spec_from_hf_config
+    from rlhf.models.tiny import make_tiny_hf
+    from rlhf.rollout.weight_sync import _Param
+
+    d = str(tmp_path / "mixtral")
+    make_tiny_hf(d, "mixtral", seed=3, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    spec = spec_from_hf_config(load_hf_config(d))
+    get, vocab = HFCheckpointReader(d).get, padded_vocab_size(spec.vocab_size)
+    for layer in range(2):
+        for j in range(2):  # local experts of each of the 2 EP ranks
+            for fc, dim in (("linear_fc1", 0), ("linear_fc2", 1)):
+                local = f"decoder.layers.{layer}.mlp.experts.local_experts.{j}.{fc}.weight"
+                te = f"decoder.layers.{layer}.mlp.experts.{fc}.weight{j}"
+                assert _Param(te, (1,), torch.float32, dim).expert and _Param(local, (1,), torch.float32, dim).expert
+                for ep_rank in range(2):
+                    shards = []
+                    for tp_rank in range(2):
+                        kw = dict(tp_rank=tp_rank, tp=2, layer_offset=0, padded_vocab=vocab, ep_rank=ep_rank, ep=2)
+                        a, b = megatron_shard_from_hf(local, get, spec, **kw), megatron_shard_from_hf(te, get, spec, **kw)
+                        assert torch.equal(a, b)
+                        shards.append(b)
+                    full = full_from_tp_shards(te, shards, dim)
+                    assert torch.equal(full, full_from_tp_shards(local, shards, dim))
+                    mine = dict(hf_from_megatron(te, full, spec, expert_offset=2 * ep_rank))
+                    assert mine.keys() == dict(hf_from_megatron(local, full, spec, expert_offset=2 * ep_rank)).keys()
+                    for name, t in mine.items():  # the whole HF tensor of global expert 2 * ep_rank + j
+                        assert f"experts.{2 * ep_rank + j}." in name and torch.equal(t, get(name)), name
