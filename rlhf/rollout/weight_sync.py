@@ -4,7 +4,8 @@
     bucket         parameters of one stage, in order, grouped until the full (TP-gathered) size reaches
                    ``bucket_bytes``; MoE experts in buckets of their own
     gather         the stage's ranks all-gather the bucket over TP in ONE collective (flattened); an expert
-                   bucket then over EP too (each EP rank holds other experts under the same local names)
+                   bucket then over EP too (each EP rank holds other experts under the same local names); at
+                   TP = PP = EP = 1 the parameters go out as they are (the engine copies them), no flat copy
     broadcast      with PP > 1 the stage broadcasts the gathered bucket over the PP group, so every rank
                    (hence every vLLM worker, whatever vLLM's own TP) holds full tensors
     convert        megatron names/layouts -> HF names/layouts (``rlhf.models.hf_llama.hf_from_megatron``); a LoRA
@@ -14,10 +15,17 @@
     version        a counter bumped after each completed sync; the engine remembers which version it serves
 
 Every rank runs the same sequence of collectives, in the same order, whatever its stage.
+
+TP-local (no gather at all): when vLLM shards the actor exactly as megatron does (vLLM TP = megatron TP on the same
+ranks, PP 1, KV heads divisible by TP, no experts, and vLLM's vocab padding (to 64) giving megatron's padded
+vocab), vLLM rank r reads from each full-shape tensor only the rows / columns that megatron rank r holds. Each
+rank then sends full-shape HF tensors of which only its own slice is written (``torch.empty`` elsewhere: those
+pages are never touched), and the all-gather disappears.
 """
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -64,6 +72,7 @@ class WeightSync:
         self.buckets = [(s, b) for s, params in enumerate(self.stages)
                         for kind in (False, True) for b in self._bucketize([p for p in params if p.expert == kind])]
         self.experts_per_rank = actor.spec.num_experts // mesh.ep if mesh.ep > 1 else 0
+        self._logged_local = False
 
     def _full_bytes(self, p: _Param) -> int:
         n = 1
@@ -90,13 +99,18 @@ class WeightSync:
         ep = mesh.ep if params[0].expert and mesh.ep > 1 else 1
         dtype = params[0].dtype
         assert all(p.dtype == dtype for p in params), "one dtype per model"
+        named = dict(self.actor.model.named_parameters())
+
+        def weight(p: _Param) -> torch.Tensor:
+            return merged_weight(self.adapted[p.name]) if p.name in self.adapted else named[p.name].detach()
+
+        if mesh.tp == 1 and mesh.pp == 1 and ep == 1:  # every tensor is here whole: no flat copy, no collective
+            return [(p.name, weight(p), 0) for p in params]
         numels = [int(torch.Size(p.shape).numel()) for p in params]
         total = sum(numels)
         mine = mesh.pp_rank == stage
         if mine:
-            named = dict(self.actor.model.named_parameters())
-            flat = torch.cat([(merged_weight(self.adapted[p.name]) if p.name in self.adapted
-                               else named[p.name].detach()).reshape(-1) for p in params])  # (total,)
+            flat = torch.cat([weight(p).reshape(-1) for p in params])  # (total,)
             if mesh.tp > 1:
                 parts = torch.empty(mesh.tp * total, dtype=dtype, device=flat.device)
                 dist.all_gather_into_tensor(parts, flat, group=mesh.tp_group)
@@ -133,14 +147,55 @@ class WeightSync:
         self.last_stats = {"weight_sync/gather_s": time.perf_counter() - t0, "weight_sync/bytes": float(nbytes),
                            "weight_sync/buckets": float(len(self.buckets))}
 
+    def tp_local(self, engine) -> bool:
+        """Whether ``engine`` reads exactly this rank's TP shard of every tensor (see the module doc)."""
+        spec, mesh = self.actor.spec, self.mesh
+        vllm_padded = -(-spec.vocab_size // 64) * 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+        return (getattr(engine, "name", None) == "vllm" and getattr(engine, "tp", 0) == mesh.tp > 1 and mesh.pp == 1
+                and not spec.num_experts and spec.num_kv_heads % mesh.tp == 0
+                and vllm_padded == self.actor.padded_vocab and mesh.rank % mesh.tp == mesh.tp_rank)
+
+    def iter_local_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, full-shape tensor holding this rank's TP slice) for the whole actor; no collective."""
+        t0, nbytes = time.perf_counter(), 0
+        mesh = self.mesh
+        for name, param in self.actor.model.named_parameters():
+            if is_lora_param(name):
+                continue
+            local = merged_weight(self.adapted[name]) if name in self.adapted else param.detach()
+            dim = tp_partition_dim(param)
+            full = local if dim is None else _place_shard(name, local, dim, mesh.tp_rank, mesh.tp)
+            nbytes += local.numel() * local.element_size()  # the bytes this rank provides
+            yield from hf_from_megatron(name, full, self.actor.spec)
+        self.last_stats = {"weight_sync/gather_s": time.perf_counter() - t0, "weight_sync/bytes": float(nbytes),
+                           "weight_sync/buckets": 0.0}
+
     def sync(self, engine) -> dict[str, float]:
         """Push the current actor weights into ``engine`` (``engine.load_weights(iterator, version)``)."""
         t0 = time.perf_counter()
         self.version += 1
-        engine.load_weights(self.iter_hf_tensors(), self.version)
+        local = self.tp_local(engine)
+        if local and not self._logged_local and self.mesh.is_rank0:
+            log.info("weight sync: TP-local (vLLM TP %d shards like megatron's): no gather", self.mesh.tp)
+        self._logged_local = self._logged_local or local
+        engine.load_weights(self.iter_local_hf_tensors() if local else self.iter_hf_tensors(), self.version)
         stats = dict(self.last_stats)
         stats["weight_sync/seconds"] = time.perf_counter() - t0
         stats["weight_sync/version"] = float(self.version)
         log.debug("weight sync v%d: %.0f MB in %d buckets, %.3f s", self.version,
                   stats.get("weight_sync/bytes", 0) / 2**20, len(self.buckets), stats["weight_sync/seconds"])
         return stats
+
+
+def _place_shard(name: str, shard: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
+    """A full-shape (TP = 1 layout) tensor with ``shard`` at rank ``rank``'s place and nothing written elsewhere;
+    ``linear_fc1`` shards are ``[gate; up]``, so their halves go to the gate and the up blocks."""
+    shape = list(shard.shape)
+    shape[dim] *= tp
+    full = torch.empty(shape, dtype=shard.dtype, device=shard.device)
+    pieces = torch.chunk(shard, 2, dim=0) if re.search(r"linear_fc1\.weight\d*$", name) else (shard,)
+    blocks = torch.chunk(full, len(pieces), dim=0)  # fc1: [gate; up] of the full tensor
+    for piece, block in zip(pieces, blocks):
+        n = piece.shape[dim]
+        block.narrow(dim, rank * n, n).copy_(piece)
+    return full
