@@ -29,6 +29,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--size", default="25m", help="4m | 25m | smollm2 (bench/ppo_vs_trl.py's models)")
     p.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
     p.add_argument("--vllm_tp", type=int, default=2, choices=[1, 2])
+    p.add_argument("--compiled", action="store_true", help="vLLM without enforce_eager (torch.compile)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=32)
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
         from rlhf.rollout import RolloutConfig, build_rollout
 
         cfg = RolloutConfig(tensor_parallel_size=args.vllm_tp, kv_cache_bytes=64 << 20,
-                            max_model_len=args.prompt_len + args.new_tokens + 8, backend="vllm")
+                            max_model_len=args.prompt_len + args.new_tokens + 8, backend="vllm",
+                            enforce_eager=not args.compiled)
         engine = build_rollout(mesh, None, cfg, actor_dir)
 
         def generate(seed):
