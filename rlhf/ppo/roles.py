@@ -50,13 +50,21 @@ class PPORoles:
         self.memory.current = None
 
 
-def rollout_config(args: argparse.Namespace):
+def rollout_config(args: argparse.Namespace, spec=None, world_size: int | None = None):
+    """The generator's settings; with the actor's ``spec`` and the world size, the CPU KV cache is sized to the
+    rollout batch (unless ``--vllm_kv_cache_mb`` is given)."""
     from rlhf.rollout import RolloutConfig
-    from rlhf.rollout.types import mb_to_bytes
+    from rlhf.rollout.types import kv_cache_bytes_for_batch, mb_to_bytes
 
+    cpu_kv = None
+    if spec is not None and world_size and args.vllm_kv_cache_mb is None:
+        engines = max(world_size // args.vllm_tensor_parallel_size, 1)
+        seqs = -(-args.rollout_batch_size * args.n_samples_per_prompt // engines)
+        cpu_kv = kv_cache_bytes_for_batch(spec, args.vllm_tensor_parallel_size, seqs,
+                                          args.prompt_max_len + args.generate_max_len, 2 if args.bf16 else 4)
     return RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size, num_engines=args.vllm_num_engines,
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                         kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb),
+                         kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb), cpu_kv_cache_bytes=cpu_kv,
                          max_model_len=args.prompt_max_len + args.generate_max_len,
                          dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
                          enforce_eager=args.vllm_enforce_eager, backend=args.rollout_backend,
@@ -73,7 +81,10 @@ def build_roles(args: argparse.Namespace, setup, mesh, estimator, total_updates:
     from rlhf.rollout.vllm_engine import vllm_available
     from rlhf.rollout.weight_sync import WeightSync
 
-    rcfg = rollout_config(args)
+    rcfg = rollout_config(args, setup.sources["--pretrain"]["spec"], mesh.world_size)
+    if rcfg.cpu_kv_cache_bytes and mesh.device.type != "cuda" and mesh.is_rank0:
+        log.info("vLLM KV cache: %d MB per rank, sized to the rollout batch (--vllm_kv_cache_mb overrides)",
+                 rcfg.cpu_kv_cache_bytes >> 20)
     # vLLM starts before any model is on the device (on CUDA its start-up claims --vllm_gpu_memory_utilization
     # of the memory that is free then), and goes to sleep at once; the first weight sync wakes it.
     rollout = None

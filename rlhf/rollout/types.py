@@ -5,7 +5,20 @@ from dataclasses import dataclass
 
 
 CPU_KV_CACHE_BYTES = 256 << 20
-"""vLLM's KV cache per rank on CPU when --vllm_kv_cache_mb is not given."""
+"""vLLM's KV cache per rank on CPU when --vllm_kv_cache_mb is not given and the batch is unknown."""
+MIN_CPU_KV_CACHE_BYTES = 16 << 20
+
+
+def kv_cache_bytes_for_batch(spec, tensor_parallel_size: int, seqs_per_engine: int, max_model_len: int,
+                             dtype_bytes: int, block: int = 128) -> int:
+    """KV-cache bytes one rank needs to hold every sequence its engine generates at once: ``seqs_per_engine``
+    sequences of up to ``max_model_len`` tokens (rounded up to ``block``-token pages), K and V of every layer for
+    this rank's KV heads (replicated when TP exceeds them), plus a quarter for vLLM's own rounding; at least
+    ``MIN_CPU_KV_CACHE_BYTES``."""
+    kv_heads = max(spec.num_kv_heads // tensor_parallel_size, 1)
+    per_token = 2 * spec.num_layers * kv_heads * spec.head_dim * dtype_bytes
+    tokens = seqs_per_engine * -(-max_model_len // block) * block
+    return max(MIN_CPU_KV_CACHE_BYTES, int(tokens * per_token * 1.25))
 
 
 @dataclass
@@ -22,6 +35,9 @@ class RolloutConfig:
     """(--vllm_kv_cache_mb) KV cache size per rank, vLLM's ``kv_cache_memory_bytes``. None: ``CPU_KV_CACHE_BYTES`` on
     CPU (where vLLM would otherwise reserve 90% of RAM), ``gpu_memory_utilization`` on CUDA. Given on CUDA, it
     replaces ``gpu_memory_utilization`` (vLLM then sizes the cache to exactly this)."""
+    cpu_kv_cache_bytes: int | None = None
+    """The CPU KV cache when ``kv_cache_bytes`` is None: sized to the rollout batch by the trainer
+    (``kv_cache_bytes_for_batch``); None: ``CPU_KV_CACHE_BYTES``."""
     max_model_len: int = 2048
     """prompt_max_len + generate_max_len."""
     dtype: str = "float32"

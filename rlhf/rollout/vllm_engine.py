@@ -62,7 +62,7 @@ def vllm_memory_kwargs(cfg: RolloutConfig, on_cuda: bool) -> dict:
     from rlhf.rollout.types import CPU_KV_CACHE_BYTES
 
     if not on_cuda:
-        return {"kv_cache_memory_bytes": cfg.kv_cache_bytes or CPU_KV_CACHE_BYTES}
+        return {"kv_cache_memory_bytes": cfg.kv_cache_bytes or cfg.cpu_kv_cache_bytes or CPU_KV_CACHE_BYTES}
     out = {"enable_sleep_mode": cfg.enable_sleep_mode}
     if cfg.kv_cache_bytes is not None:
         out["kv_cache_memory_bytes"] = cfg.kv_cache_bytes

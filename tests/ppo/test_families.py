@@ -23,7 +23,9 @@ PPO = os.path.join(REPO, "launch/ppo.py")
 
 
 @pytest.mark.parametrize("actor,arch,layout", [("qwen3_yarn_kv1", "Qwen3ForCausalLM", {"--tp": 2}),
-                                               ("llama3_rope", "LlamaForCausalLM", {"--tp": 2}),
+                                               # and vLLM's KV cache sized to the batch (no flag)
+                                               ("llama3_rope", "LlamaForCausalLM", {"--tp": 2,
+                                                                                    "--vllm_kv_cache_mb": None}),
                                                ("mixtral", "MixtralForCausalLM", {"--ep": 2, "--aux_loss_coef": 0.01}),
                                                ("qwen3_moe", "Qwen3MoeForCausalLM", {"--ep": 2})])
 def test_grpo_steps_with_newer_families(ppo_setup, family_actors, tmp_path, actor, arch, layout):
