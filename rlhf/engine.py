@@ -212,8 +212,10 @@ class ModelEngine:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         track_aux = bool(self.spec.num_experts) and self.optim_cfg.aux_loss_coef > 0
-        if track_aux:
-            moe_load_balancing_loss(self.mesh, len(microbatches))  # clears the tracker
+        if track_aux:  # the tracker holds this step's values only (forwards in eval mode add none)
+            from megatron.core.transformer.moe import moe_utils
+
+            moe_utils.clear_aux_losses_tracker()
         outs = run_microbatches(self.module, microbatches, loss_fn=loss_fn, output=output,
                                 device=self.mesh.device)
         metrics = self.reduce_metrics(outs, metric_keys)  # the same on every rank, so is the decision below

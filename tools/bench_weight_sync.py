@@ -57,22 +57,10 @@ def timed(fn) -> float:
 
 def drift(engine, actor, mesh) -> float:
     """max |vLLM - trainer| log-prob over vLLM's own samples of 4 prompts (a correctness check, fp32)."""
-    import torch
-
-    from rlhf.ppo.experience import collate_sequences, forward_role, select_rows
+    from rlhf.ppo.stages import sampled_logprob_drift
 
     prompts = [[1, 20 + i, 30 + i, 40 + i] for i in range(4)]
-    samples = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=8, seed=1)
-    per = len(samples) // mesh.dp
-    local = samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
-    batch = collate_sequences(local, 0, 8, seq_len=None)
-    lp = forward_role(actor, "actor", [select_rows(batch, range(len(local)), trim=True)], 1.0)
-    vl = torch.zeros_like(lp)
-    for b, s in enumerate(local):
-        vl[b, : len(s.logprobs)] = torch.tensor(s.logprobs)
-    d = ((lp - vl).abs() * batch["action_mask"]).max()
-    torch.distributed.all_reduce(d, op=torch.distributed.ReduceOp.MAX)
-    return d.item()
+    return sampled_logprob_drift(engine, actor, mesh, prompts, n=2, max_tokens=8, temperature=1.0, seed=1)
 
 
 def main(argv=None) -> int:

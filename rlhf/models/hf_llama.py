@@ -70,6 +70,16 @@ def _expert(rest: str) -> tuple[int, str] | None:
     return (int(m["j"]), m["fc"]) if m["j"] is not None else (int(m["j_g"]), m["fc_g"])
 
 
+def is_expert_param(name: str) -> bool:
+    """Whether megatron parameter ``name`` (``decoder.layers.L.``-prefixed or not) is an expert's linear."""
+    return _EXPERT.match(_LAYER.sub(r"\2", name)) is not None
+
+
+def is_glu_fc1(name: str) -> bool:
+    """``linear_fc1`` of the dense MLP or of an expert (grouped: ``weightJ``): each TP shard is ``[gate; up]``."""
+    return re.search(r"linear_fc1\.weight\d*$", name) is not None
+
+
 def _moe_prefix(spec: ModelSpec) -> str:
     return "block_sparse_moe" if spec.model_type == "mixtral" else "mlp"
 
@@ -266,7 +276,7 @@ def full_from_tp_shards(name: str, shards: list[torch.Tensor], partition_dim: in
     """
     if partition_dim is None or len(shards) == 1:
         return shards[0]
-    if re.search(r"linear_fc1\.weight\d*$", name):  # the dense MLP's and each expert's (grouped: weightJ)
+    if is_glu_fc1(name):
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=partition_dim)

@@ -96,6 +96,21 @@ def generator_logprobs(local: list[Sample], T: int) -> torch.Tensor:
     return lp
 
 
+def sampled_logprob_drift(engine, actor, mesh, prompts: list[list[int]], *, n: int, max_tokens: int,
+                          temperature: float, seed: int) -> float:
+    """Generate from ``engine``, then the largest |generator - trainer (``actor``)| log-prob over the sampled
+    tokens of the whole batch: a check that the engine serves the trainer's weights. Collective."""
+    samples = engine.generate(prompts, n=n, temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=seed)
+    per = len(samples) // mesh.dp
+    local = samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
+    seq_len = None if mesh.pp == 1 else max(len(p) for p in prompts) + max_tokens  # PP: one shape per stage
+    batch = collate_sequences(local, 0, max_tokens, seq_len=seq_len)
+    lp = forward_role(actor, "actor", [select_rows(batch, range(len(local)), trim=mesh.pp == 1)], temperature)
+    d = ((lp - generator_logprobs(local, lp.shape[1])).abs() * batch["action_mask"]).max()
+    torch.distributed.all_reduce(d, op=torch.distributed.ReduceOp.MAX)
+    return d.item()
+
+
 class RewardSources:
     """The step's reward: reward-model scores and the rule function (``--reward_fn``), combined as
     ``rlhf.rewards`` describes; the rule function reads the prompt texts and the decoded replies."""

@@ -25,7 +25,6 @@ pages are never touched), and the all-gather disappears.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -33,8 +32,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from rlhf.models.hf_llama import full_from_tp_shards, hf_from_megatron, tp_partition_dim
+from rlhf.models.hf_llama import full_from_tp_shards, hf_from_megatron, is_expert_param, is_glu_fc1, tp_partition_dim
 from rlhf.models.lora import is_lora_param, lora_modules, merged_weight
+from rlhf.models.spec import padded_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class _Param:
 
     @property
     def expert(self) -> bool:
-        return ".local_experts." in self.name or ".mlp.experts.linear_fc" in self.name  # local / TE grouped
+        return is_expert_param(self.name)
 
 
 class WeightSync:
@@ -80,6 +80,10 @@ class WeightSync:
             n *= d
         return n * (self.mesh.tp if p.partition_dim is not None else 1) * p.dtype.itemsize
 
+    def _weight(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor of parameter ``name`` as the engine gets it: LoRA-merged where adapted."""
+        return merged_weight(self.adapted[name]) if name in self.adapted else param.detach()
+
     def _bucketize(self, params: list[_Param]) -> list[list[_Param]]:
         buckets, cur, size = [], [], 0
         for p in params:
@@ -102,7 +106,7 @@ class WeightSync:
         named = dict(self.actor.model.named_parameters())
 
         def weight(p: _Param) -> torch.Tensor:
-            return merged_weight(self.adapted[p.name]) if p.name in self.adapted else named[p.name].detach()
+            return self._weight(p.name, named[p.name])
 
         if mesh.tp == 1 and mesh.pp == 1 and ep == 1:  # every tensor is here whole: no flat copy, no collective
             return [(p.name, weight(p), 0) for p in params]
@@ -150,7 +154,7 @@ class WeightSync:
     def tp_local(self, engine) -> bool:
         """Whether ``engine`` reads exactly this rank's TP shard of every tensor (see the module doc)."""
         spec, mesh = self.actor.spec, self.mesh
-        vllm_padded = -(-spec.vocab_size // 64) * 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+        vllm_padded = padded_vocab_size(spec.vocab_size, 64)  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
         return (getattr(engine, "name", None) == "vllm" and getattr(engine, "tp", 0) == mesh.tp > 1 and mesh.pp == 1
                 and not spec.num_experts and spec.num_kv_heads % mesh.tp == 0
                 and vllm_padded == self.actor.padded_vocab and mesh.rank % mesh.tp == mesh.tp_rank)
@@ -162,7 +166,7 @@ class WeightSync:
         for name, param in self.actor.model.named_parameters():
             if is_lora_param(name):
                 continue
-            local = merged_weight(self.adapted[name]) if name in self.adapted else param.detach()
+            local = self._weight(name, param)
             dim = tp_partition_dim(param)
             full = local if dim is None else _place_shard(name, local, dim, mesh.tp_rank, mesh.tp)
             nbytes += local.numel() * local.element_size()  # the bytes this rank provides
@@ -193,7 +197,7 @@ def _place_shard(name: str, shard: torch.Tensor, dim: int, rank: int, tp: int) -
     shape = list(shard.shape)
     shape[dim] *= tp
     full = torch.empty(shape, dtype=shard.dtype, device=shard.device)
-    pieces = torch.chunk(shard, 2, dim=0) if re.search(r"linear_fc1\.weight\d*$", name) else (shard,)
+    pieces = torch.chunk(shard, 2, dim=0) if is_glu_fc1(name) else (shard,)
     blocks = torch.chunk(full, len(pieces), dim=0)  # fc1: [gate; up] of the full tensor
     for piece, block in zip(pieces, blocks):
         n = piece.shape[dim]

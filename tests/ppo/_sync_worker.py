@@ -26,7 +26,7 @@ a = p.parse_args()
 
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
 from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
-from rlhf.ppo.experience import collate_sequences, forward_role, select_rows  # noqa: E402
+from rlhf.ppo.stages import sampled_logprob_drift  # noqa: E402
 from rlhf.rollout import RolloutConfig, build_rollout  # noqa: E402
 from rlhf.rollout.weight_sync import WeightSync  # noqa: E402
 
@@ -44,18 +44,7 @@ prompts = [[1] + [20 + i + 10 * (j % 3) + j // 3 for j in range(a.prompt_len - 1
 
 
 def drift(seed):
-    samples = engine.generate(prompts, n=2, temperature=temp, top_p=1.0, max_tokens=T, seed=seed)
-    per = len(samples) // mesh.dp
-    local = samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
-    batch = collate_sequences(local, 0, T, seq_len=None if mesh.pp == 1 else a.prompt_len + T)
-    mbs = [select_rows(batch, range(len(local)), trim=mesh.pp == 1)]
-    lp = forward_role(actor, "actor", mbs, temp)
-    vl = torch.zeros_like(lp)
-    for b, s in enumerate(local):
-        vl[b, : len(s.logprobs)] = torch.tensor(s.logprobs)
-    d = ((lp - vl).abs() * batch["action_mask"]).max()
-    torch.distributed.all_reduce(d, op=torch.distributed.ReduceOp.MAX)
-    return d.item()
+    return sampled_logprob_drift(engine, actor, mesh, prompts, n=2, max_tokens=T, temperature=temp, seed=seed)
 
 
 stats1 = sync.sync(engine)
