@@ -67,14 +67,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt_max_len", type=int, default=1024)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--gradient_checkpointing", action="store_true")
-    g.add_argument("--zero_stage", type=int, default=0)
+    g.add_argument("--zero_stage", type=int, default=None, help="as launch/ppo.py: default 1 when DP > 1, else 0")
     g.add_argument("--advantage_estimator", default="gae")
     g.add_argument("--init_kl_coef", type=float, default=0.01)
     g.add_argument("--colocate_all", "--colocate_all_models", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--ref_reward_offload", action="store_true")
     g.add_argument("--adam_offload", action="store_true")
     g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.95)
-    g.add_argument("--vllm_tensor_parallel_size", type=int, default=1)
+    g.add_argument("--vllm_tensor_parallel_size", type=int, default=None,
+                   help="as launch/ppo.py: default chosen per model (rlhf.rollout.types.choose_tensor_parallel_size)")
     g.add_argument("--weight_sync_bucket_mb", type=int, default=512)
     g = p.add_argument_group("vLLM defaults the trainer does not change")
     g.add_argument("--vllm_max_num_seqs", type=int, default=256)
@@ -97,6 +98,18 @@ def config_from_args(args: argparse.Namespace):
               "gradient_checkpointing", "zero_stage", "colocate_all", "ref_reward_offload", "adam_offload",
               "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "weight_sync_bucket_mb",
               "vllm_max_num_seqs", "vllm_max_num_batched_tokens")
+    if args.zero_stage is None:  # launch/ppo.py's default (rlhf.config.resolve_zero_stage)
+        from rlhf.config import resolve_zero_stage
+
+        resolve_zero_stage(args, args.nnodes * args.gpus_per_node // (args.tp * args.pp))
+    if args.vllm_tensor_parallel_size is None:  # launch/ppo.py's choice on CUDA
+        from rlhf.rollout.types import choose_tensor_parallel_size
+
+        args.vllm_tensor_parallel_size, why = choose_tensor_parallel_size(
+            actor, args.nnodes * args.gpus_per_node, args.gpus_per_node, cuda=True,
+            device_bytes=int(args.gpu_memory_gib * 2**30), dtype_bytes=2 if args.bf16 else 4,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+        print(f"--vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} ({why})", file=sys.stderr)
     return PlanConfig(actor=actor, reward=reward, critic=critic if needs_critic else None,
                       with_ref=args.init_kl_coef > 0, **{k: getattr(args, k) for k in fields})
 

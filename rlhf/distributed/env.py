@@ -125,3 +125,14 @@ def free_port(host: str = "127.0.0.1") -> int:
                 continue
             return s.getsockname()[1]
     raise RuntimeError(f"no free TCP port found on {host}")
+
+
+def local_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """Ranks on this node as the launcher states it (torchrun, Open MPI, SLURM with a uniform task count); 1 when
+    no launcher says."""
+    env = os.environ if environ is None else environ
+    for key in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = env.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1

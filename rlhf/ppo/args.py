@@ -93,7 +93,9 @@ def _add_placement_args(g) -> None:
     g.add_argument("--ref_reward_offload", action="store_true", help="keep ref/reward weights on host between uses")
     g.add_argument("--adam_offload", action="store_true", help="keep optimizer states on host outside updates")
     g.add_argument("--vllm_num_engines", type=int, default=None, help="must equal world size / vLLM TP")
-    g.add_argument("--vllm_tensor_parallel_size", type=int, default=1)
+    g.add_argument("--vllm_tensor_parallel_size", type=int, default=None,
+                   help="TP of each vLLM engine; default: chosen per model and device, and logged (CPU: the largest "
+                        "the heads allow within a node; CUDA: the smallest whose weights leave room for the KV cache)")
     g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.95)
     g.add_argument("--vllm_enforce_eager", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--weight_sync_bucket_mb", type=int, default=512)
@@ -114,6 +116,8 @@ class PPOSetup:
     [one per reward model]}"""
     rewards: Any
     """the ``RewardConfig``"""
+    vllm_tp_reason: str = ""
+    """why ``--vllm_tensor_parallel_size`` has its value when the trainer chose it ("" when the user did)"""
 
 
 def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
@@ -129,7 +133,6 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
                          "placement (Ray-style) is not supported")
     dp = validate_layout(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     _check_algo(args)
-    engines = _check_batch_sizes(args, world_size, dp)
     check_paths_exist("--prompt_data", args.prompt_data)
     check_resumable(args)
     lora_config_from_args(args)
@@ -139,8 +142,34 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     check_ema_args(args)
     _check_ptx(args)
     rewards, sources = _check_models(args)
+    why = resolve_vllm_tp(args, sources["--pretrain"]["spec"], world_size)
+    engines = _check_batch_sizes(args, world_size, dp)
     return PPOSetup(dp=dp, engines=engines, samples=args.rollout_batch_size * args.n_samples_per_prompt,
-                    sources=sources, rewards=rewards)
+                    sources=sources, rewards=rewards, vllm_tp_reason=why)
+
+
+def resolve_vllm_tp(args: argparse.Namespace, spec, world_size: int) -> str:
+    """Sets ``--vllm_tensor_parallel_size`` when it was not given (from ``--vllm_num_engines`` when that is, else
+    ``choose_tensor_parallel_size``); returns why, for the log ("" when the user chose)."""
+    if args.vllm_tensor_parallel_size is not None:
+        return ""
+    if args.vllm_num_engines is not None:
+        if args.vllm_num_engines < 1 or world_size % args.vllm_num_engines:
+            raise ValueError(f"--vllm_num_engines {args.vllm_num_engines} must divide the world size {world_size}")
+        args.vllm_tensor_parallel_size = world_size // args.vllm_num_engines
+        return f"world size {world_size} / --vllm_num_engines {args.vllm_num_engines}"
+    import torch
+
+    from rlhf.distributed.env import local_world_size
+    from rlhf.rollout.types import choose_tensor_parallel_size
+
+    cuda = torch.cuda.is_available()
+    tp, why = choose_tensor_parallel_size(
+        spec, world_size, min(local_world_size(), world_size), cuda=cuda,
+        device_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else 0,
+        dtype_bytes=2 if args.bf16 else 4, gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+    args.vllm_tensor_parallel_size = tp
+    return why
 
 
 def _check_algo(args: argparse.Namespace) -> None:
@@ -162,9 +191,9 @@ def _check_algo(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be > 0 for sampling, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top_p must be in (0, 1], got {args.top_p}")
-    if args.zero_stage not in (0, 1, 2, 3):
+    if args.zero_stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"--zero_stage must be 0..3, got {args.zero_stage}")
-    if args.vllm_tensor_parallel_size < 1:
+    if args.vllm_tensor_parallel_size is not None and args.vllm_tensor_parallel_size < 1:
         raise ValueError(f"--vllm_tensor_parallel_size must be >= 1, got {args.vllm_tensor_parallel_size}")
 
 
@@ -236,8 +265,8 @@ def _check_models(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return rewards, sources
 
 
-def log_compat(args: argparse.Namespace) -> None:
+def log_compat(args: argparse.Namespace, dp: int) -> None:
     from rlhf.config import log_compat_mappings
 
-    log_compat_mappings(args)
+    log_compat_mappings(args, dp)
     log.info("--colocate_all: actor, critic, reference, reward and vLLM share every rank (one SPMD job)")

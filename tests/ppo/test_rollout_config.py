@@ -1,10 +1,14 @@
 """The CPU KV cache of vLLM sized to the rollout batch: the byte count by hand, the flag that overrides it, and the
-engine kwargs that carry it (an end-to-end run without --vllm_kv_cache_mb is in test_families.py)."""
+engine kwargs that carry it (an end-to-end run without --vllm_kv_cache_mb is in test_families.py). The generator
+layout chosen when --vllm_tensor_parallel_size is not given, and --zero_stage's default, by hand."""
 import argparse
+
+import pytest
 
 from rlhf.models.spec import spec_from_hf_config
 from rlhf.ppo.roles import rollout_config
-from rlhf.rollout.types import CPU_KV_CACHE_BYTES, MIN_CPU_KV_CACHE_BYTES, RolloutConfig, kv_cache_bytes_for_batch
+from rlhf.rollout.types import (CPU_KV_CACHE_BYTES, MIN_CPU_KV_CACHE_BYTES, RolloutConfig,
+                                choose_tensor_parallel_size, kv_cache_bytes_for_batch)
 from rlhf.rollout.vllm_engine import vllm_memory_kwargs
 
 SPEC = spec_from_hf_config(dict(model_type="llama", vocab_size=1000, hidden_size=512, intermediate_size=1376,
@@ -36,3 +40,58 @@ def test_rollout_config_sizes_the_cpu_cache_unless_the_flag_is_given():
     assert flagged.cpu_kv_cache_bytes is None
     assert vllm_memory_kwargs(flagged, on_cuda=False) == {"kv_cache_memory_bytes": 48 << 20}
     assert vllm_memory_kwargs(RolloutConfig(), on_cuda=False) == {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+
+
+def _spec(heads, kv, hidden=512, layers=8, vocab=1000, ffn=1376):
+    return spec_from_hf_config(dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv))
+
+
+def test_cpu_layout_is_the_largest_tp_the_heads_allow_within_a_node():
+    assert choose_tensor_parallel_size(SPEC, 2, 2, cuda=False)[0] == 2
+    assert choose_tensor_parallel_size(SPEC, 8, 4, cuda=False)[0] == 4  # never across nodes
+    assert choose_tensor_parallel_size(_spec(9, 3, hidden=576), 2, 2, cuda=False)[0] == 1  # SmolLM2's heads
+    assert choose_tensor_parallel_size(_spec(8, 2), 4, 4, cuda=False)[0] == 4  # KV heads replicated
+    assert choose_tensor_parallel_size(_spec(12, 12), 8, 8, cuda=False)[0] == 4
+    tp, why = choose_tensor_parallel_size(SPEC, 1, 1, cuda=False)
+    assert tp == 1 and why
+
+
+def test_cuda_layout_is_the_smallest_tp_whose_weights_leave_room_for_the_kv_cache():
+    big = _spec(64, 8, hidden=8192, layers=80, vocab=32000, ffn=28672)  # ~69B parameters, 138 GB in bf16
+    gib = 2**30
+    assert choose_tensor_parallel_size(big, 8, 8, cuda=True, device_bytes=80 * gib, dtype_bytes=2,
+                                       gpu_memory_utilization=0.9)[0] == 4  # 32 GiB per shard <= 36
+    assert choose_tensor_parallel_size(big, 8, 8, cuda=True, device_bytes=80 * gib, dtype_bytes=2,
+                                       gpu_memory_utilization=0.5)[0] == 8  # 16 GiB per shard <= 20
+    small = _spec(32, 32, hidden=4096, layers=32, vocab=32000, ffn=11008)  # ~6.7B: 13.5 GB in bf16
+    assert choose_tensor_parallel_size(small, 8, 8, cuda=True, device_bytes=80 * gib, dtype_bytes=2,
+                                       gpu_memory_utilization=0.9)[0] == 1
+
+
+def _ppo_args(**kw):
+    base = dict(vllm_tensor_parallel_size=None, vllm_num_engines=None, vllm_gpu_memory_utilization=0.5, bf16=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_resolve_vllm_tp(monkeypatch):
+    from rlhf.ppo.args import resolve_vllm_tp
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    a = _ppo_args()
+    assert resolve_vllm_tp(a, SPEC, 2) and a.vllm_tensor_parallel_size == 2
+    a = _ppo_args(vllm_tensor_parallel_size=1)
+    assert resolve_vllm_tp(a, SPEC, 2) == "" and a.vllm_tensor_parallel_size == 1  # the user's choice stays
+    a = _ppo_args(vllm_num_engines=2)
+    assert resolve_vllm_tp(a, SPEC, 2) and a.vllm_tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="--vllm_num_engines 3"):
+        resolve_vllm_tp(_ppo_args(vllm_num_engines=3), SPEC, 2)
+
+
+def test_zero_stage_default_is_one_when_data_parallel():
+    from rlhf.config import resolve_zero_stage
+
+    for given, dp, want in ((None, 2, 1), (None, 1, 0), (0, 4, 0), (1, 1, 1)):
+        a = argparse.Namespace(zero_stage=given)
+        assert resolve_zero_stage(a, dp) == want and a.zero_stage == want
