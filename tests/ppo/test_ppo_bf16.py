@@ -55,6 +55,8 @@ def test_vllm_ran_in_the_run_dtype(runs):
     for name, (_, log) in runs.items():
         dtype = "float32" if name == "fp32" else "bfloat16"
         assert f"(external_launcher, {dtype}," in log, name  # the vLLM engine's start-up line
+        for role in ("ref", "reward"):  # the frozen models are stored in the run's dtype (half the bytes in bf16)
+            assert f"{role}: frozen, weights in {dtype} (" in log, (name, role)
     # the packed run's forwards went through the packed (THD) attention path, the padded runs' did not
     assert "core attention: packed (THD) batches" in runs["bf16_packed"][1]
     assert "core attention: packed (THD) batches" not in runs["bf16"][1]
