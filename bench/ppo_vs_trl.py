@@ -101,12 +101,15 @@ def build_models(size: str, root: str, seed: int) -> tuple[str, str, int]:
 # ------------------------------------------------------------------------------------------------ running
 class PeakMemory:
     """Peak of the summed proportional set size (PSS) of a process tree, sampled every second (``skip`` names
-    processes, e.g. the final export, whose samples are ignored)."""
+    processes, e.g. the final export, whose samples are ignored). With ``log_path`` and ``marker``, ``peak_before``
+    is the peak up to the first log line holding ``marker`` (ours: the end-of-run checkpoint save, which TRL's run
+    does not do)."""
 
-    def __init__(self, pid: int, skip: str | None = None):
+    def __init__(self, pid: int, skip: str | None = None, log_path: str | None = None, marker: str | None = None):
         import psutil
 
         self.proc, self.skip, self.peak, self.done = psutil.Process(pid), skip, 0, False
+        self.log_path, self.marker, self.peak_before, self.seen = log_path, marker, 0, marker is None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -120,28 +123,36 @@ class PeakMemory:
                 for p in procs:
                     if p.pid not in skipped:
                         skipped[p.pid] = bool(self.skip) and self.skip in " ".join(p.cmdline())
+                if not self.seen:  # read before sampling: a sample taken after the marker never counts before it
+                    with open(self.log_path, errors="replace") as f:
+                        self.seen = self.marker in f.read()
                 if not any(skipped[p.pid] for p in procs):
                     # PSS: pages shared between the ranks (mapped weights, vLLM's shared memory) count once
-                    self.peak = max(self.peak, sum(p.memory_full_info().pss for p in procs))
+                    pss = sum(p.memory_full_info().pss for p in procs)
+                    self.peak = max(self.peak, pss)
+                    if not self.seen:
+                        self.peak_before = max(self.peak_before, pss)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
             time.sleep(1.0)  # reading PSS walks the page tables: keep its cost off the measured steps
 
-    def stop(self) -> float:
+    def stop(self) -> tuple[float, float]:
         self.done = True
         self.thread.join()
-        return self.peak / 2**30
+        return self.peak / 2**30, (self.peak_before if self.marker else self.peak) / 2**30
 
 
-def run_cmd(cmd: list[str], log_path: str, env: dict, skip: str | None = None) -> float:
+def run_cmd(cmd: list[str], log_path: str, env: dict, skip: str | None = None,
+            marker: str | None = None) -> tuple[float, float]:
+    """Runs ``cmd``; its peak PSS in GB, whole run and before ``marker`` first appears in its log."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        mem = PeakMemory(proc.pid, skip)
+        mem = PeakMemory(proc.pid, skip, log_path, marker)
         code = proc.wait()
-        peak = mem.stop()
+        peaks = mem.stop()
     if code != 0:
         raise SystemExit(f"error: {' '.join(cmd[:3])} ... failed (exit {code}); see {log_path}")
-    return peak
+    return peaks
 
 
 def base_env(threads: int) -> dict:
@@ -155,12 +166,12 @@ def base_env(threads: int) -> dict:
 
 def run_trl(actor: str, rm: str, prompts: str, steps: int, work: str, seed: int, lr: float, bf16: bool) -> dict:
     out = os.path.join(work, "trl.json")
-    peak = run_cmd([TRL_PY, os.path.join(REPO, "bench", "_trl_ppo.py"), "--actor", actor, "--rm", rm, "--prompts",
+    peak, _ = run_cmd([TRL_PY, os.path.join(REPO, "bench", "_trl_ppo.py"), "--actor", actor, "--rm", rm, "--prompts",
                     prompts, "--steps", str(steps), "--batch", str(BATCH), "--response_length", str(NEW_TOKENS),
                     "--lr", str(lr), "--seed", str(seed), "--threads", "2", "--out", out] + (["--bf16"] if bf16 else []),
                    os.path.join(work, "trl.log"), base_env(2))
     res = json.load(open(out))
-    res["peak_rss_gb"] = peak
+    res["peak_rss_gb"] = res["peak_steps_gb"] = peak  # TRL's run saves nothing at its end
     return res
 
 
@@ -185,11 +196,11 @@ def run_ours(actor: str, rm: str, prompts: str, steps: int, work: str, seed: int
            "--init_kl_coef", "0.05", "--kl_estimator", "k1", "--gamma", "1.0", "--lambd", "0.95",
            "--eps_clip", "0.2", "--value_clip", "0.2", "--seed", str(seed), "--save_path", save,
            *VARIANTS[variant][0], *extra]
-    peak = run_cmd(cmd, os.path.join(work, "ours.log"), {**base_env(1), **VARIANTS[variant][1]},
-                   skip="convert_megatron_to_hf")
+    peak, peak_steps = run_cmd(cmd, os.path.join(work, "ours.log"), {**base_env(1), **VARIANTS[variant][1]},
+                               skip="convert_megatron_to_hf", marker="checkpoint: saving step")
     hist = json.load(open(os.path.join(save, "ppo_result.json")))["history"]
     return {"system": "ours", "step_s": [h["time/step_wall"] for h in hist], "scores": [h["reward"] for h in hist],
-            "kl": [h.get("kl", float("nan")) for h in hist], "peak_rss_gb": peak,
+            "kl": [h.get("kl", float("nan")) for h in hist], "peak_rss_gb": peak, "peak_steps_gb": peak_steps,
             "phases": {p: [h.get(f"time/{p}", 0.0) for h in hist] for p in PHASES}}
 
 
@@ -205,7 +216,8 @@ def summarize(runs: list[dict], tokens_per_sample: float) -> dict:
     steps = [s for r in runs for s in r["step_s"][1:]]  # the first step of every run is the warm-up
     med = statistics.median(steps)
     return {"median_step_s": med, "samples_per_s": BATCH / med, "tokens_per_s": BATCH * tokens_per_sample / med,
-            "peak_rss_gb": max(r["peak_rss_gb"] for r in runs), "n_steps": len(steps)}
+            "peak_rss_gb": max(r["peak_rss_gb"] for r in runs),
+            "peak_steps_gb": max(r.get("peak_steps_gb", r["peak_rss_gb"]) for r in runs), "n_steps": len(steps)}
 
 
 def profile(runs: list[dict]) -> dict:
@@ -292,7 +304,8 @@ def main() -> int:
                                    args.ours_extra.split() + (["--bf16"] if args.bf16 else []), args.variant)
                 runs[system].append(res)
                 print(f"   round {r + 1} {system:4s}: steps {' '.join(f'{s:.2f}' for s in res['step_s'])} s; "
-                      f"peak memory {res['peak_rss_gb']:.2f} GB; run {time.time() - t0:.0f} s", flush=True)
+                      f"peak memory {res['peak_rss_gb']:.2f} GB ({res['peak_steps_gb']:.2f} GB before the final "
+                      f"save); run {time.time() - t0:.0f} s", flush=True)
         summary = {sys_: summarize(rs, tps) for sys_, rs in runs.items() if rs}
         results[size] = {"params": n_params, "steps_per_run": steps, "tokens_per_sample": tps, "runs": runs,
                          "summary": summary, "profile": profile(runs["ours"]), "profile_trl": profile(runs["trl"])}
@@ -313,8 +326,10 @@ def main() -> int:
             print(f"   bound if only our updates took time: {results[size]['ratio_bound_updates_only']:.2f}x",
                   flush=True)
             results[size]["memory_ratio"] = summary["ours"]["peak_rss_gb"] / summary["trl"]["peak_rss_gb"]
+            results[size]["memory_ratio_steps"] = summary["ours"]["peak_steps_gb"] / summary["trl"]["peak_rss_gb"]
             print(f"   ratio ours/TRL samples/s: {results[size]['ratio']:.2f}x; peak memory "
-                  f"{results[size]['memory_ratio']:.2f}x", flush=True)
+                  f"{results[size]['memory_ratio']:.2f}x ({results[size]['memory_ratio_steps']:.2f}x before our "
+                  f"final checkpoint save, which TRL's run does not do)", flush=True)
         name = ("results" if not args.skip_trl else f"profile_{args.variant}") + ("_bf16" if args.bf16 else "") + ".json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(results, f, indent=1)

@@ -58,8 +58,9 @@ def add_engine_args(g) -> None:
     g.add_argument("--transformer_impl", choices=["local", "transformer_engine"], default=None,
                    help="megatron layer implementation (megatron's flag); default: transformer_engine where it "
                         "imports on CUDA, else local. Checkpoints are the same under either")
-    g.add_argument("--zero_stage", type=int, default=0,
-                   help="compatibility: >=1 maps to megatron's distributed optimizer (ZeRO-1)")
+    g.add_argument("--zero_stage", type=int, default=None,
+                   help=">=1 maps to megatron's distributed optimizer (ZeRO-1: optimizer states sharded over DP); "
+                        "default 1 when the data-parallel size is > 1, else 0")
     g.add_argument("--flash_attn", action="store_true",
                    help="compatibility: flash/TE attention is used when installed on a GPU")
     g.add_argument("--packing_samples", action="store_true",
@@ -163,7 +164,7 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
         raise ValueError(f"--max_epochs must be >= 1, got {args.max_epochs}")
     if args.max_len < 8:
         raise ValueError(f"--max_len must be >= 8, got {args.max_len}")
-    if args.zero_stage not in (0, 1, 2, 3):
+    if args.zero_stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"--zero_stage must be 0..3, got {args.zero_stage}")
     check_paths_exist("--dataset", args.dataset)
     check_paths_exist("--eval_dataset", args.eval_dataset)
@@ -201,7 +202,7 @@ def optim_config(args: argparse.Namespace, lr: float, total_steps: int):
     return OptimConfig(lr=lr, weight_decay=args.l2, adam_betas=tuple(args.adam_betas), clip_grad=args.max_norm,
                        max_skipped_steps=args.max_skipped_steps, warmup_ratio=args.lr_warmup_ratio,
                        scheduler=args.lr_scheduler, total_steps=total_steps,
-                       use_distributed_optimizer=args.zero_stage >= 1,
+                       use_distributed_optimizer=zero_stage(args) >= 1,
                        aux_loss_coef=getattr(args, "aux_loss_coef", 0.0))
 
 
@@ -225,11 +226,28 @@ def check_resumable(args: argparse.Namespace) -> None:
             raise ValueError(f"--load_checkpoint: no 'latest' checkpoint under --ckpt_path {ckpt}")
 
 
-def log_compat_mappings(args: argparse.Namespace) -> None:
-    """One line per compatibility flag, saying what it maps to here."""
-    if args.zero_stage >= 1:
-        log.info("--zero_stage %d -> megatron distributed optimizer (optimizer states sharded over DP; ZeRO-1)%s",
-                 args.zero_stage, "; ZeRO-2/3 parameter/gradient sharding is not implemented" if args.zero_stage > 1
+def resolve_zero_stage(args: argparse.Namespace, dp: int) -> int:
+    """``--zero_stage`` when given, else 1 (megatron's distributed optimizer) when ``dp`` > 1 and 0 otherwise:
+    sharding Adam's states over DP costs one reduce-scatter + all-gather in place of the gradient all-reduce and
+    saves (DP - 1) / DP of them on every rank. Sets ``args.zero_stage``; call it before any ``optim_config``."""
+    if args.zero_stage is None:
+        args.zero_stage = 1 if dp > 1 else 0
+    return args.zero_stage
+
+
+def zero_stage(args: argparse.Namespace) -> int:
+    assert args.zero_stage is not None, "resolve_zero_stage(args, mesh.dp) comes first"
+    return args.zero_stage
+
+
+def log_compat_mappings(args: argparse.Namespace, dp: int) -> None:
+    """Resolves ``--zero_stage`` for this data-parallel size, then one line per compatibility flag, saying what
+    it maps to here."""
+    given = args.zero_stage is not None
+    if resolve_zero_stage(args, dp) >= 1:
+        log.info("--zero_stage %d%s -> megatron distributed optimizer (optimizer states sharded over DP; ZeRO-1)%s",
+                 args.zero_stage, "" if given else f" (the default at data-parallel size {dp}; 0 turns it off)",
+                 "; ZeRO-2/3 parameter/gradient sharding is not implemented" if args.zero_stage > 1
                  else "")
     if args.flash_attn:
         from rlhf.models.gpt import te_available

@@ -196,6 +196,9 @@ class ModelEngine:
                                bf16=self.bf16, params_dtype=torch.float32,
                                use_distributed_optimizer=optim.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(ocfg, [self.ddp], use_gloo_process_groups=False)
+        from rlhf.compat.megatron import host_groups_for_distributed_optimizer
+
+        host_groups_for_distributed_optimizer(self.optimizer)
         total = max(1, optim.total_steps)
         warmup = int(math.ceil(optim.warmup_ratio * total))
         style = {"cosine": "cosine", "linear": "linear", "constant": "constant"}[optim.scheduler]

@@ -67,7 +67,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt_max_len", type=int, default=1024)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--gradient_checkpointing", action="store_true")
-    g.add_argument("--zero_stage", type=int, default=0)
+    g.add_argument("--zero_stage", type=int, default=None, help="as launch/ppo.py: default 1 when DP > 1, else 0")
     g.add_argument("--advantage_estimator", default="gae")
     g.add_argument("--init_kl_coef", type=float, default=0.01)
     g.add_argument("--colocate_all", "--colocate_all_models", action=argparse.BooleanOptionalAction, default=True)
@@ -98,6 +98,10 @@ def config_from_args(args: argparse.Namespace):
               "gradient_checkpointing", "zero_stage", "colocate_all", "ref_reward_offload", "adam_offload",
               "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "weight_sync_bucket_mb",
               "vllm_max_num_seqs", "vllm_max_num_batched_tokens")
+    if args.zero_stage is None:  # launch/ppo.py's default (rlhf.config.resolve_zero_stage)
+        from rlhf.config import resolve_zero_stage
+
+        resolve_zero_stage(args, args.nnodes * args.gpus_per_node // (args.tp * args.pp))
     if args.vllm_tensor_parallel_size is None:  # launch/ppo.py's choice on CUDA
         from rlhf.rollout.types import choose_tensor_parallel_size
 

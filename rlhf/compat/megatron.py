@@ -17,6 +17,21 @@ def inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+# megatron-core 0.16.1: the memory-efficient checkpoint gather runs over `data_parallel_group_gloo`.
+def host_groups_for_distributed_optimizer(optimizer) -> None:
+    """Give each ``DistributedOptimizer`` its DP group as ``data_parallel_group_gloo``.
+
+    megatron gathers the optimizer state for a checkpoint (``distrib_optim_fully_reshardable_mem_efficient``)
+    as host tensors over ``data_parallel_group_gloo``, a separate gloo copy of the DP group that
+    ``use_gloo_process_groups=False`` leaves as None. Our groups already carry gloo for host tensors (CPU: gloo;
+    CUDA: ``cpu:gloo,cuda:nccl``), so the DP group itself serves."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in inner_optimizers(optimizer):
+        if isinstance(opt, DistributedOptimizer) and getattr(opt, "data_parallel_group_gloo", None) is None:
+            opt.data_parallel_group_gloo = opt.data_parallel_group
+
+
 # megatron-core 0.16.1: optimizer state exists only after the first step; a load needs tensors to load into.
 def init_optimizer_state(optimizer) -> None:
     """Create Adam's state with dummy values (megatron's private initialisers), before a checkpoint load."""

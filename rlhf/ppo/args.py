@@ -191,7 +191,7 @@ def _check_algo(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be > 0 for sampling, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top_p must be in (0, 1], got {args.top_p}")
-    if args.zero_stage not in (0, 1, 2, 3):
+    if args.zero_stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"--zero_stage must be 0..3, got {args.zero_stage}")
     if args.vllm_tensor_parallel_size is not None and args.vllm_tensor_parallel_size < 1:
         raise ValueError(f"--vllm_tensor_parallel_size must be >= 1, got {args.vllm_tensor_parallel_size}")
@@ -265,8 +265,8 @@ def _check_models(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return rewards, sources
 
 
-def log_compat(args: argparse.Namespace) -> None:
+def log_compat(args: argparse.Namespace, dp: int) -> None:
     from rlhf.config import log_compat_mappings
 
-    log_compat_mappings(args)
+    log_compat_mappings(args, dp)
     log.info("--colocate_all: actor, critic, reference, reward and vLLM share every rank (one SPMD job)")

@@ -1,6 +1,6 @@
 """The CPU KV cache of vLLM sized to the rollout batch: the byte count by hand, the flag that overrides it, and the
 engine kwargs that carry it (an end-to-end run without --vllm_kv_cache_mb is in test_families.py). The generator
-layout chosen when --vllm_tensor_parallel_size is not given, by hand."""
+layout chosen when --vllm_tensor_parallel_size is not given, and --zero_stage's default, by hand."""
 import argparse
 
 import pytest
@@ -88,3 +88,10 @@ def test_resolve_vllm_tp(monkeypatch):
     with pytest.raises(ValueError, match="--vllm_num_engines 3"):
         resolve_vllm_tp(_ppo_args(vllm_num_engines=3), SPEC, 2)
 
+
+def test_zero_stage_default_is_one_when_data_parallel():
+    from rlhf.config import resolve_zero_stage
+
+    for given, dp, want in ((None, 2, 1), (None, 1, 0), (0, 4, 0), (1, 1, 1)):
+        a = argparse.Namespace(zero_stage=given)
+        assert resolve_zero_stage(a, dp) == want and a.zero_stage == want

@@ -63,6 +63,33 @@ def test_manifest_lists_every_file(ckpt_run):
     _load(ckpt_run, 2)
 
 
+def test_roles_are_saved_one_at_a_time_and_the_older_layout_loads(ckpt_run):
+    """Each role is its own dist checkpoint under state/<role>/ (so a role's distributed-optimizer gather is freed
+    before the next role's); a checkpoint written before that, every role in state/ itself, still resumes."""
+    import shutil
+
+    from rlhf.checkpoint import write_ckpt_manifest
+
+    path = ckpt_run["path"]
+    folder = os.path.join(path, "iter_0000002")
+    assert os.listdir(os.path.join(folder, "state")) == ["sft"]
+    backup = os.path.join(path, "backup")
+    shutil.copytree(folder, backup)
+    try:  # the older layout: what state/sft/ holds, in state/ (one save of {"sft": ...} wrote the same keys)
+        inner = os.path.join(folder, "state", "sft")
+        for name in os.listdir(inner):
+            os.replace(os.path.join(inner, name), os.path.join(folder, "state", name))
+        os.rmdir(inner)
+        write_ckpt_manifest(folder)
+        with torch.no_grad():  # so only a real load can bring step 2's weights back
+            for prm in ckpt_run["eng"].model.parameters():
+                prm.add_(1.0)
+        _load(ckpt_run, 2)
+    finally:
+        shutil.rmtree(folder)
+        os.replace(backup, folder)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "missing", "changed", "garbage_latest"])
 def test_damaged_latest_falls_back_with_a_warning(ckpt_run, damage, caplog):
     from rlhf.checkpoint import verify_ckpt
