@@ -146,7 +146,7 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
     mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, env, seed=args.seed,
                            ep=args.expert_model_parallel_size)
     from rlhf.distributed.health import check_config_consistency; check_config_consistency(args)  # noqa: E702
-    log_compat_mappings(args, mesh.dp)
+    log_compat_mappings(args, mesh.dp, mesh.device.type == "cuda")
     if mesh.is_rank0:
         log.info("%s: %d train / %d eval samples (%s); %d steps of %d samples on dp=%d tp=%d pp=%d", task.name,
                  len(train), len(evals), ", ".join(f"{k}={v:g}" for k, v in stats.items()), total_steps,

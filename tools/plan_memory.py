@@ -67,7 +67,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt_max_len", type=int, default=1024)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--gradient_checkpointing", action="store_true")
-    g.add_argument("--zero_stage", type=int, default=None, help="as launch/ppo.py: default 1 when DP > 1, else 0")
+    g.add_argument("--zero_stage", type=int, default=None, help="as launch/ppo.py on CUDA: default 1 when DP > 1, else 0")
     g.add_argument("--advantage_estimator", default="gae")
     g.add_argument("--init_kl_coef", type=float, default=0.01)
     g.add_argument("--colocate_all", "--colocate_all_models", action=argparse.BooleanOptionalAction, default=True)

@@ -265,8 +265,8 @@ def _check_models(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return rewards, sources
 
 
-def log_compat(args: argparse.Namespace, dp: int) -> None:
+def log_compat(args: argparse.Namespace, dp: int, cuda: bool) -> None:
     from rlhf.config import log_compat_mappings
 
-    log_compat_mappings(args, dp)
+    log_compat_mappings(args, dp, cuda)
     log.info("--colocate_all: actor, critic, reference, reward and vLLM share every rank (one SPMD job)")

@@ -66,7 +66,7 @@ class PPOTrainer:
                                            DistEnv.from_environ(), seed=args.seed,
                                            ep=args.expert_model_parallel_size)
         check_config_consistency(args)
-        log_compat(args, mesh.dp)
+        log_compat(args, mesh.dp, mesh.device.type == "cuda")
         if setup.vllm_tp_reason and args.rollout_backend != "megatron" and mesh.is_rank0:
             log.info("--vllm_tensor_parallel_size not given: %d (%d engine(s)); %s", args.vllm_tensor_parallel_size,
                      setup.engines, setup.vllm_tp_reason)

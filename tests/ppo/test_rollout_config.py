@@ -89,9 +89,10 @@ def test_resolve_vllm_tp(monkeypatch):
         resolve_vllm_tp(_ppo_args(vllm_num_engines=3), SPEC, 2)
 
 
-def test_zero_stage_default_is_one_when_data_parallel():
+def test_zero_stage_default_is_one_when_data_parallel_on_cuda():
     from rlhf.config import resolve_zero_stage
 
-    for given, dp, want in ((None, 2, 1), (None, 1, 0), (0, 4, 0), (1, 1, 1)):
+    for given, dp, cuda, want in ((None, 2, True, 1), (None, 1, True, 0), (0, 4, True, 0), (1, 1, True, 1),
+                                  (None, 2, False, 0), (1, 2, False, 1)):
         a = argparse.Namespace(zero_stage=given)
-        assert resolve_zero_stage(a, dp) == want and a.zero_stage == want
+        assert resolve_zero_stage(a, dp, cuda) == want and a.zero_stage == want
