@@ -217,7 +217,7 @@ def summarize(runs: list[dict], tokens_per_sample: float) -> dict:
     med = statistics.median(steps)
     return {"median_step_s": med, "samples_per_s": BATCH / med, "tokens_per_s": BATCH * tokens_per_sample / med,
             "peak_rss_gb": max(r["peak_rss_gb"] for r in runs),
-            "peak_steps_gb": max(r.get("peak_steps_gb", r["peak_rss_gb"]) for r in runs), "n_steps": len(steps)}
+            "peak_steps_gb": max(r["peak_steps_gb"] for r in runs), "n_steps": len(steps)}
 
 
 def profile(runs: list[dict]) -> dict:

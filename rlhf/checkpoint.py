@@ -191,13 +191,11 @@ class Checkpointer:
             log.info("checkpoint: saving step %d to %s", step, final)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng"))
-            os.makedirs(os.path.join(tmp, "state"))
+            for role in engines:
+                os.makedirs(os.path.join(tmp, "state", role))
         dist.barrier()
         try:
             for role, eng in engines.items():  # one role at a time: its optimizer gather is freed before the next
-                if self.mesh.is_rank0:
-                    os.makedirs(os.path.join(tmp, "state", role))
-                dist.barrier()
                 dist_checkpointing.save({role: engine_sharded_state_dict(eng)}, os.path.join(tmp, "state", role))
             torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{self.mesh.rank}.pt"))
             if self.mesh.is_rank0:

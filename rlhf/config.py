@@ -226,7 +226,7 @@ def check_resumable(args: argparse.Namespace) -> None:
             raise ValueError(f"--load_checkpoint: no 'latest' checkpoint under --ckpt_path {ckpt}")
 
 
-def resolve_zero_stage(args: argparse.Namespace, dp: int, cuda: bool = True) -> int:
+def resolve_zero_stage(args: argparse.Namespace, dp: int, cuda: bool) -> int:
     """``--zero_stage`` when given, else 1 (megatron's distributed optimizer) on CUDA when ``dp`` > 1, and 0
     otherwise. Sharding Adam's states over DP saves (DP - 1) / DP of them on every rank and costs a
     reduce-scatter + all-gather in place of the gradient all-reduce: cheap on NCCL, not on gloo. Measured on a
@@ -240,11 +240,11 @@ def resolve_zero_stage(args: argparse.Namespace, dp: int, cuda: bool = True) -> 
 
 
 def zero_stage(args: argparse.Namespace) -> int:
-    assert args.zero_stage is not None, "resolve_zero_stage(args, mesh.dp) comes first"
+    assert args.zero_stage is not None, "resolve_zero_stage(args, mesh.dp, cuda) comes first"
     return args.zero_stage
 
 
-def log_compat_mappings(args: argparse.Namespace, dp: int, cuda: bool = True) -> None:
+def log_compat_mappings(args: argparse.Namespace, dp: int, cuda: bool) -> None:
     """Resolves ``--zero_stage`` for this data-parallel size and device, then one line per compatibility flag,
     saying what it maps to here."""
     given = args.zero_stage is not None

@@ -101,7 +101,7 @@ def config_from_args(args: argparse.Namespace):
     if args.zero_stage is None:  # launch/ppo.py's default (rlhf.config.resolve_zero_stage)
         from rlhf.config import resolve_zero_stage
 
-        resolve_zero_stage(args, args.nnodes * args.gpus_per_node // (args.tp * args.pp))
+        resolve_zero_stage(args, args.nnodes * args.gpus_per_node // (args.tp * args.pp), cuda=True)
     if args.vllm_tensor_parallel_size is None:  # launch/ppo.py's choice on CUDA
         from rlhf.rollout.types import choose_tensor_parallel_size
 
