@@ -14,6 +14,11 @@ keeps its shape and stride and is valid again once the storage is resized back a
 moved and counted once. On CPU "device" and host are the same memory, but the same copy/free/restore runs, so the
 bookkeeping is exercised by the CPU tests.
 
+Gradients are *dropped*, never copied: outside a role's own update they hold nothing anyone reads (``train_step``
+zeroes them before it accumulates), so their storage is freed with no host copy and comes back zero-filled. This
+is also why every schedule, with or without flags and on CPU too, keeps a role's gradients only during its own
+update: freeing them costs a memset, not a copy (verl and OpenRLHF copy them to host and back).
+
     managers = {role: OffloadManager(engine) for role, engine in engines.items()}
     sched = MemoryScheduler(managers, colocate_all=True, adam_offload=True)
     sched.enter("make_experience")   # offloads what the phase does not use, then onloads what it does
@@ -32,6 +37,8 @@ import torch
 log = logging.getLogger(__name__)
 
 PARTS = ("params", "grads", "optimizer")
+DROPPED = ("grads",)
+"""Parts whose contents are dead between phases: freed without a host copy, re-allocated as zeros."""
 PHASES = ("rollout", "make_experience", "actor_update", "critic_update", "weight_sync")
 _MiB = 2 ** 20
 
@@ -131,7 +138,8 @@ class OffloadManager:
         return sum(s.nbytes() for group in self.storages().values() for s in group)
 
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
-        """Copy the chosen parts to host and free their device storage. Returns the bytes moved."""
+        """Copy the chosen parts to host (grads: no copy, see ``DROPPED``) and free their device storage. Returns
+        the bytes freed on the device."""
         parts = [p for p, on in zip(PARTS, (params, grads, optimizer)) if on and p not in self._off]
         if not parts:
             return 0
@@ -145,7 +153,9 @@ class OffloadManager:
                 if not s.resizable():
                     raise RuntimeError(f"{self.name}: a {part} storage of {n} bytes cannot be resized (memory-"
                                        "mapped or shared from numpy?); copy the tensor before offloading")
-        for slots in moving.values():
+        for part, slots in moving.items():
+            if part in DROPPED:
+                continue
             for s, n in slots:
                 host = self._host.get(s._cdata)
                 if host is None or host.numel() != n:
@@ -162,16 +172,20 @@ class OffloadManager:
         return self._report("offload", moving, t0)
 
     def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
-        """Re-allocate the chosen parts on the device and copy them back. Returns the bytes moved."""
+        """Re-allocate the chosen parts on the device and copy them back (grads: zero-filled). Returns the bytes
+        re-allocated."""
         parts = [p for p, on in zip(PARTS, (params, grads, optimizer)) if on and p in self._off]
         if not parts:
             return 0
         t0 = time.perf_counter()
         moving = {p: self._off.pop(p) for p in parts}
-        for slots in moving.values():
+        for part, slots in moving.items():
             for s, n in slots:
                 s.resize_(n)
-                _bytes_view(s, n).copy_(self._host[s._cdata], non_blocking=self.cuda)
+                if part in DROPPED:
+                    _bytes_view(s, n).zero_()
+                else:
+                    _bytes_view(s, n).copy_(self._host[s._cdata], non_blocking=self.cuda)
         if self.cuda:
             torch.cuda.synchronize(self.device)
         return self._report("onload", moving, t0)
@@ -181,8 +195,10 @@ class OffloadManager:
         dt = time.perf_counter() - t0
         if not self._announced:
             self._announced = True
-            log.info("%s: offloading %s to %s host buffers (%s); first %s moved %.1f MiB in %.3f s",
-                     self.name, "+".join(moving), "pinned" if self.cuda else "plain", self.device, what,
+            copied = "+".join(p for p in moving if p not in DROPPED) or "nothing"
+            dropped = "+".join(p for p in moving if p in DROPPED) or "nothing"
+            log.info("%s: offloading %s to %s host buffers, dropping %s (%s); first %s: %.1f MiB in %.3f s",
+                     self.name, copied, "pinned" if self.cuda else "plain", dropped, self.device, what,
                      nbytes / _MiB, dt)
         log.debug("%s: %s %s %.1f MiB in %.3f s (%.2f GB/s)", self.name, what, "+".join(moving), nbytes / _MiB,
                   dt, nbytes / max(dt, 1e-9) / 1e9)
@@ -202,20 +218,23 @@ def plan_residency(phase: str, roles: Iterable[str], *, colocate_all: bool = Fal
                    ref_reward_offload: bool = False, adam_offload: bool = False) -> dict[str, Residency]:
     """Per role, the parts ``phase`` keeps on the device. Pure; the flags combine.
 
-    Without flags everything stays resident. ``colocate_all``: rollout keeps nothing (vLLM owns the weights it
-    generates with), make_experience keeps every role's params (forward only), ``<role>_update`` keeps that role's
-    params, grads and optimizer, weight_sync keeps the actor's params. ``ref_reward_offload``: ref and reward params
-    only during make_experience. ``adam_offload``: a role's optimizer states only during its own update.
+    A role's grads are resident during its own update only, whatever the flags (``DROPPED``: freeing them copies
+    nothing). Without flags everything else stays resident. ``colocate_all``: rollout keeps nothing (vLLM owns the
+    weights it generates with), make_experience keeps every role's params (forward only), ``<role>_update`` keeps
+    that role's params, grads and optimizer, weight_sync keeps the actor's params. ``ref_reward_offload``: ref and
+    reward params only during make_experience. ``adam_offload``: a role's optimizer states only during its own
+    update.
     """
     if phase not in PHASES:
         raise ValueError(f"unknown PPO phase {phase!r}; expected one of {PHASES}")
     plan = {}
     for role in roles:
         updating = phase == f"{role}_update"
-        params = grads = optimizer = True
+        params = optimizer = True
+        grads = updating
         if colocate_all:
             params = updating or phase == "make_experience" or (phase == "weight_sync" and role == "actor")
-            grads = optimizer = updating
+            optimizer = updating
         if ref_reward_offload and (role == "ref" or role.startswith("reward")):  # reward, reward1, ...
             params = params and phase == "make_experience"
         if adam_offload:
@@ -239,11 +258,12 @@ class MemoryScheduler:
         self.flags = dict(colocate_all=colocate_all, ref_reward_offload=ref_reward_offload,
                           adam_offload=adam_offload)
         self.move = move
-        """False: plan only, move nothing (``cpu_offload_moves``: on a CPU device the host *is* the device, so a
-        copy cannot lower peak memory; it only costs time)."""
+        """False: copy nothing, only drop and restore grads (``cpu_offload_moves``: on a CPU device the host *is* the
+        device, so a copy cannot lower peak memory; it only costs time)."""
         self.current: str | None = None
         self.stats: dict[str, float] = {}
-        """Per phase entered since ``pop_stats``: ``offload/<phase>_out_mb`` / ``_in_mb`` moved off / onto the device,
+        """Per phase entered since ``pop_stats``: ``offload/<phase>_out_mb`` / ``_in_mb`` freed on (copied off or
+        dropped) / re-allocated on the device, ``offload/<phase>_s`` the seconds it took,
         and on CUDA ``offload/<phase>_device_freed_gb`` (``torch.cuda.memory_allocated`` before minus after the
         offloads)."""
 
@@ -255,23 +275,21 @@ class MemoryScheduler:
         """Offload everything ``phase`` does not use first, then onload what it does, so that peak memory never
         holds the leaving and the arriving parts at once."""
         plan = plan_residency(phase, self.managers, **self.flags)
-        if not self.move:
-            self.current = phase
-            return plan
         t0 = time.perf_counter()
         device = next((m.device for m in self.managers.values() if m.cuda), None)
         allocated = torch.cuda.memory_allocated(device) if device is not None else 0
-        out = sum(m.offload(params=not plan[r].params, grads=not plan[r].grads, optimizer=not plan[r].optimizer)
-                  for r, m in self.managers.items())
+        copy = self.move  # else grads only: dropping them copies nothing
+        out = sum(m.offload(params=copy and not plan[r].params, grads=not plan[r].grads,
+                            optimizer=copy and not plan[r].optimizer) for r, m in self.managers.items())
         if device is not None:
             self.stats[f"offload/{phase}_device_freed_gb"] = (allocated - torch.cuda.memory_allocated(device)) / 2**30
-        back = sum(m.onload(params=plan[r].params, grads=plan[r].grads, optimizer=plan[r].optimizer)
+        back = sum(m.onload(params=copy and plan[r].params, grads=plan[r].grads, optimizer=copy and plan[r].optimizer)
                    for r, m in self.managers.items())
         self.stats[f"offload/{phase}_out_mb"] = out / _MiB
         self.stats[f"offload/{phase}_in_mb"] = back / _MiB
+        self.stats[f"offload/{phase}_s"] = dt = time.perf_counter() - t0
         self.current = phase
-        log.debug("phase %s: offloaded %.1f MiB, onloaded %.1f MiB in %.3f s", phase, out / _MiB, back / _MiB,
-                  time.perf_counter() - t0)
+        log.debug("phase %s: offloaded %.1f MiB, onloaded %.1f MiB in %.3f s", phase, out / _MiB, back / _MiB, dt)
         return plan
 
     @contextlib.contextmanager

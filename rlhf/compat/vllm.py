@@ -50,6 +50,48 @@ def repack_cpu_lm_head(model) -> bool:
     return False
 
 
+# vLLM 0.32.0 (CPU): no sleep mode, and the engine's weights are prepacked copies that every reload re-creates.
+def _released_linear(x, weight, bias):
+    raise RuntimeError("vLLM's CPU weights were released after the last rollout (rlhf.compat.vllm."
+                       "release_cpu_weights) and not reloaded since: sync the weights before generating")
+
+
+def release_cpu_weights(model) -> int:
+    """The CPU counterpart of sleep level 2, whose next weight sync overwrites every weight anyway. vLLM's CPU
+    linear layers (and the LM head) multiply through a closure, ``cpu_linear``, that holds a prepacked copy of the
+    weight (oneDNN or sgl kernels; a linear's own ``weight`` parameter is already empty, the embedding's is not).
+    Each ``cpu_linear`` is replaced by one that raises, which frees the packed copy, and every parameter storage of
+    those layers is freed (``restore_cpu_weights`` re-allocates them before the next reload). ``reload_weights``
+    re-creates each packed copy when it re-processes a loaded layer, and ``repack_cpu_lm_head`` the tied head's.
+    MoE expert weights (3-D, no ``cpu_linear``) stay. Runs inside the engine (``LLM.apply_model``); returns the
+    parameter bytes freed (the packed copies come on top: about the same again)."""
+    released, seen, nbytes = [], set(), 0
+    for module in model.modules():
+        if not hasattr(module, "cpu_linear"):
+            continue
+        module.cpu_linear = _released_linear
+        for p in module.parameters(recurse=False):
+            st = p.untyped_storage()
+            if st._cdata in seen or st.nbytes() == 0 or not st.resizable():
+                continue
+            seen.add(st._cdata)
+            released.append((st, st.nbytes()))
+            nbytes += st.nbytes()
+            st.resize_(0)
+    model._rlhf_released = getattr(model, "_rlhf_released", []) + released
+    return nbytes
+
+
+def restore_cpu_weights(model) -> int:
+    """Re-allocate the storages ``release_cpu_weights`` freed (contents undefined until the reload fills them)."""
+    released, nbytes = getattr(model, "_rlhf_released", []), 0
+    for st, n in released:
+        st.resize_(n)
+        nbytes += n
+    model._rlhf_released = []
+    return nbytes
+
+
 # vLLM 0.32.0 (CPU): reload_weights leaves MoE expert weights in checkpoint layout, not the kernel's prepacked one.
 def repack_cpu_moe_on_reload() -> None:
     """vLLM's CPU MoE kernel reads its expert weights (``w13_weight``, ``w2_weight``) padded and prepacked.

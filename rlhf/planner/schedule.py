@@ -113,7 +113,7 @@ def plan(cfg: PlanConfig) -> Plan:
     for role, (spec, value_head, trainable) in cfg.roles.items():
         st = max((role_state(spec, cfg, s, value_head, trainable) for s in range(cfg.pp)),
                  key=lambda x: x.params + x.grads + x.optimizer)
-        host += st.params + st.grads + st.optimizer  # OffloadManager keeps one host buffer per device storage
+        host += st.params + st.optimizer  # OffloadManager's host buffer per storage; grads are dropped, not copied
     notes = []
     if vm.kv_tokens < vm.kv_tokens_wanted:
         notes.append(f"vLLM KV cache: {vm.kv_tokens} tokens per engine shard, {vm.kv_tokens_wanted} wanted for "

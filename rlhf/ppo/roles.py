@@ -125,5 +125,6 @@ def _add_memory_schedule(roles: PPORoles, args: argparse.Namespace, mesh) -> Non
                                    ref_reward_offload=args.ref_reward_offload, adam_offload=args.adam_offload,
                                    move=moves)
     if not moves and mesh.is_rank0 and (args.colocate_all or args.ref_reward_offload or args.adam_offload):
-        log.info("offload: the device is the CPU, so parameters, gradients and optimizer states stay where "
-                 "they are (a host copy cannot lower peak memory); RLHF_OFFLOAD_ON_CPU=1 copies anyway")
+        log.info("offload: the device is the CPU, so parameters and optimizer states stay where they are (a host "
+                 "copy cannot lower peak memory; RLHF_OFFLOAD_ON_CPU=1 copies anyway); gradients are still freed "
+                 "outside their own update")

@@ -106,7 +106,7 @@ class PPOTrainer:
         args, roles, mesh = self.args, self.roles, self.mesh
         prompt_idx = self.sampler.next_step()[0]
         metrics: dict[str, float] = {}
-        if self.actor_changed:
+        if self.actor_changed or roles.rollout.needs_sync:  # a sleeping engine discarded its weights
             metrics.update(sync_weights(roles, timer))
             self.actor_changed = False
         rollout = generate(roles, args, self.prompts, prompt_idx, self.step, mesh, timer)

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 class MegatronRollout:
     reads_actor_params = True
+    needs_sync = False  # it generates with the actor's own parameters
     name = "megatron-fallback"
 
     def __init__(self, mesh, actor, cfg: RolloutConfig):

@@ -6,7 +6,9 @@ parallelism over the engines). The engine starts from dummy weights and receives
 checkpoint alike. Log-probs are vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)``, the same
 quantity the trainer computes (vLLM's raw log-probs ignore the temperature).
 
-Sleep mode exists on CUDA only; on CPU ``sleep``/``wake_up`` keep their call sites but do nothing.
+Sleep mode exists on CUDA only. On CPU ``sleep`` frees the engine's weights instead (its prepacked copies, see
+``rlhf.compat.vllm.release_cpu_weights``), ``wake_up(["weights"])`` re-allocates them, and the next weight sync
+re-creates them; the KV cache, sized to the batch there, stays.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf.compat import installed_version
-from rlhf.compat.vllm import TESTED_VLLM, keep_torch_rng, repack_cpu_lm_head, repack_cpu_moe_on_reload
+from rlhf.compat.vllm import (TESTED_VLLM, keep_torch_rng, release_cpu_weights, repack_cpu_lm_head,
+                               repack_cpu_moe_on_reload, restore_cpu_weights)
 from rlhf.rollout.types import RolloutConfig, Sample
 
 log = logging.getLogger(__name__)
@@ -128,18 +131,32 @@ class VLLMRollout:
             repack_cpu_moe_on_reload()
         with keep_torch_rng():
             self.llm = LLM(**kwargs)
+        self.release_on_cpu = cfg.enable_sleep_mode and not on_cuda
         if mesh.is_rank0:
             log.info("vLLM %d engine(s) x TP %d (external_launcher, %s, %s) ready in %.1f s; sleep mode %s",
                      self.num_engines, self.tp, cfg.dtype, "eager" if cfg.enforce_eager else "compiled",
-                     time.perf_counter() - t0, "on" if self.sleep_enabled else "off (CPU: no-op)")
+                     time.perf_counter() - t0, "on" if self.sleep_enabled else
+                     "off (CPU: the weights are freed after each rollout instead)" if self.release_on_cpu else "off")
         self.sleeping = False
+        self.weights_stale = True
+        """The engine does not hold the actor's current weights: dummy weights, or discarded by ``sleep``."""
+        self.cpu_released = False
+        """CPU: ``sleep`` freed the weights and ``wake_up(["weights"])`` has not re-allocated them yet."""
 
     # ------------------------------------------------------------------------------------------ memory phases
+    @property
+    def needs_sync(self) -> bool:
+        """Whether a weight sync must come before the next generation even if the actor did not change."""
+        return self.weights_stale
+
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         if self.sleep_enabled and self.sleeping:
             self.llm.wake_up(tags=list(tags))
             if "kv_cache" in tags:
                 self.sleeping = False
+        elif self.cpu_released and "weights" in tags:
+            self.llm.apply_model(restore_cpu_weights)
+            self.cpu_released = False
 
     def sleep(self) -> None:
         # vLLM's sleep levels (CUDA only): level 1 discards the KV cache and copies the weights to pinned host
@@ -150,6 +167,14 @@ class VLLMRollout:
         if self.sleep_enabled and not self.sleeping:
             self.llm.sleep(level=2)
             self.sleeping = True
+            self.weights_stale = True
+        elif self.release_on_cpu and not self.cpu_released:
+            first = self.version == 0
+            freed = sum(self.llm.apply_model(release_cpu_weights))
+            self.cpu_released = self.weights_stale = True
+            if first and self.mesh.is_rank0:
+                log.info("vLLM (CPU, no sleep mode): its weights are freed after each rollout and re-created by the "
+                         "next weight sync (%.0f MB of parameters, plus their packed copies, per rank)", freed / 2**20)
 
     # ---------------------------------------------------------------------------------------------- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -158,6 +183,7 @@ class VLLMRollout:
             self.llm.apply_model(repack_cpu_lm_head)
         self.llm.reset_prefix_cache()
         self.version = version
+        self.weights_stale = False
 
     # ------------------------------------------------------------------------------------------- generation
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
@@ -167,6 +193,9 @@ class VLLMRollout:
         ``max_tokens`` per response."""
         from vllm import SamplingParams
 
+        if self.cpu_released:
+            raise RuntimeError("vLLM's weights were freed after the last rollout (CPU sleep) and not synced since: "
+                               "wake_up(['weights']) and sync the actor's weights before generating")
         per = len(prompts) // self.num_engines
         assert per * self.num_engines == len(prompts), "validated: rollout batch divisible by engines"
         lo = self.engine_index * per

@@ -5,6 +5,7 @@ With --lora_rank the actor trains adapters only and the sync sends merged weight
 1. sync -> vLLM log-probs of its own samples == trainer log-probs (fp32, max |diff| <= 1e-4)
 2. one optimizer step on the actor, no sync -> the stale engine disagrees (> 1e-2): the check can fail
 3. sync again -> agreement restored; the version counter moved 1 -> 2.
+4. (CPU) sleep frees vLLM's packed weights, generating then fails, and wake + sync + generate gives 3.'s figure.
 Prints one JSON line on rank 0.
 """
 import argparse
@@ -60,8 +61,47 @@ actor.train_step([mb], lambda b, logits: sft_loss(logits, b["input_ids"], b["los
 stale = drift(2)
 stats2 = sync.sync(engine)
 resynced = drift(3)
+
+
+def packed_refs(model):
+    """Weak references to what each CPU ``cpu_linear`` closure holds (vLLM's packed weights) and to the layers'
+    parameters that hold bytes."""
+    import weakref
+
+    refs = []
+    for m in model.modules():
+        fn = getattr(m, "cpu_linear", None)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                refs.append(weakref.ref(cell.cell_contents))
+            except TypeError:  # ints, None: not weights
+                pass
+    return refs
+
+
+# 4. CPU: sleep frees vLLM's weights (the packed copies die), a generation before the next sync fails loudly, and
+#    wake + sync + generate reproduces the resynced engine exactly.
+released = {}
+if not engine.on_cuda:
+    import gc
+
+    refs = engine.llm.apply_model(packed_refs)[0]
+    engine.sleep()
+    gc.collect()
+    released["packed_before"] = len(refs)
+    released["packed_alive_after_sleep"] = sum(r() is not None for r in refs)
+    released["needs_sync"] = engine.needs_sync
+    try:
+        drift(3)
+        released["generate_while_released"] = "ran"
+    except RuntimeError as e:
+        released["generate_while_released"] = "raised" if "freed after the last rollout" in str(e) else str(e)
+    engine.wake_up(["weights"])
+    sync.sync(engine)
+    released["needs_sync_after"] = engine.needs_sync
+    released["after_release"] = drift(3)
 if mesh.is_rank0:
-    print("RESULT " + json.dumps({"synced": synced, "stale": stale, "resynced": resynced,
+    print("RESULT " + json.dumps({"synced": synced, "stale": stale, "resynced": resynced, "released": released,
                                   "version": [stats1["weight_sync/version"], stats2["weight_sync/version"]],
                                   "buckets": stats2["weight_sync/buckets"], "seconds": stats2["weight_sync/seconds"],
                                   "engine_version": engine.version,

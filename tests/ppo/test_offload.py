@@ -34,9 +34,9 @@ def worker_result(tmp_path_factory):
         return json.load(f)
 
 
-CYCLE_CHECKS = ["found_optimizer_state", "bytes_on_device_positive", "offload_moves_all", "storages_released",
-                "bytes_on_device_zero", "state_off", "offload_idempotent", "onload_idempotent", "bit_identical",
-                "bytes_restored", "partial_state", "partial_bytes", "host_buffers_reused",
+CYCLE_CHECKS = ["grads_nonzero_before", "found_optimizer_state", "bytes_on_device_positive", "offload_moves_all",
+                "storages_released", "bytes_on_device_zero", "state_off", "offload_idempotent", "onload_idempotent",
+                "bit_identical", "grads_zero_after", "no_host_copy_of_grads", "bytes_restored", "partial_state", "partial_bytes", "host_buffers_reused",
                 "bit_identical_after_partial"]
 TRAIN_CHECKS = ["twins_agree_before", "views_into_param_data", "second_step_metrics_equal",
                 "second_step_weights_equal"]
@@ -62,11 +62,12 @@ def test_frozen_engine_cycle(worker_result):
 # ------------------------------------------------------------------------------------- phase scheduling, 1 process
 ROLES = ("actor", "critic", "ref", "reward")
 ALL, NONE, PARAMS = Residency(True, True, True), Residency(False, False, False), Residency(True, False, False)
+NO_GRADS = Residency(True, False, True)
 
 
-def test_plan_no_flags_keeps_everything():
+def test_plan_no_flags_keeps_everything_but_idle_grads():
     for phase in PHASES:
-        assert plan_residency(phase, ROLES) == {r: ALL for r in ROLES}
+        assert plan_residency(phase, ROLES) == {r: ALL if phase == f"{r}_update" else NO_GRADS for r in ROLES}
 
 
 def test_plan_colocate_all():
@@ -80,12 +81,11 @@ def test_plan_colocate_all():
 
 def test_plan_ref_reward_and_adam_offload():
     plan = {p: plan_residency(p, ROLES, ref_reward_offload=True, adam_offload=True) for p in PHASES}
-    grads_no_opt = Residency(True, True, False)
     for p in PHASES:
         for r in ("ref", "reward"):
             assert plan[p][r].params == (p == "make_experience"), (p, r)
         for r in ("actor", "critic"):
-            assert plan[p][r] == (ALL if p == f"{r}_update" else grads_no_opt), (p, r)
+            assert plan[p][r] == (ALL if p == f"{r}_update" else PARAMS), (p, r)
     with pytest.raises(ValueError, match="phase"):
         plan_residency("generate", ROLES)
 
@@ -127,3 +127,29 @@ def test_scheduler_moves_parts_per_phase(flags):
                     got = list(engines[role].model.state_dict().values())
                     assert all(torch.equal(a, b) for a, b in zip(got, snap[role])), (phase, role)
         assert sched.current == phase
+
+
+def test_scheduler_without_moves_frees_only_grads():
+    """The CPU schedule (``move=False``): whatever the flags, params and optimizer states stay where they are and no
+    host copy is made; a role's grads are freed outside its own update and come back as zeros."""
+    engines = {r: _engine(r, r in ("actor", "critic")) for r in ROLES}
+    snap = {r: [t.clone() for t in e.model.state_dict().values()] for r, e in engines.items()}
+    opt_snap = {r: [v.clone() for st in e.optimizer.optimizer.state.values() for v in st.values()]
+                for r, e in engines.items() if e.optimizer is not None}
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for r in opt_snap for p in engines[r].model.parameters())
+    sched = MemoryScheduler({r: OffloadManager(e) for r, e in engines.items()}, colocate_all=True, move=False)
+    for phase in ("rollout", "make_experience", "actor_update", "critic_update", "weight_sync"):
+        with sched.phase(phase):
+            for role, m in sched.managers.items():
+                groups = m.storages()
+                assert all(s.nbytes() > 0 for part in ("params", "optimizer") for s in groups[part]), (phase, role)
+                grads_live = [s.nbytes() > 0 for s in groups["grads"]]
+                assert grads_live == [phase == f"{role}_update"] * len(grads_live), (phase, role)
+                if phase == f"{role}_update":
+                    assert all(torch.equal(p.grad, torch.zeros_like(p.grad)) for p in engines[role].model.parameters())
+                assert not m._host, (phase, role)  # nothing was copied
+                got = list(engines[role].model.state_dict().values())
+                assert all(torch.equal(a, b) for a, b in zip(got, snap[role])), (phase, role)
+                if role in opt_snap:
+                    now = [v for st in engines[role].optimizer.optimizer.state.values() for v in st.values()]
+                    assert all(torch.equal(a, b) for a, b in zip(now, opt_snap[role])), (phase, role)

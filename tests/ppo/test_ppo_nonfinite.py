@@ -25,3 +25,24 @@ def test_nan_reward_skips_updates_then_stops(ppo_setup, tmp_path, monkeypatch, c
     # step 1 was skipped and checkpointed (the initial, finite weights); step 2 stopped the job: no export
     assert sorted(d for d in os.listdir(out / "checkpoints") if d.startswith("iter_")) == ["iter_0000001"]
     assert not (out / "config.json").exists()
+
+
+def test_skipped_step_resyncs_the_sleeping_vllm(ppo_setup, tmp_path):
+    """A skipped step leaves the actor unchanged, but vLLM slept after its rollout (CUDA: sleep level 2; CPU: its
+    weights freed) and holds no weights: the next step must sync anyway. Without that sync, the second rollout
+    generates from freed weights (CPU: an error; CUDA: garbage)."""
+    from helpers import REPO, require, run_torchrun, tail
+
+    require("vllm")
+    out = tmp_path / "o"
+    argv = ppo_args(ppo_setup, str(out), **{"--reward_pretrain": None, "--reward_fn": "_rule_reward:one_nan_reward",
+                                           "--advantage_estimator": "grpo", "--vllm_tensor_parallel_size": "1",
+                                           "--rollout_batch_size": "4", "--n_samples_per_prompt": "2",
+                                           "--train_batch_size": "8", "--micro_train_batch_size": "4",
+                                           "--micro_rollout_batch_size": "4", "--generate_max_len": "3",
+                                           "--max_skipped_steps": "2"})
+    p = run_torchrun(os.path.join(REPO, "launch/ppo.py"), 1, argv, timeout=600,
+                     PYTHONPATH=os.path.dirname(os.path.abspath(__file__)) + os.pathsep + REPO)
+    # The rank exits 3 (torchrun reports it as a failed child); the second skip needs the second rollout to run.
+    assert p.returncode != 0 and "exitcode  : 3" in p.stderr + p.stdout, tail(p)
+    assert "actor: 2 updates in a row skipped at update 1: non-finite reward=nan" in p.stderr + p.stdout, tail(p)

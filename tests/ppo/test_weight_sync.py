@@ -21,7 +21,11 @@ def test_weight_sync_after_update(ppo_setup, tp, pp, actor, lora):
     assert r["synced"] <= 1e-4, r
     assert r["stale"] > 1e-2, r  # the check can fail: without a sync, vLLM serves the old weights
     assert r["resynced"] <= 1e-4, r
-    assert r["version"] == [1.0, 2.0] and r["engine_version"] == 2
+    assert r["version"] == [1.0, 2.0] and r["engine_version"] == 3
+    rel = r["released"]  # CPU: sleep freed vLLM's packed weights; the next sync brought the same engine back
+    assert rel["packed_before"] > 0 and rel["packed_alive_after_sleep"] == 0, rel
+    assert rel["needs_sync"] and not rel["needs_sync_after"] and rel["generate_while_released"] == "raised", rel
+    assert rel["after_release"] == r["resynced"], rel
     assert r["buckets"] > 1  # 0.25 MB buckets: the bucketed path is exercised
     if lora:  # only the adapters trained, and vLLM (which has no adapters) follows them: merged weights
         assert r["trainable"] == ["lora_A", "lora_B"], r
