@@ -181,8 +181,10 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
 
         from rlhf.compat import cuda as cuda_shim
+        from rlhf.compat.megatron import local_save_results_queue
 
         cuda_shim.install()
+        local_save_results_queue()
         for eng in engines.values():
             eng.check_finite(f"checkpoint of step {step}")
         name = f"iter_{step:07d}"

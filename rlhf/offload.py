@@ -17,7 +17,7 @@ bookkeeping is exercised by the CPU tests.
 Gradients are *dropped*, never copied: outside a role's own update they hold nothing anyone reads (``train_step``
 zeroes them before it accumulates), so their storage is freed with no host copy and comes back zero-filled. This
 is also why every schedule, with or without flags and on CPU too, keeps a role's gradients only during its own
-update: freeing them costs a memset, not a copy (verl and OpenRLHF copy them to host and back).
+update: freeing them costs a memset, not a copy.
 
     managers = {role: OffloadManager(engine) for role, engine in engines.items()}
     sched = MemoryScheduler(managers, colocate_all=True, adam_offload=True)

@@ -96,6 +96,9 @@ def save_model(model: torch.nn.Module, folder: str, sharded_state_dict: dict | N
     ``folder`` (which must exist and be shared)."""
     from megatron.core import dist_checkpointing
 
+    from rlhf.compat.megatron import local_save_results_queue
+
+    local_save_results_queue()
     os.makedirs(folder, exist_ok=True)
     dist_checkpointing.save(sharded_state_dict if sharded_state_dict is not None else model.sharded_state_dict(),
                             folder)

@@ -166,3 +166,13 @@ def test_a_failed_save_keeps_the_previous_checkpoint(ckpt_run, monkeypatch):
     with open(os.path.join(path, "latest")) as f:
         assert f.read().strip() == "iter_0000002"
     _load(ckpt_run, 2)
+
+
+def test_saves_leave_no_helper_process(ckpt_run):
+    """megatron-core's save would start a spawned multiprocessing.Manager (an interpreter per rank, alive until the
+    job ends) for a queue only an asynchronous save needs; our synchronous saves use a local one."""
+    import psutil
+
+    helpers_left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+                    if "multiprocessing" in " ".join(p.cmdline())]
+    assert not helpers_left, helpers_left
