@@ -10,7 +10,8 @@ Layout under ``--ckpt_path``::
 
 Publishing is atomic: a save goes to ``iter_X.tmp``; after every rank has finished, rank 0 writes the manifest,
 renames the folder and only then rewrites ``latest`` (through a temporary file and ``os.replace``). A run killed
-mid-save, or a save that fails (a full disk), leaves the previous checkpoint as ``latest``.
+mid-save, or a save that fails (a full disk), leaves the previous checkpoint as ``latest``. A save that cannot
+fit (the newest checkpoint's size, or the engines' bytes before the first) is refused before anything is written.
 
 Loading verifies the folder ``latest`` names against its manifest (missing or truncated files, changed small
 files); a damaged checkpoint, or a ``latest`` that names none, falls back to the newest intact one with a
@@ -19,6 +20,7 @@ warning.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import logging
@@ -187,6 +189,7 @@ class Checkpointer:
         local_save_results_queue()
         for eng in engines.values():
             eng.check_finite(f"checkpoint of step {step}")
+        estimate = self._check_free_space(step, engines)
         name = f"iter_{step:07d}"
         final, tmp = os.path.join(self.path, name), os.path.join(self.path, name + ".tmp")
         if self.mesh.is_rank0:
@@ -220,9 +223,43 @@ class Checkpointer:
             with open(os.path.join(self.path, "latest.tmp"), "w") as f:
                 f.write(name)
             os.replace(os.path.join(self.path, "latest.tmp"), os.path.join(self.path, "latest"))
+            log.info("checkpoint: step %d published, %d bytes (the models' and optimizer states' bytes: %d)",
+                     step, folder_bytes(final), estimate)
             self._prune(keep=name)
         dist.barrier()
         return final
+
+    def estimate_bytes(self, engines: Mapping[str, Any]) -> float:
+        """What a checkpoint of ``engines`` writes, summed over ranks (a collective): each parameter shard once per
+        data-parallel group, optimizer states and fp32 main params once (sharded with ZeRO-1, else replicated)."""
+        from rlhf.offload import torch_optimizers
+
+        local = 0.0
+        for eng in engines.values():
+            params = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+            model_params = {id(p) for p in eng.model.parameters()}
+            opts = torch_optimizers(getattr(eng, "optimizer", None))
+            states = sum(t.numel() * t.element_size() for opt in opts
+                         for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+            # fp32 main params (mixed precision, or the distributed optimizer's shards) are saved beside the model
+            states += sum(p.numel() * p.element_size() for opt in opts for g in opt.param_groups for p in g["params"]
+                          if id(p) not in model_params)
+            local += params / self.mesh.dp + states / (1 if uses_distributed_optimizer(eng) else self.mesh.dp)
+        total = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total.item())
+
+    def _check_free_space(self, step: int, engines: Mapping[str, Any]) -> float:
+        """The checkpoint must fit under ``self.path``: it needs the newest checkpoint's size on disk, or before the
+        first one ``estimate_bytes``. Returns ``estimate_bytes``."""
+        estimate = self.estimate_bytes(engines)
+        newest = self.latest() if self.mesh.is_rank0 else None
+        need, basis = ((folder_bytes(newest), f"the size of {os.path.basename(newest)}") if newest else
+                       (estimate, "the models' and optimizer states' bytes"))
+        stale = os.path.join(self.path, f"iter_{step:07d}.tmp")  # a killed save's leftovers, removed before it
+        require_free_space(self.mesh, self.path, need, f"checkpoint of step {step}", "--ckpt_path", basis,
+                           advice=f"or lower --max_ckpt_num (now {self.max_ckpt_num})", reclaimable=stale)
+        return estimate
 
     def _prune(self, keep: str) -> None:
         iters = sorted(d for d in os.listdir(self.path) if d.startswith("iter_") and not d.endswith(".tmp"))
@@ -283,6 +320,35 @@ DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                        "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
+def folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def require_free_space(mesh: ParallelMesh, path: str, need: float, what: str, flag: str, basis: str, *,
+                       advice: str = "", reclaimable: str | None = None) -> None:
+    """Collective, before anything is written: rank 0 compares the free space under ``path`` (plus what
+    ``reclaimable``, a folder about to be replaced, holds) with ``need`` bytes; every rank raises the same ENOSPC
+    error naming ``flag``, so none waits in a collective. A full disk mid-write fails deep in torch's writer
+    (``unexpected pos``), after minutes of work."""
+    verdict: list = [None]
+    if mesh.is_rank0:
+        os.makedirs(path, exist_ok=True)
+        free = shutil.disk_usage(path).free
+        if reclaimable and os.path.isdir(reclaimable):
+            free += folder_bytes(reclaimable)
+        if free < need:
+            verdict = [f"{what}: {flag} {path} has {_size(free)} free and needs about {_size(need)} "
+                       f"({basis}); nothing was written. Free space there, point {flag} elsewhere"
+                       + (f", {advice}" if advice else "")]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise OSError(errno.ENOSPC, verdict[0])
+
+
 def uses_distributed_optimizer(engine: Any) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -335,6 +401,12 @@ def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> 
 
     mg = os.path.join(args.save_path, "megatron")
     tmp = mg + ".tmp"
+    local = torch.tensor([sum(p.numel() * p.element_size() for p in engine.model.parameters()) / mesh.dp],
+                         dtype=torch.float64)
+    dist.all_reduce(local)
+    require_free_space(mesh, args.save_path, 2 * float(local.item()), "HF export", "--save_path",
+                       "the megatron copy and the HF files, each the model's parameter bytes",
+                       reclaimable=mg)
     if mesh.is_rank0:
         import shutil
 

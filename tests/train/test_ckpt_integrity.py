@@ -180,3 +180,51 @@ def test_saves_leave_no_helper_process(ckpt_run):
     helpers_left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
                     if p.pid not in ckpt_run["earlier_children"] and "multiprocessing" in " ".join(p.cmdline())]
     assert not helpers_left, helpers_left
+
+
+def test_the_first_save_size_is_estimated_before_writing(ckpt_run):
+    """Before the first checkpoint the free-space check uses the engines' bytes: within 25% of what was written."""
+    from rlhf.checkpoint import folder_bytes
+
+    written = folder_bytes(os.path.join(ckpt_run["path"], "iter_0000001"))
+    estimate = ckpt_run["ckpt"].estimate_bytes({"sft": ckpt_run["eng"]})
+    assert 0.75 * written < estimate < 1.25 * written, (estimate, written)
+
+
+def test_a_save_that_cannot_fit_writes_nothing(ckpt_run, monkeypatch):
+    """Too little free space for the newest checkpoint's size: a clear ENOSPC error naming --ckpt_path and the
+    sizes before anything is written; `latest` still names step 2."""
+    import collections
+    import shutil
+
+    from rlhf.checkpoint import folder_bytes
+
+    path = ckpt_run["path"]
+    need = folder_bytes(os.path.join(path, "iter_0000002"))
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * need, 9 * need, need - 1))
+    with pytest.raises(OSError, match=r"checkpoint of step 3: --ckpt_path .* MB free and needs about 1.6 MB") as err:
+        ckpt_run["ckpt"].save(3, {"sft": ckpt_run["eng"]}, {"marker": 3})
+    assert err.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(path)) == ["iter_0000001", "iter_0000002", "latest"]
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * need, 9 * need, need))  # just fits: saves
+    ckpt_run["ckpt"].save(3, {"sft": ckpt_run["eng"]}, {"marker": 3})
+    with open(os.path.join(path, "latest")) as f:
+        assert f.read().strip() == "iter_0000003"
+
+
+def test_an_export_that_cannot_fit_writes_nothing(ckpt_run, tmp_path, monkeypatch):
+    """The HF export (a megatron copy plus the HF files) checks --save_path's free space before writing."""
+    import argparse
+    import collections
+    import shutil
+
+    from rlhf.checkpoint import export_hf
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2 ** 40, 2 ** 40, 2 ** 10))
+    args = argparse.Namespace(save_path=str(tmp_path / "out"), pretrain=None)
+    need = 2 * 4 * sum(p.numel() for p in ckpt_run["eng"].model.parameters())  # fp32, megatron copy + HF files
+    with pytest.raises(OSError, match=rf"HF export: --save_path .* 0.0 MB free and needs about {need / 1e6:.1f} MB"):
+        export_hf(args, ckpt_run["eng"], ckpt_run["mesh"], {})
+    assert os.listdir(tmp_path / "out") == []

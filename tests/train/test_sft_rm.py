@@ -1,6 +1,7 @@
 """SFT and RM end to end through launch/*.py on 2 ranks: learning, HF export, resume exactness, bad data."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -107,6 +108,11 @@ def test_resume_is_exact(train_setup, tmp_path, zero_stage, straight_run):
     p = run_torchrun(SFT, 2, base + common(resumed, **{"--save_steps": 3, "--stop_after_steps": 3}))
     assert p.returncode == 0, tail(p)
     assert open(os.path.join(resumed, "checkpoints", "latest")).read().strip() == "iter_0000003"
+    # the free-space check's estimate before a first save (parameters once per DP group; Adam states replicated
+    # at stage 0, sharded at stage 1) against the bytes written
+    written, estimate = map(int, re.search(r"step 3 published, (\d+) bytes \(.*bytes: (\d+)\)", p.stdout + p.stderr)
+                            .groups())
+    assert 0.75 * written < estimate < 1.25 * written, (written, estimate)
     p = run_torchrun(SFT, 2, base + common(resumed, **{"--save_steps": 3, "--load_checkpoint": ""}))
     assert p.returncode == 0, tail(p)
     a, b = _final_weights(straight), _final_weights(resumed)
