@@ -11,6 +11,7 @@ Folders are published atomically: everything is written to ``<dir>.tmp-<pid>`` a
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -117,3 +118,32 @@ def load_model(model: torch.nn.Module, folder: str) -> None:
     if missing or unexpected:
         raise ValueError(f"{folder}: checkpoint does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+
+
+def folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def require_free_space(mesh: Any, path: str, need: float, what: str, flag: str, basis: str, *,
+                       advice: str = "", reclaimable: str | None = None) -> None:
+    """Collective, before anything is written: rank 0 compares the free space under ``path`` (plus what
+    ``reclaimable``, a folder about to be replaced, holds) with ``need`` bytes; every rank raises the same ENOSPC
+    error naming ``flag``, so none waits in a collective. A full disk mid-write fails deep in torch's writer
+    (``unexpected pos``), after minutes of work."""
+    verdict: list = [None]
+    if mesh.is_rank0:
+        os.makedirs(path, exist_ok=True)
+        free = shutil.disk_usage(path).free
+        if reclaimable and os.path.isdir(reclaimable):
+            free += folder_bytes(reclaimable)
+        if free < need:
+            verdict = [f"{what}: {flag} {path} has {_size(free)} free and needs about {_size(need)} "
+                       f"({basis}); nothing was written. Free space there, point {flag} elsewhere"
+                       + (f", {advice}" if advice else "")]
+    torch.distributed.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise OSError(errno.ENOSPC, verdict[0])

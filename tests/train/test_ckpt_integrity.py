@@ -184,7 +184,7 @@ def test_saves_leave_no_helper_process(ckpt_run):
 
 def test_the_first_save_size_is_estimated_before_writing(ckpt_run):
     """Before the first checkpoint the free-space check uses the engines' bytes: within 25% of what was written."""
-    from rlhf.checkpoint import folder_bytes
+    from rlhf.models.checkpoint_io import folder_bytes
 
     written = folder_bytes(os.path.join(ckpt_run["path"], "iter_0000001"))
     estimate = ckpt_run["ckpt"].estimate_bytes({"sft": ckpt_run["eng"]})
@@ -197,7 +197,7 @@ def test_a_save_that_cannot_fit_writes_nothing(ckpt_run, monkeypatch):
     import collections
     import shutil
 
-    from rlhf.checkpoint import folder_bytes
+    from rlhf.models.checkpoint_io import folder_bytes
 
     path = ckpt_run["path"]
     need = folder_bytes(os.path.join(path, "iter_0000002"))
