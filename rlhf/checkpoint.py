@@ -231,20 +231,24 @@ class Checkpointer:
 
     def estimate_bytes(self, engines: Mapping[str, Any]) -> float:
         """What a checkpoint of ``engines`` writes, summed over ranks (a collective): each parameter shard once per
-        data-parallel group, optimizer states and fp32 main params once (sharded with ZeRO-1, else replicated)."""
+        data-parallel group (expert weights once per expert-data-parallel group), optimizer states and fp32 main
+        params once (sharded with ZeRO-1, else replicated like their parameter)."""
         from rlhf.offload import torch_optimizers
+
+        def replicas(p) -> int:  # megatron marks expert weights under EP > 1 allreduce=False: replicated dp/ep times
+            return self.mesh.dp if getattr(p, "allreduce", True) else max(1, self.mesh.dp // self.mesh.ep)
 
         local = 0.0
         for eng in engines.values():
-            params = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+            local += sum(p.numel() * p.element_size() / replicas(p) for p in eng.model.parameters())
             model_params = {id(p) for p in eng.model.parameters()}
             opts = torch_optimizers(getattr(eng, "optimizer", None))
-            states = sum(t.numel() * t.element_size() for opt in opts
-                         for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+            sharded = uses_distributed_optimizer(eng)  # then each rank's states are its own shard: saved once
+            local += sum(t.numel() * t.element_size() / (1 if sharded else replicas(p)) for opt in opts
+                         for p, st in opt.state.items() for t in st.values() if isinstance(t, torch.Tensor))
             # fp32 main params (mixed precision, or the distributed optimizer's shards) are saved beside the model
-            states += sum(p.numel() * p.element_size() for opt in opts for g in opt.param_groups for p in g["params"]
-                          if id(p) not in model_params)
-            local += params / self.mesh.dp + states / (1 if uses_distributed_optimizer(eng) else self.mesh.dp)
+            local += sum(p.numel() * p.element_size() / (1 if sharded else replicas(p)) for opt in opts
+                         for g in opt.param_groups for p in g["params"] if id(p) not in model_params)
         total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total)
         return float(total.item())

@@ -228,3 +228,24 @@ def test_an_export_that_cannot_fit_writes_nothing(ckpt_run, tmp_path, monkeypatc
     with pytest.raises(OSError, match=rf"HF export: --save_path .* 0.0 MB free and needs about {need / 1e6:.1f} MB"):
         export_hf(args, ckpt_run["eng"], ckpt_run["mesh"], {})
     assert os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("dp,ep,expected", [(4, 2, (400 / 4 + 240 / 2) * 3 + 4 / 4 + 4 / 2),
+                                             (2, 1, (400 + 240) * 3 / 2 + 4 / 2 + 4 / 2)])
+def test_the_estimate_counts_each_replica_group_once(ckpt_run, dp, ep, expected):
+    """By hand, one rank's share: a dense fp32 weight of 100 is replicated dp times, an expert weight of 60
+    (megatron marks it allreduce=False under EP > 1) dp/ep times; Adam's exp_avg, exp_avg_sq and step are
+    replicated like their parameter (no ZeRO-1 here). One process, so the sum over ranks is this rank's share."""
+    from types import SimpleNamespace
+
+    from rlhf.checkpoint import Checkpointer
+
+    model = torch.nn.Module()
+    model.dense, model.expert = torch.nn.Parameter(torch.zeros(100)), torch.nn.Parameter(torch.zeros(60))
+    model.expert.allreduce = ep == 1  # as megatron sets it
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # creates the states
+    engines = {"moe": SimpleNamespace(model=model, optimizer=opt)}
+    assert Checkpointer(SimpleNamespace(dp=dp, ep=ep), "unused").estimate_bytes(engines) == pytest.approx(expected)
