@@ -229,34 +229,10 @@ class Checkpointer:
         dist.barrier()
         return final
 
-    def estimate_bytes(self, engines: Mapping[str, Any]) -> float:
-        """What a checkpoint of ``engines`` writes, summed over ranks (a collective): each parameter shard once per
-        data-parallel group (expert weights once per expert-data-parallel group), optimizer states and fp32 main
-        params once (sharded with ZeRO-1, else replicated like their parameter)."""
-        from rlhf.offload import torch_optimizers
-
-        def replicas(p) -> int:  # megatron marks expert weights under EP > 1 allreduce=False: replicated dp/ep times
-            return self.mesh.dp if getattr(p, "allreduce", True) else max(1, self.mesh.dp // self.mesh.ep)
-
-        local = 0.0
-        for eng in engines.values():
-            local += sum(p.numel() * p.element_size() / replicas(p) for p in eng.model.parameters())
-            model_params = {id(p) for p in eng.model.parameters()}
-            opts = torch_optimizers(getattr(eng, "optimizer", None))
-            sharded = uses_distributed_optimizer(eng)  # then each rank's states are its own shard: saved once
-            local += sum(t.numel() * t.element_size() / (1 if sharded else replicas(p)) for opt in opts
-                         for p, st in opt.state.items() for t in st.values() if isinstance(t, torch.Tensor))
-            # fp32 main params (mixed precision, or the distributed optimizer's shards) are saved beside the model
-            local += sum(p.numel() * p.element_size() / (1 if sharded else replicas(p)) for opt in opts
-                         for g in opt.param_groups for p in g["params"] if id(p) not in model_params)
-        total = torch.tensor([local], dtype=torch.float64)
-        dist.all_reduce(total)
-        return float(total.item())
-
     def _check_free_space(self, step: int, engines: Mapping[str, Any]) -> float:
         """The checkpoint must fit under ``self.path``: it needs the newest checkpoint's size on disk, or before the
-        first one ``estimate_bytes``. Returns ``estimate_bytes``."""
-        estimate = self.estimate_bytes(engines)
+        first one ``saved_bytes``. Returns ``saved_bytes``."""
+        estimate = saved_bytes(engines, self.mesh)
         newest = self.latest() if self.mesh.is_rank0 else None
         need, basis = ((folder_bytes(newest), f"the size of {os.path.basename(newest)}") if newest else
                        (estimate, "the models' and optimizer states' bytes"))
@@ -324,6 +300,33 @@ DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                        "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
+def saved_bytes(engines: Mapping[str, Any], mesh: Any, optimizer: bool = True) -> float:
+    """What a save of ``engines`` writes, summed over ranks (a collective): each parameter shard once per
+    data-parallel group (expert weights once per expert-data-parallel group), and with ``optimizer`` the optimizer
+    states and fp32 main params once (sharded with ZeRO-1, else replicated like their parameter)."""
+    from rlhf.offload import torch_optimizers
+
+    def replicas(p) -> int:  # megatron marks expert weights under EP > 1 allreduce=False: replicated dp/ep times
+        return mesh.dp if getattr(p, "allreduce", True) else max(1, mesh.dp // mesh.ep)
+
+    local = 0.0
+    for eng in engines.values():
+        local += sum(p.numel() * p.element_size() / replicas(p) for p in eng.model.parameters())
+        if not optimizer:
+            continue
+        model_params = {id(p) for p in eng.model.parameters()}
+        opts = torch_optimizers(getattr(eng, "optimizer", None))
+        sharded = uses_distributed_optimizer(eng)  # then each rank's states are its own shard: saved once
+        local += sum(t.numel() * t.element_size() / (1 if sharded else replicas(p)) for opt in opts
+                     for p, st in opt.state.items() for t in st.values() if isinstance(t, torch.Tensor))
+        # fp32 main params (mixed precision, or the distributed optimizer's shards) are saved beside the model
+        local += sum(p.numel() * p.element_size() / (1 if sharded else replicas(p)) for opt in opts
+                     for g in opt.param_groups for p in g["params"] if id(p) not in model_params)
+    total = torch.tensor([local], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total.item())
+
+
 def uses_distributed_optimizer(engine: Any) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -376,11 +379,8 @@ def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> 
 
     mg = os.path.join(args.save_path, "megatron")
     tmp = mg + ".tmp"
-    local = torch.tensor([sum(p.numel() * p.element_size() for p in engine.model.parameters()) / mesh.dp],
-                         dtype=torch.float64)
-    dist.all_reduce(local)
-    require_free_space(mesh, args.save_path, 2 * float(local.item()), "HF export", "--save_path",
-                       "the megatron copy and the HF files, each the model's parameter bytes",
+    require_free_space(mesh, args.save_path, 2 * saved_bytes({"model": engine}, mesh, optimizer=False), "HF export",
+                       "--save_path", "the megatron copy and the HF files, each the model's parameter bytes",
                        reclaimable=mg)
     if mesh.is_rank0:
         import shutil

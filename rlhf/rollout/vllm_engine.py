@@ -138,17 +138,13 @@ class VLLMRollout:
                      time.perf_counter() - t0, "on" if self.sleep_enabled else
                      "off (CPU: the weights are freed after each rollout instead)" if self.release_on_cpu else "off")
         self.sleeping = False
-        self.weights_stale = True
-        """The engine does not hold the actor's current weights: dummy weights, or discarded by ``sleep``."""
+        self.needs_sync = True
+        """A weight sync must come before the next generation even if the actor did not change: the engine holds
+        dummy weights, or ``sleep`` discarded them."""
         self.cpu_released = False
         """CPU: ``sleep`` freed the weights and ``wake_up(["weights"])`` has not re-allocated them yet."""
 
     # ------------------------------------------------------------------------------------------ memory phases
-    @property
-    def needs_sync(self) -> bool:
-        """Whether a weight sync must come before the next generation even if the actor did not change."""
-        return self.weights_stale
-
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         if self.sleep_enabled and self.sleeping:
             self.llm.wake_up(tags=list(tags))
@@ -167,11 +163,11 @@ class VLLMRollout:
         if self.sleep_enabled and not self.sleeping:
             self.llm.sleep(level=2)
             self.sleeping = True
-            self.weights_stale = True
+            self.needs_sync = True
         elif self.release_on_cpu and not self.cpu_released:
             first = self.version == 0
             freed = sum(self.llm.apply_model(release_cpu_weights))
-            self.cpu_released = self.weights_stale = True
+            self.cpu_released = self.needs_sync = True
             if first and self.mesh.is_rank0:
                 log.info("vLLM (CPU, no sleep mode): its weights are freed after each rollout and re-created by the "
                          "next weight sync (%.0f MB of parameters, plus their packed copies, per rank)", freed / 2**20)
@@ -183,7 +179,7 @@ class VLLMRollout:
             self.llm.apply_model(repack_cpu_lm_head)
         self.llm.reset_prefix_cache()
         self.version = version
-        self.weights_stale = False
+        self.needs_sync = False
 
     # ------------------------------------------------------------------------------------------- generation
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,

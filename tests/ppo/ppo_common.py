@@ -16,6 +16,12 @@ def write_prompts(path, n, seed=0, key="prompt"):
     return str(path)
 
 
+TINY_GRPO = {"--reward_pretrain": None, "--advantage_estimator": "grpo", "--vllm_tensor_parallel_size": "1",
+             "--rollout_batch_size": "4", "--n_samples_per_prompt": "2", "--train_batch_size": "8",
+             "--micro_train_batch_size": "4", "--micro_rollout_batch_size": "4", "--generate_max_len": "3"}
+"""One rank, GRPO, 4 prompts x 2 samples of 3 tokens, one update per step, no reward model (add --reward_fn)."""
+
+
 def ppo_args(setup, save, **kw):
     args = {"--pretrain": setup["actor"], "--reward_pretrain": setup["rm"], "--prompt_data": setup["prompts"],
             "--input_key": "prompt", "--save_path": save, "--vllm_tensor_parallel_size": "2",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ppo_common import ppo_args
+from ppo_common import TINY_GRPO, ppo_args
 from safetensors.torch import load_file
 
 
@@ -14,12 +14,8 @@ def _run(setup, out, beta, monkeypatch):
     from rlhf.ppo import main
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    argv = ppo_args(setup, str(out), **{"--reward_pretrain": None, "--reward_fn": "_rule_reward:length_reward",
-                                        "--advantage_estimator": "grpo", "--rollout_backend": "megatron",
-                                        "--vllm_tensor_parallel_size": "1", "--rollout_batch_size": "4",
-                                        "--n_samples_per_prompt": "2", "--train_batch_size": "8",
-                                        "--micro_train_batch_size": "4", "--micro_rollout_batch_size": "4",
-                                        "--generate_max_len": "3", "--max_samples": "8", "--enable_ema": "",
+    argv = ppo_args(setup, str(out), **{**TINY_GRPO, "--reward_fn": "_rule_reward:length_reward",
+                                        "--rollout_backend": "megatron", "--max_samples": "8", "--enable_ema": "",
                                         "--ema_beta": str(beta)})
     assert main(argv) == 0
     return load_file(str(out / "ema" / "model.safetensors")), load_file(str(out / "model.safetensors"))

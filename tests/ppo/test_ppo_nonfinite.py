@@ -3,7 +3,7 @@ actor and critic updates; --max_skipped_steps in a row stop the job with one ``e
 is exported. launch/ppo.py's body (rlhf.ppo.main) in this process, one rank, the megatron generator, GRPO."""
 import os
 
-from ppo_common import ppo_args
+from ppo_common import TINY_GRPO, ppo_args
 
 
 def test_nan_reward_skips_updates_then_stops(ppo_setup, tmp_path, monkeypatch, capsys):
@@ -12,13 +12,9 @@ def test_nan_reward_skips_updates_then_stops(ppo_setup, tmp_path, monkeypatch, c
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     out = tmp_path / "o"
-    argv = ppo_args(ppo_setup, str(out), **{"--reward_pretrain": None, "--reward_fn": "_rule_reward:one_nan_reward",
-                                           "--advantage_estimator": "grpo", "--rollout_backend": "megatron",
-                                           "--vllm_tensor_parallel_size": "1", "--rollout_batch_size": "4",
-                                           "--n_samples_per_prompt": "2", "--train_batch_size": "8",
-                                           "--micro_train_batch_size": "4", "--micro_rollout_batch_size": "4",
-                                           "--generate_max_len": "3", "--max_skipped_steps": "2",
-                                           "--save_steps": "1"})
+    argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--reward_fn": "_rule_reward:one_nan_reward",
+                                            "--rollout_backend": "megatron", "--max_skipped_steps": "2",
+                                            "--save_steps": "1"})
     assert main(argv) == 3
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "actor: 2 updates in a row skipped at update 1: non-finite reward=nan" in err[0], err
@@ -35,12 +31,8 @@ def test_skipped_step_resyncs_the_sleeping_vllm(ppo_setup, tmp_path):
 
     require("vllm")
     out = tmp_path / "o"
-    argv = ppo_args(ppo_setup, str(out), **{"--reward_pretrain": None, "--reward_fn": "_rule_reward:one_nan_reward",
-                                           "--advantage_estimator": "grpo", "--vllm_tensor_parallel_size": "1",
-                                           "--rollout_batch_size": "4", "--n_samples_per_prompt": "2",
-                                           "--train_batch_size": "8", "--micro_train_batch_size": "4",
-                                           "--micro_rollout_batch_size": "4", "--generate_max_len": "3",
-                                           "--max_skipped_steps": "2"})
+    argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--reward_fn": "_rule_reward:one_nan_reward",
+                                            "--max_skipped_steps": "2"})
     p = run_torchrun(os.path.join(REPO, "launch/ppo.py"), 1, argv, timeout=600,
                      PYTHONPATH=os.path.dirname(os.path.abspath(__file__)) + os.pathsep + REPO)
     # The rank exits 3 (torchrun reports it as a failed child); the second skip needs the second rollout to run.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 
-from ppo_common import ppo_args
+from ppo_common import TINY_GRPO, ppo_args
 
 
 def test_ptx_loss_trains_the_actor(ppo_setup, tmp_path, monkeypatch):
@@ -20,14 +20,10 @@ def test_ptx_loss_trains_the_actor(ppo_setup, tmp_path, monkeypatch):
                              for _ in range(16)))
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     out = tmp_path / "o"
-    argv = ppo_args(ppo_setup, str(out), **{"--reward_pretrain": None, "--reward_fn": "_rule_reward:constant_reward",
-                                           "--advantage_estimator": "grpo", "--rollout_backend": "megatron",
-                                           "--vllm_tensor_parallel_size": "1", "--rollout_batch_size": "4",
-                                           "--n_samples_per_prompt": "2", "--train_batch_size": "8",
-                                           "--micro_train_batch_size": "4", "--micro_rollout_batch_size": "4",
-                                           "--generate_max_len": "3", "--max_samples": "16", "--max_epochs": "1",
-                                           "--unsupervised_dataset_name": str(texts), "--unsup_coef": "1.0",
-                                           "--init_kl_coef": "0"})
+    argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--reward_fn": "_rule_reward:constant_reward",
+                                            "--rollout_backend": "megatron", "--max_samples": "16",
+                                            "--max_epochs": "1", "--unsupervised_dataset_name": str(texts),
+                                            "--unsup_coef": "1.0", "--init_kl_coef": "0"})
     assert main(argv) == 0
     rows = read_metrics_jsonl(str(out / "metrics.jsonl"), "ppo")
     ptx = [rows[k]["actor/ptx_loss"] for k in sorted(rows)]

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from ppo_common import ppo_args
+from ppo_common import TINY_GRPO, ppo_args
 
 
 class _Server:
@@ -86,12 +86,8 @@ def test_ppo_with_only_a_remote_reward(ppo_setup, server, tmp_path, monkeypatch)
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     out = tmp_path / "o"
-    argv = ppo_args(ppo_setup, str(out), **{"--reward_pretrain": None, "--remote_rm_url": server.url,
-                                           "--advantage_estimator": "grpo", "--rollout_backend": "megatron",
-                                           "--vllm_tensor_parallel_size": "1", "--rollout_batch_size": "4",
-                                           "--n_samples_per_prompt": "2", "--train_batch_size": "8",
-                                           "--micro_train_batch_size": "4", "--micro_rollout_batch_size": "4",
-                                           "--generate_max_len": "3", "--max_samples": "8"})
+    argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--remote_rm_url": server.url,
+                                            "--rollout_backend": "megatron", "--max_samples": "8"})
     assert main(argv) == 0
     assert len(server.requests) == 2  # one per step (one rank holds every sample)
     for req in server.requests:

@@ -184,10 +184,11 @@ def test_saves_leave_no_helper_process(ckpt_run):
 
 def test_the_first_save_size_is_estimated_before_writing(ckpt_run):
     """Before the first checkpoint the free-space check uses the engines' bytes: within 25% of what was written."""
+    from rlhf.checkpoint import saved_bytes
     from rlhf.models.checkpoint_io import folder_bytes
 
     written = folder_bytes(os.path.join(ckpt_run["path"], "iter_0000001"))
-    estimate = ckpt_run["ckpt"].estimate_bytes({"sft": ckpt_run["eng"]})
+    estimate = saved_bytes({"sft": ckpt_run["eng"]}, ckpt_run["mesh"])
     assert 0.75 * written < estimate < 1.25 * written, (estimate, written)
 
 
@@ -238,7 +239,7 @@ def test_the_estimate_counts_each_replica_group_once(ckpt_run, dp, ep, expected)
     replicated like their parameter (no ZeRO-1 here). One process, so the sum over ranks is this rank's share."""
     from types import SimpleNamespace
 
-    from rlhf.checkpoint import Checkpointer
+    from rlhf.checkpoint import saved_bytes
 
     model = torch.nn.Module()
     model.dense, model.expert = torch.nn.Parameter(torch.zeros(100)), torch.nn.Parameter(torch.zeros(60))
@@ -248,4 +249,4 @@ def test_the_estimate_counts_each_replica_group_once(ckpt_run, dp, ep, expected)
         p.grad = torch.ones_like(p)
     opt.step()  # creates the states
     engines = {"moe": SimpleNamespace(model=model, optimizer=opt)}
-    assert Checkpointer(SimpleNamespace(dp=dp, ep=ep), "unused").estimate_bytes(engines) == pytest.approx(expected)
+    assert saved_bytes(engines, SimpleNamespace(dp=dp, ep=ep)) == pytest.approx(expected)
