@@ -196,9 +196,11 @@ class ModelEngine:
                                bf16=self.bf16, params_dtype=torch.float32,
                                use_distributed_optimizer=optim.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(ocfg, [self.ddp], use_gloo_process_groups=False)
-        from rlhf.compat.megatron import host_groups_for_distributed_optimizer
+        from rlhf.compat.megatron import fuse_cpu_adam, host_groups_for_distributed_optimizer
 
         host_groups_for_distributed_optimizer(self.optimizer)
+        if fuse_cpu_adam(self.optimizer) and self.mesh.is_rank0:
+            log.info("%s: Adam runs torch's fused CPU kernel (megatron found no TE or apex FusedAdam)", self.name)
         total = max(1, optim.total_steps)
         warmup = int(math.ceil(optim.warmup_ratio * total))
         style = {"cosine": "cosine", "linear": "linear", "constant": "constant"}[optim.scheduler]

@@ -17,7 +17,9 @@ bookkeeping is exercised by the CPU tests.
 Gradients are *dropped*, never copied: outside a role's own update they hold nothing anyone reads (``train_step``
 zeroes them before it accumulates), so their storage is freed with no host copy and comes back zero-filled. This
 is also why every schedule, with or without flags and on CPU too, keeps a role's gradients only during its own
-update: freeing them costs a memset, not a copy.
+update: freeing them costs a memset, not a copy. On CPU the memory one role's grads leave in a phase change is
+the memory the next role's come back in (critic_update -> actor_update), so the actor's re-allocation costs no
+page faults; only what no role takes is freed.
 
     managers = {role: OffloadManager(engine) for role, engine in engines.items()}
     sched = MemoryScheduler(managers, colocate_all=True, adam_offload=True)
@@ -94,6 +96,24 @@ def _bytes_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
 
 
+def _park(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A new storage that holds ``storage``'s memory, which is left with none (torch's ``_swap_data_ptr_``: the
+    memory and its deleter change owner; every view of ``storage`` sees zero bytes until it gets memory back)."""
+    park = torch.UntypedStorage(0, device=storage.device)
+    park._swap_data_ptr_(storage)
+    return park
+
+
+def _unpark(storage: torch.UntypedStorage, nbytes: int, spare: list[torch.UntypedStorage]) -> bool:
+    """Give the empty ``storage`` the smallest parked memory of ``nbytes`` to ``nbytes * 9/8`` bytes from ``spare``
+    (removed from it). False when none fits."""
+    fits = [i for i, p in enumerate(spare) if nbytes <= p.nbytes() <= nbytes + nbytes // 8]
+    if not fits:
+        return False
+    storage._swap_data_ptr_(spare.pop(min(fits, key=lambda i: spare[i].nbytes())))
+    return True
+
+
 class OffloadManager:
     """Moves one ``ModelEngine``'s params / grads / optimizer states between its device and host buffers.
 
@@ -137,9 +157,11 @@ class OffloadManager:
         """Live bytes of this engine's params, grads and optimizer states on its device."""
         return sum(s.nbytes() for group in self.storages().values() for s in group)
 
-    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True,
+                spare: list[torch.UntypedStorage] | None = None) -> int:
         """Copy the chosen parts to host (grads: no copy, see ``DROPPED``) and free their device storage. Returns
-        the bytes freed on the device."""
+        the bytes freed on the device. With ``spare``, dropped grads' memory is parked there instead of freed, for
+        an ``onload`` given the same list."""
         parts = [p for p, on in zip(PARTS, (params, grads, optimizer)) if on and p not in self._off]
         if not parts:
             return 0
@@ -163,17 +185,21 @@ class OffloadManager:
                 host.copy_(_bytes_view(s, n), non_blocking=self.cuda)
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the copies must land before the memory can be reused
-        for slots in moving.values():
+        for part, slots in moving.items():
             for s, _ in slots:
-                s.resize_(0)
+                if part in DROPPED and spare is not None:
+                    spare.append(_park(s))
+                else:
+                    s.resize_(0)
         self._off.update(moving)
         if self.cuda:
             torch.cuda.empty_cache()  # hand the blocks back to the driver, where vLLM can allocate them
         return self._report("offload", moving, t0)
 
-    def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
-        """Re-allocate the chosen parts on the device and copy them back (grads: zero-filled). Returns the bytes
-        re-allocated."""
+    def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True,
+               spare: list[torch.UntypedStorage] | None = None) -> int:
+        """Re-allocate the chosen parts on the device and copy them back (grads: zero-filled, in parked memory from
+        ``spare`` where some fits). Returns the bytes re-allocated."""
         parts = [p for p, on in zip(PARTS, (params, grads, optimizer)) if on and p in self._off]
         if not parts:
             return 0
@@ -181,10 +207,12 @@ class OffloadManager:
         moving = {p: self._off.pop(p) for p in parts}
         for part, slots in moving.items():
             for s, n in slots:
-                s.resize_(n)
                 if part in DROPPED:
+                    if spare is None or not _unpark(s, n, spare):
+                        s.resize_(n)
                     _bytes_view(s, n).zero_()
                 else:
+                    s.resize_(n)
                     _bytes_view(s, n).copy_(self._host[s._cdata], non_blocking=self.cuda)
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -279,12 +307,18 @@ class MemoryScheduler:
         device = next((m.device for m in self.managers.values() if m.cuda), None)
         allocated = torch.cuda.memory_allocated(device) if device is not None else 0
         copy = self.move  # else grads only: dropping them copies nothing
+        # On CPU, one role's dropped grads become the next one's (critic_update -> actor_update): freeing and
+        # re-allocating them costs the page faults of fresh memory. On CUDA freed blocks go back to the driver
+        # for vLLM, and re-allocating from the caching allocator costs nothing.
+        spare: list[torch.UntypedStorage] | None = [] if device is None else None
         out = sum(m.offload(params=copy and not plan[r].params, grads=not plan[r].grads,
-                            optimizer=copy and not plan[r].optimizer) for r, m in self.managers.items())
+                            optimizer=copy and not plan[r].optimizer, spare=spare) for r, m in self.managers.items())
         if device is not None:
             self.stats[f"offload/{phase}_device_freed_gb"] = (allocated - torch.cuda.memory_allocated(device)) / 2**30
-        back = sum(m.onload(params=copy and plan[r].params, grads=plan[r].grads, optimizer=copy and plan[r].optimizer)
-                   for r, m in self.managers.items())
+        back = sum(m.onload(params=copy and plan[r].params, grads=plan[r].grads, optimizer=copy and plan[r].optimizer,
+                            spare=spare) for r, m in self.managers.items())
+        if spare:
+            spare.clear()  # what no role took is freed here
         self.stats[f"offload/{phase}_out_mb"] = out / _MiB
         self.stats[f"offload/{phase}_in_mb"] = back / _MiB
         self.stats[f"offload/{phase}_s"] = dt = time.perf_counter() - t0

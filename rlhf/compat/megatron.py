@@ -69,12 +69,48 @@ def step_if_finite(opt, loss: float, loss_key: str) -> tuple[bool, float, str]:
         return False, grad_norm, ", ".join(bad) or "inf/nan gradients (loss scaler)"
     for inner in inner_optimizers(opt):  # as megatron's ChainedOptimizer.step clips: one global norm
         params = inner.get_parameters()
-        if params and inner.config.clip_grad > 0.0 and not getattr(inner, "is_stub_optimizer", False):
-            clip_grad_by_total_norm_fp32(params, inner.config.clip_grad, grad_norm,
-                                         inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        if not params or inner.config.clip_grad <= 0.0 or getattr(inner, "is_stub_optimizer", False):
+            continue
+        if inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:  # grads in `decoupled_grad`
+            clip_grad_by_total_norm_fp32(params, inner.config.clip_grad, grad_norm, True)
+        else:
+            clip_grads_by_total_norm(params, inner.config.clip_grad, grad_norm)
     if not opt.step_with_ready_grads():
         return False, grad_norm, "optimizer step failed"
     return True, grad_norm, ""
+
+
+def clip_grads_by_total_norm(params, max_norm: float, total_norm: float) -> None:
+    """megatron's ``clip_grad_by_total_norm_fp32`` (same coefficient, same single multiply per element, so the
+    same bits) as one ``_foreach_mul_``: without apex, megatron's fallback scales tensor by tensor through a
+    temporary (``dst.copy_(src * scale)``), 4x slower on CPU (0.08 against 0.02 s for 135M fp32 gradients)."""
+    from megatron.core.utils import to_local_if_dtensor
+
+    grads = [to_local_if_dtensor(p.grad).detach() for p in params if p.grad is not None]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if grads and coeff < 1.0:
+        torch._foreach_mul_(grads, coeff)
+
+
+# megatron-core 0.16.1: without TE or apex, the optimizer is torch's Adam/AdamW with torch's defaults.
+def fuse_cpu_adam(optimizer) -> int:
+    """Switch each inner torch Adam/AdamW whose parameters all live on the CPU to torch's fused kernel, before it
+    has any state. torch's default there is the per-tensor loop, about a dozen passes over memory per tensor;
+    the fused kernel makes one (0.064 against 0.39 s per step for 135M fp32 parameters, one thread). The update
+    is the same up to rounding. CUDA is left as megatron sets it up (TE's or apex's FusedAdam where installed).
+    Returns how many optimizers were switched."""
+    switched = 0
+    for inner in inner_optimizers(optimizer):
+        adam = getattr(inner, "optimizer", None)
+        if type(adam) not in (torch.optim.Adam, torch.optim.AdamW) or adam.state:
+            continue
+        params = [p for g in adam.param_groups for p in g["params"]]
+        if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+            continue
+        for group in (*adam.param_groups, adam.defaults):
+            group["foreach"], group["fused"] = False, True
+        switched += 1
+    return switched
 
 
 # megatron-core 0.16.1: DistributedOptimizer loading with torch Adam raises KeyError: 'step'.

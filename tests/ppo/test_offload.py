@@ -153,3 +153,44 @@ def test_scheduler_without_moves_frees_only_grads():
                 if role in opt_snap:
                     now = [v for st in engines[role].optimizer.optimizer.state.values() for v in st.values()]
                     assert all(torch.equal(a, b) for a, b in zip(now, opt_snap[role])), (phase, role)
+
+
+def test_cpu_schedule_hands_dropped_grads_to_the_next_update():
+    """On CPU the critic's grads, dropped on entering actor_update, are the memory the actor's come back in (no
+    fresh allocation); they come back zero-filled, the critic is left with none, and what no role takes (the
+    actor's grads on entering weight_sync) is freed, not kept."""
+    engines = {r: _engine(r, r in ("actor", "critic")) for r in ROLES}
+    sched = MemoryScheduler({r: OffloadManager(e) for r, e in engines.items()}, move=False)
+
+    def grad_ptrs(role):
+        return sorted(s.data_ptr() for s in sched.managers[role].storages()["grads"])
+
+    sched.enter("critic_update")
+    critic_grads = [p.grad for p in engines["critic"].model.parameters()]
+    for g in critic_grads:
+        g.fill_(3.0)  # what the critic's update leaves behind
+    before = grad_ptrs("critic")
+    sched.enter("actor_update")
+    assert grad_ptrs("actor") == before
+    assert all(torch.equal(p.grad, torch.zeros_like(p.grad)) for p in engines["actor"].model.parameters())
+    assert all(g.untyped_storage().nbytes() == 0 for g in critic_grads)
+    parked = [p.grad.untyped_storage() for p in engines["actor"].model.parameters()]
+    sched.enter("weight_sync")
+    assert all(s.nbytes() == 0 for s in parked)
+    sched.enter("critic_update")  # back in fresh memory, zero-filled and writable
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in critic_grads)
+    critic_grads[0].add_(1.0)
+    assert critic_grads[0].sum().item() == critic_grads[0].numel()
+
+
+def test_unpark_takes_the_smallest_fit_only():
+    from rlhf.offload import _park, _unpark
+
+    spare = [_park(torch.ones(n, dtype=torch.uint8).untyped_storage()) for n in (100, 130, 108)]
+    empty = torch.UntypedStorage(0)
+    assert not _unpark(empty, 140, spare) and not _unpark(empty, 60, spare)  # too small; too big (> 9/8 of 60)
+    assert _unpark(empty, 104, spare) and empty.nbytes() == 108  # only 108 fits (130 > 9/8 of 104)
+    assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(empty), torch.ones(108, dtype=torch.uint8))
+    second = torch.UntypedStorage(0)
+    assert _unpark(second, 96, spare) and second.nbytes() == 100  # 100 fits; 130 is too big
+    assert [p.nbytes() for p in spare] == [130]
