@@ -152,6 +152,10 @@ class ModelEngine:
         # The device rule: on the rank's device before Float16Module / DDP wrap it (megatron allocates the grad
         # buffers, masks and token counts there). Weights are read on the host, one rank's shard at a time.
         model.to(mesh.device)
+        if mesh.device.type == "cpu":
+            from rlhf.compat.onednn import use_onednn_linears
+
+            use_onednn_linears(model)  # fp32: oneDNN's GEMM, not MKL's generic one on AMD (rlhf/compat/onednn.py)
         self.model = model  # the bare LlamaGPT
         self.module: torch.nn.Module = model
         self.config = model.config

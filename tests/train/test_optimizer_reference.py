@@ -1,8 +1,9 @@
 """The training step at DP2 against a plain reference: HF transformers in float64 with torch's Adam and
-``clip_grad_norm_`` over the whole global batch, one process (ours: torch's fused CPU Adam kernel and a foreach
-gradient clip, ``rlhf.compat.megatron``). Both optimizer layouts: megatron DDP + Adam
-(``--zero_stage 0``) and megatron's distributed optimizer (``--zero_stage 1``, the default at DP > 1: Adam's
-states, the gradient norm and the update are sharded over the two ranks). Two gloo ranks, in-process engines."""
+``clip_grad_norm_`` over the whole global batch, one process. Ours runs torch's fused CPU Adam kernel and a
+foreach gradient clip (``rlhf.compat.megatron``), and oneDNN's GEMM in every linear layer
+(``rlhf.compat.onednn``). Both optimizer layouts: megatron DDP + Adam (``--zero_stage 0``) and megatron's
+distributed optimizer (``--zero_stage 1``, the default at DP > 1: Adam's states, the gradient norm and the update
+are sharded over the two ranks). Two gloo ranks, in-process engines."""
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ def _rank(rank: int, port: int, hf: str, out: str) -> None:
     torch.set_num_threads(1)
     from rlhf.checkpoint import uses_distributed_optimizer
     from rlhf.compat.megatron import inner_optimizers
+    from rlhf.compat.onednn import _forward_impl as onednn_forward
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.engine import ModelEngine, OptimConfig
     from rlhf.sft import SFTTask
@@ -40,8 +42,10 @@ def _rank(rank: int, port: int, hf: str, out: str) -> None:
         norms = [eng.train_step(mine, SFTTask().loss_fn(eng), ("loss",))["grad_norm"] for _ in range(STEPS)]
         logits = [o["output"][..., :eng.spec.vocab_size].detach().double() for o in eng.forward(mine)]
         fused = [g["fused"] for o in inner_optimizers(eng.optimizer) for g in o.optimizer.param_groups]
+        onednn = sum(getattr(m._forward_impl, "__func__", None) is onednn_forward for m in eng.model.modules()
+                     if hasattr(m, "_forward_impl"))
         result[zero] = {"logits": logits, "grad_norm": norms, "distributed": uses_distributed_optimizer(eng),
-                        "fused": bool(fused) and all(fused)}
+                        "fused": bool(fused) and all(fused), "onednn_layers": onednn}
     torch.save(result, f"{out}.{rank}")
     from rlhf.distributed.mesh import destroy_mesh
 
@@ -84,6 +88,7 @@ def test_dp2_step_matches_fp64_torch_adam(tmp_path):
     ranks = [torch.load(f"{out}.{r}") for r in (0, 1)]
     assert ranks[0][1]["distributed"] and not ranks[0][0]["distributed"]
     assert ranks[0][0]["fused"] and ranks[0][1]["fused"]  # torch's fused CPU Adam is what is checked here
+    assert ranks[0][0]["onednn_layers"] == 2 * 4 + 1  # and oneDNN's GEMM: QKV, proj, fc1, fc2 per layer, head
     moved = max((r - i).abs().max().item() for r, i in zip(ref, init))
     assert moved > 0.05, moved  # the three steps change the logits well above the tolerance below
     for zero in (0, 1):

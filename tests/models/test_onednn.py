@@ -1,0 +1,54 @@
+"""rlhf.compat.onednn: the fp32 linear layers' oneDNN GEMMs against an fp64 hand computation, and the switch and
+fallback around them. The whole training step with them is checked against fp64 HF + torch Adam in
+tests/train/test_optimizer_reference.py."""
+import logging
+
+import pytest
+import torch
+
+from rlhf.compat import onednn
+
+
+def test_linear_forward_and_both_grads_match_fp64():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 64, generator=gen).requires_grad_()  # [s, b, h] as megatron feeds it
+    w = torch.randn(48, 64, generator=gen).requires_grad_()
+    b = torch.randn(48, generator=gen).requires_grad_()
+    y = onednn.OneDNNLinear.apply(x, w, b)
+    g = torch.randn(y.shape, generator=gen)
+    y.backward(g)
+    xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
+    want = {"y": xd @ wd.T + b.detach().double(), "x": gd @ wd, "w": gd.reshape(-1, 48).T @ xd.reshape(-1, 64),
+            "b": gd.sum((0, 1))}
+    got = {"y": y, "x": x.grad, "w": w.grad, "b": b.grad}
+    for k in want:
+        assert got[k].shape == want[k].shape, k
+        err = (got[k].double() - want[k]).abs().max().item() / want[k].abs().max().item()
+        assert err < 1e-5, (k, err)  # fp32 rounding (measured 1e-6); a wrong transpose is off by O(1)
+
+
+def test_frozen_weight_gets_no_grad():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(6, 8)
+    onednn.OneDNNLinear.apply(x, w, None).sum().backward()
+    assert w.grad is None
+    assert torch.allclose(x.grad, w.sum(0).expand(4, 8), atol=1e-5)
+
+
+def test_switch_and_named_fallback(monkeypatch, caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    monkeypatch.setenv("RLHF_CPU_LINEAR", "mkl")
+    with pytest.raises(ValueError, match="RLHF_CPU_LINEAR"):
+        onednn.use_onednn_linears(model)
+    monkeypatch.setenv("RLHF_CPU_LINEAR", "torch")
+    assert onednn.use_onednn_linears(model) == 0
+    monkeypatch.delenv("RLHF_CPU_LINEAR")
+    monkeypatch.setattr(onednn, "_state", {})
+
+    def broken(a, w):
+        raise RuntimeError("no oneDNN in this build")
+
+    monkeypatch.setattr(onednn, "_gemm", broken)
+    with caplog.at_level(logging.WARNING, logger="rlhf.compat.onednn"):
+        assert not onednn.onednn_linear_works()
+    assert "not usable (RuntimeError: no oneDNN in this build)" in caplog.text
