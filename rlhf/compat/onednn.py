@@ -27,7 +27,10 @@ _state: dict[str, Any] = {}
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``a @ w.T`` (a: [m, k], w: [n, k], fp32 on CPU, any 2-D strides) by oneDNN."""
+    """``a @ w.T`` (a: [m, k], w: [n, k], fp32 on CPU, any 2-D strides) by oneDNN, which rejects empty operands
+    (an MoE expert that got no tokens: m = 0, or k = 0 in its weight gradient); those are zeros."""
+    if a.numel() == 0 or w.numel() == 0:
+        return a.new_zeros(a.shape[0], w.shape[0])
     return torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
 
 

@@ -27,6 +27,16 @@ def test_linear_forward_and_both_grads_match_fp64():
         assert err < 1e-5, (k, err)  # fp32 rounding (measured 1e-6); a wrong transpose is off by O(1)
 
 
+def test_no_tokens_gives_empty_output_and_zero_weight_grad():
+    """An MoE expert that received no tokens: oneDNN itself rejects the empty products."""
+    x = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(6, 8, requires_grad=True)
+    y = onednn.OneDNNLinear.apply(x, w, None)
+    assert y.shape == (0, 6)
+    y.sum().backward()
+    assert x.grad.shape == (0, 8) and torch.equal(w.grad, torch.zeros(6, 8))
+
+
 def test_frozen_weight_gets_no_grad():
     x = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(6, 8)
