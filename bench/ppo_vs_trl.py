@@ -183,10 +183,12 @@ VARIANTS = {"before": ([], {"RLHF_OFFLOAD_ON_CPU": "1"}),
 
 
 def run_ours(actor: str, rm: str, prompts: str, steps: int, work: str, seed: int, lr: float, port: int,
-             extra: list[str], variant: str = "after") -> dict:
+             extra: list[str], variant: str = "after", nproc: int = 2, threads: int = 1) -> dict:
     save = os.path.join(work, "ours")
-    cmd = [OURS_PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           os.path.join(REPO, "launch", "ppo.py"), "--pretrain", actor, "--reward_pretrain", rm,
+    # one rank runs as a plain process (no torchrun agent); more go through torchrun
+    launcher = ([OURS_PY] if nproc == 1 else
+                [OURS_PY, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)])
+    cmd = [*launcher, os.path.join(REPO, "launch", "ppo.py"), "--pretrain", actor, "--reward_pretrain", rm,
            "--prompt_data", prompts, "--input_key", "prompt", "--max_samples", str(BATCH * steps),
            "--rollout_batch_size", str(BATCH), "--n_samples_per_prompt", "1", "--train_batch_size", str(BATCH // 2),
            "--micro_train_batch_size", str(BATCH // 4), "--micro_rollout_batch_size", str(BATCH // 2),
@@ -196,7 +198,7 @@ def run_ours(actor: str, rm: str, prompts: str, steps: int, work: str, seed: int
            "--init_kl_coef", "0.05", "--kl_estimator", "k1", "--gamma", "1.0", "--lambd", "0.95",
            "--eps_clip", "0.2", "--value_clip", "0.2", "--seed", str(seed), "--save_path", save,
            *VARIANTS[variant][0], *extra]
-    peak, peak_steps = run_cmd(cmd, os.path.join(work, "ours.log"), {**base_env(1), **VARIANTS[variant][1]},
+    peak, peak_steps = run_cmd(cmd, os.path.join(work, "ours.log"), {**base_env(threads), **VARIANTS[variant][1]},
                                skip="convert_megatron_to_hf", marker="checkpoint: saving step")
     hist = json.load(open(os.path.join(save, "ppo_result.json")))["history"]
     return {"system": "ours", "step_s": [h["time/step_wall"] for h in hist], "scores": [h["reward"] for h in hist],
@@ -267,6 +269,8 @@ def main() -> int:
     p.add_argument("--skip_trl", action="store_true", help="profile ours only (no ratio)")
     p.add_argument("--variant", default="after", choices=sorted(VARIANTS), help="our step's set-up (VARIANTS)")
     p.add_argument("--bf16", action="store_true", help="both systems at bf16 (their own settings); results_bf16.json")
+    p.add_argument("--ours_nproc", type=int, default=2, help="our ranks (1: a plain process, no torchrun)")
+    p.add_argument("--ours_threads", type=int, default=None, help="torch threads per rank (default: 2 / ranks)")
     args = p.parse_args()
     sizes = [s for s in args.sizes.split(",") if s]
     for s in sizes:
@@ -301,7 +305,8 @@ def main() -> int:
                 else:
                     port += 1
                     res = run_ours(actor, rm, prompts, steps, work, args.seed, args.lr, port,
-                                   args.ours_extra.split() + (["--bf16"] if args.bf16 else []), args.variant)
+                                   args.ours_extra.split() + (["--bf16"] if args.bf16 else []), args.variant,
+                                   args.ours_nproc, args.ours_threads or max(1, 2 // args.ours_nproc))
                 runs[system].append(res)
                 print(f"   round {r + 1} {system:4s}: steps {' '.join(f'{s:.2f}' for s in res['step_s'])} s; "
                       f"peak memory {res['peak_rss_gb']:.2f} GB ({res['peak_steps_gb']:.2f} GB before the final "

@@ -47,12 +47,20 @@ def test_frozen_weight_gets_no_grad():
 
 def test_switch_and_named_fallback(monkeypatch, caplog):
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    monkeypatch.setattr(onednn, "_state", {})
     monkeypatch.setenv("RLHF_CPU_LINEAR", "mkl")
     with pytest.raises(ValueError, match="RLHF_CPU_LINEAR"):
         onednn.use_onednn_linears(model)
     monkeypatch.setenv("RLHF_CPU_LINEAR", "torch")
     assert onednn.use_onednn_linears(model) == 0
-    monkeypatch.delenv("RLHF_CPU_LINEAR")
+    monkeypatch.setenv("RLHF_CPU_LINEAR", "auto")  # by vendor: MKL on Intel, oneDNN elsewhere (no linears here)
+    monkeypatch.setattr(onednn, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(onednn, "onednn_linear_works", lambda: pytest.fail("auto on Intel must not use oneDNN"))
+    assert onednn.use_onednn_linears(model) == 0
+    monkeypatch.setattr(onednn, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(onednn, "onednn_linear_works", lambda: True)
+    assert onednn.use_onednn_linears(model) == 0  # oneDNN chosen; the model has no megatron linears to route
+    monkeypatch.undo()
     monkeypatch.setattr(onednn, "_state", {})
 
     def broken(a, w):

@@ -5,6 +5,8 @@ foreach gradient clip (``rlhf.compat.megatron``), and oneDNN's GEMM in every lin
 distributed optimizer (``--zero_stage 1``, the default at DP > 1: Adam's states, the gradient norm and the update
 are sharded over the two ranks). Two gloo ranks, in-process engines."""
 
+import os
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ def _batch(i: int):
 
 def _rank(rank: int, port: int, hf: str, out: str) -> None:
     torch.set_num_threads(1)
+    os.environ["RLHF_CPU_LINEAR"] = "onednn"  # this reference checks oneDNN's GEMM on every CPU vendor
     from rlhf.checkpoint import uses_distributed_optimizer
     from rlhf.compat.megatron import inner_optimizers
     from rlhf.compat.onednn import _forward_impl as onednn_forward
