@@ -1,4 +1,4 @@
-"""End-to-end PPO throughput: ours (launch/ppo.py, 2 ranks, colocated vLLM) against Hugging Face TRL 1.12.0's
+"""End-to-end PPO throughput: ours (launch/ppo.py, colocated vLLM) against Hugging Face TRL 1.12.0's
 PPO trainer (``trl.experimental.ppo``), same models, prompts, batch settings and seeds, on this machine.
 
     bash bench/setup_trl.sh                      # TRL in its own venv, bench/.venv-trl (never the project's .venv)
@@ -11,8 +11,11 @@ cancels). Settings of both: 32 prompts per step, exactly 32 new tokens per respo
 epoch, 2 mini-batches of 16, fp32 (``--bf16``: TRL with ``bf16=True``, its mixed precision over fp32 weights;
 ours with ``--bf16``, megatron's bf16 with fp32 master weights and bf16 vLLM), constant learning rate, Adam(0.9, 0.999), KL coefficient 0.05 (k1), GAE
 gamma 1 lambda 0.95, clip 0.2, the same seed; the first step of every run is a warm-up and is excluded.
-TRL runs as one process on both cores (torch threads = 2, its usual CPU set-up); ours runs on 2 ranks with one
-thread each, with the generator layout, ZeRO stage and KV cache the trainer chooses by default.
+TRL runs as one process on both cores (torch threads = 2, its usual CPU set-up); so does ours by default
+(``launch/ppo.py`` as one rank with 2 threads, the layout with the least memory on one small machine: no second
+copy of the four models and the imports, no torchrun agent); ``--ours_nproc 2`` runs it on 2 ranks with one thread
+each (DP 2). Either way with the generator layout, ZeRO stage and KV cache the trainer chooses by default, and
+micro-batches as TRL's (one of 16 per mini-batch across the ranks, forwards of all 32 prompts at once).
 
 It prints, per size and system: median seconds per step (wall time between step ends), samples/s, tokens/s
 (prompt + response tokens of the step / step time) and peak memory (PSS summed over the run's processes, so
@@ -185,13 +188,14 @@ VARIANTS = {"before": ([], {"RLHF_OFFLOAD_ON_CPU": "1"}),
 def run_ours(actor: str, rm: str, prompts: str, steps: int, work: str, seed: int, lr: float, port: int,
              extra: list[str], variant: str = "after", nproc: int = 2, threads: int = 1) -> dict:
     save = os.path.join(work, "ours")
+    # micro-batches as TRL's: one per mini-batch of 16 across the ranks, forwards of all 32 prompts at once
     # one rank runs as a plain process (no torchrun agent); more go through torchrun
     launcher = ([OURS_PY] if nproc == 1 else
                 [OURS_PY, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)])
     cmd = [*launcher, os.path.join(REPO, "launch", "ppo.py"), "--pretrain", actor, "--reward_pretrain", rm,
            "--prompt_data", prompts, "--input_key", "prompt", "--max_samples", str(BATCH * steps),
            "--rollout_batch_size", str(BATCH), "--n_samples_per_prompt", "1", "--train_batch_size", str(BATCH // 2),
-           "--micro_train_batch_size", str(BATCH // 4), "--micro_rollout_batch_size", str(BATCH // 2),
+           "--micro_train_batch_size", str(BATCH // 2 // nproc), "--micro_rollout_batch_size", str(BATCH // nproc),
            "--max_epochs", "1", "--num_episodes", "1", "--generate_max_len", str(NEW_TOKENS), "--ignore_eos",
            "--prompt_max_len", "64", "--actor_learning_rate", str(lr), "--critic_learning_rate", str(lr),
            "--lr_scheduler", "constant", "--lr_warmup_ratio", "0", "--adam_betas", "0.9", "0.999",
@@ -269,7 +273,9 @@ def main() -> int:
     p.add_argument("--skip_trl", action="store_true", help="profile ours only (no ratio)")
     p.add_argument("--variant", default="after", choices=sorted(VARIANTS), help="our step's set-up (VARIANTS)")
     p.add_argument("--bf16", action="store_true", help="both systems at bf16 (their own settings); results_bf16.json")
-    p.add_argument("--ours_nproc", type=int, default=2, help="our ranks (1: a plain process, no torchrun)")
+    p.add_argument("--ours_nproc", type=int, default=1,
+                   help="our ranks (1, the default: one plain process on both cores like TRL's, no torchrun; "
+                        "2: two ranks of one thread each)")
     p.add_argument("--ours_threads", type=int, default=None, help="torch threads per rank (default: 2 / ranks)")
     args = p.parse_args()
     sizes = [s for s in args.sizes.split(",") if s]
