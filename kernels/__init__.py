@@ -7,7 +7,9 @@ Dispatch, per call, from the first tensor argument:
   - `RLHF_KERNELS_FORCE_TORCH=1`: the torch path, always.
   - `RLHF_KERNELS_FORCE_TRITON=1`: the Triton path, even on CPU (run with `TRITON_INTERPRET=1` there).
   - otherwise Triton for CUDA tensors when triton is importable, torch on CPU.
-  - `varlen_attention` on CUDA prefers flash-attn, then transformer-engine, then Triton.
+  - `varlen_attention` on CUDA prefers flash-attn, then transformer-engine, then Triton. Its torch path batches
+    sequences of similar lengths into one padded SDPA call (`kernels.attention_torch`), else loops over them
+    (`RLHF_VARLEN_ATTENTION_LOOP=1`: always loop).
 Each (op, path) pair is logged once. Importing `kernels` never imports triton; the Triton modules are
 imported on first use.
 """
@@ -43,6 +45,7 @@ from kernels.packing import (
     unpack_padded,
     unpack_sequences,
 )
+from kernels.attention_torch import padding_pays, varlen_attention_padded
 from kernels.reference import varlen_attention_reference
 
 __all__ = [
@@ -64,6 +67,8 @@ logger = logging.getLogger(__name__)
 
 FORCE_TORCH_ENV = "RLHF_KERNELS_FORCE_TORCH"
 FORCE_TRITON_ENV = "RLHF_KERNELS_FORCE_TRITON"
+VARLEN_LOOP_ENV = "RLHF_VARLEN_ATTENTION_LOOP"
+"""``1``: the torch path of ``varlen_attention`` always loops over the sequences (no padded batch)."""
 _logged: set[tuple[str, str]] = set()
 
 
@@ -287,4 +292,6 @@ def varlen_attention(
         from kernels.attention_triton import varlen_attention_triton
 
         return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale)
-    return varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale)
+    if _env_flag(VARLEN_LOOP_ENV) or not padding_pays((cu_seqlens[1:] - cu_seqlens[:-1]).tolist()):
+        return varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale)
+    return varlen_attention_padded(q, k, v, cu_seqlens, scale)

@@ -1,0 +1,48 @@
+"""Varlen causal attention on the torch path, batched: the packed sequences padded into one SDPA call.
+
+``kernels.reference.varlen_attention_reference`` (the source of truth) runs one SDPA call per sequence. On a CPU
+each call's fixed cost is large next to the arithmetic of a ~60-token sequence, and the loop's autograd graph
+(a slice per sequence, one ``cat``) is long. ``varlen_attention_padded`` gathers the sequences into
+``[B, H, L_max, D]``, runs one ``scaled_dot_product_attention`` with a causal + key-padding mask and gathers the
+real rows back. It pays ``B * L_max^2`` instead of ``sum L_i^2``, so ``padding_pays`` takes it only when the
+lengths are close (``B * L_max^2 <= 2 * sum L_i^2``): PPO and SFT micro-batches, whose lengths differ by a few
+tokens. Measured by ``tools/bench_kernels.py --op varlen_attention`` (see the README's kernel table).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+PAD_COST_RATIO = 2.0
+"""The batched path runs while its padded area is at most this multiple of the packed one."""
+
+
+def padding_pays(lengths: list[int]) -> bool:
+    """Whether the padded batch's ``B * L_max^2`` is at most ``PAD_COST_RATIO`` x ``sum L_i^2`` (and B > 1)."""
+    lengths = [n for n in lengths if n > 0]
+    if len(lengths) < 2:
+        return False
+    return len(lengths) * max(lengths) ** 2 <= PAD_COST_RATIO * sum(n * n for n in lengths)
+
+
+def varlen_attention_padded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, softmax_scale: float) -> Tensor:
+    """Same contract as ``varlen_attention_reference`` (q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, int cu_seqlens
+    ``[B + 1]``; returns ``[T, Hq, D]``), as one padded SDPA call. Differentiable wrt q, k and v."""
+    cu = torch.unique_consecutive(cu_seqlens.to(device=q.device, dtype=torch.long))  # empty sequences dropped
+    lens = cu[1:] - cu[:-1]  # (B,)
+    total, lmax = q.shape[0], int(lens.max())
+    pos = torch.arange(lmax, device=q.device)
+    real = pos[None, :] < lens[:, None]  # (B, L): real tokens; the rest is padding
+    # padding rows read the sequence's last token (any in-range row would do; they are masked as keys and
+    # dropped as queries, so their gradient is zero)
+    rows = torch.minimum(cu[:-1, None] + pos[None, :], (cu[1:, None] - 1).clamp(min=0)).clamp(max=total - 1)
+
+    def pad(t: Tensor) -> Tensor:  # (T, H, D) -> (B, H, L, D)
+        return t[rows].transpose(1, 2)
+
+    # causal within the sequence and only real keys; a padding query still sees key 0, so no row is empty
+    allowed = (pos[None, :] <= pos[:, None])[None] & real[:, None, :]  # (B, L, L)
+    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=allowed[:, None], scale=softmax_scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])  # (B, Hq, L, D)
+    return out.transpose(1, 2)[real]  # (T, Hq, D): cu_seqlens are contiguous, so row order is the packed order
