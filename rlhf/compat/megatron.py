@@ -193,6 +193,37 @@ def fixed_seq_lengths(model: torch.nn.Module) -> None:
     model.config.variable_seq_lengths = False
 
 
+# megatron-core 0.16.1: its unfused RoPE (no TE) is six autograd ops per call (chunk, neg, cat, two mul, add).
+def rotary_half_rope() -> None:
+    """Route megatron's unfused ``_apply_rotary_pos_emb_bshd`` (which its THD path calls too) through
+    ``kernels.rope.rotary_half``, one autograd function, for the plain (non-interleaved, non-MLA) layout;
+    everything else stays megatron's. ``RLHF_ROPE_IMPL=megatron`` keeps megatron's own."""
+    import os
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    choice = os.environ.get("RLHF_ROPE_IMPL", "rotary_half")
+    if choice not in ("rotary_half", "megatron"):
+        raise ValueError(f"RLHF_ROPE_IMPL must be 'rotary_half' or 'megatron', got {choice!r}")
+    orig = getattr(rope_utils._apply_rotary_pos_emb_bshd, "__wrapped__", rope_utils._apply_rotary_pos_emb_bshd)
+    if choice == "megatron":
+        rope_utils._apply_rotary_pos_emb_bshd = orig
+        return
+    from kernels.rope import rotary_half
+
+    def bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+        if rotary_interleaved or multi_latent_attention:
+            return orig(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        rot = freqs.shape[-1]
+        cos, sin = ((f(freqs) * mscale).to(t.dtype) for f in (torch.cos, torch.sin))  # as megatron computes them
+        if rot == t.shape[-1]:
+            return rotary_half(t, cos, sin)
+        return torch.cat((rotary_half(t[..., :rot], cos, sin), t[..., rot:]), dim=-1)
+
+    bshd.__wrapped__ = orig
+    rope_utils._apply_rotary_pos_emb_bshd = bshd
+
+
 # megatron-core 0.16.1: moe_utils defines te_general_gemm only when TE imports, but its router reads it always.
 def moe_without_te() -> None:
     """Without Transformer Engine the MoE router's linear raises NameError (``te_general_gemm``); megatron's own

@@ -267,9 +267,10 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
     cls = _gpt_model_class()
     model = cls(spec, config, padded_vocab, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                 value_head=value_head, use_te=use_te)
-    from rlhf.compat.megatron import ensure_tp_attributes
+    from rlhf.compat.megatron import ensure_tp_attributes, rotary_half_rope
 
     ensure_tp_attributes(model, te_available())
+    rotary_half_rope()
     return model
 
 
