@@ -1,4 +1,4 @@
-"""megatron-core 0.16.1's linear layers on CPU in fp32: oneDNN's GEMM instead of torch's default BLAS (MKL).
+"""megatron-core 0.16.1's linear layers on CPU: the faster GEMM of this CPU, in fp32 and in bf16.
 
 megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` multiply with ``torch.matmul``, which for fp32 on CPU
 is MKL's ``sgemm``. On AMD CPUs MKL dispatches to a generic kernel; oneDNN picks its kernel by instruction set.
@@ -17,6 +17,15 @@ every CPU but Intel's and torch's default (MKL) on Intel's, where MKL has its ow
 168. The choice is by vendor, not by timing at start-up, so that a resumed run multiplies with the same kernel
 (bit-exact resume). ``onednn`` and ``torch`` force either. Before the first use, a small product is checked
 against torch's; if oneDNN's op is missing or disagrees, the layers stay as they are and that is logged once.
+
+bf16 (``--bf16``): a bf16 GEMM is fast only where the CPU multiplies bf16 natively at more than fp32's rate.
+On the Zen 5 EPYC bf16 peaked near 870 GFLOP/s against ~200 for fp32 (one thread); on the 2-core Intel Xeon
+above (AVX-512 with AVX512_BF16, no AMX) oneDNN's native bf16 kernel ran the 25M model's products at 170-180
+GFLOP/s on two threads against MKL's fp32 at 285-320, so a ``--bf16`` PPO step was 1.6x slower than fp32.
+``RLHF_CPU_BF16_GEMM=auto`` (the default) keeps bf16's own kernel with AMX, or on AMD with AVX512_BF16, and
+elsewhere runs ``Fp32GemmLinear``: the bf16 operands converted to fp32 (exactly) and multiplied by the fp32
+GEMM, which also accumulates in fp32 and rounds the result to bf16 once, as the bf16 kernel does; only the
+summation order differs. ``bf16`` / ``fp32`` force either.
 """
 from __future__ import annotations
 
@@ -102,39 +111,99 @@ def cpu_vendor() -> str:
 _ARGS = ("bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel", "grad_output_buffer")
 
 
+class Fp32GemmLinear(torch.autograd.Function):
+    """``y = x @ w.T (+ b)`` for bf16 ``x``/``w``, multiplied by the fp32 GEMM: the bf16 operands convert to fp32
+    exactly and the products accumulate in fp32, as a bf16 GEMM does too; outputs and grads round to bf16 once."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, w)
+        ctx.x_shape, ctx.has_bias = x.shape, b is not None
+        y = x2.float() @ w.float().t()  # (N, out)
+        if b is not None:
+            y += b.float()
+        return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x2, w = ctx.saved_tensors
+        g2 = gy.reshape(-1, gy.shape[-1]).float()  # (N, out)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = (g2 @ w.float()).to(x2.dtype).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            gw = (g2.t() @ x2.float()).to(w.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0).to(w.dtype)
+        return gx, gw, gb
+
+
 def _forward_impl(self, input, weight, *args, **kwargs):
-    """A layer's ``_forward_impl``: ``OneDNNLinear`` where it applies, else megatron's, called exactly as given."""
+    """A layer's ``_forward_impl``: ``OneDNNLinear`` (fp32) or ``Fp32GemmLinear`` (bf16) where chosen and the call
+    needs no communication inside the layer, else megatron's own, called exactly as given."""
     got = {**dict(zip(_ARGS, args)), **kwargs}
-    if (got.get("allreduce_dgrad") or got.get("sequence_parallel") or got.get("gradient_accumulation_fusion")
-            or got.get("grad_output_buffer") is not None or input.device.type != "cpu"
-            or input.dtype != torch.float32 or weight.dtype != torch.float32):
-        return type(self)._forward_impl(self, input, weight, *args, **kwargs)
-    return OneDNNLinear.apply(input, weight, got.get("bias"))
+    plain = not (got.get("allreduce_dgrad") or got.get("sequence_parallel") or got.get("gradient_accumulation_fusion")
+                 or got.get("grad_output_buffer") is not None or input.device.type != "cpu")
+    if plain and input.dtype == weight.dtype == torch.float32 and _state.get("fp32") == "onednn":
+        return OneDNNLinear.apply(input, weight, got.get("bias"))
+    if plain and input.dtype == weight.dtype == torch.bfloat16 and _state.get("bf16") == "fp32":
+        return Fp32GemmLinear.apply(input, weight, got.get("bias"))
+    return type(self)._forward_impl(self, input, weight, *args, **kwargs)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def choose_cpu_gemms() -> tuple[str, str]:
+    """``(fp32 GEMM, bf16 GEMM)`` for the CPU linear layers, by ``RLHF_CPU_LINEAR`` / ``RLHF_CPU_BF16_GEMM`` or,
+    when ``auto``, by the CPU (see the module's docstring): fp32 in ``onednn`` or ``torch``; bf16 in ``bf16``
+    (its own kernel) or ``fp32`` (bf16 operands multiplied by the fp32 kernel)."""
+    fp32 = os.environ.get("RLHF_CPU_LINEAR", "auto")
+    if fp32 not in ("auto", "onednn", "torch"):
+        raise ValueError(f"RLHF_CPU_LINEAR must be 'auto', 'onednn' or 'torch', got {fp32!r}")
+    bf16 = os.environ.get("RLHF_CPU_BF16_GEMM", "auto")
+    if bf16 not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"RLHF_CPU_BF16_GEMM must be 'auto', 'bf16' or 'fp32', got {bf16!r}")
+    vendor = cpu_vendor() if "auto" in (fp32, bf16) else ""
+    if fp32 == "auto":
+        fp32 = "torch" if vendor == "GenuineIntel" else "onednn"
+    if bf16 == "auto":
+        flags = cpu_flags()
+        fast = "amx_bf16" in flags or (vendor == "AuthenticAMD" and "avx512_bf16" in flags)
+        bf16 = "bf16" if fast else "fp32"
+    return fp32, bf16
 
 
 def use_onednn_linears(model: torch.nn.Module) -> int:
-    """Route ``model``'s megatron linear layers through ``OneDNNLinear`` where it applies (see the module's
-    docstring). Returns how many layers were given it (0 when turned off or unusable)."""
+    """Route ``model``'s megatron linear layers through ``OneDNNLinear`` (fp32) and ``Fp32GemmLinear`` (bf16)
+    where ``choose_cpu_gemms`` asks for them (see the module's docstring). Returns how many layers were given
+    the routing (0 when neither applies or oneDNN is unusable)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    choice = os.environ.get("RLHF_CPU_LINEAR", "auto")
-    if choice not in ("auto", "onednn", "torch"):
-        raise ValueError(f"RLHF_CPU_LINEAR must be 'auto', 'onednn' or 'torch', got {choice!r}")
-    if choice == "auto":
-        vendor = cpu_vendor()
-        choice = "torch" if vendor == "GenuineIntel" else "onednn"
-        if choice == "torch" and not _state.get("announced"):
-            _state["announced"] = True
-            log.info("fp32 linear layers on CPU: torch's default GEMM (MKL), the faster one on %s CPUs "
-                     "(RLHF_CPU_LINEAR=onednn for oneDNN's)", vendor)
-    if choice == "torch" or not onednn_linear_works():
+    fp32, bf16 = choose_cpu_gemms()
+    if fp32 == "onednn" and not onednn_linear_works():
+        fp32 = "torch"
+    _state["fp32"], _state["bf16"] = fp32, bf16
+    if not _state.get("announced"):
+        _state["announced"] = True
+        log.info("linear layers on CPU: fp32 by %s, bf16 by %s (RLHF_CPU_LINEAR=onednn|torch, "
+                 "RLHF_CPU_BF16_GEMM=bf16|fp32 to choose)", "oneDNN's GEMM" if fp32 == "onednn" else
+                 "torch's default GEMM (MKL)", "its own bf16 GEMM" if bf16 == "bf16" else "the fp32 GEMM")
+    if fp32 == "torch" and bf16 == "bf16":
         return 0
     n = 0
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             m._forward_impl = types.MethodType(_forward_impl, m)
             n += 1
-    if n and not _state.get("announced"):
-        _state["announced"] = True
-        log.info("fp32 linear layers on CPU: oneDNN's GEMM (RLHF_CPU_LINEAR=torch for torch's default)")
     return n

@@ -37,6 +37,28 @@ def test_no_tokens_gives_empty_output_and_zero_weight_grad():
     assert x.grad.shape == (0, 8) and torch.equal(w.grad, torch.zeros(6, 8))
 
 
+def test_bf16_by_the_fp32_gemm_matches_fp64_and_bf16_kernel():
+    """Fp32GemmLinear (bf16 operands, fp32 GEMM): forward and both grads against an fp64 hand computation on the
+    same bf16 values, and within a bf16 rounding of torch's own bf16 linear."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 64, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(48, 64, generator=gen).bfloat16().requires_grad_()
+    b = torch.randn(48, generator=gen).bfloat16().requires_grad_()
+    y = onednn.Fp32GemmLinear.apply(x, w, b)
+    g = torch.randn(y.shape, generator=gen).bfloat16()
+    y.backward(g)
+    assert y.dtype == x.grad.dtype == w.grad.dtype == b.grad.dtype == torch.bfloat16
+    xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
+    want = {"y": xd @ wd.T + b.detach().double(), "dx": gd @ wd, "dw": gd.reshape(-1, 48).T @ xd.reshape(-1, 64),
+            "db": gd.reshape(-1, 48).sum(0)}
+    got = {"y": y, "dx": x.grad, "dw": w.grad, "db": b.grad}
+    for k in want:  # one bf16 rounding of the result (2^-8 relative); a wrong transpose is off by O(1)
+        err = ((got[k].double() - want[k]).abs() / want[k].abs().clamp(min=1.0)).max().item()
+        assert err < 8e-3, (k, err)
+    ref = torch.nn.functional.linear(x.detach(), w.detach(), b.detach())  # torch's bf16 kernel
+    assert ((y.detach().float() - ref.float()).abs() / ref.float().abs().clamp(min=1.0)).max() < 1.6e-2
+
+
 def test_frozen_weight_gets_no_grad():
     x = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(6, 8)
@@ -52,14 +74,20 @@ def test_switch_and_named_fallback(monkeypatch, caplog):
     with pytest.raises(ValueError, match="RLHF_CPU_LINEAR"):
         onednn.use_onednn_linears(model)
     monkeypatch.setenv("RLHF_CPU_LINEAR", "torch")
+    monkeypatch.setenv("RLHF_CPU_BF16_GEMM", "bf16")
     assert onednn.use_onednn_linears(model) == 0
-    monkeypatch.setenv("RLHF_CPU_LINEAR", "auto")  # by vendor: MKL on Intel, oneDNN elsewhere (no linears here)
-    monkeypatch.setattr(onednn, "cpu_vendor", lambda: "GenuineIntel")
-    monkeypatch.setattr(onednn, "onednn_linear_works", lambda: pytest.fail("auto on Intel must not use oneDNN"))
-    assert onednn.use_onednn_linears(model) == 0
-    monkeypatch.setattr(onednn, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(onednn, "onednn_linear_works", lambda: True)
-    assert onednn.use_onednn_linears(model) == 0  # oneDNN chosen; the model has no megatron linears to route
+    monkeypatch.setenv("RLHF_CPU_BF16_GEMM", "fp16")
+    with pytest.raises(ValueError, match="RLHF_CPU_BF16_GEMM"):
+        onednn.choose_cpu_gemms()
+    monkeypatch.setenv("RLHF_CPU_LINEAR", "auto")  # by the CPU
+    monkeypatch.setenv("RLHF_CPU_BF16_GEMM", "auto")
+    for vendor, flags, want in (("GenuineIntel", {"avx512_bf16"}, ("torch", "fp32")),  # the Xeon measured
+                                ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, ("torch", "bf16")),
+                                ("AuthenticAMD", {"avx512_bf16"}, ("onednn", "bf16")),  # the Zen 5 measured
+                                ("AuthenticAMD", {"avx2"}, ("onednn", "fp32"))):
+        monkeypatch.setattr(onednn, "cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setattr(onednn, "cpu_flags", lambda f=flags: f)
+        assert onednn.choose_cpu_gemms() == want, (vendor, flags)
     monkeypatch.undo()
     monkeypatch.setattr(onednn, "_state", {})
 
