@@ -20,10 +20,15 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, transpose: bool) -> Tensor:
     c1, c2, s1, s2 = cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
     out = torch.empty(torch.broadcast_shapes(x.shape, cos.shape), dtype=x.dtype, device=x.device)
     o1, o2 = out[..., :h], out[..., h:]
-    # forward: [x1 c1 - x2 s1, x2 c2 + x1 s2]; transposed: [x1 c1 + x2 s2, x2 c2 - x1 s1]
-    sign = 1.0 if transpose else -1.0
-    torch.mul(x1, c1, out=o1).addcmul_(x2, s2 if transpose else s1, value=sign)
-    torch.mul(x2, c2, out=o2).addcmul_(x1, s1 if transpose else s2, value=-sign)
+    # forward: [x1 c1 - x2 s1, x2 c2 + x1 s2]; transposed: [x1 c1 + x2 s2, x2 c2 - x1 s1]. Each product is
+    # rounded before the sum (no fused multiply-add), as in transformers' and megatron's own expression, so the
+    # result is bit-identical to theirs.
+    if not transpose:
+        torch.mul(x1, c1, out=o1).sub_(x2 * s1)
+        torch.mul(x2, c2, out=o2).add_(x1 * s2)
+    else:
+        torch.mul(x1, c1, out=o1).add_(x2 * s2)
+        torch.mul(x2, c2, out=o2).sub_(x1 * s1)
     return out
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, REPO)
 
 FULL = dict(sft_epochs=6, rm_epochs=3, ppo_episodes=2, rollout_batch_size=32, n_samples=4, train_batch_size=64,
             n_pref=4000, n_train_prompts=512, dpo_epochs=1, kto_epochs=1)
-QUICK = dict(sft_epochs=5, rm_epochs=1, ppo_episodes=1, rollout_batch_size=32, n_samples=4, train_batch_size=64,
+QUICK = dict(sft_epochs=5, rm_epochs=2, ppo_episodes=1, rollout_batch_size=32, n_samples=4, train_batch_size=64,
              n_pref=2000, n_train_prompts=256, dpo_epochs=1, kto_epochs=1)
 EXTRA = ("dpo", "kto")  # --also choices
 
