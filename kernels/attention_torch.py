@@ -6,7 +6,9 @@ each call's fixed cost is large next to the arithmetic of a ~60-token sequence, 
 ``[B, H, L_max, D]``, runs one ``scaled_dot_product_attention`` with a causal + key-padding mask and gathers the
 real rows back. It pays ``B * L_max^2`` instead of ``sum L_i^2``, so ``padding_pays`` takes it only when the
 lengths are close (``B * L_max^2 <= 2 * sum L_i^2``): PPO and SFT micro-batches, whose lengths differ by a few
-tokens. Measured by ``tools/bench_kernels.py --op varlen_attention`` (see the README's kernel table).
+tokens. Measured on a 2-core Intel Xeon, 2 threads, 8 heads of 64: the forward of 16 sequences of 40-70 tokens
+took 2.6 ms against the loop's 4.1 ms, of 32 sequences 5.5 against 8.6 ms (forward + backward 32 against 106 ms);
+8 sequences of 20-300 tokens, which ``padding_pays`` leaves to the loop, 12.7 against 6.8 ms.
 """
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 
 ``out = t * cos + rotate_half(t) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``. The textbook expression (and
 megatron-core's unfused ``_apply_rotary_pos_emb_bshd``) builds it from a chunk, a negation, a ``cat``, two
-products and a sum, and autograd replays each of them backward. ``rotary_half`` writes both halves of the output
-in place, and its backward is the transposed rotation, ``grad_t = g * cos + rotate_half^T(g * sin)``, with
-``rotate_half^T([y1, y2]) = [y2, -y1]``; it saves only cos and sin. The test compares it with transformers'
-own ``apply_rotary_pos_emb`` in float64.
+products and a sum, and autograd replays each of them backward. ``rotary_half`` computes each half of the output
+straight into its place (no ``cat``), and its backward is the transposed rotation, ``grad_t = g * cos +
+rotate_half^T(g * sin)``, with ``rotate_half^T([y1, y2]) = [y2, -y1]``; it saves only cos and sin. It rounds
+exactly as megatron's expression does, so both directions are bit-identical to it (asserted in the test, which
+also compares it with transformers' own ``apply_rotary_pos_emb`` in float64).
 """
 from __future__ import annotations
 

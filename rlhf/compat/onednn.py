@@ -96,16 +96,21 @@ def onednn_linear_works() -> bool:
     return _state["ok"]
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...) from /proc/cpuinfo, or "" elsewhere."""
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name : value`` line's value in /proc/cpuinfo, or "" (no such line, or no /proc)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(name):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or "" off Linux."""
+    return _cpuinfo_field("vendor_id")
 
 
 _ARGS = ("bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel", "grad_output_buffer")
@@ -153,15 +158,8 @@ def _forward_impl(self, input, weight, *args, **kwargs):
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """The CPU's feature flags (``avx512_bf16``, ``amx_bf16``, ...), empty off Linux."""
+    return set(_cpuinfo_field("flags").split())
 
 
 def choose_cpu_gemms() -> tuple[str, str]:
