@@ -10,6 +10,9 @@ Dispatch, per call, from the first tensor argument:
   - `varlen_attention` on CUDA prefers flash-attn, then transformer-engine, then Triton. Its torch path batches
     sequences of similar lengths into one padded SDPA call (`kernels.attention_torch`), else loops over them
     (`RLHF_VARLEN_ATTENTION_LOOP=1`: always loop).
+  - `set_cpu_bf16_in_fp32(True)`: the torch paths of `varlen_attention` and `fused_linear_logprobs` compute
+    bf16 CPU tensors in fp32 (inputs converted exactly, outputs rounded to bf16 once), for CPUs whose bf16
+    products are slower than fp32's (`rlhf.compat.onednn` decides, with its linear layers).
 Each (op, path) pair is logged once. Importing `kernels` never imports triton; the Triton modules are
 imported on first use.
 """
@@ -54,6 +57,7 @@ __all__ = [
     "cu_seqlens_from_lengths",
     "fused_linear_logprobs",
     "pack_padded",
+    "set_cpu_bf16_in_fp32",
     "pack_sequences",
     "packed_next_tokens",
     "position_ids_from_cu_seqlens",
@@ -70,6 +74,19 @@ FORCE_TRITON_ENV = "RLHF_KERNELS_FORCE_TRITON"
 VARLEN_LOOP_ENV = "RLHF_VARLEN_ATTENTION_LOOP"
 """``1``: the torch path of ``varlen_attention`` always loops over the sequences (no padded batch)."""
 _logged: set[tuple[str, str]] = set()
+_cpu_bf16_in_fp32 = {"on": False}
+
+
+def set_cpu_bf16_in_fp32(on: bool) -> None:
+    """Whether the torch paths of ``varlen_attention`` and ``fused_linear_logprobs`` compute bf16 CPU tensors in
+    fp32. On a CPU without AMX, torch's bf16 kernels are the slow ones: measured on a 2-core Intel Xeon
+    (AVX512_BF16, no AMX), SDPA forward + backward of 16 sequences of 35-50 tokens, 9 query / 3 KV heads of 64,
+    took 17.7 ms in bf16 against 4.2 ms in fp32 (inputs converted, output rounded back)."""
+    _cpu_bf16_in_fp32["on"] = bool(on)
+
+
+def _in_fp32(*ts: Tensor) -> bool:
+    return _cpu_bf16_in_fp32["on"] and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in ts)
 
 
 def _env_flag(name: str) -> bool:
@@ -236,6 +253,8 @@ def fused_linear_logprobs(
     lead = targets.shape
     ops = _logprob_ops("fused_linear_logprobs", hidden)
     rows = chunk_size or fused_chunk_rows(weight.shape[0], hidden.device)
+    if ops is TORCH_OPS and _in_fp32(hidden, weight):
+        hidden, weight = hidden.float(), weight.float()  # grads convert back to bf16 through autograd
     logprobs, entropy = FusedLinearLogprobsFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), inv_temp, tp_group, vocab_size,
         return_entropy, ops, rows,
@@ -292,6 +311,13 @@ def varlen_attention(
         from kernels.attention_triton import varlen_attention_triton
 
         return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale)
+    if _in_fp32(q, k, v):
+        return _varlen_attention_torch(q.float(), k.float(), v.float(), cu_seqlens, max_seqlen, scale).to(q.dtype)
+    return _varlen_attention_torch(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def _varlen_attention_torch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                            scale: float) -> Tensor:
     if _env_flag(VARLEN_LOOP_ENV) or not padding_pays((cu_seqlens[1:] - cu_seqlens[:-1]).tolist()):
         return varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale)
     return varlen_attention_padded(q, k, v, cu_seqlens, scale)

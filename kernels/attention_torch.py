@@ -33,18 +33,23 @@ def varlen_attention_padded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     ``[B + 1]``; returns ``[T, Hq, D]``), as one padded SDPA call. Differentiable wrt q, k and v."""
     cu = torch.unique_consecutive(cu_seqlens.to(device=q.device, dtype=torch.long))  # empty sequences dropped
     lens = cu[1:] - cu[:-1]  # (B,)
-    total, lmax = q.shape[0], int(lens.max())
+    B, total, lmax = lens.shape[0], q.shape[0], int(lens.max())
     pos = torch.arange(lmax, device=q.device)
     real = pos[None, :] < lens[:, None]  # (B, L): real tokens; the rest is padding
     # padding rows read the sequence's last token (any in-range row would do; they are masked as keys and
     # dropped as queries, so their gradient is zero)
     rows = torch.minimum(cu[:-1, None] + pos[None, :], (cu[1:, None] - 1).clamp(min=0)).clamp(max=total - 1)
+    rows = rows.reshape(-1)
+    # index_select both ways: its backward is index_add_, ~18x faster on CPU than the accumulating index_put_
+    # that advanced indexing (t[rows], out[real]) differentiates into (2.8 against 0.16 ms at 16 x 72 x 8 x 64)
+    real_rows = real.reshape(-1).nonzero().squeeze(1)  # packed token i sits at padded row real_rows[i]
 
     def pad(t: Tensor) -> Tensor:  # (T, H, D) -> (B, H, L, D)
-        return t[rows].transpose(1, 2)
+        return t.index_select(0, rows).view(B, lmax, *t.shape[1:]).transpose(1, 2)
 
     # causal within the sequence and only real keys; a padding query still sees key 0, so no row is empty
     allowed = (pos[None, :] <= pos[:, None])[None] & real[:, None, :]  # (B, L, L)
     out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=allowed[:, None], scale=softmax_scale,
                                          enable_gqa=q.shape[1] != k.shape[1])  # (B, Hq, L, D)
-    return out.transpose(1, 2)[real]  # (T, Hq, D): cu_seqlens are contiguous, so row order is the packed order
+    # (T, Hq, D): cu_seqlens are contiguous, so row order is the packed order
+    return out.transpose(1, 2).reshape(B * lmax, out.shape[1], out.shape[3]).index_select(0, real_rows)

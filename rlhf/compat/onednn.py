@@ -25,7 +25,9 @@ GFLOP/s on two threads against MKL's fp32 at 285-320, so a ``--bf16`` PPO step w
 ``RLHF_CPU_BF16_GEMM=auto`` (the default) keeps bf16's own kernel with AMX, or on AMD with AVX512_BF16, and
 elsewhere runs ``Fp32GemmLinear``: the bf16 operands converted to fp32 (exactly) and multiplied by the fp32
 GEMM, which also accumulates in fp32 and rounds the result to bf16 once, as the bf16 kernel does; only the
-summation order differs. ``bf16`` / ``fp32`` force either.
+summation order differs. ``bf16`` / ``fp32`` force either. The same choice goes to the torch paths of the
+packed attention and of the LM head's fused log-probs (``kernels.set_cpu_bf16_in_fp32``): torch's bf16 SDPA,
+forward + backward, was 4x slower than fp32's on that Xeon.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ import types
 from typing import Any
 
 import torch
+
+import kernels
 
 log = logging.getLogger(__name__)
 _state: dict[str, Any] = {}
@@ -192,11 +196,13 @@ def use_onednn_linears(model: torch.nn.Module) -> int:
     if fp32 == "onednn" and not onednn_linear_works():
         fp32 = "torch"
     _state["fp32"], _state["bf16"] = fp32, bf16
+    kernels.set_cpu_bf16_in_fp32(bf16 == "fp32")  # attention and the LM head's log-probs follow the linears
     if not _state.get("announced"):
         _state["announced"] = True
         log.info("linear layers on CPU: fp32 by %s, bf16 by %s (RLHF_CPU_LINEAR=onednn|torch, "
                  "RLHF_CPU_BF16_GEMM=bf16|fp32 to choose)", "oneDNN's GEMM" if fp32 == "onednn" else
-                 "torch's default GEMM (MKL)", "its own bf16 GEMM" if bf16 == "bf16" else "the fp32 GEMM")
+                 "torch's default GEMM (MKL)",
+                 "its own bf16 GEMM" if bf16 == "bf16" else "the fp32 GEMM (attention and log-probs too)")
     if fp32 == "torch" and bf16 == "bf16":
         return 0
     n = 0
