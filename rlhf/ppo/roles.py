@@ -50,25 +50,25 @@ class PPORoles:
         self.memory.current = None
 
 
-def rollout_config(args: argparse.Namespace, spec=None, world_size: int | None = None):
+def rollout_config(args: argparse.Namespace, spec=None, world_size: int | None = None, on_cuda: bool = False):
     """The generator's settings; with the actor's ``spec`` and the world size, the CPU KV cache is sized to the
-    rollout batch (unless ``--vllm_kv_cache_mb`` is given)."""
+    rollout batch (unless ``--vllm_kv_cache_mb`` is given). Its dtype: ``rlhf.rollout.types.generator_dtype``."""
     from rlhf.rollout import RolloutConfig
-    from rlhf.rollout.types import kv_cache_bytes_for_batch, mb_to_bytes
+    from rlhf.rollout.types import generator_dtype, kv_cache_bytes_for_batch, mb_to_bytes
 
+    dtype, why = generator_dtype(args.bf16, on_cuda)
     cpu_kv = None
     if spec is not None and world_size and args.vllm_kv_cache_mb is None:
         engines = max(world_size // args.vllm_tensor_parallel_size, 1)
         seqs = -(-args.rollout_batch_size * args.n_samples_per_prompt // engines)
         cpu_kv = kv_cache_bytes_for_batch(spec, args.vllm_tensor_parallel_size, seqs,
-                                          args.prompt_max_len + args.generate_max_len, 2 if args.bf16 else 4)
+                                          args.prompt_max_len + args.generate_max_len, 2 if dtype == "bfloat16" else 4)
     return RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size, num_engines=args.vllm_num_engines,
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                          kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb), cpu_kv_cache_bytes=cpu_kv,
                          max_model_len=args.prompt_max_len + args.generate_max_len,
-                         dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
-                         enforce_eager=args.vllm_enforce_eager, backend=args.rollout_backend,
-                         weight_sync_bucket_mb=args.weight_sync_bucket_mb)
+                         dtype=dtype, dtype_reason=why, seed=args.seed, enforce_eager=args.vllm_enforce_eager,
+                         backend=args.rollout_backend, weight_sync_bucket_mb=args.weight_sync_bucket_mb)
 
 
 def build_roles(args: argparse.Namespace, setup, mesh, estimator, total_updates: int) -> PPORoles:
@@ -81,7 +81,7 @@ def build_roles(args: argparse.Namespace, setup, mesh, estimator, total_updates:
     from rlhf.rollout.vllm_engine import vllm_available
     from rlhf.rollout.weight_sync import WeightSync
 
-    rcfg = rollout_config(args, setup.sources["--pretrain"]["spec"], mesh.world_size)
+    rcfg = rollout_config(args, setup.sources["--pretrain"]["spec"], mesh.world_size, mesh.device.type == "cuda")
     if rcfg.cpu_kv_cache_bytes and mesh.device.type != "cuda" and mesh.is_rank0:
         log.info("vLLM KV cache: %d MB per rank, sized to the rollout batch (--vllm_kv_cache_mb overrides)",
                  rcfg.cpu_kv_cache_bytes >> 20)

@@ -9,6 +9,23 @@ CPU_KV_CACHE_BYTES = 256 << 20
 MIN_CPU_KV_CACHE_BYTES = 16 << 20
 
 
+def generator_dtype(bf16: bool, on_cuda: bool) -> tuple[str, str]:
+    """vLLM's dtype, and why: ``float32`` without ``--bf16``; with it ``bfloat16``, but on a CPU whose bf16
+    products are slower than fp32's (``rlhf.compat.onednn.choose_cpu_gemms``, ``RLHF_CPU_BF16_GEMM``) the engine
+    runs ``float32`` on the synced bf16 weights (converted exactly: the same model, activations not rounded to
+    bf16). On the 2-core Intel Xeon without AMX, vLLM's bf16 decode of the bench's 32 x 32 tokens took 1.03-1.09 s
+    at 25M against 0.90-0.95 s in fp32, 3.7-4.3 s against 3.2-3.5 s at SmolLM2-135M."""
+    if not bf16:
+        return "float32", "fp32 training"
+    if on_cuda:
+        return "bfloat16", "--bf16"
+    from rlhf.compat.onednn import choose_cpu_gemms
+
+    if choose_cpu_gemms()[1] == "bf16":
+        return "bfloat16", "--bf16, and this CPU multiplies bf16 fast"
+    return "float32", "--bf16 on a CPU whose bf16 products are slower than fp32's (RLHF_CPU_BF16_GEMM=bf16 keeps bf16)"
+
+
 def kv_cache_bytes_for_batch(spec, tensor_parallel_size: int, seqs_per_engine: int, max_model_len: int,
                              dtype_bytes: int, block: int = 128) -> int:
     """KV-cache bytes one rank needs to hold every sequence its engine generates at once: ``seqs_per_engine``
@@ -82,7 +99,9 @@ class RolloutConfig:
     max_model_len: int = 2048
     """prompt_max_len + generate_max_len."""
     dtype: str = "float32"
-    """float32, or bfloat16 with --bf16."""
+    """float32, or bfloat16 with --bf16 (``generator_dtype``)."""
+    dtype_reason: str = ""
+    """why this dtype (logged with the engine)"""
     seed: int = 42
     enforce_eager: bool = True
     """(--vllm_enforce_eager / --no-vllm_enforce_eager) CUDA graphs / torch.compile cost 17-22 s per start on CPU."""

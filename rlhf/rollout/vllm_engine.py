@@ -133,8 +133,9 @@ class VLLMRollout:
             self.llm = LLM(**kwargs)
         self.release_on_cpu = cfg.enable_sleep_mode and not on_cuda
         if mesh.is_rank0:
-            log.info("vLLM %d engine(s) x TP %d (external_launcher, %s, %s) ready in %.1f s; sleep mode %s",
-                     self.num_engines, self.tp, cfg.dtype, "eager" if cfg.enforce_eager else "compiled",
+            log.info("vLLM %d engine(s) x TP %d (external_launcher, %s%s, %s) ready in %.1f s; sleep mode %s",
+                     self.num_engines, self.tp, cfg.dtype, f": {cfg.dtype_reason}" if cfg.dtype_reason else "",
+                     "eager" if cfg.enforce_eager else "compiled",
                      time.perf_counter() - t0, "on" if self.sleep_enabled else
                      "off (CPU: the weights are freed after each rollout instead)" if self.release_on_cpu else "off")
         self.sleeping = False

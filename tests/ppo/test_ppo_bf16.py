@@ -1,7 +1,10 @@
-"""PPO --bf16 end to end through launch/ppo.py on 2 ranks, vLLM TP2 in bf16 too, padded and --packing_samples: 2
+"""PPO --bf16 end to end through launch/ppo.py on 2 ranks, padded and --packing_samples: 2
 steps against the fp32 run from the same models, prompts and seed, per-step metrics within bounds measured on this
 machine, and the bf16 rollout log-prob drift (vLLM's sampling log-probs vs the trainer's old log-probs) bounded.
 
+The padded bf16 run forces torch's own bf16 kernels (``RLHF_CPU_BF16_GEMM=bf16``: bf16 GEMMs, attention and vLLM
+TP2 in bf16); the packed one takes the CPU's default (``auto``: on a CPU whose bf16 products are slower than fp32's,
+bf16 operands multiplied in fp32 and vLLM in fp32 on the synced bf16 weights), so every machine runs both.
 Three launches of about 30 s: fp32 (padded), bf16 padded, bf16 packed. One fp32 baseline serves both bf16 runs:
 packed and padded fp32 agree to 2e-5 (tests/ppo/test_ppo_packing.py), far inside the bf16 bounds. One update per
 role per step (train batch = rollout batch, 1 epoch) and lr 1e-3 keep the two trajectories comparable.
@@ -38,23 +41,26 @@ DRIFT_MEAN, DRIFT_MAX = 4e-3, 2e-2
 @pytest.fixture(scope="module")
 def runs(ppo_setup, tmp_path_factory):
     out = {}
-    for name, extra in (("fp32", {}), ("bf16", {"--bf16": ""}),
-                        ("bf16_packed", {"--bf16": "", "--packing_samples": ""})):
+    for name, extra, env in (("fp32", {}, {}), ("bf16", {"--bf16": ""}, {"RLHF_CPU_BF16_GEMM": "bf16"}),
+                             ("bf16_packed", {"--bf16": "", "--packing_samples": ""}, {})):
         save = str(tmp_path_factory.mktemp(name) / "out")
         args = ppo_args(ppo_setup, save, **{"--rollout_batch_size": 8, "--train_batch_size": 32,
                                             "--micro_train_batch_size": 16, "--max_epochs": 1,
                                             "--actor_learning_rate": "1e-3", "--critic_learning_rate": "1e-3",
                                             "--stop_after_steps": STEPS, "--tensorboard": save + "/tb", **extra})
-        p = run_torchrun(PPO, 2, args, timeout=900)
+        p = run_torchrun(PPO, 2, args, timeout=900, **env)
         assert p.returncode == 0, tail(p)
         out[name] = (metric_series(save, "ppo"), p.stdout + p.stderr)
     return out
 
 
 def test_vllm_ran_in_the_run_dtype(runs):
+    from rlhf.rollout.types import generator_dtype
+
     for name, (_, log) in runs.items():
         dtype = "float32" if name == "fp32" else "bfloat16"
-        assert f"(external_launcher, {dtype}," in log, name  # the vLLM engine's start-up line
+        vllm = {"fp32": "float32", "bf16": "bfloat16", "bf16_packed": generator_dtype(True, on_cuda=False)[0]}[name]
+        assert f"(external_launcher, {vllm}:" in log, name  # the vLLM engine's start-up line
         for role in ("ref", "reward"):  # the frozen models are stored in the run's dtype (half the bytes in bf16)
             assert f"{role}: frozen, weights in {dtype} (" in log, (name, role)
     # the packed run's forwards went through the packed (THD) attention path, the padded runs' did not

@@ -96,3 +96,19 @@ def test_zero_stage_default_is_one_when_data_parallel_on_cuda():
                                   (None, 2, False, 0), (1, 2, False, 1)):
         a = argparse.Namespace(zero_stage=given)
         assert resolve_zero_stage(a, dp, cuda) == want and a.zero_stage == want
+
+
+def test_generator_dtype_follows_the_cpu_bf16_choice(monkeypatch):
+    from rlhf.rollout.types import generator_dtype
+
+    assert generator_dtype(False, on_cuda=True)[0] == generator_dtype(False, on_cuda=False)[0] == "float32"
+    assert generator_dtype(True, on_cuda=True)[0] == "bfloat16"
+    monkeypatch.setenv("RLHF_CPU_BF16_GEMM", "bf16")
+    assert generator_dtype(True, on_cuda=False)[0] == "bfloat16"
+    cfg = rollout_config(_args(bf16=True), SPEC, world_size=4)
+    assert (cfg.dtype, cfg.cpu_kv_cache_bytes) == ("bfloat16", kv_cache_bytes_for_batch(SPEC, 2, 64, 100, 2))
+    monkeypatch.setenv("RLHF_CPU_BF16_GEMM", "fp32")  # bf16 products slower than fp32's: vLLM in fp32, 4-byte cache
+    dtype, why = generator_dtype(True, on_cuda=False)
+    assert dtype == "float32" and "RLHF_CPU_BF16_GEMM" in why
+    cfg = rollout_config(_args(bf16=True), SPEC, world_size=4)
+    assert (cfg.dtype, cfg.cpu_kv_cache_bytes) == ("float32", kv_cache_bytes_for_batch(SPEC, 2, 64, 100, 4))
