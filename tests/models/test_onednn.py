@@ -98,3 +98,31 @@ def test_switch_and_named_fallback(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="rlhf.compat.onednn"):
         assert not onednn.onednn_linear_works()
     assert "not usable (RuntimeError: no oneDNN in this build)" in caplog.text
+
+
+@pytest.mark.parametrize("fn,dtype", [(onednn.MainGradLinear, torch.float32), (onednn.Fp32GemmLinear, torch.bfloat16)])
+def test_weight_grad_accumulates_into_main_grad(fn, dtype):
+    """A weight with megatron's ``main_grad`` (as DDP leaves it): two micro-batches' weight gradients add up
+    there, in fp32 (the hand computation in fp64), the flag tells DDP's hook to skip its own add, and the
+    input gradient is as without it. A weight without one gets its gradient the ordinary way."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(7, 12, generator=gen).to(dtype).requires_grad_()
+    w.main_grad, w.grad_added_to_main_grad = torch.zeros(7, 12), False
+    want = torch.zeros(7, 12, dtype=torch.float64)
+    for rows in (5, 9):
+        x = torch.randn(2, rows, 12, generator=gen).to(dtype).requires_grad_()
+        g = torch.randn(2, rows, 7, generator=gen).to(dtype)
+        fn.apply(x, w, None).backward(g)
+        want += g.double().reshape(-1, 7).T @ x.double().reshape(-1, 12)
+        torch.testing.assert_close(x.grad.double(), (g.double() @ w.double()), atol=1e-4,
+                                   rtol=1e-5 if dtype == torch.float32 else 8e-3)
+        w.grad = None  # what DDP's hook does with the placeholder
+    assert w.grad_added_to_main_grad
+    torch.testing.assert_close(w.main_grad.double(), want, atol=1e-5, rtol=1e-5)  # fp32, unrounded even for bf16
+    plain = w.detach().clone().requires_grad_()
+    x = torch.randn(3, 12, generator=gen).to(dtype)
+    g = torch.randn(3, 7, generator=gen).to(dtype)
+    fn.apply(x, plain, None).backward(g)
+    assert plain.grad.dtype == dtype
+    torch.testing.assert_close(plain.grad.double(), g.double().T @ x.double(), atol=1e-4,
+                               rtol=1e-5 if dtype == torch.float32 else 8e-3)

@@ -1,7 +1,8 @@
 """The training step at DP2 against a plain reference: HF transformers in float64 with torch's Adam and
 ``clip_grad_norm_`` over the whole global batch, one process. Ours runs torch's fused CPU Adam kernel and a
-foreach gradient clip (``rlhf.compat.megatron``), and oneDNN's GEMM in every linear layer
-(``rlhf.compat.onednn``). Both optimizer layouts: megatron DDP + Adam (``--zero_stage 0``) and megatron's
+foreach gradient clip (``rlhf.compat.megatron``), and either CPU linear kernel of ``rlhf.compat.onednn`` in every
+linear layer: oneDNN's GEMM, and torch's (MKL) with the weight gradients accumulated straight into megatron's
+``main_grad`` (``MainGradLinear``). Both optimizer layouts: megatron DDP + Adam (``--zero_stage 0``) and megatron's
 distributed optimizer (``--zero_stage 1``, the default at DP > 1: Adam's states, the gradient norm and the update
 are sharded over the two ranks). Two gloo ranks, in-process engines."""
 
@@ -27,7 +28,6 @@ def _batch(i: int):
 
 def _rank(rank: int, port: int, hf: str, out: str) -> None:
     torch.set_num_threads(1)
-    os.environ["RLHF_CPU_LINEAR"] = "onednn"  # this reference checks oneDNN's GEMM on every CPU vendor
     from rlhf.checkpoint import uses_distributed_optimizer
     from rlhf.compat.megatron import inner_optimizers
     from rlhf.compat.onednn import _forward_impl as onednn_forward
@@ -37,18 +37,20 @@ def _rank(rank: int, port: int, hf: str, out: str) -> None:
 
     mesh = initialize_mesh(1, 1, DistEnv(rank, 2, rank, "127.0.0.1", port, "torchrun"))
     result = {}
-    for zero in (0, 1):
+    for kernel, zero in (("onednn", 0), ("onednn", 1), ("torch", 0), ("torch", 1)):  # both on every CPU vendor
+        os.environ["RLHF_CPU_LINEAR"] = kernel
         optim = OptimConfig(lr=LR, total_steps=STEPS, warmup_ratio=0.0, scheduler="constant",
                             adam_betas=(0.9, 0.999), clip_grad=1.0, use_distributed_optimizer=zero >= 1)
-        eng = ModelEngine(mesh, hf, optim=optim, name=f"sft_zero{zero}")
+        eng = ModelEngine(mesh, hf, optim=optim, name=f"sft_{kernel}_zero{zero}")
         mine = [_batch(2 * rank), _batch(2 * rank + 1)]
         norms = [eng.train_step(mine, SFTTask().loss_fn(eng), ("loss",))["grad_norm"] for _ in range(STEPS)]
         logits = [o["output"][..., :eng.spec.vocab_size].detach().double() for o in eng.forward(mine)]
         fused = [g["fused"] for o in inner_optimizers(eng.optimizer) for g in o.optimizer.param_groups]
         onednn = sum(getattr(m._forward_impl, "__func__", None) is onednn_forward for m in eng.model.modules()
                      if hasattr(m, "_forward_impl"))
-        result[zero] = {"logits": logits, "grad_norm": norms, "distributed": uses_distributed_optimizer(eng),
-                        "fused": bool(fused) and all(fused), "onednn_layers": onednn}
+        direct = sum(bool(getattr(p, "grad_added_to_main_grad", False)) for p in eng.model.parameters())
+        result[kernel, zero] = {"logits": logits, "grad_norm": norms, "distributed": uses_distributed_optimizer(eng),
+                                "fused": bool(fused) and all(fused), "onednn_layers": onednn, "direct": direct}
     torch.save(result, f"{out}.{rank}")
     from rlhf.distributed.mesh import destroy_mesh
 
@@ -89,15 +91,19 @@ def test_dp2_step_matches_fp64_torch_adam(tmp_path):
     mp.spawn(_rank, args=(free_port(), hf, out), nprocs=2)
     ref, init, ref_norms = _reference(hf)
     ranks = [torch.load(f"{out}.{r}") for r in (0, 1)]
-    assert ranks[0][1]["distributed"] and not ranks[0][0]["distributed"]
-    assert ranks[0][0]["fused"] and ranks[0][1]["fused"]  # torch's fused CPU Adam is what is checked here
-    assert ranks[0][0]["onednn_layers"] == 2 * 4 + 1  # and oneDNN's GEMM: QKV, proj, fc1, fc2 per layer, head
+    runs = list(ranks[0])
+    for kernel, zero in runs:
+        assert ranks[0][kernel, zero]["distributed"] == (zero == 1)
+        assert ranks[0][kernel, zero]["fused"]  # torch's fused CPU Adam is what is checked here
+        assert ranks[0][kernel, zero]["onednn_layers"] == 2 * 4 + 1  # QKV, proj, fc1, fc2 per layer, head
+        # oneDNN's layers hand their weight gradients to DDP's hook; torch's add them to main_grad themselves
+        assert ranks[0][kernel, zero]["direct"] == (0 if kernel == "onednn" else 2 * 4 + 1), (kernel, zero)
     moved = max((r - i).abs().max().item() for r, i in zip(ref, init))
     assert moved > 0.05, moved  # the three steps change the logits well above the tolerance below
-    for zero in (0, 1):
-        assert ranks[0][zero]["grad_norm"] == pytest.approx(ref_norms, rel=1e-5), zero
-        ours = ranks[0][zero]["logits"] + ranks[1][zero]["logits"]
+    for run in runs:
+        assert ranks[0][run]["grad_norm"] == pytest.approx(ref_norms, rel=1e-5), run
+        ours = ranks[0][run]["logits"] + ranks[1][run]["logits"]
         err = max((a - b).abs().max().item() for a, b in zip(ours, ref))
-        print(f"zero {zero}: max |logit - fp64 reference| {err:.3g} (the steps moved them {moved:.3g}); grad norms "
-              f"{ranks[0][zero]['grad_norm']} vs {ref_norms}")
-        assert err < 1e-4 * moved, (zero, err, moved)  # measured: 3.1e-6 and 3.5e-6 against 1.77
+        print(f"{run}: max |logit - fp64 reference| {err:.3g} (the steps moved them {moved:.3g}); grad norms "
+              f"{ranks[0][run]['grad_norm']} vs {ref_norms}")
+        assert err < 1e-4 * moved, (run, err, moved)  # measured: 3.1e-6 and 3.5e-6 against 1.77 (oneDNN)
