@@ -3,6 +3,7 @@ checked against the installed releases at import."""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -222,6 +223,40 @@ def rotary_half_rope() -> None:
 
     bshd.__wrapped__ = orig
     rope_utils._apply_rotary_pos_emb_bshd = bshd
+
+
+SWIGLU_ENV = "RLHF_SWIGLU_IMPL"
+"""``swiglu`` (the default): dense MLPs of the local spec run ``kernels.swiglu``; ``megatron``: megatron's unfused
+activation."""
+
+
+def swiglu_choice() -> str:
+    choice = os.environ.get(SWIGLU_ENV, "swiglu")
+    if choice not in ("swiglu", "megatron"):
+        raise ValueError(f"{SWIGLU_ENV} must be 'swiglu' or 'megatron', got {choice!r}")
+    return choice
+
+
+# megatron-core 0.16.1: with bias_activation_fusion, MLP.forward calls mlp.bias_swiglu_impl, whose kernels are
+# megatron's jit_fuser functions (torch.compile, which on CPU needs a C++ toolchain and a compile per shape).
+def swiglu_function() -> None:
+    """Route ``megatron.core.transformer.mlp.bias_swiglu_impl`` through ``kernels.swiglu`` (plain torch ops, any
+    device: the same bits as megatron's unfused activation, two passes fewer). ``transformer_config`` turns
+    ``bias_activation_fusion`` on for the dense MLPs of the local spec only (``RLHF_SWIGLU_IMPL=megatron`` leaves it
+    off); FP8 input stores and activation offload go to megatron's own."""
+    from megatron.core.transformer import mlp
+
+    from kernels.swiglu import swiglu
+
+    orig = getattr(mlp.bias_swiglu_impl, "__wrapped__", mlp.bias_swiglu_impl)
+
+    def impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
+        if fp8_input_store or cpu_offload_input:
+            return orig(input, bias, fp8_input_store, cpu_offload_input)
+        return swiglu(input if bias is None else input + bias)
+
+    impl.__wrapped__ = orig
+    mlp.bias_swiglu_impl = impl
 
 
 # megatron-core 0.16.1: moe_utils defines te_general_gemm only when TE imports, but its router reads it always.

@@ -122,6 +122,14 @@ def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0, gr
                 expert_tensor_parallel_size=tp)
 
 
+def fused_swiglu(spec: ModelSpec, use_te: bool) -> bool:
+    """Whether the MLP activation runs ``kernels.swiglu`` (``rlhf.compat.megatron.swiglu_function``): dense models of
+    the local spec, unless ``RLHF_SWIGLU_IMPL=megatron``. TE's spec and MoE experts keep megatron's activation."""
+    from rlhf.compat.megatron import swiglu_choice
+
+    return swiglu_choice() == "swiglu" and not use_te and not spec.num_experts
+
+
 def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch.dtype = torch.float32,
                        bf16: bool = False, init_weights: bool = False, recompute: bool = False, ep: int = 1,
                        aux_loss_coef: float = 0.0, use_te: bool = False):
@@ -147,7 +155,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch
         attention_dropout=spec.attention_dropout, init_method_std=spec.initializer_range,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=params_dtype,
         pipeline_dtype=params_dtype, bf16=bf16, use_cpu_initialization=True, perform_initialization=init_weights,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_activation_fusion=fused_swiglu(spec, use_te), masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
         sequence_parallel=False, **kwargs)
 
@@ -267,10 +275,11 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
     cls = _gpt_model_class()
     model = cls(spec, config, padded_vocab, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                 value_head=value_head, use_te=use_te)
-    from rlhf.compat.megatron import ensure_tp_attributes, rotary_half_rope
+    from rlhf.compat.megatron import ensure_tp_attributes, rotary_half_rope, swiglu_function
 
     ensure_tp_attributes(model, te_available())
     rotary_half_rope()
+    swiglu_function()
     return model
 
 
