@@ -208,7 +208,8 @@ def _into_main_grad(w: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor) -> torc
 
 def _forward_impl(self, input, weight, *args, **kwargs):
     """A layer's ``_forward_impl``: ``OneDNNLinear`` (fp32) or ``Fp32GemmLinear`` (bf16) where chosen and the call
-    needs no communication inside the layer, else megatron's own, called exactly as given."""
+    needs no communication inside the layer, ``MainGradLinear`` for such an fp32 call on torch's GEMM whose weight
+    has a ``main_grad``, else megatron's own, called exactly as given."""
     got = {**dict(zip(_ARGS, args)), **kwargs}
     plain = not (got.get("allreduce_dgrad") or got.get("sequence_parallel") or got.get("gradient_accumulation_fusion")
                  or got.get("grad_output_buffer") is not None or input.device.type != "cpu")
