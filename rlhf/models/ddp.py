@@ -19,6 +19,9 @@ def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = False,
                                                use_distributed_optimizer=use_distributed_optimizer,
                                                bucket_size=bucket_size)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
+    from rlhf.distributed.shm_allreduce import install_on_ddp
+
+    install_on_ddp(ddp)  # CPU, one host: the gradient all-reduce through shared memory, not gloo's TCP
     model.config.no_sync_func = ddp.no_sync
     model.config.finalize_model_grads_func = finalize_model_grads
     return ddp

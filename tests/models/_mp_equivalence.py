@@ -164,7 +164,10 @@ def grad_check(work, name, results):
                     for k in ref_grads)
         missing = sorted(set(ref_grads) ^ set(grads))
         results[f"grads/{name}/{layout_name(tp, pp, ep)}"] = {"loss": loss, "ref_loss": ref_loss, "max_rel_grad_diff": gdiff,
-                                                 "mismatched_names": missing}
+                                                 "mismatched_names": missing, "dp": mesh.dp,
+                                                 # bucket groups whose all-reduce went through shared memory
+                                                 "shm_bucket_groups": sum(hasattr(bg, "_shm_reducer")
+                                                                          for bg in ddp.bucket_groups)}
         del ddp, model
 
 
