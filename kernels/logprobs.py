@@ -37,6 +37,9 @@ CPU_CHUNK_ELEMS = 1 << 20
 FUSED_CPU_CHUNK_ELEMS = 1 << 23
 FUSED_CUDA_CHUNK_ELEMS = 1 << 25
 FUSED_MIN_ROWS = 256
+# Bytes of logits the CPU forward of `fused_linear_logprobs` may keep for its backward instead of recomputing them
+# there (one `[N, H] x [H, V]` matmul less: 0.13 s per 683 x 49152 micro-batch, 2 threads). Above it, recompute.
+FUSED_CPU_KEEP_BYTES = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,11 @@ def _cat_stats(chunks: list[RowStats]) -> RowStats:
                     torch.cat([c.tgt for c in chunks]))
 
 
+def _block_rows(ops: LogprobOps, v_local: int, chunk_rows: int) -> int:
+    """Rows of one cache-sized block of a fused chunk for `ops` (the whole chunk for kernels without a size)."""
+    return chunk_rows if ops.chunk_elems is None else min(chunk_rows, default_chunk_rows(v_local, ops.chunk_elems))
+
+
 def _slice(t: Tensor | None, i: int, j: int) -> Tensor | None:
     return None if t is None else t[i:j]
 
@@ -163,8 +171,11 @@ class TokenLogprobsFunction(torch.autograd.Function):
 class FusedLinearLogprobsFunction(torch.autograd.Function):
     """(hidden `[N, H]`, weight `[V_local, H]`, targets `[N]`) -> (logprobs, entropy or None), fp32 `[N]`.
 
-    Logits exist one `[chunk_rows, V_local]` chunk at a time, in hidden's dtype; the backward recomputes
-    them chunk by chunk and overwrites each chunk in place with its gradient before the two matmuls.
+    Logits are made one `[chunk_rows, V_local]` chunk at a time, in hidden's dtype (one matmul per chunk). The
+    torch ops (CPU) then work through each chunk in cache-sized blocks of rows (`ops.chunk_elems` logits): a
+    chunk of 256 x 49152 fp32 logits is 50 MB, and each of their passes over it would stream it from memory.
+    The backward overwrites each chunk in place with its gradient before the two matmuls. It recomputes the
+    chunk, except on CPU where the forward kept all the logits (at most `FUSED_CPU_KEEP_BYTES`).
     """
 
     @staticmethod
@@ -174,34 +185,47 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         vocab_start, n_valid = shard_bounds(weight.shape[0], tp_group, vocab_size)
         tloc = local_targets(targets, vocab_start, n_valid)
         wt = weight.t()
-        chunks = []
+        keep = (hidden.device.type == "cpu" and ops.chunk_elems is not None and any(ctx.needs_input_grad[:2])
+                and n * weight.shape[0] * hidden.element_size() <= FUSED_CPU_KEEP_BYTES)
+        block = _block_rows(ops, weight.shape[0], chunk_rows)
+        chunks, kept = [], []
         for i in range(0, n, chunk_rows):
             logits = torch.mm(hidden[i:i + chunk_rows], wt)  # (C, V_local)
-            chunks.append(ops.stats(logits, tloc[i:i + chunk_rows], n_valid, inv_temp, return_entropy,
-                                    overwrite=True))
+            c = logits.shape[0]
+            for a in range(0, c, block):
+                chunks.append(ops.stats(logits[a:a + block], tloc[i + a:i + min(a + block, c)], n_valid, inv_temp,
+                                        return_entropy, overwrite=not keep))
+            if keep:
+                kept.append(logits)
             del logits
         logz, logprobs, entropy = combine_stats(_cat_stats(chunks), tp_group)
         ctx.save_for_backward(hidden, weight, tloc, logz, entropy)
         ctx.set_materialize_grads(False)
         ctx.cfg = (inv_temp, n_valid, ops, chunk_rows, tp_group)
+        ctx.kept = kept if keep else None
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
         hidden, weight, tloc, logz, entropy = ctx.saved_tensors
         inv_temp, n_valid, ops, chunk_rows, tp_group = ctx.cfg
+        kept, ctx.kept = ctx.kept, None  # overwritten below: a second backward (retain_graph) recomputes
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden) if need_h else None
         # fp32 weight: accumulate in place with addmm_. Low precision: accumulate chunks in fp32.
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         if grad_logprobs is not None or grad_entropy is not None:
             wt = weight.t()
-            for i in range(0, hidden.shape[0], chunk_rows):
+            block = _block_rows(ops, weight.shape[0], chunk_rows)
+            for k, i in enumerate(range(0, hidden.shape[0], chunk_rows)):
                 j = i + chunk_rows
                 h = hidden[i:j]
-                logits = torch.mm(h, wt)  # recompute (C, V_local)
-                g = ops.grad(logits, tloc[i:j], n_valid, inv_temp, logz[i:j], _slice(entropy, i, j),
-                             _slice(grad_logprobs, i, j), _slice(grad_entropy, i, j), out=logits)
+                logits = kept[k] if kept is not None else torch.mm(h, wt)  # (C, V_local)
+                for a in range(i, min(j, hidden.shape[0]), block):
+                    b = min(a + block, j)
+                    ops.grad(logits[a - i:b - i], tloc[a:b], n_valid, inv_temp, logz[a:b], _slice(entropy, a, b),
+                             _slice(grad_logprobs, a, b), _slice(grad_entropy, a, b), out=logits[a - i:b - i])
+                g = logits
                 if need_h:
                     torch.mm(g, weight, out=grad_h[i:j])  # (C, H)
                 if need_w:
@@ -210,6 +234,8 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
                     else:
                         grad_w.add_(torch.mm(g.t(), h))
                 del logits, g
+                if kept is not None:
+                    kept[k] = None
         if need_h and tp_group is not None and dist.get_world_size(tp_group) > 1:
             # hidden is replicated over TP ranks; each rank only saw its vocab shard's contribution.
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=tp_group)

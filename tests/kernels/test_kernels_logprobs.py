@@ -76,9 +76,19 @@ def test_chunk_size_does_not_change_results(chunk_size):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["logits_kept", "recomputed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,h,v,vocab_size,chunk_size", [(13, 16, 70, 64, 4), (32, 24, 200, None, None)])
-def test_fused_linear_matches_naive(dtype, n, h, v, vocab_size, chunk_size):
+@pytest.mark.parametrize("n,h,v,vocab_size,chunk_size", [
+    (13, 16, 70, 64, 4), (32, 24, 200, None, None),
+    # 1M-logit cache blocks of 13 rows inside chunks of 16 (13 + 3; the last chunk of 14: 13 + 1), padded vocab
+    (30, 8, 75000, 74990, 16)])
+def test_fused_linear_matches_naive(dtype, n, h, v, vocab_size, chunk_size, keep, monkeypatch):
+    """Both backwards: from the logits the CPU forward kept, and recomputed (past FUSED_CPU_KEEP_BYTES)."""
+    from kernels import logprobs
+
+    if not keep:
+        monkeypatch.setattr(logprobs, "FUSED_CPU_KEEP_BYTES", 0)
+    assert logprobs.default_chunk_rows(75000, logprobs.TORCH_OPS.chunk_elems) == 13
     g = torch.Generator().manual_seed(n * h)
     hidden = torch.randn(n, h, generator=g).to(dtype)
     weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
@@ -101,6 +111,20 @@ def test_fused_linear_matches_naive(dtype, n, h, v, vocab_size, chunk_size):
     torch.testing.assert_close(gw.double(), ref_gw, **grad_tol)
     if vocab_size is not None:
         assert torch.all(gw[vocab_size:] == 0)
+
+
+def test_fused_linear_second_backward_recomputes():
+    """The kept logits are overwritten by the first backward; a second one (retain_graph) recomputes them."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(9, 8, generator=g, requires_grad=True)
+    weight = torch.randn(30, 8, generator=g, requires_grad=True)
+    targets = torch.randint(0, 30, (9,), generator=g)
+    lp, ent = kernels.fused_linear_logprobs(hidden, weight, targets, chunk_size=4, return_entropy=True)
+    loss = lp.sum() + 0.3 * ent.sum()
+    first = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+    second = torch.autograd.grad(loss, (hidden, weight))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 def test_fused_linear_weight_only_grad():
