@@ -241,7 +241,8 @@ def fused_linear_logprobs(
         temperature, tp_group, return_entropy, vocab_size: as in `token_logprobs`.
 
     Returns logprobs `[N]` fp32, or (logprobs, entropy) when `return_entropy`. Differentiable wrt hidden and
-    weight; the backward recomputes each chunk's logits (one extra matmul) instead of storing them.
+    weight; the backward recomputes each chunk's logits (one extra matmul), except on CPU where the forward keeps
+    them when they fit in ``logprobs.FUSED_CPU_KEEP_BYTES``.
     """
     inv_temp = _check_temperature(temperature)
     if hidden.shape[:-1] != targets.shape:
