@@ -69,7 +69,8 @@ def plan_policy_generator(args, world_size: int) -> tuple[dict, RolloutConfig, b
     whether it is vLLM."""
     from rlhf.models.source import describe_source
     from rlhf.models.spec import check_parallel_fit
-    from rlhf.rollout.types import mb_to_bytes
+    from rlhf.distributed.device import select_device
+    from rlhf.rollout.types import generator_dtype, mb_to_bytes
     from rlhf.rollout.vllm_engine import check_vllm_fit, vllm_available
 
     if args.temperature <= 0:
@@ -82,9 +83,10 @@ def plan_policy_generator(args, world_size: int) -> tuple[dict, RolloutConfig, b
     except ValueError as e:
         raise ValueError(f"--pretrain {args.pretrain}: {e}") from None
     check_parallel_fit(src["spec"], tp, 1, src["padded_vocab"])
+    dtype, why = generator_dtype(args.bf16, on_cuda=select_device(0).type == "cuda")  # as PPO's generator
     rcfg = RolloutConfig(tensor_parallel_size=tp, kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb),
-                         max_model_len=args.prompt_max_len + args.max_new_tokens,
-                         dtype="bfloat16" if args.bf16 else "float32", seed=args.seed, backend=args.rollout_backend)
+                         max_model_len=args.prompt_max_len + args.max_new_tokens, dtype=dtype, dtype_reason=why,
+                         seed=args.seed, backend=args.rollout_backend)
     use_vllm = rcfg.backend == "vllm" or (rcfg.backend == "auto" and vllm_available())
     if use_vllm:
         if not vllm_available():

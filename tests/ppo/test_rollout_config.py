@@ -112,3 +112,26 @@ def test_generator_dtype_follows_the_cpu_bf16_choice(monkeypatch):
     assert dtype == "float32" and "RLHF_CPU_BF16_GEMM" in why
     cfg = rollout_config(_args(bf16=True), SPEC, world_size=4)
     assert (cfg.dtype, cfg.cpu_kv_cache_bytes) == ("float32", kv_cache_bytes_for_batch(SPEC, 2, 64, 100, 4))
+
+
+def test_fixed_policy_generator_takes_generator_dtype(monkeypatch):
+    """Batch inference and rejection sampling (``plan_policy_generator``) run vLLM in the dtype PPO's generator
+    would: under --bf16 on a CPU whose bf16 products are slow, fp32."""
+    import rlhf.models.source
+    import rlhf.models.spec
+    from rlhf.rollout import plan_policy_generator
+    from rlhf.rollout.types import generator_dtype
+
+    monkeypatch.setattr(rlhf.models.source, "describe_source", lambda path: {"spec": SPEC, "padded_vocab": 0})
+    monkeypatch.setattr(rlhf.models.spec, "check_parallel_fit", lambda *a, **k: None)
+    monkeypatch.setenv("RLHF_DEVICE", "cpu")
+    args = argparse.Namespace(temperature=1.0, top_p=1.0, tensor_model_parallel_size=1, pretrain="policy",
+                              vllm_kv_cache_mb=None, prompt_max_len=16, max_new_tokens=8, seed=1,
+                              rollout_backend="megatron", bf16=True)
+    for gemm, want in (("fp32", "float32"), ("bf16", "bfloat16")):
+        monkeypatch.setenv("RLHF_CPU_BF16_GEMM", gemm)
+        _, rcfg, use_vllm = plan_policy_generator(args, world_size=1)
+        assert not use_vllm and (rcfg.dtype, rcfg.dtype_reason) == generator_dtype(True, on_cuda=False), gemm
+        assert rcfg.dtype == want
+    args.bf16 = False
+    assert plan_policy_generator(args, world_size=1)[1].dtype == "float32"
