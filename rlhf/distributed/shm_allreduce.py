@@ -13,9 +13,10 @@ result bit for bit (a sum of two is commutative). The buffer is scaled before it
 (``grad_data *= gradient_scaling_factor``, then a sum), folded into the copy that writes it.
 
 The segment lives in ``/dev/shm``, is unlinked as soon as every rank has mapped it (nothing is left behind if a
-rank dies), and holds ``W`` slots of at most ``CHUNK_BYTES`` each (a larger buffer goes through in chunks). ``RLHF_CPU_SHM_ALLREDUCE=0`` keeps gloo's all-reduce; so does any
-group that is not gloo, spans hosts, or has one rank, and a host without ``/dev/shm``. The choice is logged once
-per group.
+rank dies), and holds ``W`` slots of at most ``CHUNK_BYTES`` each: a larger buffer goes through in chunks, and where
+``/dev/shm`` is small (a container's) the slots shrink to fit. ``RLHF_CPU_SHM_ALLREDUCE=0`` keeps gloo's
+all-reduce; so does any group that is not gloo, spans hosts, or has one rank, and a host without a writable
+``/dev/shm`` or with almost no room in it. The choice is logged once per group.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ ENV = "RLHF_CPU_SHM_ALLREDUCE"
 CHUNK_BYTES = 32 << 20
 """The most one rank's slot holds; larger buffers go through in chunks of this many bytes."""
 SHM_DIR = "/dev/shm"
+MIN_SLOT_BYTES = 1 << 20
+"""Below this per-rank slot (where ``/dev/shm`` is nearly full), the group keeps gloo's all-reduce."""
 
 _reducers: dict[Any, "ShmAllReduce | None"] = {}
 
@@ -56,6 +59,11 @@ def why_not(group: Any) -> str | None:
     if not all(h[2] for h in hosts):
         return f"no writable {SHM_DIR}"
     return None
+
+
+def _shm_free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
 
 
 def _boot_id() -> str:
@@ -93,20 +101,37 @@ class ShmAllReduce:
         self.rank = dist.get_rank(group)
         self.slot_bytes = 0
         self.scratch: torch.Tensor | None = None  # uint8 [size, slot_bytes], shared by the group's ranks
+        self.disabled = ""  # why gloo's all-reduce took over (no room in /dev/shm)
 
     def _map(self, slot_bytes: int) -> None:
-        """(Re)map a segment of ``size x slot_bytes`` bytes on every rank of the group. Collective."""
-        nbytes = self.size * slot_bytes
-        name = [os.path.join(SHM_DIR, f"rlhf-allreduce-{uuid.uuid4().hex}") if self.rank == 0 else None]
-        dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
+        """(Re)map a segment of ``size x slot_bytes`` bytes on every rank of the group. Where ``/dev/shm`` has less
+        than twice that free (a container's default is 64 MB, and a write past it kills the process with SIGBUS),
+        the slots shrink to what fits, down to ``MIN_SLOT_BYTES``; below that the current segment is kept, or, with
+        none, this group keeps gloo's all-reduce from then on. Collective; rank 0 decides."""
+        msg: list[Any] = [None]
         if self.rank == 0:
-            torch.from_file(name[0], shared=True, size=nbytes, dtype=torch.uint8)  # creates the file at its size
-        dist.barrier(group=self.group)
-        scratch = torch.from_file(name[0], shared=True, size=nbytes, dtype=torch.uint8)
-        dist.barrier(group=self.group)
-        if self.rank == 0:
-            os.unlink(name[0])  # the mappings keep the memory; nothing is left in /dev/shm
-        self.scratch, self.slot_bytes = scratch.view(self.size, slot_bytes), slot_bytes
+            free = _shm_free_bytes()
+            slot = min(slot_bytes, (free // 2 // self.size) // 64 * 64)
+            if slot == slot_bytes or slot >= MIN_SLOT_BYTES:
+                msg = [("map", os.path.join(SHM_DIR, f"rlhf-allreduce-{uuid.uuid4().hex}"), slot)]
+                torch.from_file(msg[0][1], shared=True, size=self.size * slot, dtype=torch.uint8)  # creates it
+            elif self.scratch is not None:
+                msg = [("keep",)]
+            else:
+                msg = [("off", f"{SHM_DIR} has {free >> 20} MiB free")]
+        dist.broadcast_object_list(msg, src=dist.get_global_rank(self.group, 0), group=self.group)
+        what = msg[0]
+        if what[0] == "off":
+            self.disabled = what[1]
+            log.warning("gradient all-reduce over %d ranks: gloo's from now on (%s)", self.size, what[1])
+        elif what[0] == "map":
+            _, name, slot = what
+            self.scratch = None  # the old mapping goes before the new one fills
+            scratch = torch.from_file(name, shared=True, size=self.size * slot, dtype=torch.uint8)
+            dist.barrier(group=self.group)
+            if self.rank == 0:
+                os.unlink(name)  # the mappings keep the memory; nothing is left in /dev/shm
+            self.scratch, self.slot_bytes = scratch.view(self.size, slot), slot
 
     def all_reduce(self, x: torch.Tensor, scale: float = 1.0) -> None:
         """``x`` becomes the sum over the group of every rank's ``x * scale`` (``scale`` applied first, as megatron
@@ -120,8 +145,13 @@ class ShmAllReduce:
             return
         need = min(CHUNK_BYTES, flat.numel() * esize)
         need = -(-need // 64) * 64  # whole cache lines, and a whole number of elements of any dtype
-        if need > self.slot_bytes:
+        if need > self.slot_bytes and not self.disabled:
             self._map(need)
+        if self.disabled:
+            if scale != 1.0:
+                x.mul_(scale)
+            dist.all_reduce(x, group=self.group)
+            return
         per, slots = self.slot_bytes // esize, self.scratch.view(x.dtype)  # slots: [size, per]
         for start in range(0, flat.numel(), per):
             self._chunk(flat[start:start + per], slots, scale)

@@ -1,6 +1,6 @@
 """The shared-memory gradient all-reduce of CPU jobs (rlhf.distributed.shm_allreduce), on 2 and 3 gloo ranks:
 bit-identical to gloo's all-reduce and to megatron's scale-then-sum on 2 ranks, within the rounding of an fp64 sum
-on 3, the same bits on every rank, across chunk boundaries, in fp32 and bf16; its fallbacks. Its use by megatron's
+on 3, the same bits on every rank, across chunk boundaries, in fp32 and bf16; with little room in /dev/shm; its fallbacks. Its use by megatron's
 DDP is checked by test_parallel_equivalence (gradients at DP2 and DP4 against a single-rank run)."""
 import json
 
@@ -15,6 +15,6 @@ def test_shm_allreduce(tmp_path, nproc):
     assert proc.returncode == 0, tail(proc)
     checks = json.loads(out.read_text())
     per_case = 4 if nproc == 2 else 2  # 2 ranks: against gloo and the hand sum too
-    assert len(checks) == 5 + 2 * 6 * 3 * per_case, sorted(checks)  # dtypes x sizes x scales, + 5 named checks
+    assert len(checks) == 9 + 2 * 6 * 3 * per_case, sorted(checks)  # dtypes x sizes x scales, + 9 named checks
     failed = [k for k, ok in checks.items() if not ok]
     assert not failed, failed
