@@ -4,8 +4,8 @@ gloo moves an all-reduce through TCP loopback. On one host the ranks can instead
 one shared-memory segment: each rank writes the parts of its buffer that the others reduce, reduces its own part
 (``1/W`` of the buffer) from everyone's copies, publishes it, and reads the others' reduced parts back. Measured
 on a 2-core CPU, 2 ranks, fp32, with megatron's scaling pass: 105 MB in 46 ms against gloo's 98 ms, 538 MB in
-209 ms against 440 ms (``tools/bench_allreduce.py``). This is the gradient all-reduce of megatron's DDP at ZeRO 0, which a CPU job
-uses; ``install_on_ddp`` routes its bucket groups here.
+209 ms against 440 ms (``tools/bench_allreduce.py``). This is the gradient all-reduce of megatron's DDP at ZeRO 0,
+which a CPU job uses; ``install_on_ddp`` routes its bucket groups here.
 
 Results: each part is reduced by exactly one rank and copied to the others, so every rank holds the same bits. The
 sum of part ``r`` is taken as rank ``r``'s value plus the others' in rank order; with 2 ranks that is gloo's own
@@ -100,6 +100,7 @@ class ShmAllReduce:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.slot_bytes = 0
+        self.asked = 0  # the largest slot asked for: slots shrunk to a small /dev/shm are not re-mapped per call
         self.scratch: torch.Tensor | None = None  # uint8 [size, slot_bytes], shared by the group's ranks
         self.disabled = ""  # why gloo's all-reduce took over (no room in /dev/shm)
 
@@ -145,7 +146,8 @@ class ShmAllReduce:
             return
         need = min(CHUNK_BYTES, flat.numel() * esize)
         need = -(-need // 64) * 64  # whole cache lines, and a whole number of elements of any dtype
-        if need > self.slot_bytes and not self.disabled:
+        if need > self.asked and not self.disabled:
+            self.asked = need
             self._map(need)
         if self.disabled:
             if scale != 1.0:

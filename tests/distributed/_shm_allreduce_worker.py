@@ -76,9 +76,13 @@ def _small_dev_shm(checks: dict, r: int, w: int) -> None:
     red = S.ShmAllReduce(dist.group.WORLD)
     checks["small_shm/right"] = reduced(red)
     checks["small_shm/slots_shrunk"] = red.slot_bytes == 8192 and not red.disabled
+    mapped, maps, real_map = red.scratch.data_ptr(), [], red._map
+    red._map = lambda slot: (maps.append(slot), real_map(slot))
+    checks["small_shm/not_remapped_per_call"] = reduced(red) and not maps
     S._shm_free_bytes = lambda: 0
-    red.slot_bytes = 4096  # pretend the mapping is smaller than wanted: a re-map is tried, finds no room, keeps it
-    checks["full_shm/keeps_mapping"] = reduced(red) and red.scratch is not None and not red.disabled
+    S.CHUNK_BYTES = 1 << 17  # now 80 KB slots are wanted: a re-map is tried, finds no room, keeps the one it has
+    checks["full_shm/keeps_mapping"] = (reduced(red) and maps == [80000] and red.scratch.data_ptr() == mapped
+                                        and red.slot_bytes == 8192 and not red.disabled)
     red = S.ShmAllReduce(dist.group.WORLD)
     checks["full_shm/gloo_fallback"] = reduced(red) and "MiB free" in red.disabled and red.scratch is None
 

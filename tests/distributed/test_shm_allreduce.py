@@ -15,6 +15,6 @@ def test_shm_allreduce(tmp_path, nproc):
     assert proc.returncode == 0, tail(proc)
     checks = json.loads(out.read_text())
     per_case = 4 if nproc == 2 else 2  # 2 ranks: against gloo and the hand sum too
-    assert len(checks) == 9 + 2 * 6 * 3 * per_case, sorted(checks)  # dtypes x sizes x scales, + 9 named checks
+    assert len(checks) == 10 + 2 * 6 * 3 * per_case, sorted(checks)  # dtypes x sizes x scales, + 10 named checks
     failed = [k for k, ok in checks.items() if not ok]
     assert not failed, failed
