@@ -17,9 +17,10 @@ bookkeeping is exercised by the CPU tests.
 Gradients are *dropped*, never copied: outside a role's own update they hold nothing anyone reads (``train_step``
 zeroes them before it accumulates), so their storage is freed with no host copy and comes back zero-filled. This
 is also why every schedule, with or without flags and on CPU too, keeps a role's gradients only during its own
-update: freeing them costs a memset, not a copy. On CPU the memory one role's grads leave in a phase change is
-the memory the next role's come back in (critic_update -> actor_update), so the actor's re-allocation costs no
-page faults; only what no role takes is freed.
+update: freeing them costs a memset, not a copy. On CPU the memory one role's grads leave is the memory the next
+role's come back in: the scheduler keeps one role's worth of dropped gradient memory parked between updates
+(critic_update -> actor_update -> weight_sync ... -> critic_update), because fresh memory costs its page faults
+every step (0.1-0.5 s for SmolLM2's 0.5 GB), and frees only what exceeds that.
 
     managers = {role: OffloadManager(engine) for role, engine in engines.items()}
     sched = MemoryScheduler(managers, colocate_all=True, adam_offload=True)
@@ -288,6 +289,8 @@ class MemoryScheduler:
         self.move = move
         """False: copy nothing, only drop and restore grads (``cpu_offload_moves``: on a CPU device the host *is* the
         device, so a copy cannot lower peak memory; it only costs time)."""
+        self.spare: list[torch.UntypedStorage] = []
+        """CPU: dropped gradient memory parked between phases (``_keep_one_role``), for the next update's grads."""
         self.current: str | None = None
         self.stats: dict[str, float] = {}
         """Per phase entered since ``pop_stats``: ``offload/<phase>_out_mb`` / ``_in_mb`` freed on (copied off or
@@ -307,10 +310,10 @@ class MemoryScheduler:
         device = next((m.device for m in self.managers.values() if m.cuda), None)
         allocated = torch.cuda.memory_allocated(device) if device is not None else 0
         copy = self.move  # else grads only: dropping them copies nothing
-        # On CPU, one role's dropped grads become the next one's (critic_update -> actor_update): freeing and
-        # re-allocating them costs the page faults of fresh memory. On CUDA freed blocks go back to the driver
-        # for vLLM, and re-allocating from the caching allocator costs nothing.
-        spare: list[torch.UntypedStorage] | None = [] if device is None else None
+        # On CPU, one role's dropped grads become the next one's, across phases (weight_sync ... critic_update):
+        # freeing and re-allocating them costs the page faults of fresh memory. On CUDA freed blocks go back to the
+        # driver for vLLM, and re-allocating from the caching allocator costs nothing.
+        spare = self.spare if device is None else None
         out = sum(m.offload(params=copy and not plan[r].params, grads=not plan[r].grads,
                             optimizer=copy and not plan[r].optimizer, spare=spare) for r, m in self.managers.items())
         if device is not None:
@@ -318,13 +321,33 @@ class MemoryScheduler:
         back = sum(m.onload(params=copy and plan[r].params, grads=plan[r].grads, optimizer=copy and plan[r].optimizer,
                             spare=spare) for r, m in self.managers.items())
         if spare:
-            spare.clear()  # what no role took is freed here
+            self._keep_one_role()
         self.stats[f"offload/{phase}_out_mb"] = out / _MiB
         self.stats[f"offload/{phase}_in_mb"] = back / _MiB
         self.stats[f"offload/{phase}_s"] = dt = time.perf_counter() - t0
         self.current = phase
         log.debug("phase %s: offloaded %.1f MiB, onloaded %.1f MiB in %.3f s", phase, out / _MiB, back / _MiB, dt)
         return plan
+
+    def _keep_one_role(self) -> None:
+        """Free the parked gradient memory beyond one role's worth that every role whose grads are dropped now could
+        come back in. A parked storage serves a role when it fits one of the role's gradient storages (``n`` to
+        ``n * 9/8`` bytes, as ``_unpark`` takes it); for each gradient storage of the largest such role, the
+        smallest parked storage that serves every such role is kept. An actor and a critic of one size thus share
+        one role's worth of memory, and roles of different sizes keep none between phases."""
+        wanted = [sizes for m in self.managers.values() if (sizes := [n for _, n in m._off.get("grads", [])])]
+
+        def serves(st: torch.UntypedStorage, n: int) -> bool:
+            return n <= st.nbytes() <= n + n // 8
+
+        pool = sorted((st for st in self.spare if all(any(serves(st, n) for n in sizes) for sizes in wanted)),
+                      key=lambda st: st.nbytes())
+        keep = []
+        for n in sorted(max(wanted, key=sum), reverse=True) if wanted else []:
+            i = next((i for i, st in enumerate(pool) if serves(st, n)), None)
+            if i is not None:
+                keep.append(pool.pop(i))
+        self.spare[:] = keep  # the rest is freed with its last reference
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[dict[str, Residency]]:

@@ -90,12 +90,12 @@ def test_plan_ref_reward_and_adam_offload():
         plan_residency("generate", ROLES)
 
 
-def _engine(name: str, trainable: bool):
+def _engine(name: str, trainable: bool, hidden: int = 8):
     """Enough of a ModelEngine for OffloadManager: ``model``, and an optimizer whose ``.optimizer`` is torch's."""
     from types import SimpleNamespace
 
     torch.manual_seed(len(name))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 2))
     eng = SimpleNamespace(name=name, model=model, ddp=None, optimizer=None)
     if trainable:
         eng.optimizer = SimpleNamespace(optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
@@ -156,31 +156,64 @@ def test_scheduler_without_moves_frees_only_grads():
 
 
 def test_cpu_schedule_hands_dropped_grads_to_the_next_update():
-    """On CPU the critic's grads, dropped on entering actor_update, are the memory the actor's come back in (no
-    fresh allocation); they come back zero-filled, the critic is left with none, and what no role takes (the
-    actor's grads on entering weight_sync) is freed, not kept."""
+    """On CPU one role's worth of gradient memory goes round: the grads both roles were built with are dropped on
+    entering weight_sync (the loop's first phase) and one role's worth stays parked through rollout and
+    make_experience; the critic's grads come back in it, then the actor's (dropped by the critic), then it is parked
+    again. Zero-filled each time, the dropping role left with none, nothing else kept."""
     engines = {r: _engine(r, r in ("actor", "critic")) for r in ROLES}
     sched = MemoryScheduler({r: OffloadManager(e) for r, e in engines.items()}, move=False)
+    grads = {r: [p.grad for p in engines[r].model.parameters()] for r in ("actor", "critic")}
 
     def grad_ptrs(role):
         return sorted(s.data_ptr() for s in sched.managers[role].storages()["grads"])
 
-    sched.enter("critic_update")
-    critic_grads = [p.grad for p in engines["critic"].model.parameters()]
-    for g in critic_grads:
-        g.fill_(3.0)  # what the critic's update leaves behind
-    before = grad_ptrs("critic")
-    sched.enter("actor_update")
-    assert grad_ptrs("actor") == before
-    assert all(torch.equal(p.grad, torch.zeros_like(p.grad)) for p in engines["actor"].model.parameters())
-    assert all(g.untyped_storage().nbytes() == 0 for g in critic_grads)
-    parked = [p.grad.untyped_storage() for p in engines["actor"].model.parameters()]
     sched.enter("weight_sync")
-    assert all(s.nbytes() == 0 for s in parked)
-    sched.enter("critic_update")  # back in fresh memory, zero-filled and writable
-    assert all(torch.equal(g, torch.zeros_like(g)) for g in critic_grads)
-    critic_grads[0].add_(1.0)
-    assert critic_grads[0].sum().item() == critic_grads[0].numel()
+    ring = sorted(s.data_ptr() for s in sched.spare)
+    assert len(ring) == len(grads["actor"]) and all(s.nbytes() == 0 for g in grads.values() for s in
+                                                   (t.untyped_storage() for t in g))
+    for step in range(2):
+        sched.enter("critic_update")
+        assert grad_ptrs("critic") == ring and not sched.spare, step
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads["critic"])
+        for g in grads["critic"]:
+            g.fill_(3.0)  # what the critic's update leaves behind
+        sched.enter("actor_update")
+        assert grad_ptrs("actor") == ring and not sched.spare, step
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads["actor"])
+        assert all(g.untyped_storage().nbytes() == 0 for g in grads["critic"])
+        for g in grads["actor"]:
+            g.fill_(5.0)
+        for phase in ("weight_sync", "rollout", "make_experience"):
+            sched.enter(phase)
+            assert all(g.untyped_storage().nbytes() == 0 for g in grads["actor"]), phase
+            assert sorted(s.data_ptr() for s in sched.spare) == ring, phase  # parked, not freed
+    sched.enter("critic_update")
+    grads["critic"][0].add_(1.0)  # writable once back
+    assert grads["critic"][0].sum().item() == grads["critic"][0].numel()
+
+
+def test_cpu_schedule_parks_only_what_every_dropped_role_fits():
+    """Roles of different sizes keep no gradient memory between phases (the actor's would be held through the
+    critic's update for nothing), and a parked storage is kept for a role up to 9/8 of its size."""
+    from rlhf.offload import _park
+
+    engines = {r: _engine(r, r in ("actor", "critic"), hidden=64 if r == "critic" else 8) for r in ROLES}
+    sched = MemoryScheduler({r: OffloadManager(e) for r, e in engines.items()}, move=False)
+    sched.enter("weight_sync")  # both roles' grads dropped: only what serves both is kept
+    assert sorted(s.nbytes() for s in sched.spare) == [8, 256]  # critic: 2048, 256, 512, 8; actor: 256, 32, 64, 8
+    sched.enter("critic_update")
+    assert all(torch.equal(p.grad, torch.zeros_like(p.grad)) for p in engines["critic"].model.parameters())
+    sched.enter("weight_sync")
+    # the actor's grads are 256, 32, 64 and 8 bytes: up to 9/8 of one of them is kept while only its are dropped
+    sched.managers["critic"].onload(grads=True)
+    for offered, kept in (((288, 290, 256, 100), [256]), ((290, 288), [288]), ((290,), []), ((100, 36, 9), [9, 36])):
+        sched.spare[:] = [_park(torch.empty(n, dtype=torch.uint8).untyped_storage()) for n in offered]
+        sched._keep_one_role()
+        assert sorted(s.nbytes() for s in sched.spare) == kept, offered
+    sched.managers["critic"].offload(params=False, optimizer=False, grads=True)  # now both roles' are dropped
+    sched.spare[:] = [_park(torch.empty(n, dtype=torch.uint8).untyped_storage()) for n in (64, 32, 2048, 288)]
+    sched._keep_one_role()
+    assert [s.nbytes() for s in sched.spare] == [288]  # 64, 32: the actor's only; 2048: the critic's only
 
 
 def test_unpark_takes_the_smallest_fit_only():
