@@ -5,7 +5,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -92,16 +91,14 @@ def test_mpirun_matches_torchrun(sft_setup, tmp_path):
 
 
 def _slurm_port_and_job() -> tuple[int, int]:
-    """A free port P in [20000, 40000) and the job id J that DistEnv maps to it (P = 20000 + J % 20000)."""
-    for _ in range(200):
-        port = 20000 + int.from_bytes(os.urandom(2), "little") % 20000
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port, port - 20000 + 20000 * 7
-    raise RuntimeError("no free port in [20000, 40000)")
+    """A free port P in [20000, 40000) and the job id J that DistEnv maps to it (P = 20000 + J % 20000). P comes
+    from ``free_port``, below the kernel's ephemeral range: a port drawn inside it (as this helper once did, from
+    all of [20000, 40000)) can be taken by any outgoing connection before rank 0 binds it, and rank 1 then waits
+    on someone else's port until the test's 180 s timeout (seen once in a full run)."""
+    port = free_port()
+    if not 20000 <= port < 40000:
+        raise RuntimeError(f"free_port gave {port}, outside the [20000, 40000) that SLURM_JOB_ID maps to")
+    return port, port - 20000 + 20000 * 7
 
 
 def test_slurm_rank_mapping_and_config_mismatch(sft_setup, tmp_path):
