@@ -276,7 +276,10 @@ def cli_main(add_args, run, argv=None) -> int:
 
     add_launcher_args(p)
     args = p.parse_args(argv)
+    from rlhf.compat.onednn import bound_onednn_caches
     from rlhf.engine import TrainingDiverged
+
+    bound_onednn_caches()  # before the first oneDNN call, which reads the capacities
 
     try:
         apply_launcher_args(args)

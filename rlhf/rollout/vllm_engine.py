@@ -200,8 +200,10 @@ class VLLMRollout:
         # One seed per prompt: the samples do not depend on how prompts are spread over engines or batched. vLLM
         # seeds sample k of a request with seed + k, so the prompts' seeds are n apart: with a spacing of 1, sample
         # k + 1 of prompt i drew the same random numbers as sample k of prompt i + 1.
+        # detokenize=False: the callers decode the token ids themselves (if at all); vLLM's incremental detokenizer
+        # would otherwise run on every token of every step.
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                 ignore_eos=ignore_eos, seed=seed * 1_000_003 + (lo + i) * n)
+                                 ignore_eos=ignore_eos, seed=seed * 1_000_003 + (lo + i) * n, detokenize=False)
                   for i in range(len(mine))]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in mine], params, use_tqdm=False)
         local: list[Sample] = []
