@@ -105,10 +105,15 @@ def _park(storage: torch.UntypedStorage) -> torch.UntypedStorage:
     return park
 
 
+def _serves(parked: torch.UntypedStorage, nbytes: int) -> bool:
+    """Whether ``parked`` memory may hold a storage of ``nbytes``: at least that much, at most 9/8 of it."""
+    return nbytes <= parked.nbytes() <= nbytes + nbytes // 8
+
+
 def _unpark(storage: torch.UntypedStorage, nbytes: int, spare: list[torch.UntypedStorage]) -> bool:
     """Give the empty ``storage`` the smallest parked memory of ``nbytes`` to ``nbytes * 9/8`` bytes from ``spare``
     (removed from it). False when none fits."""
-    fits = [i for i, p in enumerate(spare) if nbytes <= p.nbytes() <= nbytes + nbytes // 8]
+    fits = [i for i, p in enumerate(spare) if _serves(p, nbytes)]
     if not fits:
         return False
     storage._swap_data_ptr_(spare.pop(min(fits, key=lambda i: spare[i].nbytes())))
@@ -153,6 +158,10 @@ class OffloadManager:
                     seen.add(s._cdata)
                     out[part].append(s)
         return out
+
+    def dropped_grad_bytes(self) -> list[int]:
+        """The sizes of this engine's gradient storages while they are dropped (empty while they are resident)."""
+        return [n for _, n in self._off.get("grads", [])]
 
     def bytes_on_device(self) -> int:
         """Live bytes of this engine's params, grads and optimizer states on its device."""
@@ -335,16 +344,12 @@ class MemoryScheduler:
         ``n * 9/8`` bytes, as ``_unpark`` takes it); for each gradient storage of the largest such role, the
         smallest parked storage that serves every such role is kept. An actor and a critic of one size thus share
         one role's worth of memory, and roles of different sizes keep none between phases."""
-        wanted = [sizes for m in self.managers.values() if (sizes := [n for _, n in m._off.get("grads", [])])]
-
-        def serves(st: torch.UntypedStorage, n: int) -> bool:
-            return n <= st.nbytes() <= n + n // 8
-
-        pool = sorted((st for st in self.spare if all(any(serves(st, n) for n in sizes) for sizes in wanted)),
+        wanted = [sizes for m in self.managers.values() if (sizes := m.dropped_grad_bytes())]
+        pool = sorted((st for st in self.spare if all(any(_serves(st, n) for n in sizes) for sizes in wanted)),
                       key=lambda st: st.nbytes())
         keep = []
         for n in sorted(max(wanted, key=sum), reverse=True) if wanted else []:
-            i = next((i for i, st in enumerate(pool) if serves(st, n)), None)
+            i = next((i for i, st in enumerate(pool) if _serves(st, n)), None)
             if i is not None:
                 keep.append(pool.pop(i))
         self.spare[:] = keep  # the rest is freed with its last reference
