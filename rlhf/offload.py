@@ -291,7 +291,8 @@ class MemoryScheduler:
     """Applies ``plan_residency`` to one ``OffloadManager`` per role as the PPO loop moves between phases."""
 
     def __init__(self, managers: Mapping[str, OffloadManager], *, colocate_all: bool = False,
-                 ref_reward_offload: bool = False, adam_offload: bool = False, move: bool = True):
+                 ref_reward_offload: bool = False, adam_offload: bool = False, move: bool = True,
+                 keep_parked: bool = True):
         self.managers = dict(managers)
         self.flags = dict(colocate_all=colocate_all, ref_reward_offload=ref_reward_offload,
                           adam_offload=adam_offload)
@@ -300,6 +301,9 @@ class MemoryScheduler:
         device, so a copy cannot lower peak memory; it only costs time)."""
         self.spare: list[torch.UntypedStorage] = []
         """CPU: dropped gradient memory parked between phases (``_keep_one_role``), for the next update's grads."""
+        self.keep_parked = keep_parked
+        """CPU: keep parked gradient memory from one phase change to the next (False: only within one, where the
+        critic's dropped grads become the actor's; every role's grads then have their exact size, as on CUDA)."""
         self.current: str | None = None
         self.stats: dict[str, float] = {}
         """Per phase entered since ``pop_stats``: ``offload/<phase>_out_mb`` / ``_in_mb`` freed on (copied off or
@@ -330,7 +334,7 @@ class MemoryScheduler:
         back = sum(m.onload(params=copy and plan[r].params, grads=plan[r].grads, optimizer=copy and plan[r].optimizer,
                             spare=spare) for r, m in self.managers.items())
         if spare:
-            self._keep_one_role()
+            self._keep_one_role() if self.keep_parked else spare.clear()
         self.stats[f"offload/{phase}_out_mb"] = out / _MiB
         self.stats[f"offload/{phase}_in_mb"] = back / _MiB
         self.stats[f"offload/{phase}_s"] = dt = time.perf_counter() - t0

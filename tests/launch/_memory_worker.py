@@ -88,7 +88,9 @@ def measure(actor_dir: str, rm_dir: str, cfg: dict, mesh) -> dict:
              "ref": ModelEngine(mesh, actor_dir, value_head=False, name="ref", bf16=cfg["bf16"]),
              "reward": ModelEngine(mesh, rm_dir, value_head=True, name="reward", bf16=cfg["bf16"])}
     managers = {k: OffloadManager(v, name=k) for k, v in roles.items()}
-    sched = MemoryScheduler(managers, colocate_all=True)
+    # The planner models the CUDA schedule, where every role's grads have their own size; on CPU the scheduler
+    # would by default hand the critic the actor's parked (up to 9/8 larger) gradient memory.
+    sched = MemoryScheduler(managers, colocate_all=True, keep_parked=False)
     P, T = cfg["prompt_max_len"], cfg["generate_max_len"]
     n = cfg["rollout_samples"]
     exp = synthetic_experience(roles["actor"].spec.vocab_size, n, P, T, seed=1)

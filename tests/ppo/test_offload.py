@@ -192,6 +192,20 @@ def test_cpu_schedule_hands_dropped_grads_to_the_next_update():
     assert grads["critic"][0].sum().item() == grads["critic"][0].numel()
 
 
+def test_cpu_schedule_without_keep_parked_frees_between_phase_changes():
+    """``keep_parked=False`` (the planner's measurement): the critic's dropped grads still become the actor's within
+    one phase change, but nothing stays parked after it."""
+    engines = {r: _engine(r, r in ("actor", "critic")) for r in ROLES}
+    sched = MemoryScheduler({r: OffloadManager(e) for r, e in engines.items()}, move=False, keep_parked=False)
+    sched.enter("critic_update")
+    before = sorted(s.data_ptr() for s in sched.managers["critic"].storages()["grads"])
+    sched.enter("actor_update")
+    assert sorted(s.data_ptr() for s in sched.managers["actor"].storages()["grads"]) == before
+    for phase in ("weight_sync", "rollout", "make_experience"):
+        sched.enter(phase)
+        assert not sched.spare, phase
+
+
 def test_cpu_schedule_parks_only_what_every_dropped_role_fits():
     """Roles of different sizes keep no gradient memory between phases (the actor's would be held through the
     critic's update for nothing), and a parked storage is kept for a role up to 9/8 of its size."""
