@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(args.pretrain or v["rewards"].paths[0])
     cfg = DataConfig.from_args(args, output_key=args.output_key if args.mode == "reward" else None)
     mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed,
-                           ep=args.expert_model_parallel_size)
+                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)
     job = generate_chunks if args.mode == "generate" else reward_chunks
     return job(args, v, cfg, tokenizer, mesh)
 

@@ -180,7 +180,15 @@ class Checkpointer:
                          + (f" ({detail})" if detail else ""))
 
     def save(self, step: int, engines: Mapping[str, Any], extra: dict[str, Any]) -> str:
+        from rlhf.distributed.watchdog import phase
+
+        with phase("checkpoint_save"):
+            return self._save(step, engines, extra)
+
+    def _save(self, step: int, engines: Mapping[str, Any], extra: dict[str, Any]) -> str:
         from megatron.core import dist_checkpointing
+
+        from rlhf.distributed.watchdog import fault_point
 
         from rlhf.compat import cuda as cuda_shim
         from rlhf.compat.megatron import local_save_results_queue
@@ -202,6 +210,7 @@ class Checkpointer:
         try:
             for role, eng in engines.items():  # one role at a time: its optimizer gather is freed before the next
                 dist_checkpointing.save({role: engine_sharded_state_dict(eng)}, os.path.join(tmp, "state", role))
+                fault_point("checkpoint_save")  # mid-save: a role's shards are written, the save is not
             torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{self.mesh.rank}.pt"))
             if self.mesh.is_rank0:
                 state = {"step": step, "world_size": self.mesh.world_size, "tp": self.mesh.tp, "pp": self.mesh.pp,
@@ -247,8 +256,33 @@ class Checkpointer:
             if d != keep:
                 shutil.rmtree(os.path.join(self.path, d), ignore_errors=True)
 
+    def exists(self) -> bool:
+        """Whether any checkpoint was published or started here (``latest``, or an ``iter_N`` folder, damaged or
+        not). A killed first save leaves only ``iter_N.tmp``, which does not count."""
+        if not os.path.isdir(self.path):
+            return False
+        return os.path.exists(os.path.join(self.path, "latest")) or any(_ITER.match(d) for d in os.listdir(self.path))
+
+    def load_if_any(self, engines: Mapping[str, Any]) -> dict[str, Any] | None:
+        """``--load_checkpoint``: ``load`` when a checkpoint exists, else None (start fresh, logged), so that one
+        command line serves the first launch and every restart (OpenRLHF does the same). Rank 0 decides for all.
+        A folder whose checkpoints are all damaged is still an error (``resolve``)."""
+        found = [self.exists() if self.mesh.is_rank0 else None]
+        dist.broadcast_object_list(found, src=0)
+        if not found[0]:
+            if self.mesh.is_rank0:
+                log.info("--load_checkpoint: no checkpoint under %s yet; starting from step 0", self.path)
+            return None
+        return self.load(engines)
+
     def load(self, engines: Mapping[str, Any], folder: str | None = None) -> dict[str, Any]:
         """Restore engines, RNG and return the trainer state (``extra`` holds what the loop saved)."""
+        from rlhf.distributed.watchdog import phase
+
+        with phase("checkpoint_load"):
+            return self._load(engines, folder)
+
+    def _load(self, engines: Mapping[str, Any], folder: str | None = None) -> dict[str, Any]:
         from megatron.core import dist_checkpointing
 
         if folder is None:  # rank 0 verifies and decides, so every rank resumes from the same folder
@@ -366,6 +400,14 @@ def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> 
     """Final export to ``--save_path``: a megatron model checkpoint (``<save_path>/megatron``) converted to HF
     by rank 0 in a subprocess, with ``extra`` (e.g. reward statistics) in config.json under ``rlhf``. With LoRA
     the weights are merged, or, with ``--lora_export adapter``, a PEFT adapter folder is written instead."""
+    from rlhf.distributed.watchdog import phase
+
+    with phase("export"):
+        _export_hf(args, engine, mesh, extra)
+
+
+def _export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> None:
+    from rlhf.distributed.watchdog import fault_point, long_barrier
     from rlhf.models.checkpoint_io import save_model, write_manifest
 
     engine.check_finite("HF export")
@@ -390,6 +432,7 @@ def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> 
     dist.barrier()
     save_model(engine.model, os.path.join(tmp, "model"), engine.export_sharded_state_dict())
     dist.barrier()
+    fault_point("export")  # while rank 0 converts, the others wait for it in long_barrier
     if mesh.is_rank0:
         import shutil
 
@@ -423,12 +466,15 @@ def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> 
                             "convert_megatron_to_hf.py")
         from rlhf.distributed.env import env_without_launcher
 
+        from rlhf.distributed.watchdog import DIE_WITH_PARENT_ENV
+
         proc = subprocess.run([sys.executable, tool, "--ckpt", mg, "--out", hf_tmp, "--overwrite"],
-                              capture_output=True, text=True, env=env_without_launcher(), timeout=3600)
+                              capture_output=True, text=True, env={**env_without_launcher(), DIE_WITH_PARENT_ENV: "1"},
+                              timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"HF export failed: {proc.stderr[-2000:]}")
         for name in os.listdir(hf_tmp):  # HF files land in --save_path itself, beside checkpoints/ and megatron/
             os.replace(os.path.join(hf_tmp, name), os.path.join(args.save_path, name))
         os.rmdir(hf_tmp)
         log.info("exported HF model to %s", args.save_path)
-    dist.barrier()
+    long_barrier()  # the others wait for rank 0's conversion, which may outlast --dist_timeout_s

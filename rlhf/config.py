@@ -22,7 +22,8 @@ def add_output_args(g, *, what: str = "model") -> None:
     g.add_argument("--ckpt_path", default=None, help="resumable checkpoints (default: <save_path>/checkpoints)")
     g.add_argument("--save_steps", type=int, default=-1, help="checkpoint every N steps (-1: only at the end)")
     g.add_argument("--max_ckpt_num", type=int, default=3)
-    g.add_argument("--load_checkpoint", action="store_true", help="resume from the latest checkpoint")
+    g.add_argument("--load_checkpoint", action="store_true",
+                   help="resume from the latest checkpoint (start fresh, logged, where there is none yet)")
     g.add_argument("--stop_after_steps", type=int, default=-1,
                    help="stop (as if killed) after this many steps of this run; for resume tests")
     g.add_argument("--logging_steps", type=int, default=1)
@@ -79,6 +80,10 @@ def add_parallel_args(g, *, pp: bool = True, tp_help: str | None = None) -> None
         g.add_argument("--pipeline_model_parallel_size", "--pp", type=int, default=1)
     g.add_argument("--expert_model_parallel_size", "--ep", type=int, default=1,
                    help="MoE models: spread each layer's experts over this many data-parallel ranks")
+    g.add_argument("--dist_timeout_s", type=float, default=None,
+                   help="a rank that waits this long for a peer (a collective, or a silent heartbeat) ends the job "
+                        "with one line naming the rank and phase; default 300 on CUDA, 180 on CPU "
+                        "(docs/reliability.md)")
 
 
 def add_text_args(g, *, input_key: bool = False) -> None:
@@ -219,11 +224,11 @@ def check_paths_exist(flag: str, value: str | None) -> None:
 
 
 def check_resumable(args: argparse.Namespace) -> None:
-    """``--load_checkpoint`` needs a published ``latest`` checkpoint under ``--ckpt_path``."""
-    if args.load_checkpoint:
-        ckpt = args.ckpt_path or os.path.join(args.save_path, "checkpoints")
-        if not os.path.exists(os.path.join(ckpt, "latest")):
-            raise ValueError(f"--load_checkpoint: no 'latest' checkpoint under --ckpt_path {ckpt}")
+    """``--load_checkpoint`` resumes from the checkpoints under ``--ckpt_path``, or starts fresh where there is
+    none yet (``Checkpointer.load_if_any``); a ``--ckpt_path`` that is a file is an error."""
+    ckpt = args.ckpt_path or os.path.join(args.save_path, "checkpoints")
+    if args.load_checkpoint and os.path.exists(ckpt) and not os.path.isdir(ckpt):
+        raise ValueError(f"--load_checkpoint: --ckpt_path {ckpt} is a file, not a folder")
 
 
 def resolve_zero_stage(args: argparse.Namespace, dp: int, cuda: bool) -> int:
@@ -280,14 +285,25 @@ def cli_main(add_args, run, argv=None) -> int:
     from rlhf.engine import TrainingDiverged
 
     bound_onednn_caches()  # before the first oneDNN call, which reads the capacities
+    from rlhf.distributed import watchdog
 
+    # Once the job's process group is up (``watchdog_running``), a rank that fails leaves at once through
+    # ``os._exit`` with one line naming its rank and phase: a clean interpreter exit could wait on peers that
+    # are gone (rlhf/distributed/watchdog.py).
     try:
         apply_launcher_args(args)
+        if getattr(args, "dist_timeout_s", None) is not None:
+            watchdog.resolve_timeout_s(args.dist_timeout_s, "cpu")  # > 0, before anything is loaded
         run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return watchdog.end_rank(2)
     except TrainingDiverged as e:  # one line, not a traceback: the run diverged, nothing non-finite was saved
         print(f"error: {e}", file=sys.stderr)
-        return 3
+        return watchdog.end_rank(3)
+    except Exception as e:
+        if watchdog.watchdog_running():
+            watchdog.fail_job(e)
+        raise
+    watchdog.finish_watchdog()
     return 0

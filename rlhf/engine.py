@@ -218,6 +218,7 @@ class ModelEngine:
                    output: str = "head") -> dict[str, float]:
         """One optimizer step over this rank's micro-batches. Returns metrics averaged over the global batch
         (identical on every rank): each ``metric_keys`` entry, plus ``grad_norm`` and ``lr``."""
+        from rlhf.distributed.watchdog import fault_point
         from rlhf.models.pipeline import run_microbatches
 
         assert self.optimizer is not None, f"{self.name} is frozen"
@@ -231,6 +232,7 @@ class ModelEngine:
             moe_utils.clear_aux_losses_tracker()
         outs = run_microbatches(self.module, microbatches, loss_fn=loss_fn, output=output,
                                 device=self.mesh.device)
+        fault_point("update")
         metrics = self.reduce_metrics(outs, metric_keys)  # the same on every rank, so is the decision below
         if track_aux:
             metrics["moe_load_balancing_loss"] = moe_load_balancing_loss(self.mesh, len(microbatches))

@@ -108,26 +108,29 @@ class PhaseTimer:
 
         import torch
 
+        from rlhf.distributed.watchdog import phase
+
         @contextlib.contextmanager
         def cm():
-            cuda = torch.cuda.is_available()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            yield self
-            if cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            self.metrics[f"time/{name}"] = self.metrics.get(f"time/{name}", 0.0) + dt
-            if tokens is not None:
-                self.metrics[f"tokens_per_s/{name}"] = tokens / max(self.metrics[f"time/{name}"], 1e-9)
-            if cuda:
-                self.metrics[f"mem/{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            else:
-                import psutil
+            with phase(name):  # the phase a failure or a stall is reported in
+                cuda = torch.cuda.is_available()
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                yield self
+                if cuda:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                self.metrics[f"time/{name}"] = self.metrics.get(f"time/{name}", 0.0) + dt
+                if tokens is not None:
+                    self.metrics[f"tokens_per_s/{name}"] = tokens / max(self.metrics[f"time/{name}"], 1e-9)
+                if cuda:
+                    self.metrics[f"mem/{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                else:
+                    import psutil
 
-                self.metrics[f"mem/{name}_rss_gb"] = psutil.Process().memory_info().rss / 2**30
+                    self.metrics[f"mem/{name}_rss_gb"] = psutil.Process().memory_info().rss / 2**30
 
         return cm()
 

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
     raw_inputs, prompts = load_prompts(args, tokenizer)
     mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed,
-                           ep=args.expert_model_parallel_size)
+                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)
     check_config_consistency(args)
     if mesh.is_rank0:
         log.info("rejection sampling: %d prompts x best of %d; reward = %s", len(prompts), args.best_of_n,

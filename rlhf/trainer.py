@@ -144,7 +144,7 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
     tokenizer, train, evals, stats, total_steps = prepare(args, task, env.world_size)
     torch.manual_seed(args.seed)
     mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, env, seed=args.seed,
-                           ep=args.expert_model_parallel_size)
+                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)
     from rlhf.distributed.health import check_config_consistency; check_config_consistency(args)  # noqa: E702
     log_compat_mappings(args, mesh.dp, mesh.device.type == "cuda")
     if mesh.is_rank0:
@@ -160,8 +160,8 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
                                                               mesh.dp, mesh.dp_rank), seed=args.seed)
     ckpt = Checkpointer(mesh, args.ckpt_path or os.path.join(args.save_path, "checkpoints"), args.max_ckpt_num)
     step = 0
-    if args.load_checkpoint:
-        state = ckpt.load({task.name: engine})
+    state = ckpt.load_if_any({task.name: engine}) if args.load_checkpoint else None
+    if state is not None:
         step = state["step"]
         sampler.load_state_dict(state["extra"]["sampler"])
     if args.packing_samples and mesh.is_rank0:
@@ -192,6 +192,8 @@ class SupervisedLoop:
                                  same_shape=self.mesh.pp > 1)
 
     def fit(self, train: list, evals: list, step: int) -> dict[str, Any]:
+        from rlhf.distributed.watchdog import phase, set_phase, set_step
+
         args, task, engine, mesh, dp = self.args, self.task, self.engine, self.mesh, self.mesh.dp
         mbs = args.micro_train_batch_size
         eval_batches = self.batches([evals[i:i + mbs] for i in range(0, len(evals), mbs)])
@@ -199,24 +201,31 @@ class SupervisedLoop:
         result: dict[str, Any] = {}
         loss_fn = task.loss_fn(engine)
         start_step = step
+        set_phase("train")  # between the named phases below
         while step < self.total_steps:
             if 0 <= args.stop_after_steps <= step - start_step:
                 log.info("stopping after %d steps (--stop_after_steps)", args.stop_after_steps)
                 self.metrics_log.close()
                 return result
-            result["train"] = self.train_step(train, loss_fn, step + 1)
+            set_step(step + 1)
+            with phase("update"):
+                result["train"] = self.train_step(train, loss_fn, step + 1)
             step += 1
             if args.eval_steps > 0 and step % args.eval_steps == 0 and step < self.total_steps:
-                self.metrics_log.log(step, task.evaluate(engine, eval_batches), prefix="eval", progress=False)
+                with phase("eval"):
+                    self.metrics_log.log(step, task.evaluate(engine, eval_batches), prefix="eval", progress=False)
             if (args.save_steps > 0 and step % args.save_steps == 0) or step == self.total_steps:
                 self.ckpt.save(step, {task.name: engine}, {"sampler": self.sampler.state_dict()})
         if eval_batches:
-            result["eval"] = task.evaluate(engine, eval_batches)
+            with phase("eval"):
+                result["eval"] = task.evaluate(engine, eval_batches)
             self.metrics_log.log(step, result["eval"], prefix="eval", progress=False)
         return self.export(train, result)
 
     def train_step(self, train: list, loss_fn, step: int) -> dict[str, float]:
         """Optimizer step number ``step``: its micro-batches, the update, throughput, logging."""
+        from rlhf.distributed.watchdog import fault_point
+
         args, task, engine, mesh = self.args, self.task, self.engine, self.mesh
         microbatches = self.batches([[train[i] for i in idx] for idx in self.sampler.next_step()])
         t0 = time.time()
@@ -224,6 +233,7 @@ class SupervisedLoop:
         m = engine.train_step(microbatches, loss_fn, task.metric_keys, output=task.output)
         m.update(pre)
         ntok = torch.tensor([tokens_in(microbatches)], dtype=torch.float64)
+        fault_point("collective")
         dist.all_reduce(ntok)
         m["tokens_per_s"] = ntok.item() / mesh.tp / mesh.pp / max(time.time() - t0, 1e-9)
         m["epoch"] = self.sampler.epoch_float

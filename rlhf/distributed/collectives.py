@@ -19,8 +19,11 @@ def to_all_stages(t: torch.Tensor | None, shape: tuple, mesh) -> torch.Tensor:
 
 def dp_all_gather(t: torch.Tensor, mesh) -> torch.Tensor:
     """Concatenate a per-DP-rank tensor over the DP group, in DP-rank order (dim 0)."""
+    from rlhf.distributed.watchdog import fault_point
+
     if mesh.dp == 1:
         return t
+    fault_point("collective")
     parts = [torch.empty_like(t) for _ in range(mesh.dp)]
     dist.all_gather(parts, t.contiguous(), group=mesh.dp_group)
     return torch.cat(parts)

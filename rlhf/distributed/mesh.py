@@ -116,10 +116,15 @@ def default_backend() -> str:
     return process_group_backend(select_device(DistEnv.from_environ().local_rank))
 
 
-def init_process_group(env: DistEnv | None = None, timeout_s: float = 600.0,
+def init_process_group(env: DistEnv | None = None, timeout_s: float | None = None,
                        device: torch.device | None = None) -> DistEnv:
     """Start torch.distributed from whichever launcher started us: gloo for a CPU job, ``cpu:gloo,cuda:nccl`` for
-    a CUDA one (``device``: this rank's device; default ``select_device``). Checks one rank per GPU."""
+    a CUDA one (``device``: this rank's device; default ``select_device``). Checks one rank per GPU.
+
+    ``timeout_s`` (``--dist_timeout_s``; default ``rlhf.distributed.watchdog.DEFAULT_TIMEOUT_S`` of the device)
+    bounds the rendezvous and every collective of the default group; on CUDA, NCCL's watchdog aborts a timed-out
+    collective (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set to 1 unless given)."""
+    from rlhf.distributed.watchdog import resolve_timeout_s
     from rlhf.distributed.device import check_one_rank_per_gpu, process_group_backend, select_device
 
     env = env or DistEnv.from_environ()
@@ -128,12 +133,25 @@ def init_process_group(env: DistEnv | None = None, timeout_s: float = 600.0,
     env.export()
     device = device if device is not None else select_device(env.local_rank)
     backend = process_group_backend(device)
+    timeout_s = resolve_timeout_s(timeout_s, device.type)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent hosts the store and keeps it across restarts (--max-restarts): the keys of the
+            # failed attempt (its ranks' gloo addresses) are still there, and torch 2.13's tcp:// and env://
+            # handlers add no prefix for the attempt, so a restarted rank would dial a dead peer ("Connection
+            # refused"). Each attempt gets its own key space.
+            store = dist.PrefixStore(f"/rlhf/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
+                                     dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                                                   timeout=timeout))
+            dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                    rank=env.rank, world_size=env.world_size, timeout=timeout)
     except Exception as e:  # torch raises several types (DistStoreError, RuntimeError) for a failed rendezvous
         raise RuntimeError(f"process-group init failed for rank {env.rank}/{env.world_size} via {env.launcher} at "
                            f"MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port}: {e}") from e
@@ -142,8 +160,12 @@ def init_process_group(env: DistEnv | None = None, timeout_s: float = 600.0,
 
 
 def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: int = 1234,
-                    timeout_s: float = 600.0, device: str | torch.device | None = None, ep: int = 1) -> ParallelMesh:
+                    timeout_s: float | None = None, device: str | torch.device | None = None,
+                    ep: int = 1) -> ParallelMesh:
     """Start the process group if needed, build megatron's TP/PP/DP groups and seed its RNG tracker.
+
+    ``timeout_s`` (``--dist_timeout_s``, default by device) bounds every collective of the job's groups; a job of
+    more than one rank also starts the heartbeat watchdog (``rlhf.distributed.watchdog``) with it.
 
     ``device``: ``"cpu"`` keeps the job on the CPU (the converters do, beside a training job that holds the
     GPUs); default: ``rlhf.distributed.device.select_device`` (CUDA when torch can use a GPU)."""
@@ -160,6 +182,9 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
     from rlhf.compat.megatron import live_process_groups
 
     cuda_shim.install()
+    from rlhf.distributed.watchdog import resolve_timeout_s, start_watchdog
+
+    timeout_s = resolve_timeout_s(timeout_s, dev.type)
     env = init_process_group(env, timeout_s, dev)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -173,7 +198,7 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
     # cpu:gloo,cuda:nccl): its extra *_gloo copies would only double the threads.
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
-                                 create_gloo_process_groups=False)
+                                 create_gloo_process_groups=False, distributed_timeout_minutes=timeout_s / 60)
     if ep > 1:  # expert weights are TP-sharded over the expert-TP group: the same ranks as TP (weight sync relies)
         assert dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()) == \
             dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
@@ -189,6 +214,8 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
                         ep_rank=ps.get_expert_model_parallel_rank(),
                         ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None)
     ParallelMesh.active = mesh
+    if env.launcher != "single":  # a launched job (the converters' in-process single rank has no launcher)
+        start_watchdog(env.rank, env.world_size, env.master_addr, env.master_port, timeout_s)
     if env.rank == 0:
         log.info("mesh: world=%d tp=%d pp=%d dp=%d%s backend=%s device=%s launcher=%s", env.world_size, tp, pp, dp,
                  f" ep={ep}" if ep > 1 else "", backend, dev, env.launcher)
@@ -197,6 +224,9 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
 
 def destroy_mesh(mesh: ParallelMesh | None = None) -> None:
     """The mesh's megatron groups (default: the live mesh), then the default process group."""
+    from rlhf.distributed.watchdog import finish_watchdog
+
+    finish_watchdog()
     mesh = mesh or ParallelMesh.active
     if mesh is not None:
         mesh.destroy_groups()

@@ -64,7 +64,7 @@ class PPOTrainer:
         torch.manual_seed(args.seed)
         self.mesh = mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                            DistEnv.from_environ(), seed=args.seed,
-                                           ep=args.expert_model_parallel_size)
+                                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)
         check_config_consistency(args)
         log_compat(args, mesh.dp, mesh.device.type == "cuda")
         if setup.vllm_tp_reason and args.rollout_backend != "megatron" and mesh.is_rank0:
@@ -90,9 +90,11 @@ class PPOTrainer:
 
             self.ptx = PtxData(args, ptx_samples, self.pad_id, mesh, self.roles.actor)
         self.step = 0
+        state = None
         if args.load_checkpoint:
             self.roles.all_on_device()
-            state = self.ckpt.load(self.checkpointed())
+            state = self.ckpt.load_if_any(self.checkpointed())
+        if state is not None:
             self.step = state["step"]
             self.sampler.load_state_dict(state["extra"]["sampler"])
             self.kl_ctl.load_state_dict(state["extra"]["kl_ctl"])
@@ -161,6 +163,7 @@ class PPOTrainer:
         self.ckpt.save(self.step, self.checkpointed(), extra)
 
     def fit(self) -> dict[str, Any]:
+        from rlhf.distributed.watchdog import set_phase, set_step
         from rlhf.metrics import MetricsLogger, PhaseTimer
 
         args, mesh = self.args, self.mesh
@@ -173,12 +176,14 @@ class PPOTrainer:
         timer = PhaseTimer()
         history: list[dict[str, float]] = []
         start, t_end = self.step, time.perf_counter()
+        set_phase("train")  # between the timed phases
         while self.step < self.total_steps:
             if 0 <= args.stop_after_steps <= self.step - start:
                 log.info("stopping after %d steps (--stop_after_steps)", args.stop_after_steps)
                 logger.close()
                 return {"history": history, "stopped": True}
             timer.reset()
+            set_step(self.step + 1)
             m = self.train_step(timer)
             self.step += 1
             m.update(timer.metrics)

@@ -176,8 +176,11 @@ class WeightSync:
 
     def sync(self, engine) -> dict[str, float]:
         """Push the current actor weights into ``engine`` (``engine.load_weights(iterator, version)``)."""
+        from rlhf.distributed.watchdog import fault_point
+
         t0 = time.perf_counter()
         self.version += 1
+        fault_point("weight_sync")
         local = self.tp_local(engine)
         if local and not self._logged_local and self.mesh.is_rank0:
             log.info("weight sync: TP-local (vLLM TP %d shards like megatron's): no gather", self.mesh.tp)

@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+from crash_harness import assert_resumed
 from helpers import REPO, run_python, run_torchrun, tail
 
 DPO = os.path.join(REPO, "launch/dpo.py")
@@ -72,9 +73,14 @@ def test_dpo_tp2_equals_tp1_and_resume_continues(pref_setup, tmp_path):
     assert b.returncode == 0, tail(b)
     pp = run_torchrun(DPO, 2, base + ["--pp", "2"] + flags(str(tmp_path / "pp2"), **{"--stop_after_steps": 2}))
     assert pp.returncode == 0, tail(pp)
-    straight = run_torchrun(DPO, 2, base + ["--tp", "2"] + flags(str(tmp_path / "tp2_straight"),
-                                                                 **{"--stop_after_steps": 4}))
+    assert_resumed(b.stdout + b.stderr, "dpo", step=2)
+    # the uninterrupted run is the resumed one's command without --load_checkpoint (same checkpoints): it trains
+    # from step 1, which is the negative control of the resume check
+    straight = run_torchrun(DPO, 2, base + ["--tp", "2"] + flags(str(tmp_path / "tp2_straight"), **{
+        "--stop_after_steps": 4, "--ckpt_path": os.path.join(save, "checkpoints")}))
     assert straight.returncode == 0, tail(straight)
+    with pytest.raises(AssertionError, match="did not resume"):
+        assert_resumed(straight.stdout + straight.stderr, "dpo", step=2)
     from rlhf.metrics import read_metrics_jsonl
 
     # Full precision, from each run's metrics.jsonl (the progress line prints 4 digits); the resumed run appends

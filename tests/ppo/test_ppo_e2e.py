@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from ppo_common import ppo_args
+from crash_harness import assert_resumed
 from helpers import REPO, run_torchrun, tail, require
 
 PPO = os.path.join(REPO, "launch/ppo.py")
@@ -63,9 +64,16 @@ def test_resume_is_exact(ppo_setup, straight, tmp_path):
     p = run_torchrun(PPO, 2, args + ["--stop_after_steps", "4"], timeout=900)
     assert p.returncode == 0, tail(p)
     assert not os.path.exists(os.path.join(save, "model.safetensors"))  # stopped before the end
+    # negative control: the same relaunch without --load_checkpoint (one step) fails the resume check
+    q = run_torchrun(PPO, 2, ppo_args(ppo_setup, str(tmp_path / "control"), **{
+        "--num_episodes": 2, "--save_steps": 4, "--ckpt_path": os.path.join(save, "checkpoints"),
+        "--stop_after_steps": 1}), timeout=900)
+    assert q.returncode == 0, tail(q)
+    with pytest.raises(AssertionError, match="did not resume"):
+        assert_resumed(q.stdout + q.stderr, "ppo", step=4)
     p = run_torchrun(PPO, 2, args + ["--load_checkpoint"], timeout=900)
     assert p.returncode == 0, tail(p)
-    assert "resumed from" in p.stdout + p.stderr
+    assert_resumed(p.stdout + p.stderr, "ppo", step=4, total=8)
     ha, hb = history(save_a), history(save)
     assert [m["reward"] for m in hb] == [m["reward"] for m in ha[4:]]
     wa, wb = load_weights(save_a), load_weights(save)
@@ -91,12 +99,14 @@ def test_sigkill_anywhere_then_resume_is_exact(ppo_setup, straight, tmp_path):
             + [("save", 8), ("export", 0)]
     save = str(tmp_path / "out")
     args = ppo_args(ppo_setup, save, **{"--num_episodes": 2, "--save_steps": 4})
-    records = crash_and_resume(PPO, 2, args, "ppo", os.path.join(save, "checkpoints"), points, seed=5)
-    assert all(r["killed"] for r in records[:-1]), [(r["point"], r["killed"], r.get("log_tail")) for r in records]
+    records = crash_and_resume(PPO, 2, args, "ppo", os.path.join(save, "checkpoints"), points, seed=5, total=8)
+    assert all(r["killed"] for r in records[:-1]), [(r["point"], r["killed"], r["log"][-1500:]) for r in records]
     # Nothing is published before step 4's save, so the launches up to the one killed in it start afresh; whether
     # that kill came before the checkpoint was published is timing, so the next launch may start afresh or resume.
+    # crash_and_resume checked every launch that had a checkpoint: 'resumed from ... (step k)', only later steps.
     first_save = points.index(("save", 4))
-    assert not any(r["resumed"] for r in records[:first_save + 1]) and records[-1]["resumed"]
+    assert not any(r["had_checkpoint"] for r in records[:first_save + 1])
+    assert records[-1]["resumed_step"] >= 4
     wa, wb = load_weights(straight[0]), load_weights(save)
     assert wa.keys() == wb.keys()
     for k in wa:

@@ -100,6 +100,9 @@ def test_lora_resume_is_exact_zero1(train_setup, tmp_path):
     assert p.returncode == 0, tail(p)
     p = run_torchrun(SFT, 2, base + common(resumed, **{"--load_checkpoint": ""}))
     assert p.returncode == 0, tail(p)
+    from crash_harness import assert_resumed
+
+    assert_resumed(p.stdout + p.stderr, "sft", step=2, total=4)  # its negative control: tests/train/test_sft_rm.py
     from safetensors.torch import load_file
 
     a = load_file(os.path.join(straight, "adapter_model.safetensors"))

@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+from crash_harness import assert_resumed
 from helpers import REPO, run_torchrun, tail
 
 SFT = os.path.join(REPO, "launch/sft.py")
@@ -113,8 +114,15 @@ def test_resume_is_exact(train_setup, tmp_path, zero_stage, straight_run):
     written, estimate = map(int, re.search(r"step 3 published, (\d+) bytes \(.*bytes: (\d+)\)", p.stdout + p.stderr)
                             .groups())
     assert 0.75 * written < estimate < 1.25 * written, (written, estimate)
+    if zero_stage == 0:  # negative control: the same relaunch without --load_checkpoint fails the resume check
+        q = run_torchrun(SFT, 2, base + common(str(tmp_path / "control"), **{
+            "--save_steps": 3, "--stop_after_steps": 1, "--ckpt_path": os.path.join(resumed, "checkpoints")}))
+        assert q.returncode == 0, tail(q)
+        with pytest.raises(AssertionError, match="did not resume"):
+            assert_resumed(q.stdout + q.stderr, "sft", step=3)
     p = run_torchrun(SFT, 2, base + common(resumed, **{"--save_steps": 3, "--load_checkpoint": ""}))
     assert p.returncode == 0, tail(p)
+    assert_resumed(p.stdout + p.stderr, "sft", step=3, total=6)
     a, b = _final_weights(straight), _final_weights(resumed)
     assert set(a) == set(b)
     for k in a:
@@ -144,10 +152,12 @@ def test_sigkill_anywhere_then_resume_is_exact(train_setup, tmp_path, straight_r
     save = str(tmp_path / "crashed")
     points = crash_points(seed=11, steps=6, slow=os.environ.get("RLHF_CRASH_SLOW") == "1")
     records = crash_and_resume(SFT, 2, _resume_base(train_setup, 0) + common(save, **{"--save_steps": 1}), "sft",
-                               os.path.join(save, "checkpoints"), points, seed=11)
+                               os.path.join(save, "checkpoints"), points, seed=11, total=6)
     assert [r["point"] for r in records[:-1]] == points
-    assert all(r["killed"] for r in records[:-1]), [(r["point"], r["killed"], r.get("log_tail")) for r in records]
-    assert not records[0]["resumed"] and records[-1]["resumed"]
+    assert all(r["killed"] for r in records[:-1]), [(r["point"], r["killed"], r["log"][-1500:]) for r in records]
+    # every launch after the first published save resumed (crash_and_resume checked each: 'resumed from ...
+    # (step k)', k > 0, only the steps after k)
+    assert not records[0]["had_checkpoint"] and records[-1]["resumed_step"] > 0
     a, b = _final_weights(straight_run(0)), _final_weights(save)
     assert set(a) == set(b)
     for k in a:

@@ -1,0 +1,606 @@
+"""A job that never hangs: one rank's death, stall or lost launcher ends the job within ``--dist_timeout_s``, with
+one line naming the rank and the phase it was in.
+
+What the distributed stack sees by itself, and what this module adds (docs/reliability.md has the measured times):
+
+- **A rank that exits** (an exception, SIGKILL, the OOM killer). torchrun's worker monitor (0.1 s) stops the
+  other ranks (mpirun and srun do the same), and a peer blocked in a gloo collective gets "connection closed" at
+  once. Here: the failing rank's exception becomes one ``error:`` line naming its rank, phase and step
+  (``failure_line``), and every rank leaves through ``os._exit`` once it has failed, so interpreter teardown
+  (gloo's threads, vLLM) cannot hang a dying job.
+- **A rank that stops answering** (SIGSTOP, a hung device, a livelock). Its peers' collectives time out after
+  the process-group timeout, which is ``--dist_timeout_s`` for the default group and megatron's groups
+  (``rlhf.distributed.mesh``); NCCL's own watchdog aborts on CUDA (``TORCH_NCCL_ASYNC_ERROR_HANDLING``). A peer
+  that is not inside a collective (local work, a file-system wait, a rank-0-only phase) sees nothing. Here: each
+  rank's ``Watchdog`` thread publishes a heartbeat (its phase and step) to the job's rendezvous store and watches
+  two neighbours' (ranks r+1 and r+2, so the store serves O(world) requests however large the job). A neighbour
+  whose heartbeat has not moved for ``--dist_timeout_s`` ends the job: one line naming it, its last phase and
+  step; the stalled process is killed if it runs on this host (torchrun would wait 30 s for a stopped process to
+  answer its SIGTERM), then this rank exits.
+- **A rank whose launcher is gone** (torchrun or mpirun killed). Nothing in the stack ends it: a worker whose
+  parent died and whose peers are gone waits in its next collective until the timeout, or forever in a
+  checkpoint writer that was forked from it. Here: every rank, and every child forked from a rank's main thread
+  (dist_checkpointing's writers), gets ``PR_SET_PDEATHSIG = SIGKILL`` (Linux), and the watchdog also checks that
+  its parent is still the one it started with.
+
+Phases are set by the loops (``phase("update")``, ``set_step(k)``); the PPO phase timer sets them too. Fault
+injection for the tests (``RLHF_FAULT_INJECT``, see ``fault_point``) lives here as well, so the tested path is the
+one a real fault takes.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = {"cuda": 300.0, "cpu": 180.0}
+"""``--dist_timeout_s`` when not given. A collective that waits longer than this for a peer ends the job, so the
+value bounds the longest legitimate wait of one rank for another (an uneven rollout, rank 0 alone writing a
+manifest): a few minutes on CUDA, shorter on CPU, where the tested jobs are small. Long rank-0-only work (the HF
+export's conversion) waits in ``long_barrier``, which the heartbeats guard instead."""
+
+WATCHDOG_ENV = "RLHF_WATCHDOG"
+"""``RLHF_WATCHDOG=0`` turns the heartbeats, the parent-death signal and the SIGTERM report off (the tests' negative
+controls; process-group timeouts stay)."""
+
+EXIT_PEER_LOST = 75
+"""Exit code of a rank that ended the job because a peer died, stalled, or its launcher went away."""
+
+DONE = "done"
+"""The phase a rank publishes when it ends normally (``finish_watchdog``)."""
+
+_phase: tuple[str, int | None] = ("setup", None)
+_watchdog: "Watchdog | None" = None
+_failed = threading.Event()
+
+
+# ------------------------------------------------------------------------------------------------ phases
+def set_phase(name: str) -> None:
+    """What this rank is doing now (``rollout``, ``update``, ``checkpoint_save``, ...): reported with any failure
+    and published in the next heartbeat (the watchdog thread is woken for it; the main thread never waits)."""
+    global _phase
+    _phase = (name, _phase[1])
+    wd = _watchdog
+    if wd is not None:
+        wd.wake.set()
+    if _faults != []:
+        fault_point("enter-" + name)
+
+
+def set_step(step: int | None) -> None:
+    """The step being computed (1-based, as the progress lines count)."""
+    global _phase
+    _phase = (_phase[0], step)
+
+
+def current_phase() -> tuple[str, int | None]:
+    return _phase
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """``set_phase(name)`` for the block, then the enclosing phase again. An exception leaves the phase as it was
+    where it was raised: the failure is reported in the innermost phase."""
+    prev = _phase[0]
+    set_phase(name)
+    yield
+    set_phase(prev)
+
+
+def default_timeout_s(device_type: str) -> float:
+    return DEFAULT_TIMEOUT_S["cuda" if device_type == "cuda" else "cpu"]
+
+
+def resolve_timeout_s(value: float | None, device_type: str) -> float:
+    """``--dist_timeout_s`` (validated) or its default for the device."""
+    if value is None:
+        return default_timeout_s(device_type)
+    if not value > 0:
+        raise ValueError(f"--dist_timeout_s must be > 0, got {value}")
+    return float(value)
+
+
+def _where(p: tuple[str, int | None]) -> str:
+    return f"phase '{p[0]}'" + (f" (step {p[1]})" if p[1] is not None else "")
+
+
+# ------------------------------------------------------------------------------------------------ parent death
+_PR_SET_PDEATHSIG = 1
+_fork_from_main = False
+
+
+DIE_WITH_PARENT_ENV = "RLHF_DIE_WITH_PARENT"
+"""Set for the subprocesses a rank starts (the HF export's converter), which call ``die_with_parent_if_asked``."""
+
+
+def die_with_parent_if_asked() -> None:
+    """At the start of a tool a rank runs as a subprocess: die with that rank (``DIE_WITH_PARENT_ENV``)."""
+    if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
+        die_with_parent()
+
+
+def _set_pdeathsig() -> bool:
+    """SIGKILL this process when its parent (the thread that forked it) dies. Linux only."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _before_fork() -> None:
+    global _fork_from_main
+    _fork_from_main = threading.current_thread() is threading.main_thread()
+
+
+def _after_fork_in_child() -> None:
+    # Only a child forked by the main thread: PDEATHSIG fires when the forking *thread* ends, and the main thread
+    # lives as long as the rank. (dist_checkpointing forks its writers from the main thread.)
+    if _fork_from_main and _set_pdeathsig() and os.getppid() == 1:
+        os._exit(EXIT_PEER_LOST)  # the parent died before the signal was armed
+
+
+_guarded = False
+
+
+def die_with_parent() -> None:
+    """Arm parent-death SIGKILL for this rank and for the children its main thread forks. Idempotent."""
+    global _guarded
+    if _guarded:
+        return
+    _guarded = True
+    parent = os.getppid()
+    if not _set_pdeathsig():
+        log.info("watchdog: PR_SET_PDEATHSIG is not available here; a rank whose launcher dies ends at its next "
+                 "collective's timeout or at the watchdog's parent check")
+        return
+    if parent == 1 or os.getppid() != parent:
+        os._exit(EXIT_PEER_LOST)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
+# ------------------------------------------------------------------------------------------------ heartbeats
+def host_id() -> str:
+    """This host: hostname and boot id (two containers may share a hostname, not a boot id and a hostname)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    timeout_s: float
+    """a watched neighbour silent this long ends the job (``--dist_timeout_s``)"""
+    interval_s: float
+    """heartbeat period"""
+    neighbours: int = 2
+    """each rank watches ranks r+1 .. r+neighbours (mod world)"""
+
+    @classmethod
+    def for_timeout(cls, timeout_s: float) -> "WatchdogConfig":
+        return cls(timeout_s=timeout_s, interval_s=min(2.0, max(0.2, timeout_s / 20)))
+
+
+def _proc_start_time(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:  # gone, or psutil missing
+        return None
+
+
+class Watchdog(threading.Thread):
+    """The heartbeat thread of one rank (see the module docstring). ``start_watchdog`` builds it."""
+
+    def __init__(self, rank: int, world_size: int, store, cfg: WatchdogConfig):
+        super().__init__(name="rlhf-watchdog", daemon=True)
+        self.rank, self.world, self.store, self.cfg = rank, world_size, store, cfg
+        self.watched = sorted({(rank + i) % world_size for i in range(1, cfg.neighbours + 1)} - {rank})
+        self.parent = os.getppid()
+        self.host = host_id()
+        self.me = {"pid": os.getpid(), "host": self.host, "ctime": _proc_start_time(os.getpid())}
+        self.seq = 0
+        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (last seq, monotonic time it changed)
+        self.last: dict[int, dict] = {}  # rank -> last heartbeat read
+        self.stopped = threading.Event()
+        self.wake = threading.Event()
+        self.published: tuple[str, int | None] | None = None
+        self.started_at = time.monotonic()
+
+    def key(self, rank: int) -> str:
+        return f"hb/{rank}"
+
+    def beat(self) -> None:
+        self.seq += 1
+        now = _phase
+        self.store.set(self.key(self.rank), json.dumps({"seq": self.seq, "phase": now[0], "step": now[1], **self.me}))
+        self.published = now
+
+    def read(self, rank: int) -> dict | None:
+        k = self.key(rank)
+        if not self.store.check([k]):
+            return None
+        return json.loads(self.store.get(k))
+
+    def run(self) -> None:
+        store_failing_since = None
+        next_check = time.monotonic() + self.cfg.interval_s
+        while not self.stopped.is_set():
+            woke = self.wake.wait(max(0.0, next_check - time.monotonic()))
+            self.wake.clear()
+            if self.stopped.is_set():
+                return
+            if woke and time.monotonic() < next_check:  # a phase change: publish it, check on schedule
+                try:
+                    self.beat()
+                except Exception:
+                    pass
+                continue
+            next_check = time.monotonic() + self.cfg.interval_s
+            try:
+                problem = self.check()
+                store_failing_since = None
+            except Exception as e:  # the store is gone or does not answer: its host died or stalled
+                if self.stopped.is_set():
+                    return
+                # Under mpirun/srun rank 0's process hosts the store, and a rank that finishes first takes it
+                # with it: the others have a timeout's worth of time to finish before this counts as a failure.
+                now = time.monotonic()
+                store_failing_since = store_failing_since or now
+                problem = None
+                if now - store_failing_since > self.cfg.timeout_s:
+                    problem = (f"the job's rendezvous store has not answered for {now - store_failing_since:.0f} s "
+                               f"({type(e).__name__}: {str(e)[:200]}); its host (the launcher, or rank 0 under "
+                               "mpirun/srun) is gone or stalled", None)
+            if problem is not None and not self.stopped.is_set():
+                self.end_job(*problem)
+                return
+
+    def check(self) -> tuple[str, dict | None] | None:
+        """One tick: publish, then look at the parent and the watched neighbours. Returns (what is wrong, the
+        stalled peer's heartbeat) or None."""
+        if os.getppid() != self.parent:
+            return f"its launcher (pid {self.parent}) is gone", None
+        self.beat()
+        now = time.monotonic()
+        for r in self.watched:
+            hb = self.read(r)
+            if hb is None:
+                if now - self.started_at > self.cfg.timeout_s:
+                    return f"rank {r} never published a heartbeat in {self.cfg.timeout_s:g} s", None
+                continue
+            self.last[r] = hb
+            if hb["phase"] == DONE:  # finished normally: nothing more to watch there
+                continue
+            seq, since = self.seen.get(r, (-1, now))
+            if hb["seq"] != seq:
+                self.seen[r] = (hb["seq"], now)
+                continue
+            if hb["host"] == self.host and not _alive(hb):
+                return f"rank {r} (pid {hb['pid']}) died in {_where((hb['phase'], hb['step']))}", None
+            if now - since > self.cfg.timeout_s:
+                return (f"rank {r} has not answered for {now - since:.0f} s (--dist_timeout_s "
+                        f"{self.cfg.timeout_s:g}); it was last in {_where((hb['phase'], hb['step']))}", hb)
+        return None
+
+    def end_job(self, what: str, stalled: dict | None) -> None:
+        if _failed.is_set():  # the main thread is already reporting (and exiting)
+            return
+        _failed.set()
+        line = f"error: rank {self.rank}: {what}; ending the job (this rank was in {_where(_phase)})"
+        if stalled is not None and _kill_if_local(stalled, self.host):
+            line += f"; killed the stalled process (pid {stalled['pid']}) on this host"
+        _emit(line)
+        os._exit(EXIT_PEER_LOST)
+
+    def diagnose(self, wait_s: float = 0.0) -> tuple[str, list[dict]]:
+        """What the heartbeats say about the peers, for a failure of the main thread: peers on this host that
+        died, and watched peers silent for more than four heartbeat periods (returned too: a stopped process
+        would hold up the launcher's teardown). Empty if nothing is known. ``wait_s``: a peer's closed
+        connection can arrive a moment before its process is gone; look again until something is found."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = self._diagnose()
+            if found[0] or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
+
+    def _diagnose(self) -> tuple[str, list[dict]]:
+        out, silent = [], []
+        try:
+            for r in range(self.world):
+                if r == self.rank:
+                    continue
+                hb = self.read(r)
+                if hb is None or hb["phase"] == DONE:
+                    continue
+                if hb["host"] == self.host and not _alive(hb):
+                    out.append(f"rank {r} (pid {hb['pid']}) died in {_where((hb['phase'], hb['step']))}")
+                elif r in self.seen and hb["seq"] == self.seen[r][0] \
+                        and time.monotonic() - self.seen[r][1] > 4 * self.cfg.interval_s:
+                    out.append(f"rank {r} silent for {time.monotonic() - self.seen[r][1]:.0f} s since "
+                               f"{_where((hb['phase'], hb['step']))}")
+                    silent.append(hb)
+        except Exception:
+            pass
+        return "; ".join(out), silent
+
+
+def _kill_if_local(hb: dict, host: str) -> bool:
+    """SIGKILL the process of heartbeat ``hb`` if it runs on ``host`` and is still the same process."""
+    if hb["host"] != host or not _alive(hb):
+        return False
+    try:  # a stopped process answers neither SIGTERM nor its peers: torchrun would wait 30 s for it
+        os.kill(hb["pid"], signal.SIGKILL)
+        return True
+    except OSError:
+        return False
+
+
+def _alive(hb: dict) -> bool:
+    """The heartbeat's process still runs (not gone, not a zombie, not another process with its pid)."""
+    try:
+        import psutil
+
+        p = psutil.Process(hb["pid"])
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return hb.get("ctime") is None or abs(p.create_time() - hb["ctime"]) < 1e-3
+    except Exception:  # gone, or psutil missing
+        return False
+
+
+def _emit(line: str) -> None:
+    """One line to stderr (every rank's stderr reaches the launcher's), flushed before a hard exit."""
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    print(line, file=sys.stderr, flush=True)
+
+
+def start_watchdog(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> None:
+    """Heartbeats for a job of more than one rank (after the process group is up). The store is the job's own
+    rendezvous store (torchrun's agent hosts it; under mpirun/srun rank 0's process group does), reached by a
+    connection of its own, so that the main thread's store calls never delay a heartbeat. Without a store
+    the watchdog is off, logged once."""
+    global _watchdog
+    if world_size < 2 or _watchdog is not None:
+        return
+    if os.environ.get(WATCHDOG_ENV, "1") == "0":
+        if rank == 0:
+            log.warning("watchdog off (%s=0): a stalled rank ends the job only at a collective's timeout, a rank whose "
+                        "launcher died lives on", WATCHDOG_ENV)
+        return
+    import torch.distributed as dist
+
+    die_with_parent()
+    cfg = WatchdogConfig.for_timeout(timeout_s)
+    try:
+        store = dist.TCPStore(master_addr, master_port, world_size=None, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "job")
+        store = dist.PrefixStore(f"rlhf_watchdog/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
+                                 store)
+    except Exception as e:
+        log.warning("watchdog off: cannot reach the rendezvous store at %s:%d (%s); a stalled rank ends the job "
+                    "only at a collective's timeout", master_addr, master_port, e)
+        return
+    _watchdog = Watchdog(rank, world_size, store, cfg)
+    _watchdog.beat()
+    _watchdog.start()
+    if threading.current_thread() is threading.main_thread():
+        _watch_sigterm(rank)
+    if rank == 0:
+        log.info("watchdog: --dist_timeout_s %g (collectives, and heartbeats every %.1f s to neighbours r+1, r+2)",
+                 timeout_s, cfg.interval_s)
+
+
+def _watch_sigterm(rank: int) -> None:
+    """A launcher that stops the job (torchrun after a peer's failure, Slurm's scancel) sends SIGTERM, which by
+    default ends a rank without a word. Python runs a signal handler only when the main thread next executes
+    bytecode, which a rank blocked in a collective does not; but the C-level handler writes the signal's number to
+    ``signal.set_wakeup_fd`` at once, so a thread reading that pipe reports (this rank's phase, and any peer the
+    heartbeats know died) and exits 143 within milliseconds. Skipped (logged) where something else already owns
+    the wakeup fd."""
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    prev_handler = signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(rank))
+    prev = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+    if prev != -1:  # someone else reads the wakeup fd: put theirs back, keep only the Python-level handler
+        signal.set_wakeup_fd(prev)
+        os.close(rfd), os.close(wfd)
+        log.info("watchdog: the signal wakeup fd is in use; SIGTERM is reported when the main thread next runs")
+        return
+    del prev_handler
+
+    def reader() -> None:
+        while True:
+            try:
+                data = os.read(rfd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                _on_sigterm(rank)
+
+    threading.Thread(target=reader, name="rlhf-sigterm", daemon=True).start()
+
+
+def _on_sigterm(rank: int) -> None:
+    if _failed.is_set():
+        return
+    _failed.set()
+    wd = _watchdog
+    peers = wd.diagnose(wait_s=0.5)[0] if wd is not None else ""
+    _emit(f"error: rank {rank} stopped by its launcher (SIGTERM) in {_where(_phase)}" + (f" [{peers}]" if peers
+                                                                                          else ""))
+    os._exit(128 + signal.SIGTERM)
+
+
+def finish_watchdog() -> None:
+    """The end of a job that went well: stop the heartbeats and publish that this rank is done, so that its
+    neighbours do not take its exit for a death. Idempotent."""
+    global _watchdog, _phase
+    wd, _watchdog = _watchdog, None
+    if wd is None:
+        return
+    wd.stopped.set()
+    wd.join(timeout=2 * wd.cfg.interval_s + 1)
+    _phase = (DONE, _phase[1])
+    try:
+        wd.beat()
+    except Exception:  # the store went first (its host finished): the neighbours are finishing too
+        pass
+
+
+def long_barrier(hours: float = 6.0) -> None:
+    """A barrier for rank-0-only work that may outlast ``--dist_timeout_s`` (the HF export's conversion of a large
+    model): gloo's ``monitored_barrier`` with a long timeout of its own. A peer that dies closes its connection
+    at once, and one that stalls is caught by the heartbeats, so the long timeout bounds only a livelock."""
+    import torch.distributed as dist
+
+    dist.monitored_barrier(timeout=datetime.timedelta(hours=hours), wait_all_ranks=True)
+
+
+def watchdog_running() -> bool:
+    return _watchdog is not None
+
+
+# ------------------------------------------------------------------------------------------------ failures
+_PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+                      "connection closed", "ECONNRESET", "Timed out waiting", "timed out", "Timeout")
+
+
+def failure_line(exc: BaseException, rank: int) -> str:
+    """The one line for an exception that ends this rank: rank, phase, step, the exception, and what the
+    heartbeats know about the peers (a peer that died is named)."""
+    msg = " ".join(str(exc).split())[:300]
+    line = f"error: rank {rank} failed in {_where(_phase)}: {type(exc).__name__}: {msg}"
+    lost = any(m in str(exc) for m in _PEER_LOST_MARKERS)
+    if lost:
+        line = f"error: rank {rank} lost a peer in {_where(_phase)}: {type(exc).__name__}: {msg}"
+    wd = _watchdog
+    peers, silent = wd.diagnose(wait_s=1.0 if lost else 0.0) if wd is not None else ("", [])
+    killed = [hb["pid"] for hb in silent if _kill_if_local(hb, wd.host)]
+    if killed:
+        peers += f"; killed the silent process(es) {killed} on this host"
+    return line + (f" [{peers}]" if peers else "")
+
+
+def fail_job(exc: BaseException, code: int = 1) -> None:
+    """Report ``exc`` in one line (after its traceback) and leave at once: a rank that failed must not wait in
+    interpreter teardown (gloo's threads, vLLM) while its peers are gone or blocked."""
+    import traceback
+
+    _failed.set()
+    try:
+        traceback.print_exception(exc, file=sys.stderr)
+    except Exception:
+        pass
+    wd = _watchdog
+    _emit(failure_line(exc, wd.rank if wd is not None else int(os.environ.get("RANK", 0))))
+    end_rank(code)
+
+
+def end_rank(code: int) -> int:
+    """Leave with ``code``: at once (``os._exit``, output flushed) in a job whose watchdog runs, where a normal
+    interpreter exit could wait on peers that are gone; otherwise return ``code`` to the caller."""
+    if _watchdog is None:
+        return code
+    _failed.set()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+    finally:
+        os._exit(code)
+
+
+# ------------------------------------------------------------------------------------------------ fault injection
+FAULT_ENV = "RLHF_FAULT_INJECT"
+FAULT_KINDS = ("raise", "kill", "stop", "hang")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    site: str
+    rank: int
+    step: int | None = None
+    restart: int = 0
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """``kind:site:rank[:step[:restart]]``, comma-separated: ``raise:checkpoint_save:1:2`` raises on rank 1 in
+    the middle of the checkpoint save of step 2; ``stop:update:0`` sends SIGSTOP to rank 0 at its first update;
+    ``kill`` is SIGKILL; ``hang`` sleeps forever with the watchdog's heartbeat still going (a livelock).
+    ``restart``: torchrun's restart count the fault applies to (``TORCHELASTIC_RESTART_COUNT``, default 0).
+
+    Sites: ``update`` (between an update's backward and its metrics' all-reduce), ``collective`` (before a
+    data-parallel collective), ``weight_sync``, ``checkpoint_save`` (after the first role's shards are
+    written), ``export`` (the megatron copy is written; rank 0 converts it, the others wait for it), and
+    ``enter-<phase>`` at the start of any phase (``enter-rollout``, ``enter-actor_update``, ...)."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        parts = item.split(":")
+        if len(parts) < 3 or parts[0] not in FAULT_KINDS:
+            raise ValueError(f"{FAULT_ENV}: {item!r} is not kind:site:rank[:step[:restart]] with kind in "
+                             f"{FAULT_KINDS}")
+        out.append(Fault(parts[0], parts[1], int(parts[2]), int(parts[3]) if len(parts) > 3 and parts[3] else None,
+                         int(parts[4]) if len(parts) > 4 else 0))
+    return out
+
+
+_faults: list[Fault] | None = None
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def fault_point(site: str) -> None:
+    """A place where a test can make this rank fail (``RLHF_FAULT_INJECT``); free when the variable is unset."""
+    global _faults
+    if _faults is None:
+        _faults = parse_faults(os.environ.get(FAULT_ENV, ""))
+    if not _faults:
+        return
+    rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("SLURM_PROCID", 0))))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    for f in _faults:
+        if f.site == site and f.rank == rank and f.restart == restart and f.step in (None, _phase[1]):
+            _faults.remove(f)
+            log.warning("fault injection: %s at %s in %s on rank %d", f.kind, site, _where(_phase), rank)
+            _emit(f"fault injection: {f.kind} at {site} in {_where(_phase)} on rank {rank}")
+            wd = _watchdog
+            if wd is not None and f.kind in ("kill", "stop"):  # as if the fault came a moment into the phase:
+                deadline = time.monotonic() + 2.0               # its heartbeat names the phase
+                while wd.published != _phase and time.monotonic() < deadline:
+                    wd.wake.set()
+                    time.sleep(0.01)
+            if f.kind == "raise":
+                raise InjectedFault(f"injected fault at {site}")
+            if f.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if f.kind == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if f.kind == "hang":
+                threading.Event().wait()
