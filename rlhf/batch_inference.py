@@ -116,16 +116,16 @@ def _agreed(value: int) -> int:
 
 # ----------------------------------------------------------------------------------------------------- the job
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from rlhf.data import DataConfig
+    from rlhf.models.source import load_tokenizer
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.metrics import setup_logging
 
     env = DistEnv.from_environ()
     setup_logging(env.rank)
     v = validate(args, env.world_size)
-    tokenizer = AutoTokenizer.from_pretrained(args.pretrain or v["rewards"].paths[0])
+    tokenizer = load_tokenizer(args.pretrain or v["rewards"].paths[0],
+                               "--pretrain" if args.pretrain else "--reward_pretrain")
     cfg = DataConfig.from_args(args, output_key=args.output_key if args.mode == "reward" else None)
     mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed,
                            ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)

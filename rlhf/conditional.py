@@ -115,15 +115,14 @@ def _rm_scores(args: argparse.Namespace, cfg, records: list) -> list[float]:
     group and megatron's groups (the trainer rebuilds the latter); the reward model is freed before returning."""
     import gc
 
-    from transformers import AutoTokenizer
-
     from rlhf.data import pad_token_id
+    from rlhf.models.source import load_tokenizer
     from rlhf.data.formatting import sft_sample
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.engine import ModelEngine
     from rlhf.rewards import score_sequences
 
-    tok = AutoTokenizer.from_pretrained(args.reward_pretrain)
+    tok = load_tokenizer(args.reward_pretrain, "--reward_pretrain")
     seqs = [sft_sample(r, cfg, tok)[0].input_ids[:cfg.max_len].tolist() for r in records]
     mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, DistEnv.from_environ(),
                            seed=args.seed, ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)

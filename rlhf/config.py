@@ -187,6 +187,9 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
     except ValueError as e:
         raise ValueError(f"--pretrain {args.pretrain}: {e}") from None
     spec = src["spec"]
+    from rlhf.models.source import check_tokenizer_folder
+
+    check_tokenizer_folder(args.pretrain, "--pretrain")
     check_parallel_fit(spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, src["padded_vocab"])
     if args.packing_samples:  # what the packed attention path refuses at the first forward (models/packed_attention)
         if spec.sliding_window is not None and args.max_len > spec.sliding_window:

@@ -233,34 +233,40 @@ class ModelEngine:
         outs = run_microbatches(self.module, microbatches, loss_fn=loss_fn, output=output,
                                 device=self.mesh.device)
         fault_point("update")
-        metrics = self.reduce_metrics(outs, metric_keys)  # the same on every rank, so is the decision below
+        metrics, counts = self.reduce_metrics(outs, metric_keys, with_counts=True)  # the same on every rank
         if track_aux:
             metrics["moe_load_balancing_loss"] = moe_load_balancing_loss(self.mesh, len(microbatches))
         loss_key = metric_keys[0]
-        stepped, grad_norm, bad = step_if_finite(self.optimizer, metrics[loss_key], loss_key)
-        if stepped:
-            self.scheduler.step(increment=1)
-            self.steps += 1
-            self.consecutive_skips = 0
+        if counts[loss_key] == 0:  # nothing to learn from (its loss is 0 / 0): not a divergence
+            grad_norm = 0.0
+            self.skip(f"no {loss_key} token in the step (every micro-batch's loss mask is empty)",
+                      advice="Check the data: every sample of these steps has an empty loss mask")
         else:
-            self.skip(bad)
+            stepped, grad_norm, bad = step_if_finite(self.optimizer, metrics[loss_key], loss_key)
+            if stepped:
+                self.scheduler.step(increment=1)
+                self.steps += 1
+                self.consecutive_skips = 0
+            else:
+                self.skip(f"non-finite {bad}")
         metrics["grad_norm"] = grad_norm
         metrics["skipped_steps"] = float(self.skipped_steps)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
 
-    def skip(self, what: str) -> None:
-        """Count an update that was not applied because ``what`` was non-finite; after ``--max_skipped_steps``
-        in a row, stop the job (``TrainingDiverged``). Called on every rank alike (the inputs are global)."""
+    def skip(self, why: str, advice: str = "Lower the learning rate or check the data") -> None:
+        """Count an update that was not applied (``why``: e.g. ``non-finite loss=nan``); after
+        ``--max_skipped_steps`` in a row, stop the job (``TrainingDiverged``). Called on every rank alike (the
+        inputs are global)."""
         self.skipped_steps += 1
         self.consecutive_skips += 1
         limit = self.optim_cfg.max_skipped_steps
-        log.warning("%s: update %d skipped: non-finite %s (%d in a row, %d in all; --max_skipped_steps %d)",
-                    self.name, self.steps + 1, what, self.consecutive_skips, self.skipped_steps, limit)
+        log.warning("%s: update %d skipped: %s (%d in a row, %d in all; --max_skipped_steps %d)",
+                    self.name, self.steps + 1, why, self.consecutive_skips, self.skipped_steps, limit)
         if self.consecutive_skips >= limit:
             raise TrainingDiverged(f"{self.name}: {self.consecutive_skips} updates in a row skipped at update "
-                                   f"{self.steps + 1}: non-finite {what} (--max_skipped_steps {limit}); nothing "
-                                   "non-finite was saved. Lower the learning rate or check the data")
+                                   f"{self.steps + 1}: {why} (--max_skipped_steps {limit}); nothing "
+                                   f"non-finite was saved. {advice}")
 
     def forward(self, microbatches: Sequence[dict], output: str = "head", loss_fn: LossFn | None = None,
                 read: ReadFn | None = None) -> list[dict[str, Any]]:
@@ -274,9 +280,10 @@ class ModelEngine:
             return run_microbatches(self.module, microbatches, loss_fn=loss_fn, forward_only=True, output=output,
                                     device=self.mesh.device, read=read)
 
-    def reduce_metrics(self, outs: list[dict], keys: Sequence[str]) -> dict[str, float]:
+    def reduce_metrics(self, outs: list[dict], keys: Sequence[str], with_counts: bool = False):
         """Each metric is ``[sum, count]`` per micro-batch: total sums / total counts over micro-batches, DP
-        ranks and (from the last stage) pipeline stages. The same numbers on every rank."""
+        ranks and (from the last stage) pipeline stages (NaN where the total count is 0). The same numbers on
+        every rank. ``with_counts``: ``(metrics, total counts)``."""
         vec = torch.zeros(2 * len(keys), dtype=torch.float64)
         if self.mesh.is_last_stage and self.mesh.tp_rank == 0:
             for o in outs:
@@ -285,8 +292,11 @@ class ModelEngine:
                     vec[2 * i] += float(s)
                     vec[2 * i + 1] += float(n)
         dist.all_reduce(vec)  # one contribution per (DP rank) from the last stage's TP rank 0
-        return {k: (vec[2 * i] / vec[2 * i + 1]).item() if vec[2 * i + 1] > 0 else float("nan")
-                for i, k in enumerate(keys)}
+        metrics = {k: (vec[2 * i] / vec[2 * i + 1]).item() if vec[2 * i + 1] > 0 else float("nan")
+                   for i, k in enumerate(keys)}
+        if with_counts:
+            return metrics, {k: vec[2 * i + 1].item() for i, k in enumerate(keys)}
+        return metrics
 
     # -------------------------------------------------------------------------------------------- checkpoint
     def sharded_state_dict(self, include_optimizer: bool = True, is_loading: bool = False) -> dict:

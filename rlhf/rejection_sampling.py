@@ -99,9 +99,8 @@ def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from rlhf.data import pad_token_id
+    from rlhf.models.source import load_tokenizer
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.health import check_config_consistency
     from rlhf.metrics import setup_logging
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     setup_logging(env.rank)
     v = validate(args, env.world_size)
     rewards = v["rewards"]
-    tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
+    tokenizer = load_tokenizer(args.pretrain)
     raw_inputs, prompts = load_prompts(args, tokenizer)
     mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed,
                            ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)

@@ -117,9 +117,9 @@ def prepare(args: argparse.Namespace, task: Task, world_size: int) -> tuple[Any,
         raise ValueError(f"--lora_export adapter: {task.name} has a value head; reward models export merged")
     if hasattr(task, "validate"):
         task.validate(args)
-    from transformers import AutoTokenizer  # after the flag checks: importing it takes seconds
+    from rlhf.models.source import load_tokenizer  # after the flag checks: importing transformers takes seconds
 
-    tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
+    tokenizer = load_tokenizer(args.pretrain)
     train, evals, stats = task.load_data(args, tokenizer)
     if not train:
         raise ValueError(f"--dataset {args.dataset}: no training samples after filtering")

@@ -13,6 +13,10 @@ Truncation (SFT and RM) keeps the first ``max_len`` tokens. A sample with no res
 (the prompt alone fills ``max_len``) teaches nothing and is dropped; for RM the pair is dropped when either side
 has no response token left. ``num_truncated`` counts every sample longer than ``max_len``, ``num_dropped`` the
 subset that was dropped. PPO prompts are left-truncated to ``prompt_max_len`` and never dropped.
+
+A sample whose (non-blank) response tokenizes to no token, or a prompt that tokenizes to nothing, is refused with
+a count (``ValueError`` naming the first): with a working tokenizer that cannot happen, so the tokenizer of
+``--pretrain`` is broken (transformers builds an empty one from a folder without tokenizer files for some families).
 """
 from __future__ import annotations
 
@@ -49,11 +53,14 @@ class DataStats:
     num_mixed: int = 0        # records chosen by mixing (min(valid, max_samples), with repeats if upsampled)
     num_truncated: int = 0    # samples longer than max_len (SFT/RM) or prompt_max_len (PPO)
     num_dropped: int = 0      # of those, dropped because no response token was left
+    num_untrainable: int = 0  # samples whose response (PPO: prompt) tokenized to no token: refused
+    first_untrainable: str = ""  # where the first of them is
     num_samples: int = 0
     per_dataset: dict[str, int] = field(default_factory=dict)  # spec -> records it contributed to the mix
 
     def as_metrics(self, prefix: str = "data/") -> dict[str, float]:
-        out = {f"{prefix}{k}": float(v) for k, v in asdict(self).items() if k != "per_dataset"}
+        out = {f"{prefix}{k}": float(v) for k, v in asdict(self).items()
+               if k not in ("per_dataset", "first_untrainable")}
         out.update({f"{prefix}mixed/{k}": float(v) for k, v in self.per_dataset.items()})
         return out
 
@@ -116,21 +123,37 @@ def build_sft_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
     out = []
     for r in records:
         s, too_long = sft_sample(r, cfg, tokenizer)
+        if not response_tokenized(s.input_ids.numel(), s.prompt_len) or not bool(s.loss_mask[1:].any()):
+            count_untrainable(stats, r.where)
+            continue
         if too_long:
             stats.num_truncated += 1
             s.input_ids, s.loss_mask = s.input_ids[: cfg.max_len], s.loss_mask[: cfg.max_len]
             s.prompt_len = min(s.prompt_len, cfg.max_len)
-            if not bool(s.loss_mask.any()):
+            if not bool(s.loss_mask[1:].any()):  # the first token is never predicted
                 stats.num_dropped += 1
                 continue
         out.append(s)
     return _finish(out, stats, cfg, "max_len")
 
 
+def response_tokenized(num_ids: int, prompt_len: int) -> bool:
+    """A (checked, non-blank) response became at least one token besides the eos that ``tokenize_pair`` adds."""
+    return num_ids - prompt_len > 1
+
+
+def count_untrainable(stats: DataStats, where: str) -> None:
+    stats.num_untrainable += 1
+    stats.first_untrainable = stats.first_untrainable or where
+
+
 def truncated_pair(r, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, stats: DataStats):
     """``((chosen_ids, chosen_prompt_len), (rejected_ids, rejected_prompt_len))`` of a preference record, each
     cut to ``max_len`` (counted in ``stats``); None (counted as dropped) when a prompt leaves no response token."""
     (c, c_plen), (j, j_plen) = rm_sides(r, cfg, tokenizer)
+    if not response_tokenized(len(c), c_plen) or not response_tokenized(len(j), j_plen):
+        count_untrainable(stats, r.where)
+        return None
     if len(c) > cfg.max_len or len(j) > cfg.max_len:
         stats.num_truncated += 1
         if c_plen >= cfg.max_len or j_plen >= cfg.max_len:
@@ -162,12 +185,20 @@ def build_prompt_dataset(cfg: DataConfig,
     out = []
     for r in records:
         s, truncated = prompt_sample(r, cfg, tokenizer)
+        if s.prompt_ids.numel() == 0:
+            count_untrainable(stats, r.where)
+            continue
         stats.num_truncated += int(truncated)
         out.append(s)
     return _finish(out, stats, cfg, "prompt_max_len")
 
 
 def _finish(samples: list, stats: DataStats, cfg: DataConfig, len_flag: str) -> tuple[list, DataStats]:
+    if stats.num_untrainable:  # a non-blank text that became no token: the tokenizer is broken, not the data
+        what = "prompts" if len_flag == "prompt_max_len" else "samples"
+        raise ValueError(f"--dataset: {stats.num_untrainable} of {stats.num_mixed} {what} tokenize to no trainable "
+                         f"token (first: {stats.first_untrainable}); their text is not blank, so the tokenizer of "
+                         "--pretrain turns text into nothing: is it complete?")
     stats.num_samples = len(samples)
     if stats.num_truncated:
         log.warning("%d of %d samples are longer than --%s %d and were truncated%s", stats.num_truncated,

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from rlhf.data.build import DataStats, _check_tokenizer, _finish, load_records, truncated_pair
+from rlhf.data.build import (DataStats, _check_tokenizer, _finish, count_untrainable, load_records, response_tokenized,
+                             truncated_pair)
 from rlhf.data.collate import padded_length, pad_sequences
 from rlhf.data.config import DataConfig
 from rlhf.data.formatting import sft_sample
@@ -92,6 +93,9 @@ def build_kto_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
             continue
         s, too_long = sft_sample(r, cfg, tokenizer)
         ids = s.input_ids
+        if not response_tokenized(ids.numel(), s.prompt_len):
+            count_untrainable(stats, r.where)
+            continue
         if too_long:
             stats.num_truncated += 1
             if s.prompt_len >= cfg.max_len:

@@ -142,6 +142,9 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     check_ema_args(args)
     _check_ptx(args)
     rewards, sources = _check_models(args)
+    from rlhf.models.source import check_tokenizer_folder
+
+    check_tokenizer_folder(args.pretrain, "--pretrain")  # the prompts and replies are tokenized with it
     why = resolve_vllm_tp(args, sources["--pretrain"]["spec"], world_size)
     engines = _check_batch_sizes(args, world_size, dp)
     return PPOSetup(dp=dp, engines=engines, samples=args.rollout_batch_size * args.n_samples_per_prompt,

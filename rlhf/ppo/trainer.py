@@ -123,7 +123,7 @@ class PPOTrainer:
         bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
         if bad:
             for eng in roles.trainable.values():
-                eng.skip(bad)  # counted per trainable role; --max_skipped_steps in a row stop the job
+                eng.skip(f"non-finite {bad}")  # counted per trainable role; --max_skipped_steps in a row stop the job
             metrics["skipped_steps"] = float(roles.actor.skipped_steps)
         else:
             metrics.update(update(roles, exp, args, self.estimator, self.kl_ctl.value, self.step, mesh,
@@ -217,10 +217,9 @@ class PPOTrainer:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from rlhf.distributed import DistEnv
     from rlhf.metrics import setup_logging
+    from rlhf.models.source import load_tokenizer
     from rlhf.ppo.args import validate
 
     env = DistEnv.from_environ()
@@ -229,7 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.gold_reward_fn:
         load_gold_fn(args.gold_reward_fn)
     _check_generator(args, setup, env.world_size)
-    tokenizer = AutoTokenizer.from_pretrained(args.pretrain)
+    tokenizer = load_tokenizer(args.pretrain)
     prompts, stats = load_prompts(args, tokenizer)
     if len(prompts) < args.rollout_batch_size:
         raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} is larger than the number of prompts "

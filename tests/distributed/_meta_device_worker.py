@@ -65,7 +65,7 @@ def main(hf_dir: str) -> None:
         pipeline.run_microbatches(sft.module, [mb], loss_fn=loss_fn, device=mesh.device)
         found["unmoved_batch_error"] = None
     except (RuntimeError, NotImplementedError) as e:
-        found["unmoved_batch_error"] = type(e).__name__
+        found["unmoved_batch_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
     pipeline.to_device = real_move
     sft.ddp.zero_grad_buffer()
     outs = pipeline.run_microbatches(sft.module, [mb, mb], loss_fn=loss_fn, device=mesh.device)

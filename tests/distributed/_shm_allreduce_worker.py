@@ -22,12 +22,20 @@ def main() -> None:
     red = S.for_group(dist.group.WORLD)
     checks["made"] = red is not None and S.for_group(dist.group.WORLD) is red
     S.CHUNK_BYTES = 4096  # 1000 fp32 per slot: the sizes below cross chunk boundaries, with ragged tails
+    chunks, calls, real_chunk = [0], [0], red._chunk
+
+    def counted(*a):  # the shared-memory path itself, not gloo's fallback (which would pass every check below)
+        chunks[0] += 1
+        return real_chunk(*a)
+
+    red._chunk = counted
     for dt in (torch.float32, torch.bfloat16):
         for n in (0, 1, 5, 1024, 3001, 20000):
             for scale in (1.0, 0.5, 1 / 3):
                 xs = [torch.randn(n, generator=torch.Generator().manual_seed(100 * q + n)).to(dt) for q in range(w)]
                 x = xs[r].clone()
                 red.all_reduce(x, scale)
+                calls[0] += n > 0
                 tag = f"{str(dt)[6:]}/{n}/{scale:.3f}"
                 every = [torch.empty_like(x) for _ in range(w)]
                 dist.all_gather(every, x)
@@ -41,6 +49,9 @@ def main() -> None:
                     y = xs[r].clone().mul_(scale)
                     dist.all_reduce(y)
                     checks[f"gloo/{tag}"] = torch.equal(x, y)
+    # every non-empty call went through shared memory (sizes past a slot take several chunks), none through gloo
+    checks["took_shared_memory"] = not red.disabled and red.scratch is not None and chunks[0] > calls[0] > 0
+    red._chunk = real_chunk
     _small_dev_shm(checks, r, w)
     try:
         red.all_reduce(torch.zeros(4, 4).t())

@@ -15,6 +15,7 @@ def test_shm_allreduce(tmp_path, nproc):
     assert proc.returncode == 0, tail(proc)
     checks = json.loads(out.read_text())
     per_case = 4 if nproc == 2 else 2  # 2 ranks: against gloo and the hand sum too
-    assert len(checks) == 10 + 2 * 6 * 3 * per_case, sorted(checks)  # dtypes x sizes x scales, + 10 named checks
+    assert len(checks) == 11 + 2 * 6 * 3 * per_case, sorted(checks)  # dtypes x sizes x scales, + 11 named checks
+    assert checks["took_shared_memory"]  # not gloo's fallback, which would pass every comparison too
     failed = [k for k, ok in checks.items() if not ok]
     assert not failed, failed

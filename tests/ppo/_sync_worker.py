@@ -20,6 +20,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--actor", required=True)
 p.add_argument("--tp", type=int, default=1)
 p.add_argument("--pp", type=int, default=1)
+p.add_argument("--ep", type=int, default=1, help="MoE actor: experts over this many ranks")
 p.add_argument("--bucket_mb", type=float, default=0.25)
 p.add_argument("--lora_rank", type=int, default=0, help="LoRA actor: vLLM must get the merged weights")
 p.add_argument("--prompt_len", type=int, default=4, help="longer prompts reach past a scaled RoPE's original context")
@@ -31,7 +32,7 @@ from rlhf.ppo.stages import sampled_logprob_drift  # noqa: E402
 from rlhf.rollout import RolloutConfig, build_rollout  # noqa: E402
 from rlhf.rollout.weight_sync import WeightSync  # noqa: E402
 
-mesh = initialize_mesh(a.tp, a.pp, DistEnv.from_environ(), seed=5)
+mesh = initialize_mesh(a.tp, a.pp, DistEnv.from_environ(), seed=5, ep=a.ep)
 from rlhf.models.lora import LoraConfig  # noqa: E402
 
 lora = LoraConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank) if a.lora_rank else None

@@ -31,12 +31,15 @@ def test_weight_sync_after_update(ppo_setup, tp, pp, actor, lora):
         assert r["trainable"] == ["lora_A", "lora_B"], r
 
 
-@pytest.mark.parametrize("tp,pp,actor", [(2, 1, "qwen3_yarn_kv1"), (1, 2, "llama3_rope")],
-                         ids=["qwen3_yarn_one_kv_head_tp2", "llama3_rope_pp2"])
-def test_weight_sync_of_newer_families(family_actors, tp, pp, actor):
+@pytest.mark.parametrize("tp,pp,ep,actor", [(2, 1, 1, "qwen3_yarn_kv1"), (1, 2, 1, "llama3_rope"),
+                                             (1, 1, 2, "mixtral")],
+                         ids=["qwen3_yarn_one_kv_head_tp2", "llama3_rope_pp2", "mixtral_ep2"])
+def test_weight_sync_of_newer_families(family_actors, tp, pp, ep, actor):
     """Qwen3's q/k norms, a KV head replicated over TP 2 (megatron and vLLM) and scaled RoPE (YaRN; Llama 3.1's)
-    at positions past the original context: vLLM's log-probs still equal the trainer's after each sync."""
-    p = run_torchrun(WORKER, 2, ["--actor", family_actors[actor], "--tp", str(tp), "--pp", str(pp),
+    at positions past the original context, Mixtral's experts spread over 2 EP ranks into vLLM's MoE layers:
+    vLLM's log-probs still equal the trainer's after each sync, and an update without a sync (stale weights) is
+    seen, so each check can fail."""
+    p = run_torchrun(WORKER, 2, ["--actor", family_actors[actor], "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
                                  "--prompt_len", "24"], timeout=600)
     assert p.returncode == 0, tail(p)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
