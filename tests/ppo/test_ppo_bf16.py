@@ -21,18 +21,24 @@ PPO = os.path.join(REPO, "launch/ppo.py")
 require("vllm")
 STEPS = 2
 
-# |bf16 - fp32| allowed per logged metric, steps 1 and 2. Measured (2026-11, this CPU, worst step of padded and
-# packed, with the ordinary sequence-classification reward model of tests/ppo/conftest.py): reward 9.0e-3,
-# reward_std 4.1e-3, kl 9.0e-4, advantages_abs 1.7e-3, entropy 4.0e-5, critic/value_loss 0.64 (of 36),
-# critic/values 6.9e-2 (of 7), critic/grad_norm 0.13 (of 616), actor/grad_norm 8.7e-3 (of 1.3-2.1),
-# actor/policy_loss 7.9e-8 (one update per step: ratio 1), response_length 0. With the earlier last-token reward
-# model: reward_std 1.3e-2, kl 4.4e-3, critic/grad_norm 2.0, actor/grad_norm 1.2e-2. A second 2-core machine of this
-# project (2026-11-24, the base commit too) measured the same within 2x (critic/grad_norm 0.32), except
-# actor/policy_loss 1.13e-6: at ratio 1 the loss is minus the mean of whitened advantages, zero up to rounding, so
-# its difference is rounding noise (advantages_abs itself differs by 1e-3). The bounds are about 3x the larger.
-TOL = {"reward": 3e-2, "reward_std": 4e-2, "kl": 1.5e-2, "advantages_abs": 5e-3, "entropy": 6e-4,
-       "critic/value_loss": 2.0, "critic/values": 0.2, "critic/grad_norm": 6.0, "actor/grad_norm": 4e-2,
-       "actor/policy_loss": 4e-6, "response_length": 0.25}
+# |bf16 - fp32| allowed per logged metric, steps 1 and 2, worst step of the padded (forced bf16 kernels) and packed
+# runs, with the ordinary sequence-classification reward model of tests/ppo/conftest.py. Measured per CPU kind:
+#   AMD EPYC, AVX512_BF16 (2026-11-26): reward 8.0e-3, reward_std 4.1e-3, kl 8.1e-4, advantages_abs 1.5e-3,
+#     entropy 4.3e-5, critic/value_loss 0.69 (of 36), critic/values 7.6e-2 (of 7), critic/grad_norm 0.95 (packed;
+#     0.14 padded, of 616), actor/grad_norm 9.7e-3 (of 1.3-2.1), actor/policy_loss 1.7e-6, response_length 0
+#   Intel Xeon, AVX512_BF16, no AMX (2026-11): reward 9.0e-3, reward_std 4.1e-3, kl 9.0e-4, advantages_abs 1.7e-3,
+#     entropy 4.0e-5, critic/value_loss 0.64, critic/values 6.9e-2, critic/grad_norm 0.13-0.32,
+#     actor/grad_norm 8.7e-3, actor/policy_loss 7.9e-8 .. 1.13e-6, response_length 0
+#   Intel Xeon with AMX (2026-11-26, padded run; its other metrics unmeasured): advantages_abs 7.1e-3, and
+#     reward, reward_std and kl within the earlier bounds 3e-2, 4e-2, 1.5e-2 (checked before it in the loop)
+# The bounds are about 3x the largest figure of any kind. advantages_abs is 5x AMD's on AMX, probably a reply
+# sampled differently in one run (a near-tie at one token, which bf16 rounding can flip; not verified there): that
+# moves the batch's whitened advantages and its mean reward by about 1/32 of a score, and reward and reward_std
+# keep room for it. kl's and the critic's AMX figures are unknown: if they fail there, measure and widen. actor/
+# policy_loss is minus the mean of whitened advantages at ratio 1: zero up to rounding, so its difference is noise.
+TOL = {"reward": 3e-2, "reward_std": 3e-2, "kl": 3e-3, "advantages_abs": 2e-2, "entropy": 1.5e-4,
+       "critic/value_loss": 2.0, "critic/values": 0.25, "critic/grad_norm": 3.0, "actor/grad_norm": 3e-2,
+       "actor/policy_loss": 5e-6, "response_length": 0.25}
 # bf16 rollout_logprob_drift (vLLM bf16 vs the trainer's bf16 forward, after each weight sync), measured per step:
 # mean 1.02e-3..1.33e-3, max 3.9e-3..5.9e-3 (padded and packed alike). fp32: mean 2e-7, max 1e-6.
 DRIFT_MEAN, DRIFT_MAX = 4e-3, 2e-2
@@ -71,10 +77,14 @@ def test_vllm_ran_in_the_run_dtype(runs):
 @pytest.mark.parametrize("run", ["bf16", "bf16_packed"])
 def test_bf16_steps_match_fp32(runs, run):
     fp32, bf16 = runs["fp32"][0], runs[run][0]
-    for metric, tol in TOL.items():
+    diffs = {}
+    for metric in TOL:
         a, b = fp32[metric][:STEPS], bf16[metric][:STEPS]
         assert len(a) == len(b) == STEPS, (metric, a, b)
-        assert max(abs(x - y) for x, y in zip(a, b)) <= tol, (run, metric, a, b)
+        diffs[metric] = max(abs(x - y) for x, y in zip(a, b))
+    print(f"bf16 - fp32 ({run}): " + ", ".join(f"{k} {v:.2g}" for k, v in diffs.items()))  # the figures above
+    over = {k: f"{v:.3g} > {TOL[k]:g}" for k, v in diffs.items() if v > TOL[k]}  # every one, not just the first
+    assert not over, (run, over)
     assert bf16["critic/value_loss"][:STEPS] != fp32["critic/value_loss"][:STEPS]  # fp32 runs are deterministic
 
 

@@ -144,9 +144,16 @@ def test_nothing_intact_is_a_clear_error(ckpt_run, tmp_path):
     empty = Checkpointer(ckpt_run["mesh"], str(tmp_path / "none"))
     with pytest.raises(ValueError, match=r"--load_checkpoint: no intact checkpoint under --ckpt_path"):
         empty.load({"sft": ckpt_run["eng"]})
+    # --load_checkpoint's own path: nothing published yet (no folder; or only a killed first save's .tmp) is a
+    # fresh start, a damaged checkpoint is not
+    assert empty.load_if_any({"sft": ckpt_run["eng"]}) is None
+    os.makedirs(tmp_path / "none" / "iter_0000001.tmp")
+    assert empty.load_if_any({"sft": ckpt_run["eng"]}) is None
     os.makedirs(tmp_path / "bad" / "iter_0000005")
     with pytest.raises(ValueError, match=r"iter_0000005: no manifest.json or trainer.json"):
         Checkpointer(ckpt_run["mesh"], str(tmp_path / "bad")).resolve()
+    with pytest.raises(ValueError, match=r"iter_0000005: no manifest.json or trainer.json"):
+        Checkpointer(ckpt_run["mesh"], str(tmp_path / "bad")).load_if_any({"sft": ckpt_run["eng"]})
 
 
 def test_a_failed_save_keeps_the_previous_checkpoint(ckpt_run, monkeypatch):
