@@ -336,6 +336,8 @@ def fault_job(script: str, nproc: int, args: list[str], *, inject: str | None = 
         rc, ended = job.wait(timeout=timeout)
     finally:
         job.close()
+    what = inject or f"signal {signal_after[2]} to rank {signal_after[1]} after {signal_after[0]!r}"
+    print(f"fault {os.path.basename(script)} x{nproc} {what}: ended {ended - fault_at:.1f} s after it, rc {rc}")
     return {"rc": rc, "seconds": ended - fault_at, "errors": job.error_lines(), "log": job.log}
 
 
