@@ -218,6 +218,7 @@ class Watchdog(threading.Thread):
         self.seq = 0
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (last seq, monotonic time it changed)
         self.last: dict[int, dict] = {}  # rank -> last heartbeat read
+        self.gone: dict[int, float] = {}  # rank -> when its process was first seen gone (this host)
         self.stopped = threading.Event()
         self.wake = threading.Event()
         self.published: tuple[str, int | None] | None = None
@@ -293,7 +294,13 @@ class Watchdog(threading.Thread):
                 self.seen[r] = (hb["seq"], now)
                 continue
             if hb["host"] == self.host and not _alive(hb):
-                return f"rank {r} (pid {hb['pid']}) died in {_where((hb['phase'], hb['step']))}", None
+                # A rank that ends without publishing 'done' (a worker leaving through os._exit, or one whose
+                # interpreter is being torn down) is gone a moment before this rank ends the same way: a death
+                # counts once it has lasted a second.
+                first = self.gone.setdefault(r, now)
+                if now - first >= 1.0:
+                    return f"rank {r} (pid {hb['pid']}) died in {_where((hb['phase'], hb['step']))}", None
+                continue
             if now - since > self.cfg.timeout_s:
                 return (f"rank {r} has not answered for {now - since:.0f} s (--dist_timeout_s "
                         f"{self.cfg.timeout_s:g}); it was last in {_where((hb['phase'], hb['step']))}", hb)
@@ -405,6 +412,9 @@ def start_watchdog(rank: int, world_size: int, master_addr: str, master_port: in
     _watchdog = Watchdog(rank, world_size, store, cfg)
     _watchdog.beat()
     _watchdog.start()
+    import atexit
+
+    atexit.register(finish_watchdog)  # a rank whose interpreter ends normally is done, not dead
     if threading.current_thread() is threading.main_thread():
         _watch_sigterm(rank)
     if rank == 0:
@@ -463,7 +473,9 @@ def finish_watchdog() -> None:
     if wd is None:
         return
     wd.stopped.set()
-    wd.join(timeout=2 * wd.cfg.interval_s + 1)
+    wd.wake.set()
+    if wd is not threading.current_thread():
+        wd.join(timeout=2 * wd.cfg.interval_s + 1)
     _phase = (DONE, _phase[1])
     try:
         wd.beat()
