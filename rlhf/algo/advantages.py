@@ -127,6 +127,39 @@ def reinforce_plus_plus(token_rewards: torch.Tensor, action_mask: torch.Tensor,
     return masked_whiten(returns, action_mask), returns
 
 
+def _groups(rewards: torch.Tensor, n: int) -> torch.Tensor:
+    """(B,) prompt-major rewards as (G, n) groups; ValueError naming the flag when they do not form groups."""
+    b = rewards.shape[0]
+    if n < 2:
+        raise ValueError(f"--n_samples_per_prompt {n}: a group estimator needs at least 2 samples per prompt")
+    if b % n:
+        raise ValueError(f"--n_samples_per_prompt {n}: the batch of {b} rows is not a whole number of groups")
+    return upcast(rewards).view(b // n, n)
+
+
+@torch.no_grad()
+def group_baseline(rewards: torch.Tensor, n_samples_per_prompt: int, kind: str) -> torch.Tensor:
+    """Each reward against its group (OpenRLHF's reward shaping before the return-to-go): ``rloo`` subtracts the
+    mean of the other n - 1 samples, ``mean`` (REINFORCE++-baseline, Dr. GRPO) the group mean. (B,) -> (B,)."""
+    g = _groups(rewards, n_samples_per_prompt)  # (G, n)
+    n = g.shape[1]
+    base = (g.sum(dim=1, keepdim=True) - g) / (n - 1) if kind == "rloo" else g.mean(dim=1, keepdim=True)
+    return (g - base).reshape(-1)
+
+
+def whiten_openrlhf(x: torch.Tensor, action_mask: torch.Tensor, std_norm: bool = True) -> torch.Tensor:
+    """OpenRLHF's batch normalisation of advantages: minus the masked mean, times ``rsqrt(max(var, 1e-8))`` with
+    the biased variance (only the mean with ``std_norm=False``, ``--no_std_norm``); zero on padding."""
+    mask = action_mask != 0
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n
+    out = x - mean
+    if std_norm:
+        out = out * (((x - mean) ** 2 * m).sum() / n).clamp(min=1e-8).rsqrt()
+    return torch.where(mask, out, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 @torch.no_grad()
 def grpo(rewards: torch.Tensor, action_mask: torch.Tensor, n_samples_per_prompt: int, eps: float = 1e-6,
          std_normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,12 +170,8 @@ def grpo(rewards: torch.Tensor, action_mask: torch.Tensor, n_samples_per_prompt:
     Returns (advantages, returns), each (B, T) and zero on padding; returns == advantages (no critic).
     No KL here: GRPO adds it to the loss.
     """
-    n, b = n_samples_per_prompt, rewards.shape[0]
-    if n < 2:
-        raise ValueError(f"--n_samples_per_prompt {n}: GRPO needs at least 2 samples per prompt for a group baseline")
-    if b % n:
-        raise ValueError(f"--n_samples_per_prompt {n}: the batch of {b} rows is not a whole number of groups")
-    grouped = upcast(rewards).view(b // n, n)  # (G, n)
+    b = rewards.shape[0]
+    grouped = _groups(rewards, n_samples_per_prompt)  # (G, n)
     scores = grouped - grouped.mean(dim=1, keepdim=True)
     if std_normalize:
         scores = scores / (grouped.std(dim=1, keepdim=True) + eps)
@@ -155,7 +184,7 @@ def grpo(rewards: torch.Tensor, action_mask: torch.Tensor, n_samples_per_prompt:
 @_register("gae", needs_critic=True, kl_in_loss=False, whiten=True, needs_groups=False)
 def gae_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                   action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
-                  n_samples_per_prompt: int = 1) -> dict[str, torch.Tensor]:
+                  n_samples_per_prompt: int = 1, std_norm: bool = True) -> dict[str, torch.Tensor]:
     """PPO with a critic: KL-penalised token rewards, then :func:`gae`."""
     if values is None:
         raise ValueError("--advantage_estimator 'gae' needs critic values (a critic model)")
@@ -168,17 +197,20 @@ def gae_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, valu
 def reinforce_plus_plus_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None,
                                   values: torch.Tensor | None = None, action_mask: torch.Tensor,
                                   kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
-                                  n_samples_per_prompt: int = 1) -> dict[str, torch.Tensor]:
-    """KL-penalised token rewards, then :func:`reinforce_plus_plus`."""
+                                  n_samples_per_prompt: int = 1, std_norm: bool = True) -> dict[str, torch.Tensor]:
+    """KL-penalised token rewards, then :func:`reinforce_plus_plus` (``std_norm=False``: the return-to-go minus
+    its batch mean, not divided by the std)."""
     token_rewards = compute_token_rewards(rewards, kl, action_mask, kl_coef)
     advantages, returns = reinforce_plus_plus(token_rewards, action_mask, gamma)
+    if not std_norm:
+        advantages = whiten_openrlhf(returns, action_mask, std_norm=False)
     return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
 
 
 @_register("grpo", needs_critic=False, kl_in_loss=True, whiten=False, needs_groups=True)
 def grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                    action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
-                   n_samples_per_prompt: int = 1) -> dict[str, torch.Tensor]:
+                   n_samples_per_prompt: int = 1, std_norm: bool = True) -> dict[str, torch.Tensor]:
     """:func:`grpo`; ``kl``/``kl_coef`` are ignored (KL goes in the loss). token_rewards has no KL term."""
     advantages, returns = grpo(rewards, action_mask, n_samples_per_prompt)
     token_rewards = compute_token_rewards(rewards, None, action_mask, 0.0)
@@ -188,8 +220,43 @@ def grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, val
 @_register("dr_grpo", needs_critic=False, kl_in_loss=True, whiten=False, needs_groups=True)
 def dr_grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                       action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
-                      n_samples_per_prompt: int = 1) -> dict[str, torch.Tensor]:
+                      n_samples_per_prompt: int = 1, std_norm: bool = True) -> dict[str, torch.Tensor]:
     """:func:`grpo` without the std division (Dr. GRPO); KL handled as for ``grpo``."""
     advantages, returns = grpo(rewards, action_mask, n_samples_per_prompt, std_normalize=False)
     token_rewards = compute_token_rewards(rewards, None, action_mask, 0.0)
     return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
+
+
+@_register("group_norm", needs_critic=False, kl_in_loss=True, whiten=False, needs_groups=True)
+def group_norm_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None,
+                         values: torch.Tensor | None = None, action_mask: torch.Tensor, kl_coef: float = 0.0,
+                         gamma: float = 1.0, lambd: float = 1.0, n_samples_per_prompt: int = 1,
+                         std_norm: bool = True) -> dict[str, torch.Tensor]:
+    """OpenRLHF's name for GRPO: :func:`grpo` with its std epsilon, 1e-9 (``grpo`` keeps 1e-6); KL in the loss."""
+    advantages, returns = grpo(rewards, action_mask, n_samples_per_prompt, eps=1e-9)
+    token_rewards = compute_token_rewards(rewards, None, action_mask, 0.0)
+    return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
+
+
+def _baseline_estimator(kind: str, whiten: bool):
+    def est(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
+            action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
+            n_samples_per_prompt: int = 1, std_norm: bool = True) -> dict[str, torch.Tensor]:
+        shaped = group_baseline(rewards, n_samples_per_prompt, kind)  # (B,)
+        token_rewards = compute_token_rewards(shaped, kl, action_mask, kl_coef)
+        returns = _discounted_return_to_go(token_rewards, action_mask, 1.0)  # OpenRLHF: gamma 1 for these
+        advantages = whiten_openrlhf(returns, action_mask, std_norm) if whiten else returns.clone()
+        return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
+    return est
+
+
+rloo_estimator = _register("rloo", needs_critic=False, kl_in_loss=False, whiten=False, needs_groups=True)(
+    _baseline_estimator("rloo", whiten=False))
+rloo_estimator.__doc__ = """RLOO (OpenRLHF ``rloo``): each reward minus the mean of the other n - 1 samples of its
+prompt, the per-token KL penalty added (``compute_token_rewards``), then the undiscounted return-to-go."""
+reinforce_baseline_estimator = _register("reinforce_baseline", needs_critic=False, kl_in_loss=False, whiten=False,
+                                         needs_groups=True)(_baseline_estimator("mean", whiten=True))
+reinforce_baseline_estimator.__doc__ = """REINFORCE++-baseline (OpenRLHF ``reinforce_baseline``): each reward minus its
+group mean, the per-token KL penalty, the undiscounted return-to-go, then OpenRLHF's batch normalisation
+(``whiten_openrlhf``: mean, and std unless --no_std_norm)."""
+

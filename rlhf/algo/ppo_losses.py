@@ -11,6 +11,8 @@ or gradients.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -100,40 +102,78 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     return est.clamp(-KL_ESTIMATE_CLAMP, KL_ESTIMATE_CLAMP)
 
 
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+"""How a per-token loss becomes the step's loss (each a mean over the whole step, every micro-batch and DP rank):
+``token_mean`` over all response tokens (today's default, DAPO's token-level loss), ``seq_mean_token_mean`` each
+sequence's token mean averaged over sequences (GRPO's original form; GSPO), ``seq_mean_token_sum`` each
+sequence's token sum averaged over sequences (verl's name)."""
+POLICY_LOSS_TYPES = ("ppo", "gspo")
+
+
+def aggregate(loss: torch.Tensor, action_mask: torch.Tensor, mode: str = "token_mean"):
+    """``(sum, count)`` of a per-token loss (B, T) in megatron's per-token contract for ``mode``
+    (``LOSS_AGG_MODES``): the step divides the summed sums by the summed counts, so ``count`` is tokens for
+    ``token_mean`` and sequences with at least one token otherwise."""
+    mask = _bool_mask(action_mask)
+    if mode == "token_mean":
+        return masked_sum(loss, mask), _count(mask)
+    per_seq = masked_sum(loss, mask, dim=-1)  # (B,)
+    n_tok = mask.sum(dim=-1)  # (B,)
+    if mode == "seq_mean_token_mean":
+        per_seq = per_seq / n_tok.clamp(min=1).to(per_seq.dtype)
+    elif mode != "seq_mean_token_sum":
+        raise ValueError(f"--loss_agg_mode {mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
+    return per_seq.sum(), (n_tok > 0).sum().to(torch.int)
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 action_mask: torch.Tensor, eps_clip: float = 0.2, eps_clip_high: float | None = None,
-                rollout_is_weights: torch.Tensor | None = None):
-    """PPO clipped surrogate, token-level: ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)``.
+                rollout_is_weights: torch.Tensor | None = None, dual_clip: float | None = None,
+                policy_loss_type: str = "ppo", loss_agg_mode: str = "token_mean"):
+    """PPO clipped surrogate: ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)`` per token.
 
     logprobs (B, T) with grad; old_logprobs, advantages, action_mask (B, T). ``eps_clip_high`` (DAPO clip-higher)
-    defaults to ``eps_clip``. ``rollout_is_weights`` (B, T), optional, multiplies the per-token loss
-    (truncated importance sampling for rollout/trainer mismatch); it is treated as a constant.
+    defaults to ``eps_clip``. ``dual_clip`` C > 1 (dual-clip PPO): for A < 0 the loss is at most ``-C * A``.
+    ``policy_loss_type`` "gspo" (GSPO): one ratio per sequence, ``exp(mean over its tokens of log ratio)``, clipped
+    as a whole (the gradient reaches every token through the mean), as OpenRLHF computes it. ``rollout_is_weights``
+    (B, T), optional, multiplies the per-token loss (truncated importance sampling for rollout/trainer mismatch);
+    it is treated as a constant. ``loss_agg_mode``: see ``aggregate``.
 
-    Returns ``(loss_sum, n_tokens, metrics)``: loss summed over masked tokens, the int token count, and
-    ``{"policy_loss", "clip_frac", "approx_kl", "ratio"}`` as ``[sum, n]``. A token counts as clipped when the
-    clipped term is the active one (its gradient is 0). approx_kl is ``0.5 * (logprobs - old_logprobs)^2``.
+    Returns ``(loss_sum, count, metrics)``: the aggregated loss sum and its count (``aggregate``), and
+    ``{"policy_loss", "clip_frac", "approx_kl", "ratio"}`` as per-token ``[sum, n_tokens]``. A token counts as
+    clipped when the clipped term is the active one (its gradient is 0). approx_kl is ``0.5 * (logprobs -
+    old_logprobs)^2``.
     """
     mask = _bool_mask(action_mask)
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     log_ratio = torch.where(mask, upcast(logprobs) - upcast(old_logprobs), torch.zeros((), device=logprobs.device))
-    ratio = log_ratio.exp()  # (B, T)
+    if policy_loss_type == "gspo":
+        seq = log_ratio.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)  # (B, 1)
+        ratio = seq.exp().expand_as(log_ratio)
+    elif policy_loss_type == "ppo":
+        ratio = log_ratio.exp()  # (B, T)
+    else:
+        raise ValueError(f"--policy_loss_type {policy_loss_type!r}: expected one of {', '.join(POLICY_LOSS_TYPES)}")
     adv = upcast(advantages)
     surr1 = ratio * adv
     surr2 = ratio.clamp(1.0 - eps_clip, 1.0 + eps_high) * adv
-    loss = -torch.min(surr1, surr2)  # (B, T)
+    clip1 = torch.min(surr1, surr2)
+    if dual_clip is not None:
+        clip1 = torch.where(adv < 0, torch.max(clip1, dual_clip * adv), clip1)
+    loss = -clip1  # (B, T)
     if rollout_is_weights is not None:
         loss = loss * upcast(rollout_is_weights.detach())
-    loss_sum = masked_sum(loss, mask)
+    loss_agg, count = aggregate(loss, mask, loss_agg_mode)
     n = _count(mask)
     with torch.no_grad():
         clipped = (surr2 < surr1).float()
         metrics = {
-            "policy_loss": [loss_sum.detach(), n],
+            "policy_loss": [masked_sum(loss.detach(), mask), n],
             "clip_frac": [masked_sum(clipped, mask), n],
             "approx_kl": [masked_sum(0.5 * log_ratio ** 2, mask), n],
             "ratio": [masked_sum(ratio, mask), n],
         }
-    return loss_sum, n, metrics
+    return loss_agg, count, metrics
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,
@@ -184,30 +224,80 @@ ACTOR_METRICS = ("policy_loss", "clip_frac", "approx_kl", "ratio", "entropy")
 CRITIC_METRICS = ("value_loss", "vf_clip_frac", "values")
 
 
-def make_actor_loss(logprobs_fn, *, eps_clip: float, kl_in_loss: bool, kl_coef: float, kl_estimator: str,
-                    tis_cap: float | None = None):
+@dataclass(frozen=True)
+class ActorLossConfig:
+    """The actor's loss, from the PPO flags (``from_args``): checked once, before any model."""
+
+    eps_clip_low: float = 0.2
+    """--eps_clip, or the first of --eps_clip_low_high: ratios below 1 - this are clipped"""
+    eps_clip_high: float = 0.2
+    """the second of --eps_clip_low_high (DAPO's clip-higher), else --eps_clip"""
+    dual_clip: float | None = None
+    """--dual_clip C > 1: for negative advantages the loss is at most -C * A (dual-clip PPO)"""
+    policy_loss_type: str = "ppo"
+    """--policy_loss_type ppo | gspo"""
+    loss_agg_mode: str = "token_mean"
+    """--loss_agg_mode (``LOSS_AGG_MODES``); GSPO without the flag: seq_mean_token_mean, as OpenRLHF forces it"""
+    entropy_coef: float = 0.0
+    """--entropy_coef: ``- entropy_coef * entropy`` joins the loss, aggregated as the policy loss"""
+    kl_in_loss: bool = False
+    """the estimator puts ``kl_coef * KL`` into the loss (GRPO), aggregated as the policy loss"""
+    kl_estimator: str = "k3"
+    tis_cap: float | None = None
+    """--use_tis: the per-token loss weighted by ``min(exp(old - vllm), tis_cap)``"""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.eps_clip_low < 1 and self.eps_clip_high >= 0):
+            raise ValueError(f"--eps_clip_low_high {self.eps_clip_low} {self.eps_clip_high}: LOW must be in [0, 1) "
+                             "and HIGH >= 0")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"--dual_clip must be > 1 (dual-clip PPO's lower bound -C * A), got {self.dual_clip}")
+        if self.policy_loss_type not in POLICY_LOSS_TYPES:
+            raise ValueError(f"--policy_loss_type {self.policy_loss_type!r}: expected one of "
+                             f"{', '.join(POLICY_LOSS_TYPES)}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"--loss_agg_mode {self.loss_agg_mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"--entropy_coef must be >= 0 (an entropy bonus), got {self.entropy_coef}")
+
+    @classmethod
+    def from_args(cls, args, estimator) -> "ActorLossConfig":
+        low, high = args.eps_clip_low_high if args.eps_clip_low_high is not None else (args.eps_clip, args.eps_clip)
+        mode = args.loss_agg_mode or ("seq_mean_token_mean" if args.policy_loss_type == "gspo" else "token_mean")
+        return cls(eps_clip_low=low, eps_clip_high=high, dual_clip=args.dual_clip,
+                   policy_loss_type=args.policy_loss_type, loss_agg_mode=mode, entropy_coef=args.entropy_coef or 0.0,
+                   kl_in_loss=estimator.kl_in_loss, kl_estimator=args.kl_estimator,
+                   tis_cap=args.tis_cap if args.use_tis else None)
+
+
+def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
     """The actor's loss over one training micro-batch, in megatron's per-token contract.
 
     ``logprobs_fn(batch, output) -> (logprobs, entropy)``, each (B, T), from the model's output. The batch holds
-    ``old_logprobs``, ``advantages``, ``action_mask`` (B, T), plus ``ref_logprobs`` when ``kl_in_loss`` (GRPO:
-    ``kl_coef * kl`` is added to the loss) and ``vllm_logprobs`` with ``tis_cap`` (truncated importance sampling:
-    the loss weighted by ``min(exp(old - vllm), tis_cap)``). Metrics: ``ACTOR_METRICS`` (+ ``kl_loss``)."""
+    ``old_logprobs``, ``advantages``, ``action_mask`` (B, T), plus ``ref_logprobs`` when ``cfg.kl_in_loss`` (GRPO:
+    ``kl_coef * kl`` is added to the loss) and ``vllm_logprobs`` with ``cfg.tis_cap``. The KL and entropy terms are
+    aggregated as the policy loss (``cfg.loss_agg_mode``). Metrics: ``ACTOR_METRICS`` (+ ``kl_loss``), per token."""
     def loss_fn(batch: dict, output: torch.Tensor):
         lp, ent = logprobs_fn(batch, output)
         mask = batch["action_mask"]
         tis = None
-        if tis_cap is not None:
-            tis = torch.exp(batch["old_logprobs"] - batch["vllm_logprobs"]).clamp(max=tis_cap)
-        loss, n, metrics = policy_loss(lp, batch["old_logprobs"], batch["advantages"], mask, eps_clip=eps_clip,
-                                       rollout_is_weights=tis)
+        if cfg.tis_cap is not None:
+            tis = torch.exp(batch["old_logprobs"] - batch["vllm_logprobs"]).clamp(max=cfg.tis_cap)
+        loss, count, metrics = policy_loss(lp, batch["old_logprobs"], batch["advantages"], mask,
+                                           eps_clip=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
+                                           rollout_is_weights=tis, dual_clip=cfg.dual_clip,
+                                           policy_loss_type=cfg.policy_loss_type, loss_agg_mode=cfg.loss_agg_mode)
+        n = _count(mask)
         metrics["entropy"] = [masked_sum(ent.detach(), mask), n]
-        if kl_in_loss and "ref_logprobs" in batch:
-            kl_sum, _, km = kl_loss(lp, batch["ref_logprobs"], mask, estimator=kl_estimator)
-            loss = loss + kl_coef * kl_sum
-            metrics.update(km)
-        elif kl_in_loss:
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * aggregate(upcast(ent), mask, cfg.loss_agg_mode)[0]
+        if cfg.kl_in_loss and "ref_logprobs" in batch:
+            kl = kl_estimate(lp, batch["ref_logprobs"], cfg.kl_estimator, mask)
+            loss = loss + kl_coef * aggregate(kl, mask, cfg.loss_agg_mode)[0]
+            metrics["kl_loss"] = [masked_sum(kl.detach(), mask), n]
+        elif cfg.kl_in_loss:
             metrics["kl_loss"] = [torch.zeros(()), n]
-        return loss, n, metrics
+        return loss, count, metrics
 
     return loss_fn
 

@@ -62,12 +62,31 @@ def _add_ppo_algo_args(g) -> None:
     g.add_argument("--kl_target", type=float, default=None, help="adaptive KL target (default: fixed coefficient)")
     g.add_argument("--kl_horizon", type=float, default=10000)
     g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"])
-    g.add_argument("--eps_clip", type=float, default=0.2)
+    g.add_argument("--eps_clip", "--actor.eps_clip", dest="eps_clip", type=float, default=0.2)
+    g.add_argument("--eps_clip_low_high", "--actor.eps_clip_low_high", dest="eps_clip_low_high", type=float, nargs=2,
+                   default=None, metavar=("LOW", "HIGH"),
+                   help="asymmetric clipping (DAPO's clip-higher): ratios clipped to [1 - LOW, 1 + HIGH]; "
+                        "default: --eps_clip on both sides")
+    g.add_argument("--dual_clip", "--actor.dual_clip", dest="dual_clip", type=float, default=None,
+                   help="dual-clip PPO: for negative advantages the loss is at most -C * A (C > 1)")
+    g.add_argument("--policy_loss_type", "--actor.policy_loss_type", dest="policy_loss_type", default="ppo",
+                   choices=["ppo", "gspo"],
+                   help="gspo: one length-normalised importance ratio per sequence (GSPO), sequence-level loss")
+    g.add_argument("--loss_agg_mode", default=None,
+                   choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"],
+                   help="how per-token losses make the step's loss: token_mean (default; DAPO's token-level "
+                        "loss), seq_mean_token_mean (GRPO's original; the default with gspo), seq_mean_token_sum")
+    g.add_argument("--entropy_coef", "--actor.entropy_coef", dest="entropy_coef", type=float, default=None,
+                   help="entropy bonus: - coef * entropy joins the actor's loss (aggregated as it)")
     g.add_argument("--value_clip", type=float, default=0.2)
     g.add_argument("--gamma", type=float, default=1.0)
     g.add_argument("--lambd", type=float, default=1.0)
-    g.add_argument("--advantage_estimator", default="gae",
-                   help="gae | grpo | dr_grpo | reinforce_plus_plus")
+    g.add_argument("--advantage_estimator", "--algo.advantage.estimator", dest="advantage_estimator", default="gae",
+                   help="gae | grpo (= group_norm, OpenRLHF's name) | dr_grpo | rloo | reinforce_baseline | "
+                        "reinforce_plus_plus (= reinforce)")
+    g.add_argument("--no_std_norm", "--algo.advantage.no_std_norm", dest="no_std_norm", action="store_true",
+                   help="gae, reinforce_plus_plus, reinforce_baseline: normalise advantages by the batch mean only, "
+                        "not the std")
     g.add_argument("--use_rollout_logprobs", action="store_true",
                    help="the generator's log-probs are PPO's old log-probs: no actor forward in make_experience "
                         "(TRL reuses its generation logits the same way); the drift metric is then not measured")
@@ -186,10 +205,32 @@ def _check_algo(args: argparse.Namespace) -> None:
                  "logging_steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.advantage_estimator == "reinforce":  # OpenRLHF's name
+        args.advantage_estimator = "reinforce_plus_plus"
     estimator = get_estimator(args.advantage_estimator)
     if estimator.needs_groups and args.n_samples_per_prompt < 2:
         raise ValueError(f"--advantage_estimator {args.advantage_estimator} needs --n_samples_per_prompt >= 2, "
                          f"got {args.n_samples_per_prompt}")
+    if args.advantage_estimator in ("rloo", "reinforce_baseline") and args.gamma != 1.0:
+        raise ValueError(f"--advantage_estimator {args.advantage_estimator} with --gamma {args.gamma}: its return is "
+                         "undiscounted (OpenRLHF sets gamma to 1 for it); drop --gamma")
+    from rlhf.algo.ppo_losses import ActorLossConfig
+
+    loss_cfg = ActorLossConfig.from_args(args, estimator)  # the loss flags' own checks
+    if args.policy_loss_type == "gspo" and estimator.needs_critic:
+        raise ValueError(f"--policy_loss_type gspo with --advantage_estimator {args.advantage_estimator}: GSPO's "
+                         "sequence-level ratio needs sequence-level advantages; use a critic-free estimator (grpo, "
+                         "rloo, reinforce_baseline, ...)")
+    if args.policy_loss_type == "gspo" and loss_cfg.loss_agg_mode != "seq_mean_token_mean":
+        raise ValueError(f"--policy_loss_type gspo with --loss_agg_mode {args.loss_agg_mode}: GSPO's loss is a mean "
+                         "over sequences of their token means (seq_mean_token_mean)")
+    if loss_cfg.loss_agg_mode != "token_mean" and args.pretrain_data:
+        raise ValueError(f"--pretrain_data with --loss_agg_mode {loss_cfg.loss_agg_mode} (or --policy_loss_type gspo): "
+                         "the ptx loss is combined with a token-level policy loss only")
+    if args.no_std_norm and args.advantage_estimator not in ("gae", "reinforce_plus_plus", "reinforce_baseline"):
+        raise ValueError(f"--no_std_norm with --advantage_estimator {args.advantage_estimator}: only gae, "
+                         "reinforce_plus_plus and reinforce_baseline normalise by a batch std (dr_grpo is grpo "
+                         "without its group std)")
     if args.temperature <= 0:
         raise ValueError(f"--temperature must be > 0 for sampling, got {args.temperature}")
     if not 0 < args.top_p <= 1:

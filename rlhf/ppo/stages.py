@@ -170,6 +170,7 @@ def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl
     """advantages: the per-token KL estimate, then the estimator over the global batch (gathered over DP, so
     GRPO groups and whitening see every sample); fills ``exp.kl``, ``exp.advantages``, ``exp.returns``.
     Returns the global reward, KL and advantage statistics (and the generator-vs-trainer log-prob drift)."""
+    from rlhf.algo.advantages import whiten_openrlhf
     from rlhf.algo.ppo_losses import kl_estimate, masked_mean, masked_whiten
 
     mask = exp.batch["action_mask"]
@@ -179,8 +180,10 @@ def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl
     gmask, gkl = g(mask), g(exp.kl)
     res = estimator(rewards=g(exp.rewards), kl=gkl, values=g(exp.values), action_mask=gmask,
                     kl_coef=0.0 if estimator.kl_in_loss else kl_coef, gamma=args.gamma, lambd=args.lambd,
-                    n_samples_per_prompt=args.n_samples_per_prompt)
-    adv = masked_whiten(res["advantages"], gmask) if estimator.whiten else res["advantages"]
+                    n_samples_per_prompt=args.n_samples_per_prompt, std_norm=not args.no_std_norm)
+    adv = res["advantages"]
+    if estimator.whiten:  # GAE: over the global batch; --no_std_norm subtracts the mean only (OpenRLHF)
+        adv = masked_whiten(adv, gmask) if not args.no_std_norm else whiten_openrlhf(adv, gmask, std_norm=False)
     lo, B = mesh.dp_rank * mask.shape[0], mask.shape[0]
     exp.advantages, exp.returns = adv[lo:lo + B], res["returns"][lo:lo + B]
     graw = g(raw_rewards)
@@ -221,7 +224,8 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
     """critic_update then actor_update over the same plans; metrics averaged over the optimizer steps.
     ``after_actor_step()`` runs after each actor optimizer step (--enable_ema); ``ptx`` (``rlhf.ppo.ptx.PtxData``)
     adds its pretraining micro-batches and loss to each actor step."""
-    from rlhf.algo.ppo_losses import ACTOR_METRICS, CRITIC_METRICS, make_actor_loss, make_critic_loss
+    from rlhf.algo.ppo_losses import (ACTOR_METRICS, CRITIC_METRICS, ActorLossConfig, make_actor_loss,
+                                      make_critic_loss)
     from rlhf.models.outputs import response_logprobs, response_values
 
     plans = update_plans(exp.old_logprobs.shape[0], args, mesh.dp, step)
@@ -238,8 +242,7 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
                     sums, tokens * args.max_epochs, timer)
     actor_loss = make_actor_loss(
         lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, args.temperature, entropy=True),
-        eps_clip=args.eps_clip, kl_in_loss=estimator.kl_in_loss, kl_coef=kl_coef, kl_estimator=args.kl_estimator,
-        tis_cap=args.tis_cap if args.use_tis else None)
+        ActorLossConfig.from_args(args, estimator), kl_coef=kl_coef)
     keys = ACTOR_METRICS + (("kl_loss",) if estimator.kl_in_loss else ())
 
     def actor_batches(plan: list[list[int]]) -> tuple[list[dict], object]:

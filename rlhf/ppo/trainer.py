@@ -171,6 +171,14 @@ class PPOTrainer:
             log.info("ppo: %d prompts, %d steps of %d prompts x %d samples; %s; dp=%d tp=%d pp=%d; generation: %s",
                      len(self.prompts), self.total_steps, args.rollout_batch_size, args.n_samples_per_prompt,
                      args.advantage_estimator, mesh.dp, mesh.tp, mesh.pp, self.roles.rollout.name)
+        if mesh.is_rank0:
+            from rlhf.algo.ppo_losses import ActorLossConfig
+
+            c = ActorLossConfig.from_args(args, self.estimator)
+            log.info("actor loss: %s, ratio clipped to [%g, %g]%s, %s%s%s", c.policy_loss_type, 1 - c.eps_clip_low,
+                     1 + c.eps_clip_high, f", dual-clip {c.dual_clip:g}" if c.dual_clip else "", c.loss_agg_mode,
+                     f", entropy_coef {c.entropy_coef:g}" if c.entropy_coef else "",
+                     f", KL ({c.kl_estimator}) in the loss" if c.kl_in_loss else ", KL in the reward")
         logger = MetricsLogger(mesh.is_rank0, self.total_steps, args.tensorboard, prefix="ppo",
                                jsonl_path=os.path.join(args.save_path, "metrics.jsonl"))
         timer = PhaseTimer()

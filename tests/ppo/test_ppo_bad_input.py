@@ -55,6 +55,16 @@ def test_missing_input_key(ppo_setup, tmp_path, no_models, capsys):
     ({"--critic_lora_rank": -1}, "--critic_lora_rank must be >= 0"),
     ({"--rollout_batch_size": 128, "--train_batch_size": 64, "--micro_rollout_batch_size": 16},
      "larger than the number of prompts"),
+    # the RLVR options: each bad combination, before any model
+    ({"--advantage_estimator": "rloo", "--n_samples_per_prompt": 1}, "--advantage_estimator rloo needs "
+                                                                      "--n_samples_per_prompt >= 2"),
+    ({"--advantage_estimator": "reinforce_baseline", "--gamma": 0.9}, "--gamma 0.9"),
+    ({"--policy_loss_type": "gspo"}, "--policy_loss_type gspo with --advantage_estimator gae"),
+    ({"--policy_loss_type": "gspo", "--advantage_estimator": "grpo", "--loss_agg_mode": "token_mean"},
+     "--policy_loss_type gspo with --loss_agg_mode token_mean"),
+    ({"--dual_clip": 0.5}, "--dual_clip must be > 1"),
+    ({"--entropy_coef": -1}, "--entropy_coef must be >= 0"),
+    ({"--no_std_norm": "", "--advantage_estimator": "grpo"}, "--no_std_norm with --advantage_estimator grpo"),
 ])
 def test_batch_and_flag_errors(ppo_setup, tmp_path, no_models, capsys, flags, needle):
     code, err = run_main(ppo_args(ppo_setup, str(tmp_path / "o"), **flags), capsys)
@@ -88,3 +98,20 @@ def test_long_prompt_truncated_and_counted(ppo_setup, tmp_path):
     assert len(long.prompt_ids) == 16 and len(short.prompt_ids) < 16
     full = tok(rows[1]["prompt"])["input_ids"]
     assert long.prompt_ids.tolist()[-8:] == full[-8:]  # left-truncated: the end of the prompt survives
+
+
+def test_openrlhf_spellings_of_the_rlvr_flags():
+    """OpenRLHF's current dotted names land in the same destinations as ours."""
+    from rlhf.ppo.args import add_args
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    base = ["--pretrain", "x", "--prompt_data", "y", "--save_path", "z"]
+    ours = p.parse_args(base + ["--eps_clip_low_high", "0.2", "0.28", "--dual_clip", "3", "--policy_loss_type", "gspo",
+                                "--entropy_coef", "0.01", "--advantage_estimator", "rloo", "--no_std_norm"])
+    theirs = p.parse_args(base + ["--actor.eps_clip_low_high", "0.2", "0.28", "--actor.dual_clip", "3",
+                                  "--actor.policy_loss_type", "gspo", "--actor.entropy_coef", "0.01",
+                                  "--algo.advantage.estimator", "rloo", "--algo.advantage.no_std_norm"])
+    assert vars(ours) == vars(theirs)
+    assert ours.eps_clip_low_high == [0.2, 0.28] and ours.dual_clip == 3 and ours.no_std_norm
+
