@@ -87,6 +87,25 @@ def _add_ppo_algo_args(g) -> None:
     g.add_argument("--no_std_norm", "--algo.advantage.no_std_norm", dest="no_std_norm", action="store_true",
                    help="gae, reinforce_plus_plus, reinforce_baseline: normalise advantages by the batch mean only, "
                         "not the std")
+    g.add_argument("--overlong_buffer_len", "--reward.overlong_buffer_len", dest="overlong_buffer_len", type=float,
+                   default=None, help="DAPO's overlong penalty: a reply longer than --generate_max_len minus this many "
+                                      "tokens loses up to --overlong_penalty_factor, linearly")
+    g.add_argument("--overlong_penalty_factor", "--reward.overlong_penalty_factor", dest="overlong_penalty_factor",
+                   type=float, default=1.0)
+    g.add_argument("--stop_properly_penalty_coef", "--reward.stop_properly_penalty_coef",
+                   dest="stop_properly_penalty_coef", type=float, default=None,
+                   help="ProRL: the reward of a reply cut at --generate_max_len is scaled by this (in [0, 1]), or "
+                        "replaced by it when negative")
+    g.add_argument("--dynamic_filtering", "--algo.dynamic_filtering_enable", dest="dynamic_filtering",
+                   action="store_true",
+                   help="DAPO's dynamic sampling: drop prompts whose replies all score alike or whose mean score is "
+                        "outside --dynamic_filtering_range, and generate for more prompts until the batch is full")
+    g.add_argument("--dynamic_filtering_range", "--algo.dynamic_filtering_range", dest="dynamic_filtering_range",
+                   type=float, nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"),
+                   help="a group is kept when LO < its mean score < HI (OpenRLHF's default: 0 1)")
+    g.add_argument("--dynamic_filtering_max_rounds", type=int, default=4,
+                   help="rollouts per step at most under --dynamic_filtering; a batch still short after them is "
+                        "filled with the last groups filtered out (counted)")
     g.add_argument("--use_rollout_logprobs", action="store_true",
                    help="the generator's log-probs are PPO's old log-probs: no actor forward in make_experience "
                         "(TRL reuses its generation logits the same way); the drift metric is then not measured")
@@ -227,6 +246,21 @@ def _check_algo(args: argparse.Namespace) -> None:
     if loss_cfg.loss_agg_mode != "token_mean" and args.pretrain_data:
         raise ValueError(f"--pretrain_data with --loss_agg_mode {loss_cfg.loss_agg_mode} (or --policy_loss_type gspo): "
                          "the ptx loss is combined with a token-level policy loss only")
+    from rlhf.algo.shaping import ShapingConfig
+
+    ShapingConfig.from_args(args)
+    if args.dynamic_filtering:
+        lo, hi = args.dynamic_filtering_range
+        if lo >= hi:
+            raise ValueError(f"--dynamic_filtering_range {lo:g} {hi:g}: LO must be below HI")
+        if args.n_samples_per_prompt < 2:
+            raise ValueError(f"--dynamic_filtering with --n_samples_per_prompt {args.n_samples_per_prompt}: it keeps "
+                             "prompts whose replies score differently, which needs at least 2 replies per prompt")
+        if args.reward_pretrain or not (args.reward_fn or args.remote_rm_url):
+            raise ValueError("--dynamic_filtering filters on the scores of a rule reward (--reward_fn or "
+                             "--remote_rm_url) before any model runs; it does not combine with --reward_pretrain")
+        if args.dynamic_filtering_max_rounds < 1:
+            raise ValueError(f"--dynamic_filtering_max_rounds must be >= 1, got {args.dynamic_filtering_max_rounds}")
     if args.no_std_norm and args.advantage_estimator not in ("gae", "reinforce_plus_plus", "reinforce_baseline"):
         raise ValueError(f"--no_std_norm with --advantage_estimator {args.advantage_estimator}: only gae, "
                          "reinforce_plus_plus and reinforce_baseline normalise by a batch std (dr_grpo is grpo "

@@ -45,8 +45,9 @@ class Rollout:
 
 
 def generate(roles, args: argparse.Namespace, prompts: list, prompt_idx: list[int], step: int, mesh,
-             timer) -> Rollout:
-    """rollout: ``--n_samples_per_prompt`` samples per prompt; ``prompts`` are the dataset's PromptSamples."""
+             timer, round_: int = 0) -> Rollout:
+    """rollout: ``--n_samples_per_prompt`` samples per prompt; ``prompts`` are the dataset's PromptSamples.
+    ``round_``: the rollout's number within the step (dynamic filtering generates again), in its seed."""
     # The fallback generator runs the actor itself, so its parameters stay resident (weight_sync's residency).
     roles.memory.enter("weight_sync" if roles.rollout.reads_actor_params else "rollout")
     with timer.phase("rollout"):
@@ -54,10 +55,53 @@ def generate(roles, args: argparse.Namespace, prompts: list, prompt_idx: list[in
         samples = roles.rollout.generate([prompts[i].prompt_ids.tolist() for i in prompt_idx],
                                          n=args.n_samples_per_prompt, temperature=args.temperature,
                                          top_p=args.top_p, max_tokens=args.generate_max_len,
-                                         seed=args.seed * 100_003 + step, ignore_eos=args.ignore_eos)
+                                         seed=args.seed * 100_003 + step + 1_000_003 * round_,
+                                         ignore_eos=args.ignore_eos)
         roles.rollout.sleep()
+    return make_rollout(prompt_idx, samples, mesh)
+
+
+def make_rollout(prompt_idx: list[int], samples: list[Sample], mesh) -> Rollout:
     per = len(samples) // mesh.dp
     return Rollout(prompt_idx=prompt_idx, samples=samples, local=samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per])
+
+
+def generate_filtered(roles, args: argparse.Namespace, prompts: list, sampler, rewards: "RewardSources", step: int,
+                      mesh, timer) -> tuple[Rollout, dict[str, float]]:
+    """rollout with DAPO's dynamic sampling (``--dynamic_filtering``): generate for a batch of prompts, keep the
+    groups ``rlhf.algo.shaping.keep_groups`` passes (on the rule reward's scores), and generate for the sampler's
+    next batch until ``--rollout_batch_size`` groups are kept or ``--dynamic_filtering_max_rounds`` rollouts ran;
+    a batch still short is filled with the last groups filtered out. The sampler's position is checkpointed, so
+    a resumed run draws the same prompts. Without the flag: one rollout of the sampler's next batch."""
+    import dataclasses
+
+    from rlhf.algo.shaping import keep_groups
+
+    rollout = generate(roles, args, prompts, sampler.next_step()[0], step, mesh, timer)
+    if not args.dynamic_filtering:
+        return rollout, {}
+    n, want, (lo, hi) = args.n_samples_per_prompt, args.rollout_batch_size, args.dynamic_filtering_range
+    kept: list[tuple[int, list[Sample]]] = []
+    dropped: list[tuple[int, list[Sample]]] = []
+    rounds, seen, generated = 0, 0, 0
+    while True:
+        rounds += 1
+        generated += rollout.generated_tokens
+        local, _, _ = rewards.score({}, rollout)
+        ok = keep_groups(dp_all_gather(local, mesh).cpu(), n, lo, hi).tolist()  # the same on every rank
+        for g, p in enumerate(rollout.prompt_idx):
+            (kept if ok[g] else dropped).append((p, rollout.samples[g * n:(g + 1) * n]))
+        seen += len(rollout.prompt_idx)
+        if len(kept) >= want or rounds >= args.dynamic_filtering_max_rounds:
+            break
+        rollout = generate(roles, args, prompts, sampler.next_step()[0], step, mesh, timer, round_=rounds)
+    passed = len(kept)
+    groups = (kept + dropped[::-1])[:want]  # short: the groups filtered out last fill the batch
+    samples = [dataclasses.replace(s, prompt_index=g) for g, (_, grp) in enumerate(groups) for s in grp]
+    metrics = {"dynamic_filtering/pass_rate": passed / seen, "dynamic_filtering/rounds": float(rounds),
+               "dynamic_filtering/prompts": float(seen), "dynamic_filtering/filled": float(max(0, want - passed)),
+               "dynamic_filtering/generated_tokens": float(generated)}
+    return make_rollout([p for p, _ in groups], samples, mesh), metrics
 
 
 def experience_microbatches(rollout: Rollout, args: argparse.Namespace, mesh, pad_id: int) -> tuple[dict, list]:
@@ -158,11 +202,30 @@ def make_experience(roles, args: argparse.Namespace, rollout: Rollout, rewards: 
     out = frozen_forwards(roles, args, mbs, rollout.tokens, timer)
     vllm_lp = generator_logprobs(rollout.local, args.generate_max_len)
     combined, raw, metrics = rewards.score({r: out[r] for r in roles.reward_models}, rollout)
+    combined, raw = shape_rewards(combined, raw, rollout, args, mesh, metrics)
     vllm_lp = vllm_lp.to(batch["action_mask"].device)
     exp = Experience(samples=rollout.local, batch=batch,
                      old_logprobs=vllm_lp if args.use_rollout_logprobs else out["actor"], vllm_logprobs=vllm_lp,
                      rewards=combined, ref_logprobs=out.get("ref"), values=out.get("critic"))
     return exp, raw, metrics
+
+
+def shape_rewards(combined: torch.Tensor, raw: torch.Tensor, rollout: Rollout, args: argparse.Namespace, mesh,
+                  metrics: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The length penalties (``rlhf.algo.shaping``) on this rank's rewards, optimized and raw alike (the logged
+    reward includes them, as OpenRLHF's); their global counts join ``metrics``."""
+    from rlhf.algo.shaping import ShapingConfig, apply_length_penalties
+
+    cfg = ShapingConfig.from_args(args)
+    if not cfg.active:
+        return combined, raw
+    lengths = torch.tensor([len(s.response_ids) for s in rollout.local], device=combined.device)
+    truncated = torch.tensor([not s.finished for s in rollout.local], device=combined.device)
+    combined, penalized, touched = apply_length_penalties(combined, lengths, truncated, cfg)
+    raw, _, _ = apply_length_penalties(raw, lengths, truncated, cfg)
+    flags = dp_all_gather(torch.stack([penalized, touched]).T.float(), mesh)  # (N, 2)
+    metrics["overlong_penalized_frac"], metrics["stop_properly_penalized_frac"] = flags.mean(dim=0).tolist()
+    return combined, raw
 
 
 def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl_coef: float,

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from rlhf.ppo.stages import (RewardSources, Rollout, compute_advantages, generate, make_experience, sync_weights,
-                             update)
+from rlhf.ppo.stages import (RewardSources, Rollout, compute_advantages, generate_filtered, make_experience,
+                             sync_weights, update)
 
 log = logging.getLogger("rlhf")
 
@@ -106,14 +106,16 @@ class PPOTrainer:
     def train_step(self, timer) -> dict[str, float]:
         """One PPO step: sync -> generate -> make_experience -> compute_advantages -> update."""
         args, roles, mesh = self.args, self.roles, self.mesh
-        prompt_idx = self.sampler.next_step()[0]
         metrics: dict[str, float] = {}
         if self.actor_changed or roles.rollout.needs_sync:  # a sleeping engine discarded its weights
             metrics.update(sync_weights(roles, timer))
             self.actor_changed = False
-        rollout = generate(roles, args, self.prompts, prompt_idx, self.step, mesh, timer)
+        rollout, filtered = generate_filtered(roles, args, self.prompts, self.sampler, self.rewards, self.step, mesh,
+                                              timer)
+        metrics.update(filtered)
         metrics.update(self.gold_metrics(rollout))
-        timer.metrics["tokens_per_s/rollout"] = rollout.generated_tokens / timer.metrics["time/rollout"]
+        generated = filtered.get("dynamic_filtering/generated_tokens", rollout.generated_tokens)
+        timer.metrics["tokens_per_s/rollout"] = generated / timer.metrics["time/rollout"]
         exp, raw_rewards, reward_metrics = make_experience(roles, args, rollout, self.rewards, mesh, self.pad_id,
                                                            timer)
         metrics.update(reward_metrics)

@@ -17,3 +17,9 @@ def one_nan_reward(prompts: list[str], responses: list[str]) -> list[float]:
 def constant_reward(prompts: list[str], responses: list[str]) -> list[float]:
     """0.5 for every reply: GRPO's advantages are all zero, so only other losses (ptx) move the actor."""
     return [0.5] * len(responses)
+
+
+def parity_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """1 for a reply of an even number of characters, else 0: a binary verifier whose groups of replies sometimes
+    agree (dynamic filtering drops them) and sometimes not."""
+    return [float(len(r) % 2 == 0) for r in responses]

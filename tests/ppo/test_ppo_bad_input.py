@@ -100,6 +100,20 @@ def test_long_prompt_truncated_and_counted(ppo_setup, tmp_path):
     assert long.prompt_ids.tolist()[-8:] == full[-8:]  # left-truncated: the end of the prompt survives
 
 
+@pytest.mark.parametrize("flags,extra,needle", [
+    ({"--dynamic_filtering": ""}, [], "--dynamic_filtering filters on the scores of a rule reward"),
+    ({"--dynamic_filtering": "", "--reward_pretrain": None, "--reward_fn": "rlhf.demo.sort_task:gold_rewards",
+      "--advantage_estimator": "grpo"}, ["--dynamic_filtering_range", "1", "0"], "--dynamic_filtering_range 1 0"),
+    ({"--dynamic_filtering": "", "--reward_pretrain": None, "--reward_fn": "rlhf.demo.sort_task:gold_rewards",
+      "--n_samples_per_prompt": 1}, [], "--dynamic_filtering with --n_samples_per_prompt 1"),
+    ({"--overlong_buffer_len": 7}, [], "--overlong_buffer_len 7.0 must be in (0, --generate_max_len 6]"),
+    ({"--stop_properly_penalty_coef": 2}, [], "--stop_properly_penalty_coef 2.0"),
+])
+def test_shaping_and_filtering_errors(ppo_setup, tmp_path, no_models, capsys, flags, extra, needle):
+    code, err = run_main(ppo_args(ppo_setup, str(tmp_path / "o"), **flags) + extra, capsys)
+    assert code == 2 and needle in err, err
+
+
 def test_openrlhf_spellings_of_the_rlvr_flags():
     """OpenRLHF's current dotted names land in the same destinations as ours."""
     from rlhf.ppo.args import add_args

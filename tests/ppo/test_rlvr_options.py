@@ -33,3 +33,50 @@ def test_gspo_rloo_entropy_reach_the_update(ppo_setup, tmp_path, monkeypatch, ca
     assert all(f > 0 for f in narrow), narrow
     wide = [h["actor/clip_frac"] for h in _run(ppo_setup, tmp_path / "wide", monkeypatch, capsys, ["0.2", "0.2"])[0]]
     assert all(w == 0 for w in wide), (narrow, wide)  # a small learning rate moves no ratio by 20%
+
+
+def test_dynamic_filtering_fills_the_batch_and_resumes_exactly(ppo_setup, tmp_path, monkeypatch, capsys):
+    """A binary verifier (even reply length) on groups of 2: about half the groups agree and are dropped, and
+    further rollouts fill the batch. With the overlong penalty on 3-token replies. Three steps straight equal one
+    step, a stop, and a resume (the sampler's position after the extra rollouts is in the checkpoint)."""
+    from crash_harness import assert_resumed
+    from helpers import free_port
+    from rlhf.ppo import main
+
+    def run(out, *extra):
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--reward_fn": "_rule_reward:parity_reward",
+                                                "--rollout_backend": "megatron", "--max_samples": "64",
+                                                "--num_episodes": "1", "--save_steps": "1",
+                                                "--advantage_estimator": "grpo", "--dynamic_filtering": "",
+                                                "--overlong_buffer_len": "2", "--actor_learning_rate": "1e-3",
+                                                "--dynamic_filtering_max_rounds": "8"})
+        assert main(argv + list(extra)) == 0
+        return capsys.readouterr().err
+
+    straight = tmp_path / "straight"
+    run(straight, "--stop_after_steps", "3")
+    from rlhf.metrics import read_metrics_jsonl
+
+    m = read_metrics_jsonl(str(straight / "metrics.jsonl"), "ppo")
+    assert sorted(m) == [1, 2, 3]
+    for s in m:  # about 1 group in 5 passes here
+        d = {k.split("/")[1]: v for k, v in m[s].items() if k.startswith("dynamic_filtering/")}
+        assert d["pass_rate"] < 1 and d["rounds"] >= 2, d  # groups were dropped and further rollouts made
+        assert d["prompts"] == 4 * d["rounds"] and d["generated_tokens"] == d["prompts"] * 2 * 3, d
+        assert d["filled"] == max(0, 4 - round(d["pass_rate"] * d["prompts"])), d  # short only after 8 rollouts
+        assert m[s]["advantages_abs"] > 0, m[s]
+        assert m[s]["overlong_penalized_frac"] == 1.0, m[s]  # every 3-token reply is past 3 - 2 tokens
+    assert any(m[s]["dynamic_filtering/filled"] == 0 for s in m), m
+    resumed = tmp_path / "resumed"
+    run(resumed, "--stop_after_steps", "1")
+    log = run(resumed, "--load_checkpoint", "--stop_after_steps", "2")
+    assert_resumed(log, "ppo", step=1)
+    got = read_metrics_jsonl(str(resumed / "metrics.jsonl"), "ppo")
+    # the resumed steps drew the same prompts and samples: the same metrics to the last bit (timings, memory and
+    # the weight-sync counter of the new process aside)
+    skip = ("time/", "tokens_per_s", "mem/", "offload/", "weight_sync/", "weight_version")
+    for s in (2, 3):
+        same = {k: v for k, v in m[s].items() if not k.startswith(skip)}
+        assert {k: v for k, v in got[s].items() if not k.startswith(skip)} == same, s
+        assert "dynamic_filtering/pass_rate" in same and "reward" in same
