@@ -288,7 +288,7 @@ def cli_main(add_args, run, argv=None) -> int:
     from rlhf.engine import TrainingDiverged
 
     bound_onednn_caches()  # before the first oneDNN call, which reads the capacities
-    from rlhf.distributed import watchdog
+    from rlhf.distributed import failures, watchdog
 
     # Once the job's process group is up (``watchdog_running``), a rank that fails leaves at once through
     # ``os._exit`` with one line naming its rank and phase: a clean interpreter exit could wait on peers that
@@ -300,13 +300,13 @@ def cli_main(add_args, run, argv=None) -> int:
         run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return watchdog.end_rank(2)
+        return failures.end_rank(2)
     except TrainingDiverged as e:  # one line, not a traceback: the run diverged, nothing non-finite was saved
         print(f"error: {e}", file=sys.stderr)
-        return watchdog.end_rank(3)
+        return failures.end_rank(3)
     except Exception as e:
         if watchdog.watchdog_running():
-            watchdog.fail_job(e)
+            failures.fail_job(e)
         raise
     watchdog.finish_watchdog()
     return 0

@@ -218,7 +218,7 @@ class ModelEngine:
                    output: str = "head") -> dict[str, float]:
         """One optimizer step over this rank's micro-batches. Returns metrics averaged over the global batch
         (identical on every rank): each ``metric_keys`` entry, plus ``grad_norm`` and ``lr``."""
-        from rlhf.distributed.watchdog import fault_point
+        from rlhf.distributed.faults import fault_point
         from rlhf.models.pipeline import run_microbatches
 
         assert self.optimizer is not None, f"{self.name} is frozen"
@@ -282,17 +282,25 @@ class ModelEngine:
 
     def reduce_metrics(self, outs: list[dict], keys: Sequence[str], with_counts: bool = False):
         """Each metric is ``[sum, count]`` per micro-batch: total sums / total counts over micro-batches, DP
-        ranks and (from the last stage) pipeline stages (NaN where the total count is 0). The same numbers on
-        every rank. ``with_counts``: ``(metrics, total counts)``."""
+        ranks and (from the last stage) pipeline stages (NaN where the total count is 0); a metric whose name ends
+        in ``_max`` is ``[value, _]``, reduced by its maximum. The same numbers on every rank. ``with_counts``:
+        ``(metrics, total counts)``."""
         vec = torch.zeros(2 * len(keys), dtype=torch.float64)
+        top = torch.full((len(keys),), float("-inf"), dtype=torch.float64)  # the "*_max" metrics
         if self.mesh.is_last_stage and self.mesh.tp_rank == 0:
             for o in outs:
                 for i, k in enumerate(keys):
                     s, n = o[k]
+                    if k.endswith("_max"):
+                        top[i] = max(top[i].item(), float(s))
+                        continue
                     vec[2 * i] += float(s)
                     vec[2 * i + 1] += float(n)
         dist.all_reduce(vec)  # one contribution per (DP rank) from the last stage's TP rank 0
-        metrics = {k: (vec[2 * i] / vec[2 * i + 1]).item() if vec[2 * i + 1] > 0 else float("nan")
+        if any(k.endswith("_max") for k in keys):  # the same keys on every rank: the same collectives
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        metrics = {k: top[i].item() if k.endswith("_max") else
+                   (vec[2 * i] / vec[2 * i + 1]).item() if vec[2 * i + 1] > 0 else float("nan")
                    for i, k in enumerate(keys)}
         if with_counts:
             return metrics, {k: vec[2 * i + 1].item() for i, k in enumerate(keys)}

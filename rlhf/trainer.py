@@ -224,7 +224,7 @@ class SupervisedLoop:
 
     def train_step(self, train: list, loss_fn, step: int) -> dict[str, float]:
         """Optimizer step number ``step``: its micro-batches, the update, throughput, logging."""
-        from rlhf.distributed.watchdog import fault_point
+        from rlhf.distributed.faults import fault_point
 
         args, task, engine, mesh = self.args, self.task, self.engine, self.mesh
         microbatches = self.batches([[train[i] for i in idx] for idx in self.sampler.next_step()])

@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     p.add_argument("--max_shard_size_gb", type=float, default=2.0)
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
-    from rlhf.distributed.watchdog import die_with_parent_if_asked
+    from rlhf.distributed.parent_death import die_with_parent_if_asked
 
     die_with_parent_if_asked()  # run by a rank's HF export: ends with that rank
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -245,6 +245,9 @@ class ActorLossConfig:
     kl_estimator: str = "k3"
     tis_cap: float | None = None
     """--use_tis: the per-token loss weighted by ``min(exp(old - vllm), tis_cap)``"""
+    old_from_update: bool = False
+    """one on-policy update per batch: the old log-probs are this forward's, detached (ratio 1), and the
+    generator-vs-trainer drift is measured here (``rollout_logprob_drift``, ``rollout_logprob_drift_max``)"""
 
     def __post_init__(self) -> None:
         if not (0 <= self.eps_clip_low < 1 and self.eps_clip_high >= 0):
@@ -267,7 +270,8 @@ class ActorLossConfig:
         return cls(eps_clip_low=low, eps_clip_high=high, dual_clip=args.dual_clip,
                    policy_loss_type=args.policy_loss_type, loss_agg_mode=mode, entropy_coef=args.entropy_coef or 0.0,
                    kl_in_loss=estimator.kl_in_loss, kl_estimator=args.kl_estimator,
-                   tis_cap=args.tis_cap if args.use_tis else None)
+                   tis_cap=args.tis_cap if args.use_tis else None,
+                   old_from_update=getattr(args, "old_logprobs_source", "forward") == "update")
 
 
 def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
@@ -280,15 +284,21 @@ def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
     def loss_fn(batch: dict, output: torch.Tensor):
         lp, ent = logprobs_fn(batch, output)
         mask = batch["action_mask"]
+        old = lp.detach() if cfg.old_from_update else batch["old_logprobs"]
         tis = None
         if cfg.tis_cap is not None:
-            tis = torch.exp(batch["old_logprobs"] - batch["vllm_logprobs"]).clamp(max=cfg.tis_cap)
-        loss, count, metrics = policy_loss(lp, batch["old_logprobs"], batch["advantages"], mask,
+            tis = torch.exp(old - batch["vllm_logprobs"]).clamp(max=cfg.tis_cap)
+        loss, count, metrics = policy_loss(lp, old, batch["advantages"], mask,
                                            eps_clip=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
                                            rollout_is_weights=tis, dual_clip=cfg.dual_clip,
                                            policy_loss_type=cfg.policy_loss_type, loss_agg_mode=cfg.loss_agg_mode)
         n = _count(mask)
         metrics["entropy"] = [masked_sum(ent.detach(), mask), n]
+        if cfg.old_from_update:
+            drift = (upcast(lp.detach()) - upcast(batch["vllm_logprobs"])).abs()
+            metrics["rollout_logprob_drift"] = [masked_sum(drift, mask), n]
+            # a "*_max" metric: reduced by its maximum (rlhf.engine.ModelEngine.reduce_metrics)
+            metrics["rollout_logprob_drift_max"] = [torch.where(_bool_mask(mask), drift, 0).max(), n]
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * aggregate(upcast(ent), mask, cfg.loss_agg_mode)[0]
         if cfg.kl_in_loss and "ref_logprobs" in batch:

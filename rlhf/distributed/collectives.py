@@ -19,7 +19,7 @@ def to_all_stages(t: torch.Tensor | None, shape: tuple, mesh) -> torch.Tensor:
 
 def dp_all_gather(t: torch.Tensor, mesh) -> torch.Tensor:
     """Concatenate a per-DP-rank tensor over the DP group, in DP-rank order (dim 0)."""
-    from rlhf.distributed.watchdog import fault_point
+    from rlhf.distributed.faults import fault_point
 
     if mesh.dp == 1:
         return t

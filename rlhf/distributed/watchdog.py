@@ -23,14 +23,13 @@ What the distributed stack sees by itself, and what this module adds (docs/relia
   (dist_checkpointing's writers), gets ``PR_SET_PDEATHSIG = SIGKILL`` (Linux), and the watchdog also checks that
   its parent is still the one it started with.
 
-Phases are set by the loops (``phase("update")``, ``set_step(k)``); the PPO phase timer sets them too. Fault
-injection for the tests (``RLHF_FAULT_INJECT``, see ``fault_point``) lives here as well, so the tested path is the
-one a real fault takes.
+Phases are set by the loops (``phase("update")``, ``set_step(k)``); the PPO phase timer sets them too. A failing
+rank's report and exit are ``rlhf.distributed.failures``; fault injection for the tests (``RLHF_FAULT_INJECT``) is
+``rlhf.distributed.faults``, so the tested path is the one a real fault takes.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import json
 import logging
@@ -75,8 +74,10 @@ def set_phase(name: str) -> None:
     wd = _watchdog
     if wd is not None:
         wd.wake.set()
-    if _faults != []:
-        fault_point("enter-" + name)
+    from rlhf.distributed import faults
+
+    if faults.armed():
+        faults.fault_point("enter-" + name)
 
 
 def set_step(step: int | None) -> None:
@@ -114,61 +115,6 @@ def resolve_timeout_s(value: float | None, device_type: str) -> float:
 
 def _where(p: tuple[str, int | None]) -> str:
     return f"phase '{p[0]}'" + (f" (step {p[1]})" if p[1] is not None else "")
-
-
-# ------------------------------------------------------------------------------------------------ parent death
-_PR_SET_PDEATHSIG = 1
-_fork_from_main = False
-
-
-DIE_WITH_PARENT_ENV = "RLHF_DIE_WITH_PARENT"
-"""Set for the subprocesses a rank starts (the HF export's converter), which call ``die_with_parent_if_asked``."""
-
-
-def die_with_parent_if_asked() -> None:
-    """At the start of a tool a rank runs as a subprocess: die with that rank (``DIE_WITH_PARENT_ENV``)."""
-    if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
-        die_with_parent()
-
-
-def _set_pdeathsig() -> bool:
-    """SIGKILL this process when its parent (the thread that forked it) dies. Linux only."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _before_fork() -> None:
-    global _fork_from_main
-    _fork_from_main = threading.current_thread() is threading.main_thread()
-
-
-def _after_fork_in_child() -> None:
-    # Only a child forked by the main thread: PDEATHSIG fires when the forking *thread* ends, and the main thread
-    # lives as long as the rank. (dist_checkpointing forks its writers from the main thread.)
-    if _fork_from_main and _set_pdeathsig() and os.getppid() == 1:
-        os._exit(EXIT_PEER_LOST)  # the parent died before the signal was armed
-
-
-_guarded = False
-
-
-def die_with_parent() -> None:
-    """Arm parent-death SIGKILL for this rank and for the children its main thread forks. Idempotent."""
-    global _guarded
-    if _guarded:
-        return
-    _guarded = True
-    parent = os.getppid()
-    if not _set_pdeathsig():
-        log.info("watchdog: PR_SET_PDEATHSIG is not available here; a rank whose launcher dies ends at its next "
-                 "collective's timeout or at the watchdog's parent check")
-        return
-    if parent == 1 or os.getppid() != parent:
-        os._exit(EXIT_PEER_LOST)
-    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 # ------------------------------------------------------------------------------------------------ heartbeats
@@ -397,6 +343,8 @@ def start_watchdog(rank: int, world_size: int, master_addr: str, master_port: in
         return
     import torch.distributed as dist
 
+    from rlhf.distributed.parent_death import die_with_parent
+
     die_with_parent()
     cfg = WatchdogConfig.for_timeout(timeout_s)
     try:
@@ -416,53 +364,12 @@ def start_watchdog(rank: int, world_size: int, master_addr: str, master_port: in
 
     atexit.register(finish_watchdog)  # a rank whose interpreter ends normally is done, not dead
     if threading.current_thread() is threading.main_thread():
-        _watch_sigterm(rank)
+        from rlhf.distributed.failures import watch_sigterm
+
+        watch_sigterm(rank)
     if rank == 0:
         log.info("watchdog: --dist_timeout_s %g (collectives, and heartbeats every %.1f s to neighbours r+1, r+2)",
                  timeout_s, cfg.interval_s)
-
-
-def _watch_sigterm(rank: int) -> None:
-    """A launcher that stops the job (torchrun after a peer's failure, Slurm's scancel) sends SIGTERM, which by
-    default ends a rank without a word. Python runs a signal handler only when the main thread next executes
-    bytecode, which a rank blocked in a collective does not; but the C-level handler writes the signal's number to
-    ``signal.set_wakeup_fd`` at once, so a thread reading that pipe reports (this rank's phase, and any peer the
-    heartbeats know died) and exits 143 within milliseconds. Skipped (logged) where something else already owns
-    the wakeup fd."""
-    rfd, wfd = os.pipe()
-    os.set_blocking(wfd, False)
-    prev_handler = signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(rank))
-    prev = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
-    if prev != -1:  # someone else reads the wakeup fd: put theirs back, keep only the Python-level handler
-        signal.set_wakeup_fd(prev)
-        os.close(rfd), os.close(wfd)
-        log.info("watchdog: the signal wakeup fd is in use; SIGTERM is reported when the main thread next runs")
-        return
-    del prev_handler
-
-    def reader() -> None:
-        while True:
-            try:
-                data = os.read(rfd, 64)
-            except OSError:
-                return
-            if not data:
-                return
-            if signal.SIGTERM in data:
-                _on_sigterm(rank)
-
-    threading.Thread(target=reader, name="rlhf-sigterm", daemon=True).start()
-
-
-def _on_sigterm(rank: int) -> None:
-    if _failed.is_set():
-        return
-    _failed.set()
-    wd = _watchdog
-    peers = wd.diagnose(wait_s=0.5)[0] if wd is not None else ""
-    _emit(f"error: rank {rank} stopped by its launcher (SIGTERM) in {_where(_phase)}" + (f" [{peers}]" if peers
-                                                                                          else ""))
-    os._exit(128 + signal.SIGTERM)
 
 
 def finish_watchdog() -> None:
@@ -494,125 +401,3 @@ def long_barrier(hours: float = 6.0) -> None:
 
 def watchdog_running() -> bool:
     return _watchdog is not None
-
-
-# ------------------------------------------------------------------------------------------------ failures
-_PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
-                      "connection closed", "ECONNRESET", "Timed out waiting", "timed out", "Timeout")
-
-
-def failure_line(exc: BaseException, rank: int) -> str:
-    """The one line for an exception that ends this rank: rank, phase, step, the exception, and what the
-    heartbeats know about the peers (a peer that died is named)."""
-    msg = " ".join(str(exc).split())[:300]
-    line = f"error: rank {rank} failed in {_where(_phase)}: {type(exc).__name__}: {msg}"
-    lost = any(m in str(exc) for m in _PEER_LOST_MARKERS)
-    if lost:
-        line = f"error: rank {rank} lost a peer in {_where(_phase)}: {type(exc).__name__}: {msg}"
-    wd = _watchdog
-    peers, silent = wd.diagnose(wait_s=1.0 if lost else 0.0) if wd is not None else ("", [])
-    killed = [hb["pid"] for hb in silent if _kill_if_local(hb, wd.host)]
-    if killed:
-        peers += f"; killed the silent process(es) {killed} on this host"
-    return line + (f" [{peers}]" if peers else "")
-
-
-def fail_job(exc: BaseException, code: int = 1) -> None:
-    """Report ``exc`` in one line (after its traceback) and leave at once: a rank that failed must not wait in
-    interpreter teardown (gloo's threads, vLLM) while its peers are gone or blocked."""
-    import traceback
-
-    _failed.set()
-    try:
-        traceback.print_exception(exc, file=sys.stderr)
-    except Exception:
-        pass
-    wd = _watchdog
-    _emit(failure_line(exc, wd.rank if wd is not None else int(os.environ.get("RANK", 0))))
-    end_rank(code)
-
-
-def end_rank(code: int) -> int:
-    """Leave with ``code``: at once (``os._exit``, output flushed) in a job whose watchdog runs, where a normal
-    interpreter exit could wait on peers that are gone; otherwise return ``code`` to the caller."""
-    if _watchdog is None:
-        return code
-    _failed.set()
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-    finally:
-        os._exit(code)
-
-
-# ------------------------------------------------------------------------------------------------ fault injection
-FAULT_ENV = "RLHF_FAULT_INJECT"
-FAULT_KINDS = ("raise", "kill", "stop", "hang")
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    site: str
-    rank: int
-    step: int | None = None
-    restart: int = 0
-
-
-def parse_faults(spec: str) -> list[Fault]:
-    """``kind:site:rank[:step[:restart]]``, comma-separated: ``raise:checkpoint_save:1:2`` raises on rank 1 in
-    the middle of the checkpoint save of step 2; ``stop:update:0`` sends SIGSTOP to rank 0 at its first update;
-    ``kill`` is SIGKILL; ``hang`` sleeps forever with the watchdog's heartbeat still going (a livelock).
-    ``restart``: torchrun's restart count the fault applies to (``TORCHELASTIC_RESTART_COUNT``, default 0).
-
-    Sites: ``update`` (between an update's backward and its metrics' all-reduce), ``collective`` (before a
-    data-parallel collective), ``weight_sync``, ``checkpoint_save`` (after the first role's shards are
-    written), ``export`` (the megatron copy is written; rank 0 converts it, the others wait for it), and
-    ``enter-<phase>`` at the start of any phase (``enter-rollout``, ``enter-actor_update``, ...)."""
-    out = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        parts = item.split(":")
-        if len(parts) < 3 or parts[0] not in FAULT_KINDS:
-            raise ValueError(f"{FAULT_ENV}: {item!r} is not kind:site:rank[:step[:restart]] with kind in "
-                             f"{FAULT_KINDS}")
-        out.append(Fault(parts[0], parts[1], int(parts[2]), int(parts[3]) if len(parts) > 3 and parts[3] else None,
-                         int(parts[4]) if len(parts) > 4 else 0))
-    return out
-
-
-_faults: list[Fault] | None = None
-
-
-class InjectedFault(RuntimeError):
-    pass
-
-
-def fault_point(site: str) -> None:
-    """A place where a test can make this rank fail (``RLHF_FAULT_INJECT``); free when the variable is unset."""
-    global _faults
-    if _faults is None:
-        _faults = parse_faults(os.environ.get(FAULT_ENV, ""))
-    if not _faults:
-        return
-    rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("SLURM_PROCID", 0))))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    for f in _faults:
-        if f.site == site and f.rank == rank and f.restart == restart and f.step in (None, _phase[1]):
-            _faults.remove(f)
-            log.warning("fault injection: %s at %s in %s on rank %d", f.kind, site, _where(_phase), rank)
-            _emit(f"fault injection: {f.kind} at {site} in {_where(_phase)} on rank {rank}")
-            wd = _watchdog
-            if wd is not None and f.kind in ("kill", "stop"):  # as if the fault came a moment into the phase:
-                deadline = time.monotonic() + 2.0               # its heartbeat names the phase
-                while wd.published != _phase and time.monotonic() < deadline:
-                    wd.wake.set()
-                    time.sleep(0.01)
-            if f.kind == "raise":
-                raise InjectedFault(f"injected fault at {site}")
-            if f.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if f.kind == "stop":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            if f.kind == "hang":
-                threading.Event().wait()

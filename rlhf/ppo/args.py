@@ -106,6 +106,11 @@ def _add_ppo_algo_args(g) -> None:
     g.add_argument("--dynamic_filtering_max_rounds", type=int, default=4,
                    help="rollouts per step at most under --dynamic_filtering; a batch still short after them is "
                         "filled with the last groups filtered out (counted)")
+    g.add_argument("--old_logprobs_forward", choices=["auto", "always"], default="auto",
+                   help="auto: when each batch gets exactly one update (--max_epochs 1, --train_batch_size = the "
+                        "step's samples) and the KL is not in the reward, the policy that generated the batch is the "
+                        "one being trained, so its old log-probs are the update's own forward, detached (TRL does "
+                        "the same): no actor forward in make_experience. always: keep that forward")
     g.add_argument("--use_rollout_logprobs", action="store_true",
                    help="the generator's log-probs are PPO's old log-probs: no actor forward in make_experience "
                         "(TRL reuses its generation logits the same way); the drift metric is then not measured")
@@ -185,6 +190,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     check_tokenizer_folder(args.pretrain, "--pretrain")  # the prompts and replies are tokenized with it
     why = resolve_vllm_tp(args, sources["--pretrain"]["spec"], world_size)
     engines = _check_batch_sizes(args, world_size, dp)
+    args.old_logprobs_source, args.old_logprobs_reason = old_logprobs_source(args)
     return PPOSetup(dp=dp, engines=engines, samples=args.rollout_batch_size * args.n_samples_per_prompt,
                     sources=sources, rewards=rewards, vllm_tp_reason=why)
 
@@ -348,3 +354,24 @@ def log_compat(args: argparse.Namespace, dp: int, cuda: bool) -> None:
 
     log_compat_mappings(args, dp, cuda)
     log.info("--colocate_all: actor, critic, reference, reward and vLLM share every rank (one SPMD job)")
+
+
+def old_logprobs_source(args: argparse.Namespace) -> tuple[str, str]:
+    """Where PPO's old log-probs come from, and why: ``rollout`` (--use_rollout_logprobs: the generator's),
+    ``update`` (one on-policy update per batch: the update's own forward, detached; no actor forward in
+    make_experience) or ``forward`` (the actor's forward in make_experience)."""
+    from rlhf.algo.advantages import get_estimator
+
+    if args.use_rollout_logprobs:
+        return "rollout", "--use_rollout_logprobs"
+    one_update = args.max_epochs == 1 and args.train_batch_size == args.rollout_batch_size * args.n_samples_per_prompt
+    kl_in_reward = not get_estimator(args.advantage_estimator).kl_in_loss and args.init_kl_coef > 0
+    if args.old_logprobs_forward == "always":
+        return "forward", "--old_logprobs_forward always"
+    if not one_update:
+        return "forward", "each batch gets several updates (--max_epochs or --train_batch_size)"
+    if kl_in_reward:
+        return "forward", f"the KL penalty is in the reward (--advantage_estimator {args.advantage_estimator}, " \
+                          f"--init_kl_coef {args.init_kl_coef:g}) and needs them before the update"
+    return "update", "one on-policy update per batch: the update's own forward, detached"
+

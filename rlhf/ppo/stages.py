@@ -124,7 +124,7 @@ def frozen_forwards(roles, args: argparse.Namespace, mbs: list, tokens: float, t
     out = {}
     engines = roles.engines
     order = ("ref", *roles.reward_models, "critic")
-    for role in order if args.use_rollout_logprobs else ("actor", *order):
+    for role in ("actor", *order) if args.old_logprobs_source == "forward" else order:
         if role in engines:
             with timer.phase(f"{role}_fwd", tokens=tokens):
                 out[role] = forward_role(engines[role], "reward" if role in roles.reward_models else role, mbs,
@@ -205,7 +205,8 @@ def make_experience(roles, args: argparse.Namespace, rollout: Rollout, rewards: 
     combined, raw = shape_rewards(combined, raw, rollout, args, mesh, metrics)
     vllm_lp = vllm_lp.to(batch["action_mask"].device)
     exp = Experience(samples=rollout.local, batch=batch,
-                     old_logprobs=vllm_lp if args.use_rollout_logprobs else out["actor"], vllm_logprobs=vllm_lp,
+                     old_logprobs=out["actor"] if args.old_logprobs_source == "forward" else vllm_lp,
+                     vllm_logprobs=vllm_lp,
                      rewards=combined, ref_logprobs=out.get("ref"), values=out.get("critic"))
     return exp, raw, metrics
 
@@ -252,7 +253,7 @@ def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl
     graw = g(raw_rewards)
     out = {"reward": graw.mean().item(), "reward_std": graw.std().item() if graw.numel() > 1 else 0.0,
            "kl": masked_mean(gkl, gmask).item(), "advantages_abs": masked_mean(adv.abs(), gmask).item()}
-    if not args.use_rollout_logprobs:  # with it, old_logprobs are the generator's: nothing to compare
+    if args.old_logprobs_source == "forward":  # otherwise the update measures it (or there is nothing to compare)
         out.update(logprob_drift(exp, mesh))
     return out
 
@@ -306,7 +307,8 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
     actor_loss = make_actor_loss(
         lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, args.temperature, entropy=True),
         ActorLossConfig.from_args(args, estimator), kl_coef=kl_coef)
-    keys = ACTOR_METRICS + (("kl_loss",) if estimator.kl_in_loss else ())
+    keys = ACTOR_METRICS + (("kl_loss",) if estimator.kl_in_loss else ()) + (
+        ("rollout_logprob_drift", "rollout_logprob_drift_max") if args.old_logprobs_source == "update" else ())
 
     def actor_batches(plan: list[list[int]]) -> tuple[list[dict], object]:
         mbs = microbatches(plan)
@@ -319,6 +321,9 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
                 tokens * args.max_epochs, timer, after_step=after_actor_step)
     out = {k: v / len(plans) for k, v in sums.items()}
     out["entropy"] = out.pop("actor/entropy")
+    for k in ("rollout_logprob_drift", "rollout_logprob_drift_max"):  # measured by the update's forward
+        if f"actor/{k}" in out:
+            out[k] = out.pop(f"actor/{k}")
     return out
 
 

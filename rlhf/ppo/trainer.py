@@ -181,6 +181,10 @@ class PPOTrainer:
                      1 + c.eps_clip_high, f", dual-clip {c.dual_clip:g}" if c.dual_clip else "", c.loss_agg_mode,
                      f", entropy_coef {c.entropy_coef:g}" if c.entropy_coef else "",
                      f", KL ({c.kl_estimator}) in the loss" if c.kl_in_loss else ", KL in the reward")
+            log.info("old log-probs: %s (%s)", {"update": "the update's own forward, detached; no actor forward in "
+                                                           "make_experience", "forward": "the actor's forward in "
+                                                "make_experience", "rollout": "the generator's"}[
+                args.old_logprobs_source], args.old_logprobs_reason)
         logger = MetricsLogger(mesh.is_rank0, self.total_steps, args.tensorboard, prefix="ppo",
                                jsonl_path=os.path.join(args.save_path, "metrics.jsonl"))
         timer = PhaseTimer()

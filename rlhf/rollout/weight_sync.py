@@ -176,7 +176,7 @@ class WeightSync:
 
     def sync(self, engine) -> dict[str, float]:
         """Push the current actor weights into ``engine`` (``engine.load_weights(iterator, version)``)."""
-        from rlhf.distributed.watchdog import fault_point
+        from rlhf.distributed.faults import fault_point
 
         t0 = time.perf_counter()
         self.version += 1

@@ -16,6 +16,8 @@ import psutil
 import pytest
 from helpers import REPO, test_env
 
+from rlhf.distributed import faults
+from rlhf.distributed import failures
 from rlhf.distributed import watchdog as wd
 
 
@@ -109,18 +111,18 @@ def test_a_failure_is_reported_in_the_innermost_phase():
                 raise RuntimeError("disk")
         # an exception leaves the phase where it was raised: the failure line names it
         assert wd.current_phase() == ("checkpoint_save", 4)
-        line = wd.failure_line(RuntimeError("disk\nfull"), rank=3)
+        line = failures.failure_line(RuntimeError("disk\nfull"), rank=3)
         assert line == "error: rank 3 failed in phase 'checkpoint_save' (step 4): RuntimeError: disk full"
-        lost = wd.failure_line(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1"), rank=0)
+        lost = failures.failure_line(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1"), rank=0)
         assert lost.startswith("error: rank 0 lost a peer in phase 'checkpoint_save' (step 4): RuntimeError")
     wd.set_phase("setup"), wd.set_step(None)
 
 
 def test_fault_specs_and_timeout_flag():
-    assert wd.parse_faults("raise:checkpoint_save:1:2, stop:enter-rollout:0::1") == [
-        wd.Fault("raise", "checkpoint_save", 1, 2, 0), wd.Fault("stop", "enter-rollout", 0, None, 1)]
+    assert faults.parse_faults("raise:checkpoint_save:1:2, stop:enter-rollout:0::1") == [
+        faults.Fault("raise", "checkpoint_save", 1, 2, 0), faults.Fault("stop", "enter-rollout", 0, None, 1)]
     with pytest.raises(ValueError, match="RLHF_FAULT_INJECT: 'explode:update:1'"):
-        wd.parse_faults("explode:update:1")
+        faults.parse_faults("explode:update:1")
     assert wd.resolve_timeout_s(None, "cuda") == 300 and wd.resolve_timeout_s(None, "cpu") == 180
     with pytest.raises(ValueError, match="--dist_timeout_s must be > 0, got 0"):
         wd.resolve_timeout_s(0, "cpu")
@@ -129,9 +131,9 @@ def test_fault_specs_and_timeout_flag():
 _FORKER = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {repo!r})
-    from rlhf.distributed import watchdog
+    from rlhf.distributed import parent_death
     if sys.argv[1] == "1":
-        watchdog.die_with_parent()
+        parent_death.die_with_parent()
     pid = os.fork()
     if pid == 0:  # the child, as dist_checkpointing's forked writers: sleeps, outlives nothing if armed
         time.sleep(120)

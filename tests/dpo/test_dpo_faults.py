@@ -1,6 +1,6 @@
-"""A job that never hangs, DPO on 2 and 4 ranks (the mechanisms and the SFT/RM cases: tests/train/test_sft_rm_faults.py):
-an exception inside an update, and the SIGKILL of one rank, end the job promptly with one line naming the rank
-and the phase, and leave no process behind."""
+"""A job that never hangs, DPO on 2 and 4 ranks (the mechanisms and the SFT/RM cases:
+tests/train/test_sft_rm_faults.py): an exception inside an update, and the SIGKILL of one rank, end the job
+promptly with one line naming the rank and the phase, and leave no process behind."""
 import os
 import signal
 

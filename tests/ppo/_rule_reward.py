@@ -23,3 +23,9 @@ def parity_reward(prompts: list[str], responses: list[str]) -> list[float]:
     """1 for a reply of an even number of characters, else 0: a binary verifier whose groups of replies sometimes
     agree (dynamic filtering drops them) and sometimes not."""
     return [float(len(r) % 2 == 0) for r in responses]
+
+
+def char_code_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """(sum of the reply's character codes mod 7) / 6: almost surely different within a group, so every group has a
+    nonzero advantage."""
+    return [(sum(map(ord, r)) % 7) / 6.0 for r in responses]

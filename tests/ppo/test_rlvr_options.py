@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ppo_common import TINY_GRPO, ppo_args
 
 
@@ -80,3 +82,34 @@ def test_dynamic_filtering_fills_the_batch_and_resumes_exactly(ppo_setup, tmp_pa
         same = {k: v for k, v in m[s].items() if not k.startswith(skip)}
         assert {k: v for k, v in got[s].items() if not k.startswith(skip)} == same, s
         assert "dynamic_filtering/pass_rate" in same and "reward" in same
+
+
+def test_one_update_per_batch_skips_the_old_logprob_forward(ppo_setup, tmp_path, monkeypatch, capsys):
+    """With one on-policy update per batch (--max_epochs 1, TINY_GRPO's --train_batch_size = the step's 8 samples)
+    the old log-probs are the update's own forward, detached: no actor forward in make_experience, ratio exactly 1,
+    and the same gradient as with the forward (within fp32 rounding: the two forwards of the same weights differ in
+    the last bits), so the same loss and grad norm step by step; the drift check is measured in the update."""
+    from helpers import free_port
+    from rlhf.ppo import main
+
+    def run(out, *extra):
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--reward_fn": "_rule_reward:char_code_reward",
+                                                "--rollout_backend": "megatron", "--max_samples": "8",
+                                                "--actor_learning_rate": "1e-3", "--max_epochs": "1"})
+        assert main(argv + list(extra)) == 0
+        return json.load(open(out / "ppo_result.json"))["history"], capsys.readouterr().err
+
+    skip, log = run(tmp_path / "skip")
+    assert "old log-probs: the update's own forward, detached" in log, log[-2000:]
+    keep, log = run(tmp_path / "keep", "--old_logprobs_forward", "always")
+    assert "old log-probs: the actor's forward in make_experience (--old_logprobs_forward always)" in log
+    assert len(skip) == len(keep) == 2
+    for a, b in zip(skip, keep):
+        assert a["advantages_abs"] > 0.1  # the policy gradient is live, not only the KL loss's
+        assert "time/actor_fwd" not in a and b["time/actor_fwd"] > 0
+        assert a["actor/ratio"] == 1.0 and abs(b["actor/ratio"] - 1.0) < 1e-6
+        # fp32 rounding of one forward against another (|log ratio| <= 1e-6 per token): relative 1e-5 is loose
+        for k in ("actor/policy_loss", "actor/grad_norm", "entropy", "reward"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (k, a[k], b[k])
+        assert 0 < a["rollout_logprob_drift_max"] <= 1e-5 and a["rollout_logprob_drift"] <= a["rollout_logprob_drift_max"]

@@ -12,7 +12,6 @@ import signal
 import time
 
 import psutil
-import pytest
 import torch
 from crash_harness import (FAULT_TIMEOUT_S, Job, assert_fresh_start, assert_named, assert_resumed, fault_job,
                            job_processes, kill_job, leftovers)

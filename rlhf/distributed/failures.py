@@ -1,0 +1,107 @@
+"""How a rank that fails leaves a job: one line naming its rank, phase and step (and what the heartbeats know of
+its peers), then ``os._exit``, since a clean interpreter exit could wait on peers that are gone (gloo's threads,
+vLLM). SIGTERM from the launcher is reported the same way, from a thread, even while the main thread is blocked
+inside a collective. The heartbeats themselves: ``rlhf.distributed.watchdog``."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+from rlhf.distributed import watchdog as wd
+
+log = logging.getLogger(__name__)
+
+_PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+                      "connection closed", "ECONNRESET", "Timed out waiting", "timed out", "Timeout")
+
+
+def failure_line(exc: BaseException, rank: int) -> str:
+    """The one line for an exception that ends this rank: rank, phase, step, the exception, and what the
+    heartbeats know about the peers (a peer that died is named; a stopped one on this host is killed, as it would
+    hold up the launcher's teardown)."""
+    msg = " ".join(str(exc).split())[:300]
+    where = wd._where(wd.current_phase())
+    lost = any(m in str(exc) for m in _PEER_LOST_MARKERS)
+    line = f"error: rank {rank} {'lost a peer' if lost else 'failed'} in {where}: {type(exc).__name__}: {msg}"
+    dog = wd._watchdog
+    if dog is None:
+        return line
+    peers, silent = dog.diagnose(wait_s=1.0 if lost else 0.0)
+    killed = [hb["pid"] for hb in silent if wd._kill_if_local(hb, dog.host)]
+    if killed:
+        peers += f"; killed the silent process(es) {killed} on this host"
+    return line + (f" [{peers}]" if peers else "")
+
+
+def fail_job(exc: BaseException, code: int = 1) -> None:
+    """Report ``exc`` in one line (after its traceback) and leave at once: a rank that failed must not wait in
+    interpreter teardown (gloo's threads, vLLM) while its peers are gone or blocked."""
+    import traceback
+
+    wd._failed.set()
+    try:
+        traceback.print_exception(exc, file=sys.stderr)
+    except Exception:
+        pass
+    dog = wd._watchdog
+    wd._emit(failure_line(exc, dog.rank if dog is not None else int(os.environ.get("RANK", 0))))
+    end_rank(code)
+
+
+def end_rank(code: int) -> int:
+    """Leave with ``code``: at once (``os._exit``, output flushed) in a job whose watchdog runs, where a normal
+    interpreter exit could wait on peers that are gone; otherwise return ``code`` to the caller."""
+    if not wd.watchdog_running():
+        return code
+    wd._failed.set()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+    finally:
+        os._exit(code)
+
+
+def watch_sigterm(rank: int) -> None:
+    """A launcher that stops the job (torchrun after a peer's failure, Slurm's scancel) sends SIGTERM, which by
+    default ends a rank without a word. Python runs a signal handler only when the main thread next executes
+    bytecode, which a rank blocked in a collective does not; but the C-level handler writes the signal's number to
+    ``signal.set_wakeup_fd`` at once, so a thread reading that pipe reports (this rank's phase, and any peer the
+    heartbeats know died) and exits 143 within milliseconds. Skipped (logged) where something else already owns
+    the wakeup fd. Call from the main thread."""
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(rank))
+    prev = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+    if prev != -1:  # someone else reads the wakeup fd: put theirs back, keep only the Python-level handler
+        signal.set_wakeup_fd(prev)
+        os.close(rfd), os.close(wfd)
+        log.info("watchdog: the signal wakeup fd is in use; SIGTERM is reported when the main thread next runs")
+        return
+
+    def reader() -> None:
+        while True:
+            try:
+                data = os.read(rfd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                _on_sigterm(rank)
+
+    threading.Thread(target=reader, name="rlhf-sigterm", daemon=True).start()
+
+
+def _on_sigterm(rank: int) -> None:
+    if wd._failed.is_set():
+        return
+    wd._failed.set()
+    dog = wd._watchdog
+    peers = dog.diagnose(wait_s=0.5)[0] if dog is not None else ""
+    wd._emit(f"error: rank {rank} stopped by its launcher (SIGTERM) in {wd._where(wd.current_phase())}"
+             + (f" [{peers}]" if peers else ""))
+    os._exit(128 + signal.SIGTERM)
