@@ -25,6 +25,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt_data_probs", default=None, help="mixing probabilities, one per --prompt_data entry")
     add_text_args(g, input_key=True)
     g.add_argument("--label_key", default=None, help="optional field passed through with each prompt")
+    g.add_argument("--eval_dataset", "--eval.dataset", dest="eval_dataset", default=None,
+                   help="held-out prompts, scored by the rule reward (--reward_fn / --remote_rm_url, --label_key) at "
+                        "step 0, every --eval_steps and at the end: eval/reward and eval/pass@k")
+    g.add_argument("--eval_steps", "--eval.steps", dest="eval_steps", type=int, default=-1,
+                   help="evaluate every N steps (-1: at the start and the end only)")
+    g.add_argument("--eval_n_samples_per_prompt", "--eval.n_samples_per_prompt", dest="eval_n_samples_per_prompt",
+                   type=int, default=4, help="replies per held-out prompt (the k of pass@k)")
+    g.add_argument("--eval_temperature", "--eval.temperature", dest="eval_temperature", type=float, default=0.6)
+    g.add_argument("--eval_max_samples", type=int, default=None, help="the first N held-out prompts (default: all)")
     g = p.add_argument_group("batching and generation")
     add_batch_args(g, micro_bs=8, epochs=1)
     g.add_argument("--micro_rollout_batch_size", type=int, default=8, help="samples per experience forward per rank")
@@ -253,8 +262,16 @@ def _check_algo(args: argparse.Namespace) -> None:
         raise ValueError(f"--pretrain_data with --loss_agg_mode {loss_cfg.loss_agg_mode} (or --policy_loss_type gspo): "
                          "the ptx loss is combined with a token-level policy loss only")
     from rlhf.algo.shaping import ShapingConfig
+    from rlhf.ppo.evaluation import EvalConfig
 
     ShapingConfig.from_args(args)
+    if EvalConfig.from_args(args) is not None:
+        from rlhf.config import check_paths_exist
+
+        check_paths_exist("--eval_dataset", args.eval_dataset)
+        if not (args.reward_fn or args.remote_rm_url):
+            raise ValueError("--eval_dataset scores the held-out replies with the run's rule reward (--reward_fn or "
+                             "--remote_rm_url); this run has none")
     if args.dynamic_filtering:
         lo, hi = args.dynamic_filtering_range
         if lo >= hi:

@@ -87,7 +87,8 @@ def generate_filtered(roles, args: argparse.Namespace, prompts: list, sampler, r
     while True:
         rounds += 1
         generated += rollout.generated_tokens
-        local, _, _ = rewards.score({}, rollout)
+        rewards.score({}, rollout)  # the reward's "scores" when it gives them (OpenRLHF), else its rewards
+        local = rewards.filter_scores.float().to(mesh.device)
         ok = keep_groups(dp_all_gather(local, mesh).cpu(), n, lo, hi).tolist()  # the same on every rank
         for g, p in enumerate(rollout.prompt_idx):
             (kept if ok[g] else dropped).append((p, rollout.samples[g * n:(g + 1) * n]))
@@ -175,23 +176,46 @@ class RewardSources:
               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """This rank's (optimized, raw) rewards (B,) from the reward models' scores (by role name), and each
         source's global mean as reward/rm<i>, reward/fn (when there is more than one, or normalization)."""
-        from rlhf.rewards import call_remote_rm, call_reward_fn, combine_rewards, source_metrics
+        from rlhf.rewards import call_remote_rm_full, call_reward_fn, combine_rewards, source_metrics
 
         scores = dict(zip(self.cfg.rm_names, model_scores.values()))
+        labels = [self.prompts[rollout.prompt_idx[s.prompt_index]].label for s in rollout.local]
+        metrics = {}
+        self.filter_scores = None
         if self.fn is not None:
-            scores["fn"] = call_reward_fn(self.fn, *self.texts(rollout, rollout.local)).to(self.mesh.device)
+            scores["fn"] = call_reward_fn(self.fn, *self.texts(rollout, rollout.local),
+                                          labels=labels).to(self.mesh.device)
         if self.cfg.remote_rm_url:  # this rank's share, as OpenRLHF's remote_rm_fn sends it
             texts, replies = self.texts(rollout, rollout.local)
-            labels = [self.prompts[rollout.prompt_idx[s.prompt_index]].label for s in rollout.local]
-            scores["remote"] = call_remote_rm(self.cfg.remote_rm_url, [t + r for t, r in zip(texts, replies)],
-                                              texts, labels, timeout=self.cfg.remote_rm_timeout).to(self.mesh.device)
+            remote = call_remote_rm_full(self.cfg.remote_rm_url, [t + r for t, r in zip(texts, replies)], texts,
+                                         labels, timeout=self.cfg.remote_rm_timeout)
+            scores["remote"] = remote.rewards.to(self.mesh.device)
+            self.filter_scores = remote.scores  # what dynamic filtering reads, when the reward gives it
+            metrics.update(extra_log_metrics(remote.extra_logs, len(texts), self.mesh))
         rewards, raw = combine_rewards(scores, self.cfg.source_weights, self.norms)
-        metrics = {}
+        if self.filter_scores is None:
+            self.filter_scores = rewards
         if len(scores) > 1 or self.norms:
             metrics.update(source_metrics({k: dp_all_gather(v, self.mesh) for k, v in scores.items()}))
         if self.norms:
             metrics["reward_normalized"] = dp_all_gather(rewards, self.mesh).mean().item()
         return rewards, raw, metrics
+
+
+def extra_log_metrics(extra_logs: dict, n: int, mesh) -> dict[str, float]:
+    """``reward_extra/<name>``: a reward's extra logs (one number, or one per query) as their mean over the global
+    batch. Every rank's reward answers with the same names (one reward function): one all-gather."""
+    if not extra_logs:
+        return {}
+    names = sorted(extra_logs)
+    local = torch.zeros(1, 2 * len(names), dtype=torch.float64)
+    for i, k in enumerate(names):
+        v = torch.as_tensor(extra_logs[k].tolist() if isinstance(extra_logs[k], torch.Tensor) else extra_logs[k],
+                            dtype=torch.float64).flatten()
+        w = float(n) if v.numel() == 1 else float(v.numel())  # a batch mean counts for the batch's queries
+        local[0, 2 * i], local[0, 2 * i + 1] = v.mean() * w, w
+    tot = dp_all_gather(local.to(mesh.device), mesh).sum(dim=0).cpu()
+    return {f"reward_extra/{k}": (tot[2 * i] / tot[2 * i + 1]).item() for i, k in enumerate(names)}
 
 
 def make_experience(roles, args: argparse.Namespace, rollout: Rollout, rewards: RewardSources, mesh, pad_id: int,

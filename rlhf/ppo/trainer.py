@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from rlhf.ppo.evaluation import EvalConfig
 from rlhf.ppo.stages import (RewardSources, Rollout, compute_advantages, generate_filtered, make_experience,
                              sync_weights, update)
 
@@ -89,6 +90,16 @@ class PPOTrainer:
             from rlhf.ppo.ptx import PtxData
 
             self.ptx = PtxData(args, ptx_samples, self.pad_id, mesh, self.roles.actor)
+        self.evaluator = None
+        eval_cfg = EvalConfig.from_args(args)
+        if eval_cfg is not None:  # the rule reward only (reward models score training replies alone)
+            from rlhf.ppo.evaluation import Evaluator
+            from rlhf.rewards import RewardConfig
+
+            rule = RewardConfig(reward_fn=args.reward_fn, reward_fn_weight=args.reward_fn_weight,
+                                remote_rm_url=args.remote_rm_url, remote_rm_weight=args.remote_rm_weight,
+                                remote_rm_timeout=args.remote_rm_timeout)
+            self.evaluator = Evaluator(eval_cfg, args, tokenizer, rule, mesh)
         self.step = 0
         state = None
         if args.load_checkpoint:
@@ -190,6 +201,8 @@ class PPOTrainer:
         timer = PhaseTimer()
         history: list[dict[str, float]] = []
         start, t_end = self.step, time.perf_counter()
+        if self.step == 0:
+            self.evaluate(logger)
         set_phase("train")  # between the timed phases
         while self.step < self.total_steps:
             if 0 <= args.stop_after_steps <= self.step - start:
@@ -207,11 +220,24 @@ class PPOTrainer:
             now = time.perf_counter()  # wall time between step ends, logging included (bench/ppo_vs_trl.py)
             m["time/step_wall"], t_end = now - t_end, now
             history.append(m)
+            self.evaluate(logger)  # before the save: a resumed run does not repeat it
             if (args.save_steps > 0 and self.step % args.save_steps == 0) or self.step == self.total_steps:
                 self.save()
         logger.close()
         self.export(history)
         return {"history": history, "stopped": False}
+
+    def evaluate(self, logger) -> None:
+        """--eval_dataset: held-out reward and pass@k when due (step 0, every --eval_steps, the last step)."""
+        from rlhf.metrics import PhaseTimer
+
+        if self.evaluator is None or not self.evaluator.cfg.due(self.step, self.total_steps):
+            return
+        timer = PhaseTimer()
+        if self.actor_changed or self.roles.rollout.needs_sync:  # the generator serves the current actor
+            sync_weights(self.roles, timer)
+            self.actor_changed = False
+        logger.log(self.step, self.evaluator.run(self.roles, self.step, timer), prefix="eval", progress=False)
 
     def export(self, history: list[dict[str, float]]) -> None:
         from rlhf.checkpoint import export_hf

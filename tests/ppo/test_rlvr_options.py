@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from ppo_common import TINY_GRPO, ppo_args
 
@@ -113,3 +114,63 @@ def test_one_update_per_batch_skips_the_old_logprob_forward(ppo_setup, tmp_path,
         for k in ("actor/policy_loss", "actor/grad_norm", "entropy", "reward"):
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (k, a[k], b[k])
         assert 0 < a["rollout_logprob_drift_max"] <= 1e-5 and a["rollout_logprob_drift"] <= a["rollout_logprob_drift_max"]
+
+
+def test_openrlhf_reward_file_and_its_extra_logs(ppo_setup, tmp_path, monkeypatch):
+    """OpenRLHF's examples/python/reward_func.py, unchanged (tests/peers), as --remote_rm_url: its random 0/1
+    rewards train the step and its extra log (the same tensor) reaches metrics.jsonl and TensorBoard as
+    reward_extra/dummy_scores, equal to the logged reward."""
+    import os
+
+    from helpers import REPO, free_port
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.ppo import main
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    out = tmp_path / "o"
+    argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--rollout_backend": "megatron", "--max_samples": "8",
+                                            "--remote_rm_url": os.path.join(REPO, "tests/peers/openrlhf/reward_func.py"),
+                                            "--tensorboard": str(out / "tb")})
+    assert main(argv) == 0
+    m = read_metrics_jsonl(str(out / "metrics.jsonl"), "ppo")
+    assert sorted(m) == [1, 2]
+    for s in m:
+        assert m[s]["reward_extra/dummy_scores"] == pytest.approx(m[s]["reward"], abs=1e-6), m[s]
+    ev = EventAccumulator(str(out / "tb"))
+    ev.Reload()
+    assert "ppo/reward_extra/dummy_scores" in ev.Tags()["scalars"]
+
+
+def test_evaluation_during_training(ppo_setup, tmp_path, monkeypatch):
+    """--eval_dataset: held-out reward and pass@k at step 0, every --eval_steps and after the last step, in
+    metrics.jsonl (prefix eval); pass@k is the mean over prompts of the best of k, so it is at least the mean."""
+    from helpers import free_port
+    from ppo_common import write_prompts
+
+    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.ppo import main
+    from rlhf.ppo.evaluation import pass_at_k
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    out = tmp_path / "o"
+    held_out = write_prompts(tmp_path / "eval.jsonl", 5, seed=9)
+    argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--rollout_backend": "megatron", "--max_samples": "20",
+                                            "--reward_fn": "_rule_reward:char_code_reward", "--eval_dataset": held_out,
+                                            "--eval_steps": "2", "--eval_n_samples_per_prompt": "3",
+                                            "--num_episodes": "1"})
+    assert main(argv) == 0
+    ev = read_metrics_jsonl(str(out / "metrics.jsonl"), "eval")
+    assert sorted(ev) == [0, 2, 4, 5], sorted(ev)  # 20 prompts / 4 per step: 5 steps
+    for m in ev.values():
+        assert m["prompts"] == 5 and 0 <= m["reward"] <= m["pass@3"] <= 1 and m["response_length"] == 3, m
+    assert pass_at_k(torch.tensor([0.0, 1.0, 0.5, 0.2, 0.2, 0.2]), 3) == pytest.approx((2.1 / 6, 0.6))
+
+
+def test_eval_needs_a_rule_reward(ppo_setup, tmp_path, monkeypatch, capsys):
+    from rlhf.ppo import main
+
+    argv = ppo_args(ppo_setup, str(tmp_path / "o"), **{"--eval_dataset": ppo_setup["prompts"]})
+    assert main(argv) == 2
+    assert "--eval_dataset scores the held-out replies with the run's rule reward" in capsys.readouterr().err
