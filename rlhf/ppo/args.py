@@ -37,6 +37,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("batching and generation")
     add_batch_args(g, micro_bs=8, epochs=1)
     g.add_argument("--micro_rollout_batch_size", type=int, default=8, help="samples per experience forward per rank")
+    g.add_argument("--use_dynamic_batch", "--train.dynamic_batch_enable", dest="use_dynamic_batch",
+                   action="store_true",
+                   help="form the forward and update micro-batches by token count (--max_tokens_per_gpu, packed) "
+                        "instead of by --micro_*_batch_size")
+    g.add_argument("--max_tokens_per_gpu", "--train.max_tokens_per_gpu", dest="max_tokens_per_gpu", type=int,
+                   default=16192, help="--use_dynamic_batch: prompt + response tokens per micro-batch at most")
     g.add_argument("--rollout_batch_size", type=int, default=512, help="prompts per rollout (global)")
     g.add_argument("--n_samples_per_prompt", type=int, default=1)
     g.add_argument("--num_episodes", type=int, default=1, help="passes over the prompt data")
@@ -264,6 +270,16 @@ def _check_algo(args: argparse.Namespace) -> None:
     from rlhf.algo.shaping import ShapingConfig
     from rlhf.ppo.evaluation import EvalConfig
 
+    if args.use_dynamic_batch:
+        if not args.packing_samples:
+            raise ValueError("--use_dynamic_batch forms micro-batches by token count, which only pays without padding: "
+                             "add --packing_samples")
+        if args.pipeline_model_parallel_size > 1:
+            raise ValueError("--use_dynamic_batch with --pipeline_model_parallel_size > 1: a pipeline needs the same "
+                             "number of micro-batches on every stage of each step; not supported yet")
+        if args.max_tokens_per_gpu < args.prompt_max_len + args.generate_max_len:
+            raise ValueError(f"--max_tokens_per_gpu {args.max_tokens_per_gpu} is below --prompt_max_len "
+                             f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}: a sample may not fit")
     ShapingConfig.from_args(args)
     if EvalConfig.from_args(args) is not None:
         from rlhf.config import check_paths_exist

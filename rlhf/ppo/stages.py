@@ -105,17 +105,36 @@ def generate_filtered(roles, args: argparse.Namespace, prompts: list, sampler, r
     return make_rollout([p for p, _ in groups], samples, mesh), metrics
 
 
-def experience_microbatches(rollout: Rollout, args: argparse.Namespace, mesh, pad_id: int) -> tuple[dict, list]:
-    """This rank's samples collated on the device (B rows, response width T = --generate_max_len), and the
-    --micro_rollout_batch_size micro-batches of the experience forwards (packed with --packing_samples)."""
+def experience_microbatches(rollout: Rollout, args: argparse.Namespace, mesh,
+                            pad_id: int) -> tuple[dict, list, list[int]]:
+    """This rank's samples collated on the device (B rows, response width T = --generate_max_len), the
+    --micro_rollout_batch_size micro-batches of the experience forwards (packed with --packing_samples; by token
+    count with --use_dynamic_batch), and the rows in the order the micro-batches hold them."""
     from rlhf.distributed.device import to_device
 
     batch = to_device(collate_sequences(rollout.local, pad_id, args.generate_max_len), mesh.device)
     trim, mrb = mesh.pp == 1, args.micro_rollout_batch_size
-    mbs = prepare_microbatches([select_rows(batch, range(i, i + mrb), trim)
-                                for i in range(0, len(rollout.local), mrb)],
-                               packing=args.packing_samples, pp=mesh.pp, pad_id=pad_id)
-    return batch, mbs
+    groups = [list(range(i, min(i + mrb, len(rollout.local)))) for i in range(0, len(rollout.local), mrb)]
+    if args.use_dynamic_batch:  # by token count instead (packed); the outputs come back in this order
+        groups = token_budget_groups(batch, list(range(len(rollout.local))), args.max_tokens_per_gpu)
+    mbs = prepare_microbatches([select_rows(batch, g, trim) for g in groups], packing=args.packing_samples,
+                               pp=mesh.pp, pad_id=pad_id)
+    return batch, mbs, [i for g in groups for i in g]
+
+
+def token_budget_groups(batch: dict, rows: list[int], max_tokens: int) -> list[list[int]]:
+    """``--use_dynamic_batch``: ``rows`` (indices into ``batch``) split into micro-batches of at most
+    ``--max_tokens_per_gpu`` prompt + response tokens each, about equal (``kernels.balance_microbatches``), each in
+    row order. The step's loss is a sum over tokens (or sequences) divided by the step's global count, so the
+    gradient does not depend on how the rows are grouped (tests/ppo/test_dynamic_batch.py)."""
+    import kernels
+
+    lens = batch["attention_mask"][rows].sum(dim=1).tolist()
+    try:
+        parts = kernels.balance_microbatches(lens, max_tokens, dp_size=1)[0]
+    except ValueError as e:
+        raise ValueError(str(e).replace("--max_tokens_per_microbatch", "--max_tokens_per_gpu")) from None
+    return [[rows[i] for i in part] for part in parts if part]
 
 
 def frozen_forwards(roles, args: argparse.Namespace, mbs: list, tokens: float, timer) -> dict[str, torch.Tensor]:
@@ -222,10 +241,15 @@ def make_experience(roles, args: argparse.Namespace, rollout: Rollout, rewards: 
                     timer) -> tuple[Experience, torch.Tensor, dict[str, float]]:
     """make_experience: the frozen forwards and the rewards of this rank's samples. Returns the experience,
     the raw (unnormalized) combined rewards (B,) and the reward metrics."""
-    batch, mbs = experience_microbatches(rollout, args, mesh, pad_id)
+    batch, mbs, order = experience_microbatches(rollout, args, mesh, pad_id)
     out = frozen_forwards(roles, args, mbs, rollout.tokens, timer)
+    if order != sorted(order):  # token-budget micro-batches: back to row order
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        out = {k: v[inverse.to(v.device)] for k, v in out.items()}
     vllm_lp = generator_logprobs(rollout.local, args.generate_max_len)
     combined, raw, metrics = rewards.score({r: out[r] for r in roles.reward_models}, rollout)
+    metrics["microbatches/forward"] = float(len(mbs))
     combined, raw = shape_rewards(combined, raw, rollout, args, mesh, metrics)
     vllm_lp = vllm_lp.to(batch["action_mask"].device)
     exp = Experience(samples=rollout.local, batch=batch,
@@ -317,6 +341,9 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
     from rlhf.models.outputs import response_logprobs, response_values
 
     plans = update_plans(exp.old_logprobs.shape[0], args, mesh.dp, step)
+    if args.use_dynamic_batch:  # each optimizer step's rows regrouped by token count
+        plans = [token_budget_groups(exp.batch, [i for mb in plan for i in mb], args.max_tokens_per_gpu)
+                 for plan in plans]
     trim = mesh.pp == 1
 
     def microbatches(plan: list[list[int]]) -> list[dict]:
@@ -345,6 +372,7 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
                 tokens * args.max_epochs, timer, after_step=after_actor_step)
     out = {k: v / len(plans) for k, v in sums.items()}
     out["entropy"] = out.pop("actor/entropy")
+    out["microbatches/update"] = sum(len(p) for p in plans) / len(plans)  # per optimizer step
     for k in ("rollout_logprob_drift", "rollout_logprob_drift_max"):  # measured by the update's forward
         if f"actor/{k}" in out:
             out[k] = out.pop(f"actor/{k}")
