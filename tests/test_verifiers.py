@@ -84,3 +84,22 @@ def test_bad_reward_files_name_the_flag(tmp_path, body, needle):
         check_remote_rm(str(f))
     with pytest.raises(ValueError, match="no such file"):
         check_remote_rm(str(tmp_path / "missing.py"))
+
+
+def test_arith_task_splits_are_disjoint_and_right():
+    """The real-model example's task (rlhf/demo/arith_task.py): distinct questions, none of the held-out ones
+    trained on, every answer right (checked by evaluating the question), the three kinds present."""
+    import re
+
+    from rlhf.demo.arith_task import make_split
+
+    train, held = make_split(seed=0)
+    assert (len(train), len(held)) == (512, 64)
+    key = lambda r: tuple(sorted(map(int, re.findall(r"\d+", r["prompt"])))) + ("times" in r["prompt"],)  # noqa
+    assert len({key(r) for r in train + held}) == 576
+    for r in train + held:
+        a, b = map(int, re.findall(r"\d+", r["prompt"]))
+        assert int(r["answer"]) == (a * b if "times" in r["prompt"] else a + b)
+    kinds = {("times" in r["prompt"], max(map(int, re.findall(r"\d+", r["prompt"]))) > 30) for r in train}
+    assert (True, False) in kinds and (False, True) in kinds and (False, False) in kinds
+    assert make_split(seed=0) == (train, held) and make_split(seed=1) != (train, held)

@@ -1,0 +1,98 @@
+"""One TRL GRPO run for bench/rlvr_vs_trl.py; runs in bench/.venv-trl (TRL 1.12.0's ``GRPOTrainer``).
+
+    bench/.venv-trl/bin/python bench/_trl_grpo.py --model M --train train.jsonl --steps 30 --out result.json
+
+The settings of ours in rlvr_vs_trl.py: 8 prompts x 8 generations per step (one process on every core, its usual
+CPU run: per-device batch 64, one gradient-accumulation step), up to 24 new tokens at temperature 1, the chat
+template, the same exact-answer reward (``rlhf.verifiers.math_reward``, imported from the repository), no KL
+(TRL's default beta 0), TRL's default loss (``dapo``: the token mean over the batch) and group-scaled rewards,
+Adam(0.9, 0.999) at a constant --lr, one update per generation batch, fp32 (--bf16: TRL's bf16 setting), no
+gradient checkpointing (TRL defaults to it; ours does not recompute), transformers' ``generate`` (TRL's default
+without vLLM). Writes, per step, the wall time between step ends, TRL's logged reward, and the final model.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--train", required=True, help="jsonl of {prompt, answer} (rlhf/demo/arith_task.py)")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--prompts_per_step", type=int, default=8)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--max_new_tokens", type=int, default=24)
+    p.add_argument("--lr", type=float, default=2e-6)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--save", default=None, help="save the final model here")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import transformers
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, REPO)
+    from rlhf.verifiers import math_reward  # the same verifier as ours (pure Python + math-verify)
+
+    transformers.logging.set_verbosity_error()
+    rows = [json.loads(ln) for ln in open(args.train) if ln.strip()]
+    n = args.prompts_per_step * args.steps
+    if len(rows) < n:
+        raise SystemExit(f"need {n} prompts, have {len(rows)}")
+    train = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                               for r in rows[:n]])
+
+    def exact_answer(completions, answer, **kw):
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        return math_reward([""] * len(texts), texts, answer)
+
+    batch = args.prompts_per_step * args.generations
+    cfg = GRPOConfig(
+        output_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "trl_out"),
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=args.generations,
+        max_completion_length=args.max_new_tokens, temperature=1.0, learning_rate=args.lr,
+        lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0,
+        max_grad_norm=1.0, beta=0.0, max_steps=args.steps, num_train_epochs=1, seed=args.seed, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, bf16=args.bf16, fp16=False, disable_tqdm=True,
+        dataloader_num_workers=0, gradient_checkpointing=False, shuffle_dataset=False)
+    times: list[float] = []
+    logged: list[dict] = []
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            now = time.perf_counter()
+            times.append(now - self.t)
+            self.t = now
+
+        def on_log(self, _args, state, control, logs=None, **k):
+            if logs and "reward" in logs:
+                logged.append({"step": state.global_step, **{k2: v for k2, v in logs.items()
+                                                               if isinstance(v, (int, float))}})
+
+    trainer = GRPOTrainer(model=args.model, reward_funcs=[exact_answer], args=cfg, train_dataset=train,
+                          callbacks=[Timer()])
+    trainer.train()
+    if args.save:
+        trainer.model.save_pretrained(args.save)
+        trainer.processing_class.save_pretrained(args.save)
+    with open(args.out, "w") as f:
+        json.dump({"step_seconds": times, "logs": logged, "samples_per_step": batch}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

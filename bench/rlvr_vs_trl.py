@@ -1,0 +1,150 @@
+"""GRPO with a verifiable reward on SmolLM2-135M-Instruct: ours (launch/ppo.py, colocated vLLM) against Hugging Face
+TRL 1.12.0's ``GRPOTrainer``, same model, prompts, group size, learning rate, temperature, reward and steps.
+
+    bash bench/setup_trl.sh                       # TRL in its own venv, bench/.venv-trl
+    .venv/bin/python bench/rlvr_vs_trl.py [--seeds 1,2,3] [--steps 30] [--bf16] [--out bench/results/rlvr]
+
+Per seed, alternately (ours, TRL): a 30-step run of each (8 prompts x 8 replies of up to 24 tokens per step, one
+update per batch, no KL, Adam at a constant 2e-6; ours on 2 ranks with vLLM as tools/run_rlvr_example.py runs it,
+TRL as one process on both cores, bench/_trl_grpo.py), then both final models, and the model they started from,
+evaluated the same way by tools/eval_rlvr.py (transformers' generate, 64 held-out questions x 4 replies at
+temperature 0.6: accuracy and pass@4). Samples/s: 64 over the median step time, the first step excluded.
+
+Writes results.json and rlvr_curves.png (training reward per step, mean over seeds, both systems) under --out and
+prints the table: held-out accuracy before -> after per system and seed, samples/s, and the ratio ours/TRL.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tools"))
+TRL_PY = os.path.join(REPO, "bench", ".venv-trl", "bin", "python")
+
+
+def env(threads: int) -> dict:
+    from rlhf.distributed.env import env_without_launcher
+
+    e = env_without_launcher()
+    e.update(OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
+    return e
+
+
+def run_ours(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool) -> dict:
+    from rlhf.distributed.env import free_port
+    from rlhf.metrics import read_metrics_jsonl
+    from run_rlvr_example import ppo_flags
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           os.path.join(REPO, "launch", "ppo.py"), *ppo_flags(model, data, out, seed, steps,
+                                                               ["--bf16"] if bf16 else [])]
+    with open(os.path.join(out, "train.log"), "w") as log:
+        if subprocess.run(cmd, cwd=REPO, env=env(1), stdout=log, stderr=subprocess.STDOUT).returncode:
+            raise SystemExit(f"error: our run failed; see {out}/train.log")
+    tr = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "ppo")
+    steps_ = sorted(tr)
+    return {"reward": [tr[s]["reward"] for s in steps_], "step_seconds": [tr[s]["time/step"] for s in steps_],
+            "model": out}
+
+
+def run_trl(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool) -> dict:
+    res = os.path.join(out, "trl_result.json")
+    cmd = [TRL_PY, os.path.join(REPO, "bench", "_trl_grpo.py"), "--model", model, "--train", data["train"],
+           "--steps", str(steps), "--seed", str(seed), "--save", os.path.join(out, "model"), "--out", res]
+    with open(os.path.join(out, "train.log"), "w") as log:
+        if subprocess.run(cmd + (["--bf16"] if bf16 else []), cwd=REPO, env=env(2), stdout=log,
+                          stderr=subprocess.STDOUT).returncode:
+            raise SystemExit(f"error: the TRL run failed; see {out}/train.log")
+    r = json.load(open(res))
+    return {"reward": [x["reward"] for x in r["logs"]], "step_seconds": r["step_seconds"],
+            "model": os.path.join(out, "model")}
+
+
+def held_out(model: str, heldout: str) -> dict:
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "eval_rlvr.py"), "--model", model,
+                          "--heldout", heldout], cwd=REPO, env=env(2), capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"error: evaluating {model}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def samples_per_s(step_seconds: list[float], samples: int = 64) -> float:
+    return samples / statistics.median(step_seconds[1:])
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for system in ("ours", "trl"):
+        runs = [r[system]["reward"] for r in results["seeds"].values()]
+        n = min(len(c) for c in runs)
+        mean = [sum(c[i] for c in runs) / len(runs) for i in range(n)]
+        ax.plot(range(1, n + 1), mean, label=f"{system} (mean of {len(runs)} seeds)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training reward (exact answers)")
+    ax.set_title("GRPO, SmolLM2-135M-Instruct, 8 prompts x 8 replies")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "rlvr"))
+    p.add_argument("--work", default="/tmp/rlvr_vs_trl")
+    args = p.parse_args(argv)
+    if not os.path.exists(TRL_PY):
+        raise SystemExit("error: bench/.venv-trl is missing: bash bench/setup_trl.sh")
+    from rlhf.demo.arith_task import write
+
+    os.makedirs(args.out, exist_ok=True)
+    model = os.path.join(args.work, "smollm2-135m-instruct")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_smollm2.py"), "--out", model], check=True)
+    data = write(os.path.join(args.work, "data"), seed=0)
+    tag = "bf16" if args.bf16 else "fp32"
+    results = {"precision": tag, "steps": args.steps, "base": held_out(model, data["heldout"]), "seeds": {}}
+    print(f"base model: {results['base']}", flush=True)
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        row = {}
+        for system, fn in (("ours", run_ours), ("trl", run_trl)):
+            out = os.path.join(args.work, f"{tag}_{system}_s{seed}")
+            os.makedirs(out, exist_ok=True)
+            t0 = time.time()
+            r = fn(model, data, out, seed, args.steps, args.bf16)
+            r["held_out"] = held_out(r["model"], data["heldout"])
+            r["samples_per_s"] = samples_per_s(r["step_seconds"])
+            r["seconds"] = time.time() - t0
+            row[system] = r
+            print(f"seed {seed} {system}: held-out accuracy {results['base']['accuracy']:.3f} -> "
+                  f"{r['held_out']['accuracy']:.3f} (pass@4 {r['held_out']['pass@4']:.3f}); training reward "
+                  f"{sum(r['reward'][:5]) / 5:.3f} -> {sum(r['reward'][-5:]) / 5:.3f}; "
+                  f"{r['samples_per_s']:.2f} samples/s", flush=True)
+        results["seeds"][seed] = row
+        with open(os.path.join(args.out, f"results_{tag}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    plot(results, os.path.join(args.out, f"rlvr_curves_{tag}.png"))
+    ours = statistics.median(r["ours"]["samples_per_s"] for r in results["seeds"].values())
+    trl = statistics.median(r["trl"]["samples_per_s"] for r in results["seeds"].values())
+    acc = {s: statistics.mean(r[s]["held_out"]["accuracy"] for r in results["seeds"].values()) for s in ("ours", "trl")}
+    print(f"held-out accuracy (mean over seeds): ours {acc['ours']:.3f}, TRL {acc['trl']:.3f} (base "
+          f"{results['base']['accuracy']:.3f}); samples/s ours/TRL {ours / trl:.2f}x ({tag})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
