@@ -2,7 +2,7 @@
 TRL 1.12.0's ``GRPOTrainer``, same model, prompts, group size, learning rate, temperature, reward and steps.
 
     bash bench/setup_trl.sh                       # TRL in its own venv, bench/.venv-trl
-    .venv/bin/python bench/rlvr_vs_trl.py [--seeds 1,2,3] [--steps 30] [--bf16] [--out bench/results/rlvr]
+    .venv/bin/python bench/rlvr_vs_trl.py [--seeds 1,2,3] [--steps 30] [--bf16] [--out bench/results]
 
 Per seed, alternately (ours, TRL): a 30-step run of each (8 prompts x 8 replies of up to 24 tokens per step, one
 update per batch, no KL, Adam at a constant 2e-6; ours on 2 ranks with vLLM as tools/run_rlvr_example.py runs it,
@@ -10,8 +10,9 @@ TRL as one process on both cores, bench/_trl_grpo.py), then both final models, a
 evaluated the same way by tools/eval_rlvr.py (transformers' generate, 64 held-out questions x 4 replies at
 temperature 0.6: accuracy and pass@4). Samples/s: 64 over the median step time, the first step excluded.
 
-Writes results.json and rlvr_curves.png (training reward per step, mean over seeds, both systems) under --out and
-prints the table: held-out accuracy before -> after per system and seed, samples/s, and the ratio ours/TRL.
+Writes rlvr_results_<fp32|bf16>.json and rlvr_curves_<fp32|bf16>.png (training reward per step, mean over seeds,
+both systems) under --out and prints held-out accuracy before -> after per system and seed, samples/s, and the
+ratio ours/TRL.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "rlvr"))
+    p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     p.add_argument("--work", default="/tmp/rlvr_vs_trl")
     args = p.parse_args(argv)
     if not os.path.exists(TRL_PY):
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
                   f"{sum(r['reward'][:5]) / 5:.3f} -> {sum(r['reward'][-5:]) / 5:.3f}; "
                   f"{r['samples_per_s']:.2f} samples/s", flush=True)
         results["seeds"][seed] = row
-        with open(os.path.join(args.out, f"results_{tag}.json"), "w") as f:
+        with open(os.path.join(args.out, f"rlvr_results_{tag}.json"), "w") as f:
             json.dump(results, f, indent=1)
     plot(results, os.path.join(args.out, f"rlvr_curves_{tag}.png"))
     ours = statistics.median(r["ours"]["samples_per_s"] for r in results["seeds"].values())
