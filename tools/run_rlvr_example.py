@@ -6,9 +6,9 @@ vLLM; held-out accuracy before and after each run.
 
 Each run: 8 prompts x 8 replies of up to 24 tokens per step, one update per batch (the old log-probs are the
 update's own forward), the exact-answer reward ``rlhf.verifiers:math_reward`` (the reply's last number against
-the record's ``answer``), no KL penalty, Adam at a constant 2e-6. ``dapo`` adds clip-higher (0.2 / 0.28),
-dynamic filtering (groups whose replies all score alike are replaced) and the overlong penalty (the last 8 tokens of
-24, up to 0.5). Held-out: 64 questions never trained on, 4 replies each at temperature 0.6, at step 0 and after
+the record's ``answer``), no KL penalty, Adam(0.9, 0.999) at a constant 2e-6 (TRL's GRPO settings). ``dapo``
+adds clip-higher (0.2 / 0.28), dynamic filtering (groups whose replies all score alike are replaced) and the
+overlong penalty (the last 8 tokens of 24, up to 0.5). Held-out: 64 questions never trained on, 4 replies each at temperature 0.6, at step 0 and after
 the last step (the trainer's --eval_dataset): accuracy (mean reward) and pass@4.
 
 Writes under --out: data/, <config>_s<seed>/ (metrics.jsonl, TensorBoard, logs), summary.json and
@@ -42,6 +42,7 @@ def ppo_flags(model: str, data: dict, out: str, seed: int, steps: int, extra: li
             "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "16", "--max_epochs", "1",
             "--generate_max_len", "24", "--prompt_max_len", "64", "--temperature", "1.0",
             "--actor_learning_rate", "2e-6", "--lr_scheduler", "constant", "--lr_warmup_ratio", "0",
+            "--adam_betas", "0.9", "0.999",
             "--max_samples", str(8 * steps), "--num_episodes", "1", "--seed", str(seed),
             "--eval_dataset", data["heldout"], "--eval_n_samples_per_prompt", "4", "--eval_temperature", "0.6",
             "--save_path", out, "--tensorboard", os.path.join(out, "tb"), "--save_steps", "-1", *extra]

@@ -67,7 +67,7 @@ class Evaluator:
 
         self.cfg, self.args, self.mesh = cfg, args, mesh
         eval_args = argparse.Namespace(**{**vars(args), "prompt_data": cfg.dataset, "prompt_data_probs": None,
-                                          "max_samples": cfg.max_samples or args.max_samples})
+                                          "max_samples": cfg.max_samples})  # not --max_samples: that caps training
         try:
             self.prompts, _ = load_prompts(eval_args, tokenizer)
         except ValueError as e:

@@ -145,7 +145,8 @@ def test_openrlhf_reward_file_and_its_extra_logs(ppo_setup, tmp_path, monkeypatc
 
 def test_evaluation_during_training(ppo_setup, tmp_path, monkeypatch):
     """--eval_dataset: held-out reward and pass@k at step 0, every --eval_steps and after the last step, in
-    metrics.jsonl (prefix eval); pass@k is the mean over prompts of the best of k, so it is at least the mean."""
+    metrics.jsonl (prefix eval); pass@k is the mean over prompts of the best of k, so it is at least the mean.
+    Every held-out prompt is used: more of them than the training's --max_samples (which once capped them)."""
     from helpers import free_port
     from ppo_common import write_prompts
 
@@ -155,7 +156,7 @@ def test_evaluation_during_training(ppo_setup, tmp_path, monkeypatch):
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     out = tmp_path / "o"
-    held_out = write_prompts(tmp_path / "eval.jsonl", 5, seed=9)
+    held_out = write_prompts(tmp_path / "eval.jsonl", 25, seed=9)
     argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--rollout_backend": "megatron", "--max_samples": "20",
                                             "--reward_fn": "_rule_reward:char_code_reward", "--eval_dataset": held_out,
                                             "--eval_steps": "2", "--eval_n_samples_per_prompt": "3",
@@ -164,7 +165,7 @@ def test_evaluation_during_training(ppo_setup, tmp_path, monkeypatch):
     ev = read_metrics_jsonl(str(out / "metrics.jsonl"), "eval")
     assert sorted(ev) == [0, 2, 4, 5], sorted(ev)  # 20 prompts / 4 per step: 5 steps
     for m in ev.values():
-        assert m["prompts"] == 5 and 0 <= m["reward"] <= m["pass@3"] <= 1 and m["response_length"] == 3, m
+        assert m["prompts"] == 25 and 0 <= m["reward"] <= m["pass@3"] <= 1 and m["response_length"] == 3, m
     assert pass_at_k(torch.tensor([0.0, 1.0, 0.5, 0.2, 0.2, 0.2]), 3) == pytest.approx((2.1 / 6, 0.6))
 
 
