@@ -285,6 +285,7 @@ def cli_main(add_args, run, argv=None) -> int:
     add_launcher_args(p)
     args = p.parse_args(argv)
     from rlhf.compat.onednn import bound_onednn_caches
+    from rlhf.agents import TooManyAgentFailures
     from rlhf.engine import TrainingDiverged
 
     bound_onednn_caches()  # before the first oneDNN call, which reads the capacities
@@ -301,7 +302,8 @@ def cli_main(add_args, run, argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return failures.end_rank(2)
-    except TrainingDiverged as e:  # one line, not a traceback: the run diverged, nothing non-finite was saved
+    except (TrainingDiverged, TooManyAgentFailures) as e:  # one line, not a traceback: the run diverged (nothing
+        # non-finite was saved), or its environments failed; every rank decides alike
         print(f"error: {e}", file=sys.stderr)
         return failures.end_rank(3)
     except Exception as e:

@@ -246,6 +246,8 @@ class RewardConfig:
     """(--remote_rm_weight) its weight in the sum."""
     remote_rm_timeout: float = 120.0
     """(--remote_rm_timeout) seconds per request."""
+    agent: bool = False
+    """(--agent_func_path) the trajectories' environment rewards (the sum of each one's step rewards), weight 1."""
     paths: list[str] = field(init=False)
     weights: list[float] = field(init=False)
 
@@ -256,9 +258,9 @@ class RewardConfig:
         if not self.paths and self.reward_weights is not None:
             raise ValueError(f"--reward_weights {self.reward_weights} needs --reward_pretrain")
         self.weights = _floats("--reward_weights", self.reward_weights, len(self.paths))
-        if not self.paths and not self.reward_fn and not self.remote_rm_url:
-            raise ValueError("no reward: pass --reward_pretrain (reward models), --reward_fn module:function and/or "
-                             "--remote_rm_url http://host:port/path")
+        if not self.paths and not self.reward_fn and not self.remote_rm_url and not self.agent:
+            raise ValueError("no reward: pass --reward_pretrain (reward models), --reward_fn module:function, "
+                             "--remote_rm_url http://host:port/path and/or --agent_func_path agent.py")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RewardConfig":
@@ -268,7 +270,8 @@ class RewardConfig:
                    normalize_reward=getattr(args, "normalize_reward", False),
                    remote_rm_url=getattr(args, "remote_rm_url", None),
                    remote_rm_weight=getattr(args, "remote_rm_weight", 1.0),
-                   remote_rm_timeout=getattr(args, "remote_rm_timeout", 120.0))
+                   remote_rm_timeout=getattr(args, "remote_rm_timeout", 120.0),
+                   agent=bool(getattr(args, "agent_func_path", None)))
 
     @property
     def rm_names(self) -> list[str]:
@@ -282,6 +285,8 @@ class RewardConfig:
             out["fn"] = self.reward_fn_weight
         if self.remote_rm_url:
             out["remote"] = self.remote_rm_weight
+        if self.agent:
+            out["agent"] = 1.0
         return out
 
     def validate_models(self, tp: int, pp: int) -> list[dict]:
@@ -327,6 +332,8 @@ class RewardConfig:
             parts.append(f"{self.reward_fn_weight:g} x fn ({self.reward_fn})")
         if self.remote_rm_url:
             parts.append(f"{self.remote_rm_weight:g} x remote ({self.remote_rm_url})")
+        if self.agent:
+            parts.append("the agent's environment rewards")
         return " + ".join(parts) + ("; reward models normalized by their saved mean/std" if self.normalize_reward
                                     else "")
 

@@ -49,6 +49,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_sampling_args(g)
     g.add_argument("--ignore_eos", action="store_true",
                    help="generate exactly --generate_max_len tokens per response (benchmarks)")
+    from rlhf.agents.flags import add_agent_args
+
+    add_agent_args(g)
     g = p.add_argument_group("optimisation")
     g.add_argument("--actor_learning_rate", type=float, default=1e-6)
     g.add_argument("--critic_learning_rate", type=float, default=9e-6)
@@ -191,6 +194,9 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
                          "placement (Ray-style) is not supported")
     dp = validate_layout(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     _check_algo(args)
+    from rlhf.agents.flags import check_agent_args
+
+    check_agent_args(args)
     check_paths_exist("--prompt_data", args.prompt_data)
     check_resumable(args)
     lora_config_from_args(args)
@@ -200,7 +206,10 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     check_ema_args(args)
     _check_ptx(args)
     rewards, sources = _check_models(args)
+    from rlhf.agents.flags import check_agent_fit
     from rlhf.models.source import check_tokenizer_folder
+
+    check_agent_fit(args, sources["--pretrain"]["hf_config"])
 
     check_tokenizer_folder(args.pretrain, "--pretrain")  # the prompts and replies are tokenized with it
     why = resolve_vllm_tp(args, sources["--pretrain"]["spec"], world_size)
@@ -295,9 +304,10 @@ def _check_algo(args: argparse.Namespace) -> None:
         if args.n_samples_per_prompt < 2:
             raise ValueError(f"--dynamic_filtering with --n_samples_per_prompt {args.n_samples_per_prompt}: it keeps "
                              "prompts whose replies score differently, which needs at least 2 replies per prompt")
-        if args.reward_pretrain or not (args.reward_fn or args.remote_rm_url):
-            raise ValueError("--dynamic_filtering filters on the scores of a rule reward (--reward_fn or "
-                             "--remote_rm_url) before any model runs; it does not combine with --reward_pretrain")
+        if args.reward_pretrain or not (args.reward_fn or args.remote_rm_url or args.agent_func_path):
+            raise ValueError("--dynamic_filtering filters on the scores of a rule reward (--reward_fn, "
+                             "--remote_rm_url or an agent's) before any model runs; it does not combine with "
+                             "--reward_pretrain")
         if args.dynamic_filtering_max_rounds < 1:
             raise ValueError(f"--dynamic_filtering_max_rounds must be >= 1, got {args.dynamic_filtering_max_rounds}")
     if args.no_std_norm and args.advantage_estimator not in ("gae", "reinforce_plus_plus", "reinforce_baseline"):

@@ -32,7 +32,7 @@ def collate_sequences(samples: Sequence[Sample], pad_id: int, T: int, seq_len: i
         attention_mask[b, : len(seq)] = 1
         r = len(s.response_ids)
         response_ids[b, :r] = torch.tensor(s.response_ids, dtype=torch.long)
-        action_mask[b, :r] = True
+        action_mask[b, :r] = True if s.action_mask is None else torch.tensor(s.action_mask, dtype=torch.bool)
         resp_pos[b] = (len(s.prompt_ids) - 1 + torch.arange(T)).clamp(max=S - 1)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "response_ids": response_ids,
             "action_mask": action_mask, "resp_pos": resp_pos}

@@ -32,6 +32,8 @@ class PPORoles:
     """``MemoryScheduler``: what is resident in each phase"""
     managers: dict[str, Any]
     """one ``OffloadManager`` per role"""
+    agent: Any = None
+    """--agent_func_path: the multi-turn rollout (``rlhf.agents.rollout.AgentRollout``) driving ``rollout``"""
 
     @property
     def engines(self) -> dict[str, Any]:
@@ -53,6 +55,7 @@ class PPORoles:
 def rollout_config(args: argparse.Namespace, spec=None, world_size: int | None = None, on_cuda: bool = False):
     """The generator's settings; with the actor's ``spec`` and the world size, the CPU KV cache is sized to the
     rollout batch (unless ``--vllm_kv_cache_mb`` is given). Its dtype: ``rlhf.rollout.types.generator_dtype``."""
+    from rlhf.agents.flags import generator_max_model_len
     from rlhf.rollout import RolloutConfig
     from rlhf.rollout.types import generator_dtype, kv_cache_bytes_for_batch, mb_to_bytes
 
@@ -62,11 +65,11 @@ def rollout_config(args: argparse.Namespace, spec=None, world_size: int | None =
         engines = max(world_size // args.vllm_tensor_parallel_size, 1)
         seqs = -(-args.rollout_batch_size * args.n_samples_per_prompt // engines)
         cpu_kv = kv_cache_bytes_for_batch(spec, args.vllm_tensor_parallel_size, seqs,
-                                          args.prompt_max_len + args.generate_max_len, 2 if dtype == "bfloat16" else 4)
+                                          generator_max_model_len(args), 2 if dtype == "bfloat16" else 4)
     return RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size, num_engines=args.vllm_num_engines,
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                          kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb), cpu_kv_cache_bytes=cpu_kv,
-                         max_model_len=args.prompt_max_len + args.generate_max_len,
+                         max_model_len=generator_max_model_len(args),
                          dtype=dtype, dtype_reason=why, seed=args.seed, enforce_eager=args.vllm_enforce_eager,
                          backend=args.rollout_backend, weight_sync_bucket_mb=args.weight_sync_bucket_mb)
 

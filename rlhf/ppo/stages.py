@@ -5,7 +5,7 @@ timed by phase name, and enters its memory phase (``rlhf.offload``) before it ru
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,8 @@ class Rollout:
     """every sample of the step, prompt-major (the same list on every rank)"""
     local: list[Sample]
     """this DP rank's contiguous share of ``samples``"""
+    metrics: dict = field(default_factory=dict)
+    """what the generation reports (the agents' agent/* figures)"""
 
     @property
     def tokens(self) -> float:
@@ -50,20 +52,26 @@ def generate(roles, args: argparse.Namespace, prompts: list, prompt_idx: list[in
     ``round_``: the rollout's number within the step (dynamic filtering generates again), in its seed."""
     # The fallback generator runs the actor itself, so its parameters stay resident (weight_sync's residency).
     roles.memory.enter("weight_sync" if roles.rollout.reads_actor_params else "rollout")
+    seed, metrics = args.seed * 100_003 + step + 1_000_003 * round_, {}
     with timer.phase("rollout"):
         roles.rollout.wake_up(["kv_cache"])
-        samples = roles.rollout.generate([prompts[i].prompt_ids.tolist() for i in prompt_idx],
-                                         n=args.n_samples_per_prompt, temperature=args.temperature,
-                                         top_p=args.top_p, max_tokens=args.generate_max_len,
-                                         seed=args.seed * 100_003 + step + 1_000_003 * round_,
-                                         ignore_eos=args.ignore_eos)
+        if roles.agent is not None:  # multi-turn trajectories (rlhf.agents.rollout)
+            samples, metrics = roles.agent.run(roles.rollout, prompts, prompt_idx, n=args.n_samples_per_prompt,
+                                               temperature=args.temperature, top_p=args.top_p,
+                                               max_tokens=args.generate_max_len, seed=seed)
+        else:
+            samples = roles.rollout.generate([prompts[i].prompt_ids.tolist() for i in prompt_idx],
+                                             n=args.n_samples_per_prompt, temperature=args.temperature,
+                                             top_p=args.top_p, max_tokens=args.generate_max_len, seed=seed,
+                                             ignore_eos=args.ignore_eos)
         roles.rollout.sleep()
-    return make_rollout(prompt_idx, samples, mesh)
+    return make_rollout(prompt_idx, samples, mesh, metrics)
 
 
-def make_rollout(prompt_idx: list[int], samples: list[Sample], mesh) -> Rollout:
+def make_rollout(prompt_idx: list[int], samples: list[Sample], mesh, metrics: dict | None = None) -> Rollout:
     per = len(samples) // mesh.dp
-    return Rollout(prompt_idx=prompt_idx, samples=samples, local=samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per])
+    return Rollout(prompt_idx=prompt_idx, samples=samples, local=samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per],
+                   metrics=metrics or {})
 
 
 def generate_filtered(roles, args: argparse.Namespace, prompts: list, sampler, rewards: "RewardSources", step: int,
@@ -79,7 +87,7 @@ def generate_filtered(roles, args: argparse.Namespace, prompts: list, sampler, r
 
     rollout = generate(roles, args, prompts, sampler.next_step()[0], step, mesh, timer)
     if not args.dynamic_filtering:
-        return rollout, {}
+        return rollout, rollout.metrics
     n, want, (lo, hi) = args.n_samples_per_prompt, args.rollout_batch_size, args.dynamic_filtering_range
     kept: list[tuple[int, list[Sample]]] = []
     dropped: list[tuple[int, list[Sample]]] = []
@@ -102,7 +110,7 @@ def generate_filtered(roles, args: argparse.Namespace, prompts: list, sampler, r
     metrics = {"dynamic_filtering/pass_rate": passed / seen, "dynamic_filtering/rounds": float(rounds),
                "dynamic_filtering/prompts": float(seen), "dynamic_filtering/filled": float(max(0, want - passed)),
                "dynamic_filtering/generated_tokens": float(generated)}
-    return make_rollout([p for p, _ in groups], samples, mesh), metrics
+    return make_rollout([p for p, _ in groups], samples, mesh), {**rollout.metrics, **metrics}
 
 
 def experience_microbatches(rollout: Rollout, args: argparse.Namespace, mesh,
@@ -112,7 +120,9 @@ def experience_microbatches(rollout: Rollout, args: argparse.Namespace, mesh,
     count with --use_dynamic_batch), and the rows in the order the micro-batches hold them."""
     from rlhf.distributed.device import to_device
 
-    batch = to_device(collate_sequences(rollout.local, pad_id, args.generate_max_len), mesh.device)
+    from rlhf.agents.flags import response_width
+
+    batch = to_device(collate_sequences(rollout.local, pad_id, response_width(args, rollout.samples)), mesh.device)
     trim, mrb = mesh.pp == 1, args.micro_rollout_batch_size
     groups = [list(range(i, min(i + mrb, len(rollout.local)))) for i in range(0, len(rollout.local), mrb)]
     if args.use_dynamic_batch:  # by token count instead (packed); the outputs come back in this order
@@ -204,6 +214,10 @@ class RewardSources:
         if self.fn is not None:
             scores["fn"] = call_reward_fn(self.fn, *self.texts(rollout, rollout.local),
                                           labels=labels).to(self.mesh.device)
+        if self.cfg.agent:  # the trajectories' environment rewards (rlhf.agents.rollout)
+            scores["agent"] = agent_rewards(rollout.local).to(self.mesh.device)
+            self.filter_scores = torch.tensor([s.agent.score for s in rollout.local])
+            metrics.update(agent_extra_logs(rollout.samples))
         if self.cfg.remote_rm_url:  # this rank's share, as OpenRLHF's remote_rm_fn sends it
             texts, replies = self.texts(rollout, rollout.local)
             remote = call_remote_rm_full(self.cfg.remote_rm_url, [t + r for t, r in zip(texts, replies)], texts,
@@ -219,6 +233,25 @@ class RewardSources:
         if self.norms:
             metrics["reward_normalized"] = dp_all_gather(rewards, self.mesh).mean().item()
         return rewards, raw, metrics
+
+
+def agent_rewards(samples: list[Sample]) -> torch.Tensor:
+    """Each trajectory's environment reward (the sum of its step rewards; 0 for a failed one)."""
+    if any(s.agent is None or s.agent.reward is None for s in samples):
+        raise ValueError("--agent_func_path: its AgentExecutor returned no reward (a single-turn executor); give its "
+                         "step results 'rewards' or score the replies with --reward_fn / --remote_rm_url instead")
+    return torch.tensor([s.agent.reward for s in samples], dtype=torch.float32)
+
+
+def agent_extra_logs(samples: list[Sample]) -> dict[str, float]:
+    """``reward_extra/<name>``: the mean over the step's trajectories (every rank holds them all) of each
+    environment's last ``extra_logs``, over the trajectories that logged the name."""
+    names = sorted({k for s in samples for k in s.agent.extra_logs})
+    out = {}
+    for k in names:
+        vals = [s.agent.extra_logs[k] for s in samples if k in s.agent.extra_logs]
+        out[f"reward_extra/{k}"] = sum(vals) / len(vals)
+    return out
 
 
 def extra_log_metrics(extra_logs: dict, n: int, mesh) -> dict[str, float]:
@@ -247,7 +280,9 @@ def make_experience(roles, args: argparse.Namespace, rollout: Rollout, rewards: 
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         out = {k: v[inverse.to(v.device)] for k, v in out.items()}
-    vllm_lp = generator_logprobs(rollout.local, args.generate_max_len)
+    from rlhf.agents.flags import response_width
+
+    vllm_lp = generator_logprobs(rollout.local, response_width(args, rollout.samples))
     combined, raw, metrics = rewards.score({r: out[r] for r in roles.reward_models}, rollout)
     metrics["microbatches/forward"] = float(len(mbs))
     combined, raw = shape_rewards(combined, raw, rollout, args, mesh, metrics)

@@ -72,6 +72,12 @@ class PPOTrainer:
             log.info("--vllm_tensor_parallel_size not given: %d (%d engine(s)); %s", args.vllm_tensor_parallel_size,
                      setup.engines, setup.vllm_tp_reason)
         self.roles = build_roles(args, setup, mesh, self.estimator, updates)
+        if args.agent_func_path:
+            from rlhf.agents.rollout import AgentConfig, AgentRollout
+
+            self.roles.agent = AgentRollout(AgentConfig(args.agent_func_path, args.max_len, args.max_turns,
+                                                        args.agent_timeout_s, args.max_agent_failures), tokenizer,
+                                            mesh)
         self.rewards = RewardSources(setup.rewards, setup.sources["--reward_pretrain"], prompts, tokenizer, mesh)
         self.kl_ctl = make_kl_controller(args.init_kl_coef, args.kl_target, args.kl_horizon)
         self.sampler = DistributedBatchSampler(len(prompts), BatchConfig(args.rollout_batch_size,

@@ -73,30 +73,51 @@ class MegatronRollout:
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
                  max_tokens: int, seed: int, ignore_eos: bool = False) -> list[Sample]:
         mesh = self.mesh
-        eos = None if ignore_eos else self.eos
         per = len(prompts) // mesh.dp
         lo = mesh.dp_rank * per
         local: list[Sample] = []
         for i, prompt in enumerate(prompts[lo: lo + per]):
             gen = torch.Generator().manual_seed(seed * 1_000_003 + lo + i)
-            ids = torch.tensor([list(prompt)] * n, dtype=torch.long)  # (n, P)
-            tokens, lps = [], []
-            done = torch.zeros(n, dtype=torch.bool)
-            for _ in range(max_tokens):
-                tok, lp = self._next_token(ids, temperature, top_p, gen)
-                tokens.append(tok)
-                lps.append(lp)
-                done |= tok == eos if eos is not None else done
-                ids = torch.cat([ids, tok.unsqueeze(1)], dim=1)
-                if self._all_done(done):
-                    break
-            toks, lpt = torch.stack(tokens, 1), torch.stack(lps, 1)  # (n, R)
-            for k in range(n):
-                row = toks[k].tolist()
-                end = row.index(eos) + 1 if eos in row else len(row)
-                local.append(Sample(lo + i, list(prompt), row[:end], lpt[k, :end].tolist(), eos in row))
+            for row, lps, ended in self._sample(prompt, n, temperature, top_p, max_tokens, gen, ignore_eos):
+                local.append(Sample(lo + i, list(prompt), row, lps, ended))
         keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
         return gather_samples(local if keep else [], mesh)
+
+    def generate_requests(self, requests: Sequence[tuple]) -> list[tuple[list[int], list[float], bool]]:
+        """``VLLMRollout.generate_requests``: each DP replica samples a contiguous share, one request at a time
+        (its own generator from the request's seed); every rank gets every result, in order. Refused with expert
+        parallelism (a replica's forwards are collectives over the EP group; shares differ in length)."""
+        mesh = self.mesh
+        lo, hi = mesh.dp_rank * len(requests) // mesh.dp, (mesh.dp_rank + 1) * len(requests) // mesh.dp
+        local: list[Sample] = []
+        for i, (prompt, max_tokens, temperature, top_p, seed) in enumerate(requests[lo:hi]):
+            gen = torch.Generator().manual_seed(seed)
+            (row, lps, ended), = self._sample(prompt, 1, temperature, top_p, max_tokens, gen, False)
+            local.append(Sample(lo + i, [], row, lps, ended))
+        keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
+        return [(s.response_ids, s.logprobs, s.finished) for s in gather_samples(local if keep else [], mesh)]
+
+    def _sample(self, prompt, n: int, temperature: float, top_p: float, max_tokens: int, gen, ignore_eos: bool):
+        """``n`` replies to one prompt: ``(token ids, log-probs, ended by EOS)`` each, cut after EOS."""
+        eos = None if ignore_eos else self.eos
+        ids = torch.tensor([list(prompt)] * n, dtype=torch.long)  # (n, P)
+        tokens, lps = [], []
+        done = torch.zeros(n, dtype=torch.bool)
+        for _ in range(max_tokens):
+            tok, lp = self._next_token(ids, temperature, top_p, gen)
+            tokens.append(tok)
+            lps.append(lp)
+            done |= tok == eos if eos is not None else done
+            ids = torch.cat([ids, tok.unsqueeze(1)], dim=1)
+            if self._all_done(done):
+                break
+        toks, lpt = torch.stack(tokens, 1), torch.stack(lps, 1)  # (n, R)
+        out = []
+        for k in range(n):
+            row = toks[k].tolist()
+            end = row.index(eos) + 1 if eos in row else len(row)
+            out.append((row[:end], lpt[k, :end].tolist(), eos in row))
+        return out
 
     def _all_done(self, done: torch.Tensor) -> bool:
         """Every sample ended. With expert parallelism each forward is a collective over the EP group, so its

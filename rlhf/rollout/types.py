@@ -133,10 +133,15 @@ def mb_to_bytes(mb: int | None) -> int | None:
 @dataclass
 class Sample:
     """One generated response. ``logprobs[i]`` is the engine's log-prob (at the sampling temperature) of
-    ``response_ids[i]``; ``finished`` is True when it ended with EOS rather than at the length limit."""
+    ``response_ids[i]``; ``finished`` is True when it ended with EOS rather than at the length limit.
+    A multi-turn trajectory (``rlhf.agents``): ``response_ids`` hold every token after the prompt, the model's
+    and the environment's; ``action_mask`` marks the model's (the only ones with loss), ``agent`` is its
+    ``rlhf.agents.rollout.AgentOutcome``."""
 
     prompt_index: int
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
     finished: bool
+    action_mask: list[bool] | None = None
+    agent: object = None

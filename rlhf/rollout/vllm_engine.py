@@ -214,6 +214,28 @@ class VLLMRollout:
                 local.append(Sample(lo + i, list(o.prompt_token_ids), ids, lps, c.finish_reason == "stop"))
         return gather_samples(local if self.is_leader else [], self.mesh)
 
+    def generate_requests(self, requests: Sequence[tuple]) -> list[tuple[list[int], list[float], bool]]:
+        """One sample per request ``(prompt_ids, max_tokens, temperature, top_p, seed)``, the same list on every
+        rank (the agents' turns, ``rlhf.agents.rollout``): engine ``e`` generates a contiguous share (at least a
+        one-token dummy, so every engine of a data-parallel vLLM joins); every rank gets
+        ``(response_ids, logprobs, ended_by_eos)`` of every request, in order."""
+        from vllm import SamplingParams
+
+        n, e = len(requests), self.num_engines
+        lo, hi = self.engine_index * n // e, (self.engine_index + 1) * n // e
+        mine = list(requests[lo:hi]) or [(list(requests[0][0])[:1], 1, 1.0, 1.0, 0)]
+        params = [SamplingParams(n=1, temperature=t, top_p=tp, max_tokens=mt, logprobs=0, seed=seed,
+                                 detokenize=False) for _, mt, t, tp, seed in mine]
+        outs = self.llm.generate([{"prompt_token_ids": list(r[0])} for r in mine], params, use_tqdm=False)
+        local = []
+        if self.is_leader and hi > lo:
+            for i, o in enumerate(outs):
+                c = o.outputs[0]
+                ids = list(c.token_ids)
+                local.append(Sample(lo + i, [], ids, [float(d[t].logprob) for d, t in zip(c.logprobs, ids)],
+                                    c.finish_reason == "stop"))
+        return [(s.response_ids, s.logprobs, s.finished) for s in gather_samples(local, self.mesh)]
+
     def close(self) -> None:
         # ``del llm`` destroys the default process group (vLLM 0.32.0 under external_launcher): call this last.
         import gc

@@ -1,0 +1,76 @@
+"""``launch/ppo.py``'s agent flags (OpenRLHF's dotted names beside ours) and their checks, before any model."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_agent_args(g) -> None:
+    g.add_argument("--agent_func_path", "--train.agent_func_path", dest="agent_func_path", default=None,
+                   help="a Python file defining OpenRLHF's AgentExecutor (rlhf.agents): multi-turn trajectories "
+                        "with an environment; its rewards are the step's reward")
+    g.add_argument("--max_turns", type=int, default=None,
+                   help="--agent_func_path: at most this many model turns per trajectory (default: until done or "
+                        "the token budget)")
+    g.add_argument("--max_len", "--data.max_len", dest="max_len", type=int, default=None,
+                   help="--agent_func_path: a trajectory's token budget, prompt included (default --prompt_max_len "
+                        "+ --generate_max_len); each turn generates at most --generate_max_len")
+    g.add_argument("--agent_timeout_s", type=float, default=60.0,
+                   help="--agent_func_path: seconds an environment's reset or step may take before its trajectory "
+                        "fails (reward 0)")
+    g.add_argument("--max_agent_failures", type=int, default=0,
+                   help="--agent_func_path: failed trajectories tolerated per step (reward 0, counted); more stop "
+                        "the job")
+
+
+def check_agent_args(args: argparse.Namespace) -> None:
+    """The agent flags against each other and the rest; fills --max_len's default. ``ValueError`` naming them."""
+    from rlhf.agents.rollout import AgentConfig
+
+    if not args.agent_func_path:
+        for flag in ("max_turns", "max_len"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag} {getattr(args, flag)} applies to multi-turn agents: add --agent_func_path")
+        return
+    if args.max_len is None:
+        args.max_len = args.prompt_max_len + args.generate_max_len
+    if args.max_len < 2:
+        raise ValueError(f"--max_len must be >= 2, got {args.max_len}")
+    AgentConfig(path=args.agent_func_path, max_len=args.max_len, max_turns=args.max_turns,
+                timeout_s=args.agent_timeout_s, max_failures=args.max_agent_failures)
+    from rlhf.agents import load_agent_executor
+
+    load_agent_executor(args.agent_func_path)  # the user's file imports and defines AgentExecutor: before any model
+    refused = [("--eval_dataset", args.eval_dataset, "held-out evaluation runs single-turn replies"),
+               ("--overlong_buffer_len", args.overlong_buffer_len, "it measures one reply against --generate_max_len"),
+               ("--stop_properly_penalty_coef", args.stop_properly_penalty_coef, "it scores one reply's ending"),
+               ("--ignore_eos", args.ignore_eos or None, "a benchmark setting for one reply"),
+               ("--pretrain_data", args.pretrain_data, "not supported with trajectories yet")]
+    for flag, value, why in refused:
+        if value is not None:
+            raise ValueError(f"--agent_func_path with {flag}: {why}; drop one of them")
+    if args.rollout_backend == "megatron" and getattr(args, "expert_model_parallel_size", 1) > 1:
+        raise ValueError("--agent_func_path with --rollout_backend megatron and --expert_model_parallel_size > 1: the "
+                         "fallback generator's turns differ in length across data-parallel ranks, whose MoE forwards "
+                         "are collectives; use vLLM")
+
+
+def check_agent_fit(args: argparse.Namespace, hf_config: dict) -> None:
+    """--max_len within the actor's positions (vLLM refuses a longer context; RoPE past them is garbage)."""
+    limit = hf_config.get("max_position_embeddings")
+    if args.agent_func_path and limit and args.max_len > limit:
+        raise ValueError(f"--max_len {args.max_len} is longer than --pretrain's max_position_embeddings {limit}: "
+                         "a trajectory cannot be longer than the model's context")
+
+
+def response_width(args: argparse.Namespace, samples: list) -> int:
+    """The experience batch's response columns: --generate_max_len, or with an agent the longest trajectory's
+    tokens after its prompt if longer (``samples``: the step's, the same on every rank)."""
+    if not getattr(args, "agent_func_path", None):
+        return args.generate_max_len
+    return max([args.generate_max_len] + [len(s.response_ids) for s in samples])
+
+
+def generator_max_model_len(args: argparse.Namespace) -> int:
+    """The generator's context: a prompt and a reply, or a whole trajectory with an agent."""
+    return max(args.prompt_max_len + args.generate_max_len, args.max_len if getattr(args, "agent_func_path", None)
+               else 0)

@@ -1,0 +1,252 @@
+"""The multi-turn rollout (``--agent_func_path``): every trajectory's ``AgentExecutor.execute`` runs as an asyncio
+task on the rank that owns it (contiguous shares of the step's trajectories), the environments' ``reset`` and
+``step`` concurrently; the tasks' ``llm_engine.generate`` calls wait until every live task of every rank waits
+on one, and each turn is then one batched call of the colocated generator (``generate_requests``, a collective).
+
+Determinism: trajectory j (prompt i, sample k: j = i * n + k) samples turn 0 with the plain path's seed of that
+sample and later turns with seeds derived from it; ``random``, numpy's and torch's global generators are seeded
+from the step and the trajectory before each environment call, so a resumed run sees the same environments.
+
+Failures: an environment that raises, returns a malformed dict or does not answer within ``--agent_timeout_s``
+ends its trajectory there with reward 0 and a counted reason; more than ``--max_agent_failures`` in a step stop
+the job with one error (on every rank alike: the counts are global).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from rlhf.agents import (CURRENT, Completion, MultiTurnAgentExecutor, RequestOutput, SamplingParams,
+                         TooManyAgentFailures, Trajectory, _Logprob, execute_kwargs, load_agent_executor)
+from rlhf.rollout.types import Sample
+
+log = logging.getLogger(__name__)
+
+_TRAJ: contextvars.ContextVar[int] = contextvars.ContextVar("trajectory")
+_MIX = 6364136223846793005
+_INC = 1442695040888963407
+
+
+@dataclass
+class AgentConfig:
+    """(--agent_func_path, --max_turns, --agent_timeout_s, --max_agent_failures, --max_len)"""
+
+    path: str
+    max_len: int
+    max_turns: int | None = None
+    timeout_s: float = 60.0
+    max_failures: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"--max_turns must be >= 1, got {self.max_turns}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--agent_timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_failures < 0:
+            raise ValueError(f"--max_agent_failures must be >= 0, got {self.max_failures}")
+
+
+@dataclass
+class AgentOutcome:
+    """What a trajectory's environment said (``Sample.agent``)."""
+
+    reward: float | None
+    """the sum of its step rewards (None: a single-turn executor; the trainer's reward sources score it)"""
+    score: float | None
+    turns: int
+    env_seconds: float
+    cut: bool
+    """ended by the token budget or --max_turns, not by ``done``"""
+    failure: str | None = None
+    extra_logs: dict = field(default_factory=dict)
+
+
+def turn_seed(base: int, j: int, turn: int) -> int:
+    """Turn 0 of trajectory j: the plain path's seed of that sample (``base + j``); later turns mixed from it."""
+    s = base + j
+    return s if turn == 0 else (s * _MIX + turn * _INC) % (1 << 63)
+
+
+class _BatchedLLM:
+    """The ``llm_engine`` agents call: ``generate`` queues the request and waits for the turn's batched call."""
+
+    def __init__(self, poke):
+        self.pending: list[tuple] = []
+        self.turns: Counter = Counter()
+        self.poke = poke
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        j = _TRAJ.get()
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((j, self.turns[j], list(prompt_token_ids), sampling_params, fut))
+        self.turns[j] += 1
+        self.poke()
+        return await fut
+
+
+class AgentRollout:
+    def __init__(self, cfg: AgentConfig, tokenizer, mesh):
+        self.cfg, self.tokenizer, self.mesh = cfg, tokenizer, mesh
+        self.executor = load_agent_executor(cfg.path)
+        self.accepts = execute_kwargs(self.executor)
+        multi = isinstance(self.executor, MultiTurnAgentExecutor)
+        if multi:
+            self.executor.max_turns = cfg.max_turns
+        if mesh.is_rank0:
+            log.info("agent: %s (%s); trajectories of at most %d tokens%s, environment calls within %gs, %d failed "
+                     "trajectories per step tolerated; the environments' rewards are the reward", cfg.path,
+                     type(self.executor).__mro__[1].__name__ if multi else "a custom AgentExecutor: --max_turns and "
+                     "--agent_timeout_s apply to MultiTurnAgentExecutor's environments only", cfg.max_len,
+                     f", {cfg.max_turns} turns" if cfg.max_turns else "", cfg.timeout_s, cfg.max_failures)
+
+    def run(self, engine, prompts: list, prompt_idx: list[int], *, n: int, temperature: float, top_p: float,
+            max_tokens: int, seed: int) -> tuple[list[Sample], dict[str, float]]:
+        """Every trajectory of the step (prompt-major, ``n`` per prompt) on every rank, and the step's agent
+        metrics. ``prompts``: the dataset's PromptSamples; ``seed``: the plain path's seed of this rollout."""
+        mesh = self.mesh
+        total = len(prompt_idx) * n
+        mine = range(mesh.rank * total // mesh.world_size, (mesh.rank + 1) * total // mesh.world_size)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        results = asyncio.run(self._drive(engine, prompts, prompt_idx, n, mine, params, seed))
+        parts: list = [None] * mesh.world_size
+        dist.all_gather_object(parts, results)
+        samples = [self._sample(j // n, r) for j, r in enumerate(r for p in parts for r in p)]
+        return samples, self._metrics(samples)
+
+    async def _drive(self, engine, prompts, prompt_idx, n, mine, params, seed) -> list[dict]:
+        """This rank's trajectories, turn by turn: one collective round per turn (every rank joins every round,
+        with its queued requests or none, until no rank has any)."""
+        live: set = set()
+        ready = asyncio.Event()
+
+        def poke(*_):
+            if len(llm.pending) >= len(live):
+                ready.set()
+
+        llm = _BatchedLLM(poke)
+        loop = asyncio.get_running_loop()
+        tasks = []
+        for j in mine:
+            ctx = contextvars.copy_context()
+            ctx.run(_TRAJ.set, j)
+            ctx.run(CURRENT.set, Trajectory(seed=seed * 1_000_003 + j, timeout_s=self.cfg.timeout_s))
+            task = loop.create_task(self._one(prompts[prompt_idx[j // n]], params, llm), context=ctx)
+            live.add(task)
+            task.add_done_callback(lambda t: (live.discard(t), poke()))
+            tasks.append(task)
+        base = seed * 1_000_003
+        while True:
+            poke()
+            await ready.wait()
+            ready.clear()
+            queued, llm.pending = llm.pending, []
+            parts: list = [None] * self.mesh.world_size
+            dist.all_gather_object(parts, [(j, turn, ids, _params_tuple(sp, ids, self.cfg.max_len))
+                                          for j, turn, ids, sp, _ in queued])
+            requests = [r for p in parts for r in p]
+            if not requests:
+                break
+            outs = engine.generate_requests([(ids, mt, t, tp, turn_seed(base, j, turn))
+                                             for j, turn, ids, (t, tp, mt) in requests])
+            got = {(j, turn): o for (j, turn, _, _), o in zip(requests, outs)}
+            for j, turn, _, _, fut in queued:
+                ids, lps, finished = got[(j, turn)]
+                text = self.tokenizer.decode(ids, skip_special_tokens=False)
+                fut.set_result(RequestOutput([Completion(ids, text, [{t: _Logprob(lp)} for t, lp in zip(ids, lps)],
+                                                         "stop" if finished else "length")]))
+            await asyncio.sleep(0)
+        return [t.result() for t in tasks]
+
+    async def _one(self, prompt, params: SamplingParams, llm: _BatchedLLM) -> dict:
+        """One trajectory's ``execute``; a custom executor that raises ends its trajectory (prompt only)."""
+        kw = {"prompt": prompt.prompt, "label": prompt.label, "sampling_params": params,
+              "max_length": self.cfg.max_len, "hf_tokenizer": self.tokenizer, "llm_engine": llm, "images": None,
+              "prompt_ids": prompt.prompt_ids.tolist()}
+        t0 = time.perf_counter()
+        try:
+            out = await self.executor.execute(**{k: v for k, v in kw.items() if k in self.accepts})
+            if not isinstance(out, dict) or "observation_tokens" not in out or "action_ranges" not in out:
+                raise ValueError("execute must return a dict with observation_tokens and action_ranges")
+        except Exception as e:  # noqa: BLE001 - a custom executor's failure ends its trajectory only
+            ids = prompt.prompt_ids.tolist()
+            out = {"observation_tokens": ids, "action_ranges": [], "rollout_log_probs": [0.0] * len(ids),
+                   "prompt_length": len(ids), "turns": 0, "done": True, "failure": f"{type(e).__name__}: {e}"}
+        traj = CURRENT.get()
+        env_s = traj.env_seconds if traj.calls else time.perf_counter() - t0  # custom executors: their whole time
+        keep = ("observation_tokens", "action_ranges", "rollout_log_probs", "reward", "scores", "extra_logs",
+                "turns", "done", "last_finished", "prompt_length", "failure")
+        out = {k: out.get(k) for k in keep}
+        out["env_seconds"] = env_s
+        if out["prompt_length"] is None:  # OpenRLHF's executors: the first action starts the response
+            out["prompt_length"] = out["action_ranges"][0][0] if out["action_ranges"] else len(
+                out["observation_tokens"])
+        out["extra_logs"] = {k: float(v.flatten()[0].item()) if hasattr(v, "flatten") else float(v)
+                             for k, v in (out["extra_logs"] or {}).items() if _is_number(v)}
+        return out
+
+    # ------------------------------------------------------------------------------------------------ results
+    def _sample(self, i: int, r: dict) -> Sample:
+        """A trajectory as a Sample: the prompt, then every later token (actions and feedback, cut at --max_len)
+        as the response; ``action_mask`` marks the model's own tokens."""
+        start, obs = r["prompt_length"], r["observation_tokens"][: self.cfg.max_len]
+        resp = obs[start:]
+        mask = [False] * len(resp)
+        for a, b in r["action_ranges"]:
+            for p in range(max(a, start), min(b, len(obs))):
+                mask[p - start] = True
+        lps = (r["rollout_log_probs"] or [0.0] * len(obs))[start:len(obs)]
+        failed = r["failure"] is not None
+        reward = 0.0 if failed else r["reward"]
+        score = 0.0 if failed else (r["scores"] if r["scores"] is not None else reward)
+        cut = not failed and (not r["done"] or len(r["observation_tokens"]) > self.cfg.max_len)
+        finished = bool(r["done"]) and bool(r.get("last_finished", True)) and not cut
+        outcome = AgentOutcome(reward=None if reward is None else float(reward),
+                               score=None if score is None else float(score), turns=int(r["turns"] or 0),
+                               env_seconds=float(r["env_seconds"]), cut=cut, failure=r["failure"],
+                               extra_logs=r["extra_logs"])
+        return Sample(i, list(obs[:start]), list(resp), list(lps), finished, action_mask=mask, agent=outcome)
+
+    def _metrics(self, samples: list[Sample]) -> dict[str, float]:
+        """agent/*: turns per trajectory, environment seconds (summed over trajectories), the share cut by the
+        budget or --max_turns, failures by reason; more than --max_agent_failures stop the job."""
+        outs = [s.agent for s in samples]
+        n = len(outs)
+        reasons = Counter(failure_kind(o.failure) for o in outs if o.failure)
+        failures = sum(reasons.values())
+        if failures > self.cfg.max_failures:
+            first = next(o.failure for o in outs if o.failure)
+            raise TooManyAgentFailures(f"{failures} of {n} agent trajectories failed in this step (--max_agent_failures "
+                               f"{self.cfg.max_failures}): {dict(reasons)}; the first: {first}")
+        if failures and self.mesh.is_rank0:
+            log.warning("agent: %d of %d trajectories failed (reward 0): %s", failures, n, dict(reasons))
+        m = {"agent/turns": sum(o.turns for o in outs) / n, "agent/env_seconds": sum(o.env_seconds for o in outs),
+             "agent/cut_rate": sum(o.cut for o in outs) / n, "agent/failures": float(failures),
+             "agent/env_tokens_share": sum(len(s.action_mask) - sum(s.action_mask) for s in samples)
+             / max(sum(len(s.response_ids) for s in samples), 1)}
+        m.update({f"agent/failures/{k}": float(v) for k, v in reasons.items()})
+        return m
+
+
+def failure_kind(failure: str) -> str:
+    """timeout | malformed | raised (the metric's name under agent/failures/)."""
+    if failure.startswith("TimeoutError"):
+        return "timeout"
+    return "malformed" if failure.startswith("MalformedStep") else "raised"
+
+
+def _params_tuple(sp, ids: list[int], max_len: int) -> tuple[float, float, int]:
+    """(temperature, top_p, max_tokens) of a request; no max_tokens: up to --max_len."""
+    mt = getattr(sp, "max_tokens", None) or max_len - len(ids)
+    return float(getattr(sp, "temperature", 1.0)), float(getattr(sp, "top_p", 1.0)), max(int(mt), 1)
+
+
+def _is_number(v) -> bool:
+    if hasattr(v, "numel"):
+        return v.numel() >= 1
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

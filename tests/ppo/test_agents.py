@@ -1,0 +1,398 @@
+"""Multi-turn agents (rlhf.agents, --agent_func_path), OpenRLHF's environment API.
+
+The executor's loop against a scripted engine, by hand: the observation grows by the action's token ids and the
+feedback's tokens, only actions carry log-probs, the reward is the sum of the step rewards, the token budget,
+--max_turns and failures (raise, malformed, timeout) end a trajectory; OpenRLHF's own example file runs with its
+import line changed, its random environment repeating under the trajectory's seed. The PPO runs are below."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+import torch
+
+from ppo_common import TINY_GRPO, ppo_args
+
+PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peers", "openrlhf")
+
+
+@pytest.fixture(scope="module")
+def tok(ppo_setup):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ppo_setup["actor"])
+
+
+class ScriptedLLM:
+    """An ``llm_engine`` answering each turn with the next scripted token ids (cut at the turn's max_tokens),
+    log-prob -0.5 each; it records each call's context and budget."""
+
+    def __init__(self, tok, replies):
+        self.tok, self.replies, self.calls = tok, list(replies), []
+
+    async def generate(self, ids, params, multi_modal_data=None):
+        from rlhf.agents import Completion, RequestOutput, _Logprob
+
+        self.calls.append((list(ids), params.max_tokens))
+        toks = self.replies.pop(0)[: params.max_tokens]
+        return RequestOutput([Completion(toks, self.tok.decode(toks), [{t: _Logprob(-0.5)} for t in toks], "stop")])
+
+
+def _run(executor, tok, llm, prompt_ids, max_length=64, max_tokens=8, traj=None):
+    from rlhf.agents import CURRENT, SamplingParams
+
+    async def go():
+        if traj is not None:
+            CURRENT.set(traj)
+        return await executor.execute(prompt=tok.decode(prompt_ids), label="L",
+                                      sampling_params=SamplingParams(max_tokens=max_tokens), max_length=max_length,
+                                      hf_tokenizer=tok, llm_engine=llm, prompt_ids=prompt_ids)
+
+    return asyncio.run(go())
+
+
+def _executor(step):
+    from rlhf.agents import AgentInstanceBase, MultiTurnAgentExecutor
+
+    class Env(AgentInstanceBase):
+        def __init__(self):
+            self.n, self.seen = 0, []
+
+        async def step(self, states, **kw):
+            self.n += 1
+            self.seen.append(dict(states))
+            return await step(self, states)
+
+    return MultiTurnAgentExecutor(Env)
+
+
+def test_two_turns_by_hand(tok):
+    """Turn 1: action a1, feedback " ok then" (0.25); turn 2: action a2, done (1.0). Observation, action ranges,
+    log-probs (0 on the prompt and the feedback), reward sum, the texts the environment saw."""
+    seen = []
+
+    async def step(env, states):
+        seen.append(states)
+        if env.n == 1:
+            return {"rewards": torch.tensor(0.25), "environment_feedback": " ok then", "done": False}
+        return {"rewards": 1.0, "environment_feedback": "", "done": True, "extra_logs": {"n": env.n}}
+
+    prompt, a1, a2 = [5, 6, 7], [10, 11], [12, 13, 14]
+    fb = tok(text=" ok then", add_special_tokens=False)["input_ids"]
+    llm = ScriptedLLM(tok, [a1, a2])
+    out = _run(_executor(step), tok, llm, prompt)
+    assert out["observation_tokens"] == prompt + a1 + fb + a2
+    assert out["action_ranges"] == [(3, 5), (5 + len(fb), 8 + len(fb))]
+    assert out["rollout_log_probs"] == [0.0] * 3 + [-0.5] * 2 + [0.0] * len(fb) + [-0.5] * 3
+    assert out["reward"] == 1.25 and out["scores"] == 1.25 and out["turns"] == 2 and out["done"]
+    assert out["extra_logs"] == {"n": 2} and out["failure"] is None and out["prompt_length"] == 3
+    assert [c[0] for c in llm.calls] == [prompt, prompt + a1 + fb]  # the model's tokens are never re-tokenized
+    assert seen[0]["action_text"] == tok.decode(a1) and seen[0]["label"] == "L"
+    assert seen[1]["observation_text"] == tok.decode(prompt) + tok.decode(a1) + " ok then"
+
+
+def test_budget_and_max_turns_end_a_trajectory(tok):
+    async def never_done(env, states):
+        return {"rewards": 0.0, "environment_feedback": " more", "done": False}
+
+    fb = len(tok(text=" more", add_special_tokens=False)["input_ids"])
+    llm = ScriptedLLM(tok, [[9] * 8] * 10)
+    out = _run(_executor(never_done), tok, llm, [5, 6, 7], max_length=3 + 8 + fb + 4, max_tokens=8)
+    assert [c[1] for c in llm.calls] == [8, 4]  # each turn min(--generate_max_len, what the budget leaves)
+    assert len(out["observation_tokens"]) == 3 + 8 + fb + 4 + fb and not out["done"]  # the last feedback: cut later
+    ex = _executor(never_done)
+    ex.max_turns = 1
+    out = _run(ex, tok, ScriptedLLM(tok, [[9] * 8] * 10), [5, 6, 7])
+    assert out["turns"] == 1 and not out["done"]
+
+
+@pytest.mark.parametrize("kind", ["raised", "malformed", "two_rewards", "timeout"])
+def test_failures_end_the_trajectory_with_a_reason(tok, kind):
+    from rlhf.agents import Trajectory
+    from rlhf.agents.rollout import failure_kind
+
+    async def step(env, states):
+        if env.n == 1:
+            return {"rewards": 1.0, "environment_feedback": " x", "done": False}
+        if kind == "raised":
+            raise RuntimeError("boom")
+        if kind == "malformed":
+            return {"rewards": 1.0, "environment_feedback": " x"}
+        if kind == "two_rewards":
+            return {"rewards": torch.ones(2), "environment_feedback": "", "done": True}
+        await asyncio.sleep(30)
+
+    out = _run(_executor(step), tok, ScriptedLLM(tok, [[9, 9], [8]]), [5, 6, 7],
+               traj=Trajectory(seed=1, timeout_s=0.2))
+    assert out["failure"] and failure_kind(out["failure"]) == {"two_rewards": "malformed"}.get(kind, kind), out
+    fb = tok(text=" x", add_special_tokens=False)["input_ids"]
+    assert out["observation_tokens"] == [5, 6, 7, 9, 9] + fb + [8]  # what it had so far is kept
+    assert out["turns"] == 2
+
+
+def test_openrlhf_agent_file_runs_and_repeats_under_its_seed(tok):
+    """OpenRLHF's examples/python/agent_func.py (import line changed): 1-3 steps drawn with ``random``, a 0/1
+    reward drawn with torch on the last; seeded by the trajectory, so the same seed gives the same trajectory."""
+    from rlhf.agents import Trajectory, load_agent_executor
+
+    ex = load_agent_executor(os.path.join(PEERS, "agent_func.py"))
+
+    def run(seed):
+        return _run(ex, tok, ScriptedLLM(tok, [[9, 8]] * 5), [5, 6, 7], max_length=512,
+                    traj=Trajectory(seed=seed, timeout_s=5))
+
+    outs = {s: run(s) for s in range(12)}
+    assert all(o["failure"] is None and o["done"] for o in outs.values())
+    assert {o["turns"] for o in outs.values()} == {2, 3, 4}  # max_steps 1-3: done on step max_steps + 1
+    assert {o["reward"] for o in outs.values()} == {0.0, 1.0}
+    assert all(run(s) == outs[s] for s in (0, 5))
+    for o in outs.values():  # only the actions are the model's
+        assert sum(b - a for a, b in o["action_ranges"]) == 2 * o["turns"]
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("x = 1\n", "must define class AgentExecutor(AgentExecutorBase)"),
+    ("import not_a_module_here\n", "importing it failed: ModuleNotFoundError"),
+])
+def test_bad_agent_files_are_named(tmp_path, body, needle):
+    from rlhf.agents import load_agent_executor
+
+    f = tmp_path / "agent.py"
+    f.write_text(body)
+    with pytest.raises(ValueError, match="--agent_func_path") as e:
+        load_agent_executor(str(f))
+    assert needle in str(e.value)
+    with pytest.raises(ValueError, match="expected an existing .py file"):
+        load_agent_executor(str(tmp_path / "missing.py"))
+
+
+# ---- PPO runs (launch/ppo.py's body in this process, one rank, the megatron generator, 4 prompts x 2 per step)
+TOOL_ENV = '''
+import torch
+from rlhf.agents import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    """Two turns: the first action gets a tool's answer back, the second is scored (its length's parity)."""
+
+    def __init__(self, *args, **kwargs):
+        self.turn = 0
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        self.turn += 1
+        if "FAIL" in states["observation_text"] and "kilo" in states["observation_text"]:
+            raise RuntimeError("the tool crashed")
+        if self.turn == 1:
+            return {"rewards": torch.tensor(0.0), "environment_feedback": " tool: apple banana cherry", "done": False}
+        r = float(len(states["action_text"]) % 2)
+        return {"rewards": torch.tensor(r), "scores": r, "environment_feedback": "", "done": True,
+                "extra_logs": {"second_len": float(len(states["action_text"]))}}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+def _agent_run(ppo_setup, out, monkeypatch, capsys, agent, *extra, prompts=None, code=0, **kw):
+    from helpers import free_port
+    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.ppo import main
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    flags = {**TINY_GRPO, "--rollout_backend": "megatron", "--max_samples": "8", "--agent_func_path": agent,
+             "--actor_learning_rate": "1e-3", **kw}
+    if prompts:
+        flags["--prompt_data"] = prompts
+    assert main(ppo_args(ppo_setup, str(out), **flags) + list(extra)) == code
+    log = capsys.readouterr().err
+    return (read_metrics_jsonl(str(out / "metrics.jsonl"), "ppo") if code == 0 else None), log
+
+
+def test_two_turn_tool_trajectories_train_on_the_models_tokens_only(ppo_setup, tmp_path, monkeypatch, capsys):
+    """Every trajectory takes two turns with a tool's answer between them; the generator's log-probs equal the
+    trainer's on the tokens that carry loss (drift ~1e-6 in fp32), which they could not if the tool's tokens (log-prob
+    0 from the generator) were among them: the negative control marks every token as the model's and the same check
+    fails by whole nats."""
+    env = tmp_path / "tool_env.py"
+    env.write_text(TOOL_ENV)
+    m, log = _agent_run(ppo_setup, tmp_path / "o", monkeypatch, capsys, str(env), **{"--max_len": "96"})
+    assert "agent: %s (MultiTurnAgentExecutor); trajectories of at most 96 tokens, environment calls within 60s" % env \
+        in log, log[-2000:]
+    assert sorted(m) == [1, 2]
+    for s in m.values():
+        assert s["agent/turns"] == 2.0 and s["agent/cut_rate"] == 0.0 and s["agent/failures"] == 0.0, s
+        assert 0.5 < s["agent/env_tokens_share"] < 1, s  # the tool's answer among 2 x <= 3 tokens of the model's
+        assert s["rollout_logprob_drift_max"] < 1e-4, s
+        assert 1.0 <= s["reward_extra/second_len"] and 0.0 <= s["reward"] <= 1.0, s
+    from rlhf.agents import rollout as agent_rollout
+
+    real = agent_rollout.AgentRollout._sample
+
+    def every_token_the_models(self, i, r):
+        smp = real(self, i, r)
+        smp.action_mask = [True] * len(smp.response_ids)
+        return smp
+
+    monkeypatch.setattr(agent_rollout.AgentRollout, "_sample", every_token_the_models)
+    bad, _ = _agent_run(ppo_setup, tmp_path / "control", monkeypatch, capsys, str(env), **{"--max_len": "96"})
+    assert all(s["rollout_logprob_drift_max"] > 1.0 for s in bad.values()), bad
+
+
+def test_environment_failures_are_counted_then_stop_the_job(ppo_setup, tmp_path, monkeypatch, capsys):
+    """Prompts marked FAIL whose words include 'kilo' crash the tool: those trajectories get reward 0 and are counted
+    under agent/failures/raised; with the default --max_agent_failures 0 the job stops with one line."""
+    import random
+
+    rng = random.Random(4)
+    path = tmp_path / "prompts.jsonl"
+    with open(path, "w") as f:
+        for i in range(8):
+            words = rng.sample(["kilo", "lima", "mike", "echo"], 2)
+            f.write(json.dumps({"prompt": ("FAIL " if i % 2 else "say ") + " ".join(words)}) + "\n")
+    env = tmp_path / "tool_env.py"
+    env.write_text(TOOL_ENV)
+    m, _ = _agent_run(ppo_setup, tmp_path / "o", monkeypatch, capsys, str(env), prompts=str(path),
+                      **{"--max_agent_failures": "8", "--max_len": "96"})
+    failed = sum(s.get("agent/failures/raised", 0.0) for s in m.values())
+    assert failed > 0 and all(s["agent/failures"] == s.get("agent/failures/raised", 0.0) for s in m.values()), m
+    _, log = _agent_run(ppo_setup, tmp_path / "stop", monkeypatch, capsys, str(env), prompts=str(path), code=3,
+                        **{"--max_len": "96"})
+    assert "agent trajectories failed in this step (--max_agent_failures 0): {'raised':" in log, log[-2000:]
+    assert "RuntimeError: the tool crashed" in log
+
+
+def test_openrlhf_agent_resumes_exactly(ppo_setup, tmp_path, monkeypatch, capsys):
+    """OpenRLHF's random environment (1-3 steps, a random 0/1 reward) in PPO: three steps straight equal one step, a
+    stop and a resume, to the last bit (the environments are seeded from the step and the trajectory)."""
+    from crash_harness import assert_resumed
+
+    agent = os.path.join(PEERS, "agent_func.py")
+    kw = {"--max_samples": "12", "--save_steps": "1", "--generate_max_len": "2"}
+    straight, _ = _agent_run(ppo_setup, tmp_path / "s", monkeypatch, capsys, agent, "--stop_after_steps", "3", **kw)
+    assert sorted(straight) == [1, 2, 3]
+    assert {s["agent/turns"] for s in straight.values()} != {2.0}  # trajectories of different lengths
+    _agent_run(ppo_setup, tmp_path / "r", monkeypatch, capsys, agent, "--stop_after_steps", "1", **kw)
+    resumed, log = _agent_run(ppo_setup, tmp_path / "r", monkeypatch, capsys, agent, "--load_checkpoint",
+                              "--stop_after_steps", "2", **kw)
+    assert_resumed(log, "ppo", step=1)
+    skip = ("time/", "tokens_per_s", "mem/", "offload/", "weight_sync/", "weight_version", "agent/env_seconds")
+    for s in (2, 3):
+        same = {k: v for k, v in straight[s].items() if not k.startswith(skip)}
+        assert {k: v for k, v in resumed[s].items() if not k.startswith(skip)} == same, s
+        assert "reward_extra/dummy_scores" in same and "agent/turns" in same
+
+
+ONE_TURN_ENV = '''
+from transformers import AutoTokenizer
+
+from _rule_reward import char_code_reward
+from rlhf.agents import AgentInstanceBase, MultiTurnAgentExecutor
+
+SPECIAL = AutoTokenizer.from_pretrained(%r).all_special_tokens
+
+
+class AgentInstance(AgentInstanceBase):
+    """One turn scored by the plain run's --reward_fn (on the reply without special tokens, as that run decodes)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    async def step(self, states, **kwargs):
+        text = states["action_text"]
+        for t in SPECIAL:
+            text = text.replace(t, "")
+        return {"rewards": char_code_reward([], [text])[0], "environment_feedback": "", "done": True}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+def test_one_turn_agent_is_the_plain_path_bit_for_bit(ppo_setup, tmp_path, monkeypatch, capsys):
+    """A one-turn environment that scores the reply with the plain run's rule reward: with vLLM the same samples
+    (each trajectory's first turn is seeded as the plain path's sample), rewards and updates, to the last bit: every
+    step's metrics and the final weights."""
+    from helpers import free_port
+    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.ppo import main
+    from safetensors.torch import load_file
+
+    env = tmp_path / "one_turn.py"
+    env.write_text(ONE_TURN_ENV % ppo_setup["actor"])
+
+    def run(out, **kw):
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--max_samples": "8", "--actor_learning_rate": "1e-3",
+                                                "--rollout_backend": "vllm", **kw})
+        assert main(argv) == 0
+        capsys.readouterr()
+        return read_metrics_jsonl(str(out / "metrics.jsonl"), "ppo"), load_file(str(out / "model.safetensors"))
+
+    plain, w_plain = run(tmp_path / "plain", **{"--reward_fn": "_rule_reward:char_code_reward"})
+    agent, w_agent = run(tmp_path / "agent", **{"--agent_func_path": str(env)})
+    skip = ("time/", "tokens_per_s", "mem/", "offload/", "weight_sync/", "agent/")
+    assert sorted(plain) == sorted(agent) == [1, 2]
+    for s in plain:
+        assert agent[s]["agent/turns"] == 1.0 and agent[s]["agent/env_tokens_share"] == 0.0
+        same = {k: v for k, v in plain[s].items() if not k.startswith(skip)}
+        assert {k: v for k, v in agent[s].items() if not k.startswith(skip)} == same, s
+        assert same["advantages_abs"] > 0 and same["actor/grad_norm"] > 0
+    assert w_plain.keys() == w_agent.keys() and all(torch.equal(w_plain[k], w_agent[k]) for k in w_plain)
+
+
+def test_two_ranks_vllm_trajectories_of_different_lengths(ppo_setup, tmp_path):
+    """torchrun, 2 ranks sharing one vLLM engine (TP 2), OpenRLHF's random environment: each rank runs its half of
+    the trajectories, whose turn counts differ (so in some rounds a rank has nothing to generate but still joins the
+    engine's batched call); every sampled action token's log-prob agrees with the trainer's (fp32), the tool's tokens
+    are masked, and the environments' extra logs are logged."""
+    from helpers import REPO, run_torchrun, tail
+    from rlhf.metrics import read_metrics_jsonl
+
+    save = tmp_path / "o"
+    args = ppo_args(ppo_setup, str(save), **{**TINY_GRPO, "--vllm_tensor_parallel_size": "2", "--max_samples": "8",
+                                             "--agent_func_path": os.path.join(PEERS, "agent_func.py"),
+                                             "--generate_max_len": "2", "--max_len": "256",
+                                             "--actor_learning_rate": "1e-3"})
+    p = run_torchrun(os.path.join(REPO, "launch", "ppo.py"), 2, args, timeout=600)
+    assert p.returncode == 0, tail(p)
+    m = read_metrics_jsonl(str(save / "metrics.jsonl"), "ppo")
+    assert sorted(m) == [1, 2]
+    for s in m.values():
+        # 2-4 turns of 2 tokens between ~70-token feedbacks: a few of the longest run into --max_len 256 and are cut
+        assert 2.0 < s["agent/turns"] < 4.0 and s["agent/cut_rate"] < 0.5 and s["agent/env_tokens_share"] > 0.9, s
+        assert s["rollout_logprob_drift_max"] <= 1e-4, s
+        assert 0 <= s["reward_extra/dummy_scores"] <= 1 and s["reward"] == s["reward_extra/dummy_scores"], s
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"--max_turns": "2"}, "--max_turns 2 applies to multi-turn agents: add --agent_func_path"),
+    ({"--agent_func_path": "AGENT", "--max_turns": "0"}, "--max_turns must be >= 1, got 0"),
+    ({"--agent_func_path": "AGENT", "--agent_timeout_s": "0"}, "--agent_timeout_s must be > 0"),
+    ({"--agent_func_path": "AGENT", "--eval_dataset": "PROMPTS", "--reward_fn": "_rule_reward:length_reward"},
+     "--agent_func_path with --eval_dataset: held-out evaluation runs single-turn replies"),
+    ({"--agent_func_path": "AGENT", "--max_len": "4096"},
+     "--max_len 4096 is longer than --pretrain's max_position_embeddings 256"),
+    ({"--agent_func_path": "missing.py"}, "--agent_func_path missing.py: expected an existing .py file"),
+])
+def test_agent_flags_are_checked_before_any_model(ppo_setup, tmp_path, capsys, monkeypatch, kw, needle):
+    from rlhf import engine
+    from rlhf.ppo import main
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built before the flags were checked")
+
+    monkeypatch.setattr(engine.ModelEngine, "__init__", no_model)
+    agent = os.path.join(PEERS, "agent_func.py")
+    kw = {k: {"AGENT": agent, "PROMPTS": ppo_setup["prompts"]}.get(v, v) for k, v in kw.items()}
+    assert main(ppo_args(ppo_setup, str(tmp_path / "o"), **{**TINY_GRPO, **kw})) == 2
+    err = capsys.readouterr().err
+    assert needle in err, err[-2000:]
