@@ -34,14 +34,18 @@ CONFIGS = {
 }
 
 
-def ppo_flags(model: str, data: dict, out: str, seed: int, steps: int, extra: list[str]) -> list[str]:
+LR = "1e-5"
+"""Adam's constant learning rate of the example and of bench/rlvr_vs_trl.py (both systems)."""
+
+
+def ppo_flags(model: str, data: dict, out: str, seed: int, steps: int, extra: list[str], lr: str = LR) -> list[str]:
     return ["--pretrain", model, "--prompt_data", data["train"], "--input_key", "prompt", "--label_key", "answer",
             "--apply_chat_template", "--reward_fn", "rlhf.verifiers:math_reward",
             "--advantage_estimator", "group_norm", "--init_kl_coef", "0",
             "--rollout_batch_size", "8", "--n_samples_per_prompt", "8", "--train_batch_size", "64",
             "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "16", "--max_epochs", "1",
             "--generate_max_len", "24", "--prompt_max_len", "64", "--temperature", "1.0",
-            "--actor_learning_rate", "2e-6", "--lr_scheduler", "constant", "--lr_warmup_ratio", "0",
+            "--actor_learning_rate", lr, "--lr_scheduler", "constant", "--lr_warmup_ratio", "0",
             "--adam_betas", "0.9", "0.999",
             "--max_samples", str(8 * steps), "--num_episodes", "1", "--seed", str(seed),
             "--eval_dataset", data["heldout"], "--eval_n_samples_per_prompt", "4", "--eval_temperature", "0.6",
@@ -104,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--model", default=None, help="an HF folder (default: SmolLM2-135M-Instruct, prepared once)")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--lr", default=LR, help="Adam's constant learning rate")
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     if any(c not in CONFIGS for c in configs):
@@ -130,8 +135,8 @@ def main(argv=None) -> int:
             t0 = time.time()
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
                    "--master_port", str(free_port()), os.path.join(REPO, "launch", "ppo.py"),
-                   *ppo_flags(model, data, run_dir, seed, args.steps, CONFIGS[config] + (["--bf16"] if args.bf16
-                                                                                          else []))]
+                   *ppo_flags(model, data, run_dir, seed, args.steps,
+                              CONFIGS[config] + (["--bf16"] if args.bf16 else []), args.lr)]
             run(cmd, os.path.join(run_dir, "train.log"))
             r = summarize(run_dir)
             r["seconds"] = time.time() - t0

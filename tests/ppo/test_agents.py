@@ -215,14 +215,17 @@ def _agent_run(ppo_setup, out, monkeypatch, capsys, agent, *extra, prompts=None,
     return (read_metrics_jsonl(str(out / "metrics.jsonl"), "ppo") if code == 0 else None), log
 
 
-def test_two_turn_tool_trajectories_train_on_the_models_tokens_only(ppo_setup, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("packing", [False, True])
+def test_two_turn_tool_trajectories_train_on_the_models_tokens_only(ppo_setup, tmp_path, monkeypatch, capsys,
+                                                                     packing):
     """Every trajectory takes two turns with a tool's answer between them; the generator's log-probs equal the
     trainer's on the tokens that carry loss (drift ~1e-6 in fp32), which they could not if the tool's tokens (log-prob
     0 from the generator) were among them: the negative control marks every token as the model's and the same check
-    fails by whole nats."""
+    fails by whole nats. Padded and packed (--packing_samples)."""
     env = tmp_path / "tool_env.py"
     env.write_text(TOOL_ENV)
-    m, log = _agent_run(ppo_setup, tmp_path / "o", monkeypatch, capsys, str(env), **{"--max_len": "96"})
+    extra = ["--packing_samples"] if packing else []
+    m, log = _agent_run(ppo_setup, tmp_path / "o", monkeypatch, capsys, str(env), *extra, **{"--max_len": "96"})
     assert "agent: %s (MultiTurnAgentExecutor); trajectories of at most 96 tokens, environment calls within 60s" % env \
         in log, log[-2000:]
     assert sorted(m) == [1, 2]
@@ -231,6 +234,8 @@ def test_two_turn_tool_trajectories_train_on_the_models_tokens_only(ppo_setup, t
         assert 0.5 < s["agent/env_tokens_share"] < 1, s  # the tool's answer among 2 x <= 3 tokens of the model's
         assert s["rollout_logprob_drift_max"] < 1e-4, s
         assert 1.0 <= s["reward_extra/second_len"] and 0.0 <= s["reward"] <= 1.0, s
+    if packing:
+        return
     from rlhf.agents import rollout as agent_rollout
 
     real = agent_rollout.AgentRollout._sample
