@@ -5,8 +5,9 @@ TRL 1.12.0's ``GRPOTrainer``, same model, prompts, group size, learning rate, te
     .venv/bin/python bench/rlvr_vs_trl.py [--seeds 1,2,3] [--steps 30] [--bf16] [--out bench/results]
 
 Per seed, alternately (ours, TRL): a 30-step run of each (8 prompts x 8 replies of up to 24 tokens per step, one
-update per batch, no KL, Adam at a constant 2e-6; ours on 2 ranks with vLLM as tools/run_rlvr_example.py runs it,
-TRL as one process on both cores, bench/_trl_grpo.py), then both final models, and the model they started from,
+update per batch, no KL, Adam(0.9, 0.999) at a constant rate: tools/run_rlvr_example.py's LR, or --lr; ours on 2
+ranks with vLLM as tools/run_rlvr_example.py runs it, TRL as one process on both cores, bench/_trl_grpo.py), then
+both final models, and the model they started from,
 evaluated the same way by tools/eval_rlvr.py (transformers' generate, 64 held-out questions x 4 replies at
 temperature 0.6: accuracy and pass@4). Samples/s: 64 over the median step time, the first step excluded.
 
@@ -38,14 +39,14 @@ def env(threads: int) -> dict:
     return e
 
 
-def run_ours(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool) -> dict:
+def run_ours(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool, lr: str) -> dict:
     from rlhf.distributed.env import free_port
     from rlhf.metrics import read_metrics_jsonl
     from run_rlvr_example import ppo_flags
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.join(REPO, "launch", "ppo.py"), *ppo_flags(model, data, out, seed, steps,
-                                                               ["--bf16"] if bf16 else [])]
+                                                               ["--bf16"] if bf16 else [], lr)]
     with open(os.path.join(out, "train.log"), "w") as log:
         if subprocess.run(cmd, cwd=REPO, env=env(1), stdout=log, stderr=subprocess.STDOUT).returncode:
             raise SystemExit(f"error: our run failed; see {out}/train.log")
@@ -55,10 +56,10 @@ def run_ours(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool
             "model": out}
 
 
-def run_trl(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool) -> dict:
+def run_trl(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool, lr: str) -> dict:
     res = os.path.join(out, "trl_result.json")
     cmd = [TRL_PY, os.path.join(REPO, "bench", "_trl_grpo.py"), "--model", model, "--train", data["train"],
-           "--steps", str(steps), "--seed", str(seed), "--save", os.path.join(out, "model"), "--out", res]
+           "--steps", str(steps), "--seed", str(seed), "--lr", lr, "--save", os.path.join(out, "model"), "--out", res]
     with open(os.path.join(out, "train.log"), "w") as log:
         if subprocess.run(cmd + (["--bf16"] if bf16 else []), cwd=REPO, env=env(2), stdout=log,
                           stderr=subprocess.STDOUT).returncode:
@@ -105,9 +106,13 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--lr", default=None, help="Adam's constant learning rate, both systems (default: the example's)")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     p.add_argument("--work", default="/tmp/rlvr_vs_trl")
     args = p.parse_args(argv)
+    from run_rlvr_example import LR
+
+    lr = args.lr or LR
     if not os.path.exists(TRL_PY):
         raise SystemExit("error: bench/.venv-trl is missing: bash bench/setup_trl.sh")
     from rlhf.demo.arith_task import write
@@ -118,7 +123,7 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_smollm2.py"), "--out", model], check=True)
     data = write(os.path.join(args.work, "data"), seed=0)
     tag = "bf16" if args.bf16 else "fp32"
-    results = {"precision": tag, "steps": args.steps, "base": held_out(model, data["heldout"]), "seeds": {}}
+    results = {"precision": tag, "steps": args.steps, "lr": lr, "base": held_out(model, data["heldout"]), "seeds": {}}
     print(f"base model: {results['base']}", flush=True)
     for seed in [int(s) for s in args.seeds.split(",")]:
         row = {}
@@ -126,7 +131,7 @@ def main(argv=None) -> int:
             out = os.path.join(args.work, f"{tag}_{system}_s{seed}")
             os.makedirs(out, exist_ok=True)
             t0 = time.time()
-            r = fn(model, data, out, seed, args.steps, args.bf16)
+            r = fn(model, data, out, seed, args.steps, args.bf16, lr)
             r["held_out"] = held_out(r["model"], data["heldout"])
             r["samples_per_s"] = samples_per_s(r["step_seconds"])
             r["seconds"] = time.time() - t0

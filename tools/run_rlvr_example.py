@@ -6,7 +6,7 @@ vLLM; held-out accuracy before and after each run.
 
 Each run: 8 prompts x 8 replies of up to 24 tokens per step, one update per batch (the old log-probs are the
 update's own forward), the exact-answer reward ``rlhf.verifiers:math_reward`` (the reply's last number against
-the record's ``answer``), no KL penalty, Adam(0.9, 0.999) at a constant 2e-6 (TRL's GRPO settings). ``dapo``
+the record's ``answer``), no KL penalty, Adam(0.9, 0.999) at a constant ``LR`` (TRL's GRPO settings otherwise). ``dapo``
 adds clip-higher (0.2 / 0.28), dynamic filtering (groups whose replies all score alike are replaced) and the
 overlong penalty (the last 8 tokens of 24, up to 0.5). Held-out: 64 questions never trained on, 4 replies each at temperature 0.6, at step 0 and after
 the last step (the trainer's --eval_dataset): accuracy (mean reward) and pass@4.

@@ -401,3 +401,32 @@ def test_agent_flags_are_checked_before_any_model(ppo_setup, tmp_path, capsys, m
     assert main(ppo_args(ppo_setup, str(tmp_path / "o"), **{**TINY_GRPO, **kw})) == 2
     err = capsys.readouterr().err
     assert needle in err, err[-2000:]
+
+
+def test_calculator_agent_by_hand(tok):
+    """rlhf/demo/calc_agent.py: a call gets the value back as the next user turn (ChatML), the answer after it is
+    graded; an answer without a call is graded at once; expressions are integers of + - * only."""
+    from rlhf.agents import SamplingParams, load_agent_executor
+    from rlhf.demo.calc_agent import evaluate
+
+    assert evaluate("12*34") == 408 and evaluate(" 60 x 56") == 3360 and evaluate("(2+3)*-4") == -20
+    assert evaluate("2**100") is None and evaluate("__import__('os')") is None and evaluate("1/2") is None
+    from helpers import REPO
+
+    ex = load_agent_executor(os.path.join(REPO, "rlhf", "demo", "calc_agent.py"))
+    def say(text):
+        return tok(text=text, add_special_tokens=False)["input_ids"]
+
+    prompt = "<|im_start|>user\nWhat is 12 times 34?<|im_end|>\n<|im_start|>assistant\n"
+    p_ids = say(prompt)
+    for replies, reward, turns in (([say("<calc>12*34</calc>"), say("408")], 1.0, 2),
+                                   ([say("<calc>12*34"), say("The answer is 407")], 0.0, 2),
+                                   ([say("408")], 1.0, 1), ([say("about 400")], 0.0, 1)):
+        llm = ScriptedLLM(tok, replies)
+        out = asyncio.run(ex.execute(prompt=prompt, label="408", sampling_params=SamplingParams(max_tokens=64),
+                                     max_length=256, hf_tokenizer=tok, llm_engine=llm, prompt_ids=p_ids))
+        assert out["reward"] == reward and out["turns"] == turns and out["done"], (replies, out)
+        assert out["extra_logs"]["used_tool"] == float(turns > 1)
+        if turns == 2:
+            assert llm.calls[1][0][len(p_ids) + len(replies[0]):] == \
+                say("\n<|im_start|>user\nCalculator: 408<|im_end|>\n<|im_start|>assistant\n")
