@@ -102,6 +102,22 @@ def _importable(module: str) -> bool:
         return False
 
 
+@functools.cache
+def _usable(module: str) -> bool:
+    """A fast path's package imports (flash-attn, Transformer Engine): an installed but broken one (a wheel built for
+    another torch or CUDA) is passed over with one warning instead of crashing the first attention call. Imported
+    only when a CUDA tensor asks for it."""
+    if not _importable(module):
+        return False
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure to import means the fallback
+        logger.warning("kernels: %s is installed but does not import (%s: %s); using the next path", module,
+                       type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        return False
+    return True
+
+
 def _log_path(op: str, path: str, why: str, level: int = logging.INFO) -> None:
     if (op, path) not in _logged:
         _logged.add((op, path))
@@ -121,7 +137,7 @@ def _select(op: str, t: Tensor, fast_paths: tuple[str, ...] = ()) -> str:
                                "set before triton is first imported")
         path, why = "triton", f"{FORCE_TRITON_ENV}=1"
     elif t.is_cuda:
-        available = [p for p in fast_paths if _importable(p)]
+        available = [p for p in fast_paths if _usable(p)]
         if available:
             path, why = available[0], "CUDA tensors"
         elif _importable("triton"):

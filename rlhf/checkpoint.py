@@ -191,7 +191,7 @@ class Checkpointer:
         from rlhf.compat import cuda as cuda_shim
         from rlhf.compat.megatron import local_save_results_queue
 
-        cuda_shim.install()
+        cuda_shim.install(self.mesh.device)
         local_save_results_queue()
         for eng in engines.values():
             eng.check_finite(f"checkpoint of step {step}")

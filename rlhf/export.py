@@ -92,6 +92,8 @@ def _export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) ->
         from rlhf.distributed.parent_death import DIE_WITH_PARENT_ENV
 
         env = {**env_without_launcher(), DIE_WITH_PARENT_ENV: "1"}  # the converter ends with this rank
+        if mesh.device.type == "cpu":  # a CPU engine on a CUDA host: the converter too (rlhf.compat.cuda.install)
+            env["RLHF_DEVICE"] = "cpu"
         proc = subprocess.run([sys.executable, tool, "--ckpt", mg, "--out", hf_tmp, "--overwrite"],
                               capture_output=True, text=True, env=env, timeout=3600)
         if proc.returncode != 0:

@@ -115,3 +115,19 @@ def test_remove_dead_shm_keeps_live_and_foreign_segments(tmp_path):
     removed = remove_dead_shm(str(tmp_path))
     assert removed == [f"rlhf{dead}h{host}x0123abcd--tp:0-[0-1]-cpushm_0"]
     assert sorted(os.listdir(tmp_path)) == sorted(n for n, keep in names.items() if keep)
+
+
+def test_cpu_engine_on_a_cuda_host_gets_the_cpu_shim(monkeypatch):
+    """With a GPU visible but the engine on the CPU (a CPU device passed to the mesh, or RLHF_DEVICE=cpu, as the
+    HF export's converter inherits it), megatron must still get the CPU shim (else it allocates its grad buffers on
+    the GPU); with neither, a CUDA host gets no shim (the control)."""
+    import torch
+
+    from rlhf.compat import cuda as cuda_shim
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("RLHF_DEVICE", raising=False)
+    assert cuda_shim.install() is False
+    assert cuda_shim.install(torch.device("cpu")) is True
+    monkeypatch.setenv("RLHF_DEVICE", "cpu")
+    assert cuda_shim.install() is True

@@ -171,10 +171,20 @@ def check_varlen_attention() -> None:
 
 
 # ------------------------------------------------------------------------------------------------- trainers
-def run(cmd: list[str], log_path: str, timeout: int = 1200) -> subprocess.CompletedProcess:
+STEP_TIMEOUT_S = int(os.environ.get("RLHF_GPU_STEP_TIMEOUT_S", "110"))
+"""Each launch's own limit: a hung step ends as that check's FAIL (rc 124) with its log, and the others still run
+inside the machine's one 10-minute call."""
+
+
+def run(cmd: list[str], log_path: str, timeout: int | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="8", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout or STEP_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:  # the ranks die with their launcher (PDEATHSIG)
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        p = subprocess.CompletedProcess(cmd, 124, out, err + f"\nTIMEOUT after {timeout or STEP_TIMEOUT_S} s")
     with open(log_path, "w") as f:
         f.write(p.stdout + "\n--- stderr ---\n" + p.stderr)
     return p
@@ -222,6 +232,14 @@ def check_trainers(out: str, assets: dict[str, str], precisions: list[str], only
                                            "--learning_rate", "1e-4", *common, *flag], save + ".log")
             m = last_metrics(save, "sft") if p.returncode == 0 else {}
             report(f"sft[{prec}]", p.returncode == 0 and math.isfinite(m.get("loss", math.nan)),
+                   f"rc={p.returncode} loss={m.get('loss')} tokens/s={m.get('tokens_per_s')} (log {save}.log)")
+            save = os.path.join(out, f"sft_{prec}_packed")  # packed (THD) attention through megatron
+            p = torchrun("launch/sft.py", ["--pretrain", assets["actor"], "--dataset", assets["sft"], "--input_key",
+                                           "input", "--output_key", "output", "--save_path", save,
+                                           "--learning_rate", "1e-4", "--packing_samples", *common, *flag],
+                         save + ".log")
+            m = last_metrics(save, "sft") if p.returncode == 0 else {}
+            report(f"sft[{prec},packed]", p.returncode == 0 and math.isfinite(m.get("loss", math.nan)),
                    f"rc={p.returncode} loss={m.get('loss')} tokens/s={m.get('tokens_per_s')} (log {save}.log)")
         if "rm" in only:
             save = os.path.join(out, f"rm_{prec}")
@@ -293,15 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     steps = []
     if "kernels" in only:
         steps += [("kernels.logprobs", check_logprobs), ("kernels.varlen_attention", check_varlen_attention)]
+    assets: dict[str, str] = {}
     if only & {"sft", "rm", "ppo", "resume"}:
-        assets = make_assets(os.path.join(a.out, "assets"))
+        steps.append(("assets", lambda: assets.update(make_assets(os.path.join(a.out, "assets")))))
         steps.append(("trainers", lambda: check_trainers(a.out, assets, a.precisions.split(","), only)))
         if "resume" in only:
             steps.append(("resume", lambda: check_resume(a.out, assets)))
     for name, fn in steps:
+        if name in ("trainers", "resume") and not assets:
+            report(name, False, "skipped: the assets step failed")
+            continue
         try:
             fn()
-        except Exception as e:  # a crash in one check is that check's FAIL; the others still run
+        except Exception as e:  # a crash in one check (or in making the assets) is its FAIL; the others still run
             report(name, False, f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     passed = sum(ok for _, ok, _ in RESULTS)
     print(f"{passed} passed, {len(RESULTS) - passed} failed", flush=True)

@@ -11,11 +11,12 @@
 #
 #   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 #      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d tools/gpu_wheels"
-#   pip download $P huggingface_hub==2.4.0 megatron-core==0.16.1 packaging==26.3 psutil==7.2.2 PyYAML==6.0.3 \
-#       regex==2026.11.15 sentencepiece==0.2.3 tokenizers==0.23.3 tqdm==4.70.1 transformers==5.19.0
+#   pip download $P megatron-core==0.16.1 regex==2026.11.15 transformers==5.19.0
 #
-# (the versions tools/setup_env.sh resolved on a CPU machine; the machine's own torch, triton, safetensors, numpy
-# and accelerate are used). It
+# (the versions tools/setup_env.sh resolved on a CPU machine; the machine's own torch, triton, safetensors, numpy,
+# accelerate, tokenizers and huggingface_hub are used: its huggingface_hub 1.33 satisfies transformers 5.19, while a
+# carried huggingface_hub 2.x breaks `import transformers` there, needing httpx2, httpcore2, truststore, click>=8.4.2
+# and hf-xet>=1.6). It
 # runs on the machine's torch (seen there: 2.11 with CUDA 13), not the torch 2.13.0 that setup.py pins; the
 # header prints both. vLLM (and torch 2.13) wheels are larger than one copy to such a machine: without vLLM the
 # PPO check runs the megatron generator and says so. Transformer Engine is not installed by this script (it

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 import types
 from typing import Any, Callable
@@ -182,10 +183,19 @@ def rebind_megatron_modules() -> int:
 _CPU_TORCH: types.ModuleType | None = None
 
 
-def install() -> bool:
-    """Install the shim if this process has no CUDA. Returns True when the shim is active."""
+def cpu_engine_requested(device=None) -> bool:
+    """This process trains on the CPU although torch may see a GPU: ``device`` is a CPU device, or
+    ``RLHF_DEVICE=cpu``."""
+    if device is not None and torch.device(device).type == "cpu":
+        return True
+    return os.environ.get("RLHF_DEVICE", "").strip().lower() == "cpu"
+
+
+def install(device=None) -> bool:
+    """Install the shim if this process trains on the CPU: no CUDA, or a CPU engine on a CUDA host (``device`` or
+    ``RLHF_DEVICE=cpu``; megatron would otherwise allocate its buffers on the GPU). True when the shim is active."""
     global _INSTALLED, _CPU_TORCH
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not cpu_engine_requested(device):
         return False
     if _INSTALLED:
         rebind_megatron_modules()

@@ -181,7 +181,7 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
     from rlhf.compat import cuda as cuda_shim
     from rlhf.compat.megatron import live_process_groups
 
-    cuda_shim.install()
+    cuda_shim.install(dev)
     from rlhf.distributed.watchdog import resolve_timeout_s, start_watchdog
 
     timeout_s = resolve_timeout_s(timeout_s, dev.type)
@@ -203,7 +203,7 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
         assert dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()) == \
             dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
     groups = [g for g in live_process_groups() if g not in before]
-    cuda_shim.install()  # rebind modules that megatron imported lazily
+    cuda_shim.install(dev)  # rebind modules that megatron imported lazily
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     backend = str(dist.get_backend())
     mesh = ParallelMesh(env=env, tp=tp, pp=pp, dp=dp,

@@ -180,7 +180,8 @@ def sampled_logprob_drift(engine, actor, mesh, prompts: list[list[int]], *, n: i
     seq_len = None if mesh.pp == 1 else max(len(p) for p in prompts) + max_tokens  # PP: one shape per stage
     batch = collate_sequences(local, 0, max_tokens, seq_len=seq_len)
     lp = forward_role(actor, "actor", [select_rows(batch, range(len(local)), trim=mesh.pp == 1)], temperature)
-    d = ((lp - generator_logprobs(local, lp.shape[1])).abs() * batch["action_mask"]).max()
+    gen = generator_logprobs(local, lp.shape[1]).to(lp.device)  # host lists -> the trainer's device
+    d = ((lp - gen).abs() * batch["action_mask"].to(lp.device)).max()
     torch.distributed.all_reduce(d, op=torch.distributed.ReduceOp.MAX)
     return d.item()
 

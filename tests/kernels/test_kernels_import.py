@@ -21,3 +21,29 @@ print("ok")
 def test_import_does_not_pull_triton(child_env):
     out = subprocess.run([sys.executable, "-c", CODE], env=child_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+BROKEN = """
+import sys, types, logging, torch, kernels
+logging.basicConfig(level=logging.INFO)
+t = types.SimpleNamespace(is_cuda=True, device=torch.device("cpu"), dtype=torch.bfloat16)  # a CUDA tensor's looks
+print("PATH", kernels._select("varlen_attention", t, fast_paths=("flash_attn",)))
+"""
+
+
+def test_broken_fast_path_falls_back(child_env, tmp_path):
+    """An installed flash-attn that does not import (a wheel built for another torch) is passed over with one
+    warning; a working one is chosen (the control)."""
+    for name, body, want in (("broken", "raise ImportError('undefined symbol: _ZN3c10')", False),
+                             ("working", "", True)):
+        pkg = tmp_path / name / "flash_attn"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text(body + "\n")
+        env = child_env()
+        env["PYTHONPATH"] = f"{tmp_path / name}:{env.get('PYTHONPATH', '')}"
+        out = subprocess.run([sys.executable, "-c", BROKEN], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        path = out.stdout.split("PATH ")[-1].strip()
+        assert (path == "flash_attn") is want, (name, path, out.stderr[-1500:])
+        warned = "flash_attn is installed but does not import (ImportError: undefined symbol: _ZN3c10)"
+        assert (warned in out.stderr) is not want, out.stderr[-1500:]
