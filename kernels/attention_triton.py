@@ -193,15 +193,18 @@ def _config(q: Tensor) -> dict:
     """
     interpret = q.device.type == "cpu"
     block_d = max(16, triton.next_power_of_2(q.shape[-1]))
+    if interpret:
+        return dict(BLOCK_D=block_d, DOT_FP32=True, num_warps=1, fwd=(32, 32), dq=(32, 32), dkdv=(32, 32))
+    return dict(BLOCK_D=block_d, **_gpu_config(block_d, q.dtype == torch.float32))
+
+
+def _gpu_config(block_d: int, fp32: bool) -> dict:
+    """The GPU tiles for head size ``block_d``; ``AOT_SPECS`` compiles them for sm_90 ahead of time. fp32 at
+    D=128 takes a 64-row forward tile: the 128 x 64 one needed 229,888 bytes of shared memory for sm_90 (the SM's
+    per-block limit is 232,448), against 49,152 in bf16."""
     wide = block_d >= 128
-    return dict(
-        BLOCK_D=block_d,
-        DOT_FP32=interpret or q.dtype == torch.float32,
-        num_warps=1 if interpret else (8 if wide else 4),
-        fwd=(32, 32) if interpret else ((128, 64) if wide else (64, 32)),
-        dq=(32, 32) if interpret else (64, 32),
-        dkdv=(32, 32) if interpret else (32, 64),
-    )
+    fwd = ((64, 64) if fp32 else (128, 64)) if wide else (64, 32)
+    return dict(DOT_FP32=fp32, num_warps=8 if wide else 4, fwd=fwd, dq=(64, 32), dkdv=(32, 64))
 
 
 class VarlenAttentionTriton(torch.autograd.Function):
@@ -284,22 +287,26 @@ def _attn_signature(names: list[str], ptrs: dict[str, str]) -> dict[str, str]:
 
 
 def _aot_specs() -> dict:
-    """Kernel name -> dict(fn, signature, constexprs, num_warps) of the GPU launch for bf16, D=128 and GQA 4:1.
+    """Kernel name -> dict(fn, signature, constexprs, num_warps) of the GPU launches ``_config`` makes at D=128 and
+    GQA 4:1, in bf16 and fp32 (fp32: fp32 dots and operands, twice the shared memory per tile).
 
-    tests/kernels compiles each of these for sm_90 ahead of time.
+    tests/kernels compiles each of these for sm_90 ahead of time and checks its shared memory fits the SM.
     """
-    bf, f32 = "*bf16", "*fp32"
-    consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_FP32=False)
     specs = {}
-    for name, kernel, ptrs, (bm, bn) in (
-        ("attn_fwd", _attn_fwd_kernel, dict(Q=bf, K=bf, V=bf, O=bf, LSE=f32, cu_seqlens="*i32"), (128, 64)),
-        ("attn_bwd_dq", _attn_bwd_dq_kernel,
-         dict(Q=bf, K=bf, V=bf, DO=bf, DQ=bf, LSE=f32, DELTA=f32, cu_seqlens="*i32"), (64, 32)),
-        ("attn_bwd_dkdv", _attn_bwd_dkdv_kernel,
-         dict(Q=bf, K=bf, V=bf, DO=bf, DK=bf, DV=bf, LSE=f32, DELTA=f32, cu_seqlens="*i32"), (32, 64)),
-    ):
-        sig = _attn_signature(list(kernel.arg_names), ptrs)
-        specs[name] = dict(fn=kernel, signature=sig, constexprs={**consts, "BLOCK_M": bm, "BLOCK_N": bn}, num_warps=8)
+    for tag, el, f32dot in (("", "*bf16", False), ("_fp32", "*fp32", True)):
+        f32 = "*fp32"
+        consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_FP32=f32dot)
+        cfg = _gpu_config(128, f32dot)
+        for name, kernel, ptrs, (bm, bn) in (
+            ("attn_fwd", _attn_fwd_kernel, dict(Q=el, K=el, V=el, O=el, LSE=f32, cu_seqlens="*i32"), cfg["fwd"]),
+            ("attn_bwd_dq", _attn_bwd_dq_kernel,
+             dict(Q=el, K=el, V=el, DO=el, DQ=el, LSE=f32, DELTA=f32, cu_seqlens="*i32"), cfg["dq"]),
+            ("attn_bwd_dkdv", _attn_bwd_dkdv_kernel,
+             dict(Q=el, K=el, V=el, DO=el, DK=el, DV=el, LSE=f32, DELTA=f32, cu_seqlens="*i32"), cfg["dkdv"]),
+        ):
+            sig = _attn_signature(list(kernel.arg_names), ptrs)
+            specs[name + tag] = dict(fn=kernel, signature=sig, constexprs={**consts, "BLOCK_M": bm, "BLOCK_N": bn},
+                                     num_warps=cfg["num_warps"])
     return specs
 
 
