@@ -10,9 +10,10 @@ Checks, each against an independent reference or an uninterrupted run:
 * SFT, RM and PPO (vLLM if importable, else the megatron generator, said in the line) through their entry points
   in fp32 and bf16, PPO with --colocate_all --ref_reward_offload --adam_offload: finite losses, phase times, the
   device memory each offload phase freed, and PPO's rollout_logprob_drift;
-* a resume on CUDA: SFT stopped at step 2 and resumed equals an uninterrupted run bit for bit.
+* a resume on CUDA: SFT stopped at step 2 and resumed equals an uninterrupted run bit for bit;
+* one timed SFT run at SmolLM2-135M's size (bf16, packed): tokens/s and MFU against the GPU's bf16 peak.
 
-    bash tools/gpu_check.sh [--out DIR] [--only kernels,sft,rm,ppo,resume]
+    bash tools/gpu_check.sh [--out DIR] [--only kernels,sft,rm,ppo,resume,mfu]
 """
 from __future__ import annotations
 
@@ -176,15 +177,27 @@ STEP_TIMEOUT_S = int(os.environ.get("RLHF_GPU_STEP_TIMEOUT_S", "110"))
 inside the machine's one 10-minute call."""
 
 
+START = time.monotonic()
+DEADLINE_S = float(os.environ.get("RLHF_GPU_DEADLINE_S", "560"))
+"""The whole check's budget (the machine's call allows 600 s): a launch that would start with under 20 s left is
+skipped (rc 125, reported as not run) so the summary line is always printed."""
+
+
 def run(cmd: list[str], log_path: str, timeout: int | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="8", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    left = DEADLINE_S - (time.monotonic() - START)
+    if left < 20:
+        with open(log_path, "w") as f:
+            f.write(f"skipped: {left:.0f} s left of the check's {DEADLINE_S:.0f} s\n")
+        return subprocess.CompletedProcess(cmd, 125, "", "skipped: out of time")
+    timeout = int(min(timeout or STEP_TIMEOUT_S, left))
     try:
-        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout or STEP_TIMEOUT_S)
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:  # the ranks die with their launcher (PDEATHSIG)
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        p = subprocess.CompletedProcess(cmd, 124, out, err + f"\nTIMEOUT after {timeout or STEP_TIMEOUT_S} s")
+        p = subprocess.CompletedProcess(cmd, 124, out, err + f"\nTIMEOUT after {timeout} s")
     with open(log_path, "w") as f:
         f.write(p.stdout + "\n--- stderr ---\n" + p.stderr)
     return p
@@ -278,6 +291,46 @@ def check_ppo(out: str, assets: dict[str, str], prec: str, flag: list[str]) -> N
            f"(log {save}.log)")
 
 
+BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+"""Dense bf16 tensor-core peaks (NVIDIA's data sheets, SXM parts, without sparsity), by product name."""
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, tie_word_embeddings=True)
+
+
+def check_mfu(out: str, assets: dict[str, str]) -> None:
+    """One timed SFT run at SmolLM2-135M's size (random weights, the assets' tokenizer, bf16, packed, 2048-token
+    rows): tokens/s of the last steps and the model FLOPs utilisation 6 * N * tokens/s / the GPU's bf16 peak
+    (attention's FLOPs left out, so it is a lower bound)."""
+    import torch
+
+    from rlhf.models.tiny import make_tiny_hf
+
+    model = make_tiny_hf(os.path.join(out, "assets", "smollm2_size"), "llama", seed=0,
+                         tokenizer_dir=assets["actor"], dtype=torch.bfloat16, max_position_embeddings=4096,
+                         **SMOLLM2_135M)
+    n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(
+        model).parameters())
+    save = os.path.join(out, "mfu_bf16")
+    p = torchrun("launch/sft.py", ["--pretrain", model, "--dataset", assets["sft"], "--input_key", "input",
+                                   "--output_key", "output", "--save_path", save, "--learning_rate", "1e-4",
+                                   "--train_batch_size", "64", "--micro_train_batch_size", "16", "--max_len", "2048",
+                                   "--packing_samples", "--bf16", "--max_epochs", "1", "--max_samples", "512",
+                                   "--lr_warmup_ratio", "0", "--seed", "1", "--logging_steps", "1"], save + ".log")
+    from rlhf.metrics import read_metrics_jsonl
+
+    steps = read_metrics_jsonl(os.path.join(save, "metrics.jsonl"), "sft") if p.returncode == 0 else {}
+    tps = sorted(steps[s]["tokens_per_s"] for s in steps if s > 1)
+    name = torch.cuda.get_device_properties(0).name
+    peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
+    if not tps:
+        report("mfu[bf16,135M]", False, f"rc={p.returncode} no timed steps (log {save}.log)")
+        return
+    median = tps[len(tps) // 2]
+    mfu = 6 * n_params * median / (peak * 1e12) if peak else math.nan
+    report("mfu[bf16,135M]", True, f"{median:.0f} tokens/s (median of {len(tps)} steps after the first), "
+           f"{n_params / 1e6:.1f}M params, MFU {mfu:.3f} of {name}'s {peak} TFLOPS bf16 peak (log {save}.log)")
+
+
 def check_resume(out: str, assets: dict[str, str]) -> None:
     from safetensors.torch import load_file
 
@@ -301,7 +354,7 @@ def check_resume(out: str, assets: dict[str, str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(REPO, "outputs", "gpu_check"))
-    ap.add_argument("--only", default="kernels,sft,rm,ppo,resume")
+    ap.add_argument("--only", default="kernels,sft,rm,ppo,resume,mfu")
     ap.add_argument("--precisions", default="fp32,bf16")
     a = ap.parse_args(argv)
     only = set(a.only.split(","))
@@ -312,13 +365,15 @@ def main(argv: list[str] | None = None) -> int:
     if "kernels" in only:
         steps += [("kernels.logprobs", check_logprobs), ("kernels.varlen_attention", check_varlen_attention)]
     assets: dict[str, str] = {}
-    if only & {"sft", "rm", "ppo", "resume"}:
+    if only & {"sft", "rm", "ppo", "resume", "mfu"}:
         steps.append(("assets", lambda: assets.update(make_assets(os.path.join(a.out, "assets")))))
         steps.append(("trainers", lambda: check_trainers(a.out, assets, a.precisions.split(","), only)))
         if "resume" in only:
             steps.append(("resume", lambda: check_resume(a.out, assets)))
+        if "mfu" in only:
+            steps.append(("mfu", lambda: check_mfu(a.out, assets)))
     for name, fn in steps:
-        if name in ("trainers", "resume") and not assets:
+        if name in ("trainers", "resume", "mfu") and not assets:
             report(name, False, "skipped: the assets step failed")
             continue
         try:

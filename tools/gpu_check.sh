@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
-# The single-GPU check (one machine, one GPU, one rank): kernels at real shapes against fp64 references, SFT / RM /
-# PPO in fp32 and bf16 with offload, and a resume on CUDA. One PASS/FAIL line per check, then "N passed, M failed"
-# (tools/gpu_check.py). Under 25 minutes on an H100. Without a usable GPU it stops at its first GPU-only step.
+# The single-GPU check (one machine, one GPU, one rank): kernels at real shapes against fp64 references, SFT (padded
+# and packed) / RM / PPO in fp32 and bf16 with offload, a resume on CUDA, and a timed SmolLM2-135M-size SFT (MFU).
+# One PASS/FAIL line per check, then "N passed, M failed" (tools/gpu_check.py). It fits one call of the lent GPU
+# machine: every launch has its own limit (RLHF_GPU_STEP_TIMEOUT_S, 110 s) and the whole check a deadline
+# (RLHF_GPU_DEADLINE_S, 560 s) after which launches are skipped, so a partial run still prints its summary and
+# leaves its logs. Without a usable GPU it stops at its first GPU-only step with one STOP: line.
 #
-#   bash tools/gpu_check.sh [--out DIR] [--only kernels,sft,rm,ppo,resume] 2>&1 | tee bench/results/gpu/check.log
+# On the lent machine (the device tool's `run`): first fetch the wheels here (below), check the carry with
+# `python tools/gpu_carry.py` (17.5 MiB measured, of 64), then one call with carry ["tools/gpu_wheels"] and
+# timeout_s 590:
+#
+#   mkdir -p $OUT/gpu && bash tools/gpu_check.sh --out $OUT/gpu > $OUT/gpu/check.log 2>&1; tail -40 $OUT/gpu/check.log
+#
+# and copy $OUT/gpu (check.log and the per-launch logs) into bench/results/gpu/.
 #
 # For a machine with Python 3.12 and torch preinstalled but no package registry: what it lacks comes as wheels in
 # ${RLHF_WHEELS:-tools/gpu_wheels} (ignored by git; about 20 MB), installed with --no-index --no-deps into a
