@@ -29,6 +29,18 @@ def add_output_args(g, *, what: str = "model") -> None:
     g.add_argument("--logging_steps", type=int, default=1)
     g.add_argument("--tensorboard", "--use_tensorboard", dest="tensorboard", default=None,
                    help="TensorBoard log dir")
+    add_wandb_args(g)
+
+
+def add_wandb_args(g) -> None:
+    """Weights & Biases, with OpenRLHF's flag names (rank 0 logs the same scalars as TensorBoard)."""
+    g.add_argument("--use_wandb", nargs="?", const="True", default=None,
+                   help="log to Weights & Biases; optionally the API key (else WANDB_API_KEY or `wandb login`; "
+                        "without any key, or with WANDB_MODE=offline, it logs offline under <save_path>/wandb)")
+    g.add_argument("--wandb_org", default=None, help="the W&B entity (team or user)")
+    g.add_argument("--wandb_group", default=None)
+    g.add_argument("--wandb_project", default="rlhf-megatron")
+    g.add_argument("--wandb_run_name", default=None, help="default: the --save_path folder's name")
 
 
 def add_batch_args(g, *, micro_bs: int = 8, epochs: int = 1) -> None:

@@ -15,12 +15,13 @@ log = logging.getLogger("rlhf")
 
 class MetricsLogger:
     def __init__(self, enabled: bool, total_steps: int, tensorboard_dir: str | None = None, prefix: str = "train",
-                 jsonl_path: str | None = None):
+                 jsonl_path: str | None = None, args=None):
         self.enabled, self.total, self.prefix = enabled, total_steps, prefix
         self.start = time.time()
         self.start_step: int | None = None
         self.writer = None
         self.jsonl = None
+        self.wandb = start_wandb(args) if enabled and args is not None and getattr(args, "use_wandb", None) else None
         if enabled and jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             self.jsonl = open(jsonl_path, "a")
@@ -42,6 +43,8 @@ class MetricsLogger:
             for k, v in metrics.items():
                 self.writer.add_scalar(f"{prefix}/{k}", v, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{k}": float(v) for k, v in metrics.items()}, step=step)
         if not progress:
             log.info("[%s step %d] %s", prefix, step, _fmt(metrics))
             return
@@ -54,11 +57,49 @@ class MetricsLogger:
                  _hms(eta), _fmt(metrics))
 
     def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
         if self.writer is not None:
             self.writer.close()
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
+
+
+WANDB_ID_FILE = "wandb_run_id"
+"""Under --save_path: the W&B run id, so a resumed job (the same --save_path) continues the same run."""
+
+
+def start_wandb(args):
+    """The W&B run of this job (rank 0): project, group, name and entity from the flags, the flags as its config,
+    online with an API key, else offline under <save_path>/wandb (logged once; ``wandb sync`` uploads it later).
+    A job resumed into the same --save_path continues the run whose id is saved there."""
+    import wandb
+
+    key = args.use_wandb if args.use_wandb not in ("True", "true", "1") else None
+    if key:
+        os.environ["WANDB_API_KEY"] = key
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None and not (os.environ.get("WANDB_API_KEY") or wandb.api.api_key):
+        mode = "offline"
+        log.info("wandb: no API key (--use_wandb KEY, WANDB_API_KEY or `wandb login`): logging offline under %s; "
+                 "`wandb sync` uploads it", os.path.join(args.save_path, "wandb"))
+    os.makedirs(args.save_path, exist_ok=True)
+    id_file = os.path.join(args.save_path, WANDB_ID_FILE)
+    import secrets
+
+    run_id = open(id_file).read().strip() if os.path.exists(id_file) and getattr(args, "load_checkpoint", False) \
+        else secrets.token_hex(4)
+    config = {k: v for k, v in vars(args).items() if k != "use_wandb" and isinstance(v, (int, float, str, bool,
+                                                                                             type(None), list))}
+    run = wandb.init(project=args.wandb_project, entity=args.wandb_org, group=args.wandb_group,
+                     name=args.wandb_run_name or os.path.basename(os.path.abspath(args.save_path)), config=config,
+                     dir=args.save_path, id=run_id, resume="allow", mode=mode, reinit="finish_previous")
+    with open(id_file + ".tmp", "w") as f:
+        f.write(run.id)
+    os.replace(id_file + ".tmp", id_file)
+    return run
 
 
 def read_metrics_jsonl(path: str, prefix: str) -> dict[int, dict[str, float]]:

@@ -185,7 +185,7 @@ class SupervisedLoop:
         self.args, self.task, self.tokenizer, self.engine = args, task, tokenizer, engine
         self.sampler, self.ckpt, self.total_steps, self.mesh = sampler, ckpt, total_steps, engine.mesh
         self.metrics_log = MetricsLogger(self.mesh.is_rank0, total_steps, args.tensorboard, prefix=task.name,
-                                         jsonl_path=os.path.join(args.save_path, "metrics.jsonl"))
+                                         jsonl_path=os.path.join(args.save_path, "metrics.jsonl"), args=args)
 
     def batches(self, groups: Sequence[list]) -> list[dict]:
         return make_microbatches(self.task, groups, self.tokenizer, packing=self.args.packing_samples,

@@ -203,7 +203,7 @@ class PPOTrainer:
                                                 "make_experience", "rollout": "the generator's"}[
                 args.old_logprobs_source], args.old_logprobs_reason)
         logger = MetricsLogger(mesh.is_rank0, self.total_steps, args.tensorboard, prefix="ppo",
-                               jsonl_path=os.path.join(args.save_path, "metrics.jsonl"))
+                               jsonl_path=os.path.join(args.save_path, "metrics.jsonl"), args=args)
         timer = PhaseTimer()
         history: list[dict[str, float]] = []
         start, t_end = self.step, time.perf_counter()
