@@ -295,6 +295,14 @@ def cli_main(add_args, run, argv=None) -> int:
     from rlhf.migration import add_launcher_args, apply_launcher_args
 
     add_launcher_args(p)
+    from rlhf.openrlhf_cli import translate
+
+    try:  # OpenRLHF's dotted flags of today (rlhf/openrlhf_cli.py) -> ours, before argparse
+        argv = translate(list(sys.argv[1:] if argv is None else argv), add_args.__module__.split(".")[1],
+                         set(p._option_string_actions))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = p.parse_args(argv)
     from rlhf.compat.onednn import bound_onednn_caches
     from rlhf.agents import TooManyAgentFailures

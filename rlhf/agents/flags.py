@@ -12,8 +12,9 @@ def add_agent_args(g) -> None:
                    help="--agent_func_path: at most this many model turns per trajectory (default: until done or "
                         "the token budget)")
     g.add_argument("--max_len", "--data.max_len", dest="max_len", type=int, default=None,
-                   help="--agent_func_path: a trajectory's token budget, prompt included (default --prompt_max_len "
-                        "+ --generate_max_len); each turn generates at most --generate_max_len")
+                   help="prompt and reply tokens together (OpenRLHF's): prompts keep at most --max_len - "
+                        "--generate_max_len; with --agent_func_path a trajectory's token budget (default "
+                        "--prompt_max_len + --generate_max_len), each turn at most --generate_max_len")
     g.add_argument("--agent_timeout_s", type=float, default=60.0,
                    help="--agent_func_path: seconds an environment's reset or step may take before its trajectory "
                         "fails (reward 0)")
@@ -27,9 +28,13 @@ def check_agent_args(args: argparse.Namespace) -> None:
     from rlhf.agents.rollout import AgentConfig
 
     if not args.agent_func_path:
-        for flag in ("max_turns", "max_len"):
-            if getattr(args, flag) is not None:
-                raise ValueError(f"--{flag} {getattr(args, flag)} applies to multi-turn agents: add --agent_func_path")
+        if args.max_turns is not None:
+            raise ValueError(f"--max_turns {args.max_turns} applies to multi-turn agents: add --agent_func_path")
+        if args.max_len is not None:  # OpenRLHF's --data.max_len: prompt and reply together
+            if args.max_len <= args.generate_max_len:
+                raise ValueError(f"--max_len {args.max_len} leaves no room for a prompt beside --generate_max_len "
+                                 f"{args.generate_max_len}")
+            args.prompt_max_len = min(args.prompt_max_len, args.max_len - args.generate_max_len)
         return
     if args.max_len is None:
         args.max_len = args.prompt_max_len + args.generate_max_len

@@ -1,0 +1,247 @@
+"""OpenRLHF's current command lines (its dotted flags of 2026: ``--actor.adam.lr``, ``--rollout.batch_size``,
+``--ckpt.save_steps``, ...; openrlhf/cli/train_{sft,rm,dpo,ppo_ray}.py at 3c3be6234e0c) on every entry point here.
+
+``translate(argv, entry)`` rewrites each dotted flag the entry point's own parser does not know into ours (one
+table, ``TABLE``; docs/openrlhf_flags.md prints it), before argparse: a flag with a meaning here becomes ours, one
+without a meaning in one colocated SPMD job (Ray placement beyond the whole job, DeepSpeed-only knobs) is accepted
+with one log line when it changes nothing, and refused by name (``ValueError``) when it would change what runs.
+Flags that the parsers declare themselves (e.g. ``--actor.eps_clip_low_high``, ``--train.agent_func_path``) are
+left to them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One OpenRLHF flag: ``ours`` (our flag, same values), ``arity`` (0: a switch, 1, 2 or '*': values taken),
+    ``ignore`` (accepted, changes nothing here: why) or ``refuse`` (why not, and what to use)."""
+
+    ours: str | None = None
+    arity: int | str = 1
+    ignore: str | None = None
+    refuse: str | None = None
+    value_map: tuple = ()
+    """``(value, [our tokens])`` pairs for flags whose value picks different flags here (``--ds.param_dtype``)"""
+    other: str | None = None
+    """why the values outside ``value_map`` are refused (default: only those have a counterpart here)"""
+
+
+def to(ours: str, arity: int | str = 1) -> Flag:
+    return Flag(ours=ours, arity=arity)
+
+
+def ignore(why: str, arity: int | str = 1) -> Flag:
+    return Flag(ignore=why, arity=arity)
+
+
+def refuse(why: str, arity: int | str = 1) -> Flag:
+    return Flag(refuse=why, arity=arity)
+
+
+DS_ONLY = "a DeepSpeed setting; megatron-core's own runtime has no such knob"
+RAY = "Ray placement: every role is on every rank of the one job here"
+
+COMMON: dict[str, Flag] = {
+    "--ckpt.output_dir": to("--save_path"), "--ckpt.save_steps": to("--save_steps"),
+    "--ckpt.path": to("--ckpt_path"), "--ckpt.max_num": to("--max_ckpt_num"),
+    "--ckpt.load_enable": to("--load_checkpoint", 0),
+    "--ckpt.save_hf": ignore("the final model is always exported in HF format", 0),
+    "--ckpt.disable_ds": ignore("checkpoints are megatron's distributed checkpoints", 0),
+    "--ckpt.max_mem": ignore("checkpoints are counted (--max_ckpt_num), not sized"),
+    "--ckpt.best_metric_key": refuse("keeping the best checkpoint by a metric is not supported; --max_ckpt_num keeps "
+                                     "the latest"),
+    "--ds.use_universal_ckpt": ignore("megatron's distributed checkpoints load at any layout already", 0),
+    "--logger.logging_steps": to("--logging_steps"), "--logger.tensorboard_dir": to("--tensorboard"),
+    "--logger.wandb.key": to("--use_wandb"), "--logger.wandb.org": to("--wandb_org"),
+    "--logger.wandb.group": to("--wandb_group"), "--logger.wandb.project": to("--wandb_project"),
+    "--logger.wandb.run_name": to("--wandb_run_name"),
+    "--eval.steps": to("--eval_steps"), "--eval.dataset": to("--eval_dataset"),
+    "--train.micro_batch_size": to("--micro_train_batch_size"), "--train.batch_size": to("--train_batch_size"),
+    "--train.max_epochs": to("--max_epochs"), "--train.seed": to("--seed"),
+    "--train.full_determinism_enable": ignore("runs are deterministic on CPU already; CUDA kernels as chosen", 0),
+    "--ds.zero_stage": to("--zero_stage"), "--ds.zpg": ignore(DS_ONLY), "--ds.deepcompile": ignore(DS_ONLY, 0),
+    "--ds.overlap_comm": ignore(DS_ONLY, 0), "--ds.grad_accum_dtype": ignore(DS_ONLY),
+    "--ds.param_dtype": Flag(arity=1, value_map=(("bf16", ["--bf16"]), ("fp32", []), ("float32", []))),
+    "--ds.attn_implementation": Flag(arity=1, value_map=(("flash_attention_2", ["--flash_attn"]),
+                                                         ("flash_attention_3", ["--flash_attn"]), ("sdpa", []),
+                                                         ("eager", []))),
+    "--ds.experts_implementation": ignore("MoE experts run megatron-core's grouped layers"),
+    "--ds.use_liger_kernel": ignore("the project's own fused kernels run (kernels/)", 0),
+    "--ds.tensor_parallel_size": to("--tensor_model_parallel_size"),
+    "--ds.ring_attn_size": Flag(arity=1, value_map=(("1", []),),
+                                other="ring attention (context parallelism) is not supported yet"),
+    "--ds.ring_attn_head_stride": ignore("ring attention's head stride (context parallelism is not here yet)"),
+    "--ds.load_in_4bit": refuse("4-bit (QLoRA) base weights are not supported; train LoRA on bf16 weights", 0),
+    "--ds.lora.rank": to("--lora_rank"), "--ds.lora.alpha": to("--lora_alpha"),
+    "--ds.lora.target_modules": to("--target_modules", "*"), "--ds.lora.dropout": to("--lora_dropout"),
+    "--ds.packing_samples": to("--packing_samples", 0), "--ds.adam_offload": ignore(DS_ONLY, 0),
+    "--data.disable_fast_tokenizer": ignore("the tokenizer is loaded as transformers chooses", 0),
+    "--data.dataloader_num_workers": ignore("data are tokenized up front"),
+    "--data.max_samples": to("--max_samples"), "--data.input_key": to("--input_key"),
+    "--data.input_template": to("--input_template"), "--data.apply_chat_template": to("--apply_chat_template", 0),
+    "--data.tokenizer_chat_template": refuse("a chat template given on the command line is not supported; put it in "
+                                             "the tokenizer folder's tokenizer_config.json"),
+    "--data.max_len": to("--max_len"), "--data.dataset": to("--dataset"),
+    "--data.dataset_probs": to("--dataset_probs"),
+    "--data.dataset_split": Flag(arity=1, value_map=(("train", []),)),
+    "--eval.split": Flag(arity=1, value_map=(("train", []),)),
+    "--model.model_name_or_path": to("--pretrain"), "--actor.model_name_or_path": to("--pretrain"),
+    "--model.gradient_checkpointing_enable": to("--gradient_checkpointing", 0),
+    "--actor.gradient_checkpointing_enable": to("--gradient_checkpointing", 0),
+    "--model.gradient_checkpointing_reentrant": ignore("megatron recomputes its own way", 0),
+    "--actor.gradient_checkpointing_reentrant": ignore("megatron recomputes its own way", 0),
+    "--model.aux_loss_coef": to("--aux_loss_coef"),
+    "--optim": Flag(arity=1, value_map=(("adam", []),)),
+    "--adam.lr": to("--learning_rate"), "--adam.betas": to("--adam_betas", 2), "--adam.weight_decay": to("--l2"),
+    "--adam.eps": Flag(arity=1, value_map=(("1e-08", []), ("1e-8", []))),
+    "--min_lr_ratio": Flag(arity=1, value_map=(("0.1", []),)),
+    "--use_ms": refuse("ModelScope downloads are not supported; pass a local folder", 0),
+}
+for _k in ("lr", "momentum", "ns_steps"):
+    COMMON[f"--muon.{_k}"] = refuse("the Muon optimizer is not supported here (Adam only)")
+COMMON["--muon.nesterov"] = refuse("the Muon optimizer is not supported here (Adam only)", 0)
+COMMON["--muon.no_nesterov"] = refuse("the Muon optimizer is not supported here (Adam only)", 0)
+
+SFT = {**COMMON, "--data.output_key": to("--output_key"), "--model.pretrain_mode_enable": to("--pretrain_mode", 0),
+       "--data.multiturn": refuse("multi-turn SFT loss on every assistant turn is not supported; use --output_key "
+                                  "or --apply_chat_template with one reply", 0)}
+PAIRS = {"--data.chosen_key": to("--chosen_key"), "--data.rejected_key": to("--rejected_key"),
+         "--data.prompt_key": to("--prompt_key")}
+RM = {**COMMON, **PAIRS,
+      "--model.loss_type": Flag(arity=1, value_map=(("sigmoid", []),)),
+      "--model.margin_loss_enable": refuse("use --margin_key with a per-pair margin field", 0),
+      "--ds.value_head_prefix": Flag(arity=1, value_map=(("score", []),)),
+      "--model.compute_fp32_loss": ignore("the loss is computed in fp32", 0)}
+DPO = {**COMMON, **PAIRS, "--ref.model_name_or_path": to("--ref_pretrain"), "--ref.offload": to("--ref_offload", 0),
+       "--model.beta": to("--beta"), "--model.ipo_enable": to("--ipo", 0),
+       "--model.label_smoothing": to("--label_smoothing"),
+       "--model.nll_loss_coef": Flag(arity=1, value_map=(("0", []), ("0.0", [])))}
+PPO = {**COMMON,
+       "--actor.adam.lr": to("--actor_learning_rate"), "--critic.adam.lr": to("--critic_learning_rate"),
+       "--actor.adam.betas": to("--adam_betas", 2), "--actor.adam.weight_decay": to("--l2"),
+       "--actor.lr_scheduler": to("--lr_scheduler"), "--actor.lr_warmup_ratio": to("--lr_warmup_ratio"),
+       "--actor.max_norm": to("--max_norm"), "--actor.aux_loss_coef": to("--aux_loss_coef"),
+       "--critic.model_name_or_path": to("--critic_pretrain"), "--reward.model_name_or_path": to("--reward_pretrain"),
+       "--reward.normalize_enable": to("--normalize_reward", 0),
+       "--reward.clip_range": ignore("rewards are not clipped here", 2),
+       "--critic.value_clip": to("--value_clip"), "--critic.freezing_steps": Flag(arity=1, value_map=(("-1", []),)),
+       "--critic.save_value_network": ignore("the critic is in every checkpoint", 0),
+       "--ref.offload": to("--ref_reward_offload", 0), "--reward.offload": to("--ref_reward_offload", 0),
+       "--ds.enable_sleep": ignore("offload is planned per phase (--ref_reward_offload, --adam_offload)", 0),
+       "--ds.adam_offload": to("--adam_offload", 0), "--ds.value_head_prefix": Flag(arity=1,
+                                                                                   value_map=(("score", []),)),
+       "--train.colocate_all": to("--colocate_all", 0),
+       "--train.colocate_actor_ref": to("--colocate_actor_ref", 0),
+       "--train.colocate_critic_reward": to("--colocate_critic_reward", 0),
+       "--train.enable_ema": to("--enable_ema", 0), "--train.ema_beta": to("--ema_beta"),
+       "--train.num_episodes": to("--num_episodes"),
+       "--train.async_enable": refuse("asynchronous rollouts are not supported: the job alternates generation and "
+                                      "training on every rank", 0),
+       "--train.async_queue_size": ignore("asynchronous rollouts are not supported"),
+       "--train.partial_rollout_enable": refuse("partial rollouts need asynchronous training, not supported", 0),
+       "--vllm.num_engines": to("--vllm_num_engines"), "--vllm.tensor_parallel_size": to("--vllm_tensor_parallel_size"),
+       "--vllm.gpu_memory_utilization": to("--vllm_gpu_memory_utilization"),
+       "--vllm.enforce_eager": to("--vllm_enforce_eager", 0),
+       "--vllm.enable_sleep": ignore("vLLM sleeps between rollouts on CUDA already", 0),
+       "--vllm.sync_backend": ignore("weights reach vLLM inside each process, without a transfer group"),
+       "--vllm.sync_with_ray": ignore(RAY, 0),
+       "--vllm.enable_prefix_caching": ignore("vLLM's default here", 0),
+       "--rollout.batch_size": to("--rollout_batch_size"), "--rollout.micro_batch_size": to("--micro_rollout_batch_size"),
+       "--rollout.n_samples_per_prompt": to("--n_samples_per_prompt"), "--rollout.max_new_tokens": to("--generate_max_len"),
+       "--rollout.temperature": to("--temperature"), "--rollout.top_p": to("--top_p"),
+       "--rollout.max_tokens_per_gpu": ignore("the experience forwards use --train.max_tokens_per_gpu"),
+       "--rollout.vllm_generate_batch_size": ignore("each rollout is one batched generate call"),
+       "--train.max_tokens_per_gpu": to("--max_tokens_per_gpu"),
+       "--actor.eps_clip": to("--eps_clip"), "--actor.policy_loss_type": to("--policy_loss_type"),
+       "--actor.entropy_coef": to("--entropy_coef"), "--actor.dual_clip": to("--dual_clip"),
+       "--algo.advantage.lambd": to("--lambd"), "--algo.advantage.gamma": to("--gamma"),
+       "--algo.advantage.estimator": to("--advantage_estimator"),
+       "--algo.advantage.no_std_norm": to("--no_std_norm", 0),
+       "--algo.advantage.is_correction_enable": to("--use_tis", 0),
+       "--algo.advantage.is_correction_threshold": ignore("--tis_cap caps the weight (upper bound only)", 2),
+       "--algo.advantage.is_correction_type": Flag(arity=1, value_map=(("tis", []),),
+                                                   other="only truncated importance sampling (tis) is implemented"),
+       "--algo.kl.init_coef": to("--init_kl_coef"), "--algo.kl.target": to("--kl_target"),
+       "--algo.kl.horizon": to("--kl_horizon"), "--algo.kl.estimator": to("--kl_estimator"),
+       "--algo.kl.use_loss": ignore("the KL's place follows --advantage_estimator here (in the loss for the group "
+                                    "estimators, in the reward otherwise)", 0),
+       "--algo.dynamic_filtering_enable": to("--dynamic_filtering", 0),
+       "--algo.dynamic_filtering_range": to("--dynamic_filtering_range", 2),
+       "--reward.remote_url": to("--remote_rm_url"),
+       "--reward.overlong_buffer_len": to("--overlong_buffer_len"),
+       "--reward.overlong_penalty_factor": to("--overlong_penalty_factor"),
+       "--reward.stop_properly_penalty_coef": to("--stop_properly_penalty_coef"),
+       "--data.prompt_dataset": to("--prompt_data"), "--data.prompt_probs": to("--prompt_data_probs"),
+       "--data.prompt_split": Flag(arity=1, value_map=(("train", []),)),
+       "--data.label_key": to("--label_key"), "--train.dynamic_batch_enable": to("--use_dynamic_batch", 0),
+       "--eval.temperature": to("--eval_temperature"), "--eval.n_samples_per_prompt": to("--eval_n_samples_per_prompt"),
+       "--data.image_key": refuse("vision-language models are not supported"),
+       "--data.max_images_per_prompt": Flag(arity=1, value_map=(("0", []),)),
+       "--actor.freeze_visual_encoder": refuse("vision-language models are not supported", 0)}
+for _role in ("actor", "critic", "ref", "reward"):
+    PPO[f"--{_role}.num_nodes"] = to(f"--{_role}_num_nodes")
+    PPO[f"--{_role}.num_gpus_per_node"] = to(f"--{_role}_num_gpus_per_node")
+for _role in ("actor", "critic"):
+    PPO[f"--{_role}.optim"] = Flag(arity=1, value_map=(("adam", []),))
+    PPO[f"--{_role}.adam.eps"] = Flag(arity=1, value_map=(("1e-08", []), ("1e-8", [])))
+    PPO[f"--{_role}.min_lr_ratio"] = Flag(arity=1, value_map=(("0.1", []),))
+    for _k in ("lr", "momentum", "ns_steps"):
+        PPO[f"--{_role}.muon.{_k}"] = refuse("the Muon optimizer is not supported here (Adam only)")
+    PPO[f"--{_role}.muon.nesterov"] = refuse("the Muon optimizer is not supported here (Adam only)", 0)
+    PPO[f"--{_role}.muon.no_nesterov"] = refuse("the Muon optimizer is not supported here (Adam only)", 0)
+for _k in ("adam.betas", "adam.weight_decay", "lr_scheduler", "lr_warmup_ratio", "max_norm"):
+    PPO[f"--critic.{_k}"] = ignore("the critic shares the actor's optimizer settings here (--adam_betas, --l2, "
+                                   "--lr_scheduler, --lr_warmup_ratio, --max_norm)", 2 if _k == "adam.betas" else 1)
+del PPO["--adam.lr"], PPO["--adam.betas"], PPO["--adam.weight_decay"], PPO["--model.model_name_or_path"]
+
+TABLE = {"sft": SFT, "rm": RM, "dpo": DPO, "kto": {**DPO, "--data.label_key": to("--label_key")}, "ppo": PPO}
+"""Entry point (``rlhf.<entry>``) -> OpenRLHF flag -> what it becomes. KTO takes DPO's names (OpenRLHF has no KTO
+command at 3c3be6234e0c)."""
+
+
+def translate(argv: list[str], entry: str, known: set[str]) -> list[str]:
+    """``argv`` with OpenRLHF's dotted flags (not in ``known``, the parser's own option strings) rewritten into
+    ours; ``--flag=value`` forms too. ValueError naming a refused flag, or a value that has no counterpart."""
+    table = TABLE.get(entry, {})
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        flag, eq, inline = tok.partition("=")
+        spec = table.get(flag) if tok.startswith("--") and flag not in known else None
+        if spec is None:
+            out.append(tok)
+            i += 1
+            continue
+        if spec.arity == "*":
+            vals = [inline] if eq else []
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("--"):
+                vals.append(argv[j])
+                j += 1
+        else:
+            n = int(spec.arity)
+            vals = ([inline] if eq else []) + argv[i + 1: i + 1 + n - (1 if eq else 0)]
+            j = i + 1 + n - (1 if eq else 0)
+            if len(vals) < n:
+                raise ValueError(f"{flag} (OpenRLHF) expects {n} value(s)")
+        i = j
+        if spec.refuse:
+            raise ValueError(f"{flag} (OpenRLHF): {spec.refuse}")
+        if spec.ignore:
+            log.info("%s (OpenRLHF) accepted, no effect here: %s", flag, spec.ignore)
+            continue
+        if spec.value_map:
+            mapped = dict(spec.value_map)
+            if vals[0] not in mapped:
+                raise ValueError(f"{flag} {vals[0]} (OpenRLHF): " + (
+                    spec.other or f"only {', '.join(mapped)} has a counterpart here"))
+            out += mapped[vals[0]]
+            continue
+        out += [spec.ours, ",".join(vals)] if spec.arity == "*" else [spec.ours, *vals]  # '*': our comma list
+    return out
