@@ -56,6 +56,20 @@ def run_ours(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool
             "model": out}
 
 
+def reuse_ours(run_dir: str) -> dict:
+    """--ours_from: a finished run of tools/run_rlvr_example.py with the same settings (its grpo_s<seed> folder):
+    its metrics and exported model instead of training again."""
+    from rlhf.metrics import read_metrics_jsonl
+
+    tr = read_metrics_jsonl(os.path.join(run_dir, "metrics.jsonl"), "ppo")
+    if not tr or not os.path.exists(os.path.join(run_dir, "config.json")):
+        raise SystemExit(f"error: --ours_from: {run_dir} holds no finished run (metrics.jsonl and the exported model)")
+    steps_ = sorted(tr)
+    return {"reward": [tr[s]["reward"] for s in steps_],
+            "step_seconds": [tr[s].get("time/step_wall", tr[s]["time/step"]) for s in steps_], "model": run_dir,
+            "reused": run_dir}
+
+
 def run_trl(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool, lr: str) -> dict:
     res = os.path.join(out, "trl_result.json")
     cmd = [TRL_PY, os.path.join(REPO, "bench", "_trl_grpo.py"), "--model", model, "--train", data["train"],
@@ -109,6 +123,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", default=None, help="Adam's constant learning rate, both systems (default: the example's)")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     p.add_argument("--work", default="/tmp/rlvr_vs_trl")
+    p.add_argument("--ours_from", default=None,
+                   help="the --out of a finished `tools/run_rlvr_example.py --configs grpo` with the same --steps, "
+                        "--lr and precision: its grpo_s<seed> runs stand for ours instead of training again")
     args = p.parse_args(argv)
     from run_rlvr_example import LR
 
@@ -123,7 +140,8 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_smollm2.py"), "--out", model], check=True)
     data = write(os.path.join(args.work, "data"), seed=0)
     tag = "bf16" if args.bf16 else "fp32"
-    results = {"precision": tag, "steps": args.steps, "lr": lr, "base": held_out(model, data["heldout"]), "seeds": {}}
+    results = {"precision": tag, "steps": args.steps, "lr": lr, "ours_from": args.ours_from,
+               "base": held_out(model, data["heldout"]), "seeds": {}}
     print(f"base model: {results['base']}", flush=True)
     for seed in [int(s) for s in args.seeds.split(",")]:
         row = {}
@@ -131,7 +149,10 @@ def main(argv=None) -> int:
             out = os.path.join(args.work, f"{tag}_{system}_s{seed}")
             os.makedirs(out, exist_ok=True)
             t0 = time.time()
-            r = fn(model, data, out, seed, args.steps, args.bf16, lr)
+            if system == "ours" and args.ours_from:
+                r = reuse_ours(os.path.join(args.ours_from, f"grpo_s{seed}"))
+            else:
+                r = fn(model, data, out, seed, args.steps, args.bf16, lr)
             r["held_out"] = held_out(r["model"], data["heldout"])
             r["samples_per_s"] = samples_per_s(r["step_seconds"])
             r["seconds"] = time.time() - t0

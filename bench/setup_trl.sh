@@ -14,7 +14,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: an unpinned resolve would fetch a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q "trl==1.12.0" "transformers>=4.56.2,<6" "accelerate>=1.4.0" "datasets>=4.7.0" \
-  psutil "math-verify==0.9.0"  # math-verify: the verifier bench/rlvr_vs_trl.py's reward shares with ours
+  psutil requests "math-verify==0.9.0"  # requests: TRL 1.12.0 GRPOTrainer imports it; math-verify: the verifier bench/rlvr_vs_trl.py's reward shares with ours
 "$VENV/bin/python" -c "import torch, transformers, trl; from trl.experimental.ppo import PPOTrainer; \
 print('trl env ok: trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 rm -f "$VENV"/.trl-setup-*
