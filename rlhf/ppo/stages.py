@@ -53,6 +53,9 @@ def generate(roles, args: argparse.Namespace, prompts: list, prompt_idx: list[in
     # The fallback generator runs the actor itself, so its parameters stay resident (weight_sync's residency).
     roles.memory.enter("weight_sync" if roles.rollout.reads_actor_params else "rollout")
     seed, metrics = args.seed * 100_003 + step + 1_000_003 * round_, {}
+    if roles.rollout.needs_sync:  # a CPU engine released its weights after this step's previous rollout round
+        sync_weights(roles, timer)
+        roles.memory.enter("weight_sync" if roles.rollout.reads_actor_params else "rollout")
     with timer.phase("rollout"):
         roles.rollout.wake_up(["kv_cache"])
         if roles.agent is not None:  # multi-turn trajectories (rlhf.agents.rollout)

@@ -175,3 +175,21 @@ def test_eval_needs_a_rule_reward(ppo_setup, tmp_path, monkeypatch, capsys):
     argv = ppo_args(ppo_setup, str(tmp_path / "o"), **{"--eval_dataset": ppo_setup["prompts"]})
     assert main(argv) == 2
     assert "--eval_dataset scores the held-out replies with the run's rule reward" in capsys.readouterr().err
+
+
+def test_dynamic_filtering_regenerates_with_vllm(ppo_setup, tmp_path, monkeypatch, capsys):
+    """With vLLM on CPU the engine releases its weights after each rollout; dynamic filtering's further rounds within
+    a step must sync them again (once failed: "vLLM's weights were freed after the last rollout")."""
+    from helpers import free_port
+    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.ppo import main
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    out = tmp_path / "o"
+    argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--reward_fn": "_rule_reward:parity_reward",
+                                            "--rollout_backend": "vllm", "--max_samples": "64",
+                                            "--dynamic_filtering": "", "--dynamic_filtering_max_rounds": "4",
+                                            "--stop_after_steps": "2", "--actor_learning_rate": "1e-3"})
+    assert main(argv) == 0, capsys.readouterr().err[-3000:]
+    m = read_metrics_jsonl(str(out / "metrics.jsonl"), "ppo")
+    assert sorted(m) == [1, 2] and max(s["dynamic_filtering/rounds"] for s in m.values()) >= 2, m
