@@ -81,8 +81,11 @@ def test_cpu_shm_names_get_the_job_tag(monkeypatch):
 
     from rlhf.compat.vllm import new_shm_tag, unique_cpu_shm_names
 
+    from rlhf.compat.vllm import _SHM_TAG_ENV
+
     monkeypatch.setattr(_CPUSHMDistributed, "make_group_name", _CPUSHMDistributed.make_group_name)
     monkeypatch.setenv("VLLM_DIST_IDENT", "//")  # what external_launcher's env:// init method gives every job
+    monkeypatch.delenv(_SHM_TAG_ENV, raising=False)  # an engine built earlier in this process tagged its names
     comm = types.SimpleNamespace(unique_name="tp:0", ranks=[0, 1])
     plain = _CPUSHMDistributed.make_group_name(comm)
     tag_a, tag_b = new_shm_tag(), new_shm_tag()

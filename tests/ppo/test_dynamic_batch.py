@@ -86,5 +86,11 @@ def test_ppo_step_with_token_budget_microbatches_equals_fixed(ppo_setup, tmp_pat
     for a, b in zip(fixed, dyn):
         assert a["microbatches/forward"] == 2 and b["microbatches/forward"] > 2, (a, b)  # regrouped for real
         assert b["microbatches/update"] > a["microbatches/update"]
-        for k in ("reward", "actor/policy_loss", "actor/grad_norm", "entropy", "kl", "advantages_abs"):
+        for k in ("reward", "actor/grad_norm", "entropy", "kl", "advantages_abs"):
             assert b[k] == pytest.approx(a[k], rel=2e-5, abs=1e-7), (k, a[k], b[k])
+        # The policy loss is a token mean of advantage-weighted ratios whose advantages nearly cancel (GRPO: zero
+        # mean per group), so its fp32 rounding scales with the mean |advantage|, not with the loss: summing ~100
+        # token terms in another grouping moves it by up to ~100 x 2^-24 x mean|A| ~ 6e-6 x mean|A|. Measured
+        # differences: AMD EPYC < 3.8e-7 (the loss 0.019, mean|A| ~0.8); Intel Xeon with AMX 5.6e-7.
+        assert abs(b["actor/policy_loss"] - a["actor/policy_loss"]) <= 1e-5 * a["advantages_abs"], \
+            (a["actor/policy_loss"], b["actor/policy_loss"], a["advantages_abs"])
