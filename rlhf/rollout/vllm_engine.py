@@ -65,7 +65,12 @@ def vllm_memory_kwargs(cfg: RolloutConfig, on_cuda: bool) -> dict:
     from rlhf.rollout.types import CPU_KV_CACHE_BYTES
 
     if not on_cuda:
-        return {"kv_cache_memory_bytes": cfg.kv_cache_bytes or cfg.cpu_kv_cache_bytes or CPU_KV_CACHE_BYTES}
+        # No chunked prefill on CPU: vLLM 0.32.0 discards the token sampled for a partially prefilled request and
+        # rewinds its seeded generator with Generator.set_offset, which CPU generators refuse ("CPU Generator does
+        # not use offset"): a rollout whose prompts exceed one step's token budget (a multi-turn agent's 64
+        # trajectories of ~200 tokens at step 14 of the calculator example) crashed. Whole prompts only instead.
+        return {"kv_cache_memory_bytes": cfg.kv_cache_bytes or cfg.cpu_kv_cache_bytes or CPU_KV_CACHE_BYTES,
+                "enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 8192)}
     out = {"enable_sleep_mode": cfg.enable_sleep_mode}
     if cfg.kv_cache_bytes is not None:
         out["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
