@@ -21,6 +21,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tools"))
 
 
 def flags(model: str, train: str, out: str, seed: int, steps: int, lr: str, bf16: bool) -> list[str]:
@@ -79,10 +80,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    model = args.model or os.path.join(out, "smollm2-135m-instruct")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_smollm2.py"), "--out", model],
-                       check=True)
+    from run_rlvr_example import smollm2_or
+
+    model = smollm2_or(args.model, out)
     from rlhf.demo.calc_task import write
     from rlhf.distributed.env import env_without_launcher, free_port
 

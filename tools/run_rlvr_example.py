@@ -52,6 +52,15 @@ def ppo_flags(model: str, data: dict, out: str, seed: int, steps: int, extra: li
             "--save_path", out, "--tensorboard", os.path.join(out, "tb"), "--save_steps", "-1", *extra]
 
 
+def smollm2_or(model: str | None, out: str) -> str:
+    """``model``, or SmolLM2-135M-Instruct prepared once under ``out`` (tools/prepare_smollm2.py)."""
+    model = model or os.path.join(out, "smollm2-135m-instruct")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_smollm2.py"), "--out", model],
+                       check=True)
+    return model
+
+
 def run(cmd: list[str], log_path: str) -> None:
     from rlhf.distributed.env import env_without_launcher
 
@@ -116,10 +125,7 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    model = args.model or os.path.join(out, "smollm2-135m-instruct")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_smollm2.py"), "--out", model],
-                       check=True)
+    model = smollm2_or(args.model, out)
     from rlhf.demo.arith_task import write
 
     data = write(os.path.join(out, "data"), seed=0)

@@ -53,9 +53,14 @@ def make_split(seed: int, n_train: int = 512, n_heldout: int = 64) -> tuple[list
 
 
 def write(out_dir: str, seed: int, n_train: int = 512, n_heldout: int = 64) -> dict[str, str]:
+    return write_splits(out_dir, make_split(seed, n_train, n_heldout))
+
+
+def write_splits(out_dir: str, splits: tuple[list[dict], list[dict]]) -> dict[str, str]:
+    """(train, held-out) records to ``out_dir``/train.jsonl and heldout.jsonl; their paths by name."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {}
-    for name, rows in zip(("train", "heldout"), make_split(seed, n_train, n_heldout)):
+    for name, rows in zip(("train", "heldout"), splits):
         paths[name] = os.path.join(out_dir, f"{name}.jsonl")
         with open(paths[name], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

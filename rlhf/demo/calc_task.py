@@ -11,8 +11,6 @@ checked by the agent.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 
 SYSTEM = ("You answer arithmetic questions with a calculator: write <calc>a*b</calc>, read the result, then give "
@@ -38,13 +36,9 @@ def make_split(seed: int, n_train: int = 512, n_heldout: int = 64) -> tuple[list
 
 
 def write(out_dir: str, seed: int, n_train: int = 512, n_heldout: int = 64) -> dict[str, str]:
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {}
-    for name, rows in zip(("train", "heldout"), make_split(seed, n_train, n_heldout)):
-        paths[name] = os.path.join(out_dir, f"{name}.jsonl")
-        with open(paths[name], "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    return paths
+    from rlhf.demo.arith_task import write_splits
+
+    return write_splits(out_dir, make_split(seed, n_train, n_heldout))
 
 
 if __name__ == "__main__":
