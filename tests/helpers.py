@@ -33,6 +33,9 @@ def test_env(**extra: str) -> dict:
     return env
 
 
+test_env.__test__ = False  # a helper, not a test, in the modules that import it by name
+
+
 def run_torchrun(script: str, nproc: int, args: list[str], timeout: float = 600, **env: str):
     """Run ``torchrun --nproc_per_node nproc script args``; returns the CompletedProcess (text)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),

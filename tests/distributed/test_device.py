@@ -127,8 +127,14 @@ def test_vllm_memory_kwargs():
     from rlhf.rollout.vllm_engine import vllm_memory_kwargs
 
     default, sized = RolloutConfig(), RolloutConfig(kv_cache_bytes=64 << 20, gpu_memory_utilization=0.4)
-    assert vllm_memory_kwargs(default, on_cuda=False) == {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
-    assert vllm_memory_kwargs(sized, on_cuda=False) == {"kv_cache_memory_bytes": 64 << 20}
+    # CPU: the KV cache size always, and whole-prompt scheduling (no chunked prefill: vLLM 0.32.0 rewinds a seeded
+    # CPU generator with set_offset, which CPU generators refuse) with a token budget of one max_model_len at least
+    whole = {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
+    assert vllm_memory_kwargs(default, on_cuda=False) == {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES, **whole}
+    assert vllm_memory_kwargs(sized, on_cuda=False) == {"kv_cache_memory_bytes": 64 << 20, **whole}
+    long = RolloutConfig(max_model_len=20000)
+    assert vllm_memory_kwargs(long, on_cuda=False)["max_num_batched_tokens"] == 20000
+    assert "enable_chunked_prefill" not in vllm_memory_kwargs(long, on_cuda=True)  # CUDA keeps vLLM's default
     assert vllm_memory_kwargs(default, on_cuda=True) == {"enable_sleep_mode": True, "gpu_memory_utilization": 0.5}
     # --vllm_kv_cache_mb on CUDA is honoured: the exact size replaces the memory fraction
     assert vllm_memory_kwargs(sized, on_cuda=True) == {"enable_sleep_mode": True, "kv_cache_memory_bytes": 64 << 20}

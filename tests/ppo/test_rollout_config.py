@@ -34,12 +34,12 @@ def _args(**kw):
 def test_rollout_config_sizes_the_cpu_cache_unless_the_flag_is_given():
     cfg = rollout_config(_args(), SPEC, world_size=4)  # 2 engines, 64 sequences each, 100 tokens
     assert cfg.kv_cache_bytes is None and cfg.cpu_kv_cache_bytes == kv_cache_bytes_for_batch(SPEC, 2, 64, 100, 4)
-    assert vllm_memory_kwargs(cfg, on_cuda=False) == {"kv_cache_memory_bytes": cfg.cpu_kv_cache_bytes}
+    assert vllm_memory_kwargs(cfg, on_cuda=False)["kv_cache_memory_bytes"] == cfg.cpu_kv_cache_bytes
     assert "kv_cache_memory_bytes" not in vllm_memory_kwargs(cfg, on_cuda=True)  # CUDA: the memory fraction
     flagged = rollout_config(_args(vllm_kv_cache_mb=48), SPEC, world_size=4)
     assert flagged.cpu_kv_cache_bytes is None
-    assert vllm_memory_kwargs(flagged, on_cuda=False) == {"kv_cache_memory_bytes": 48 << 20}
-    assert vllm_memory_kwargs(RolloutConfig(), on_cuda=False) == {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+    assert vllm_memory_kwargs(flagged, on_cuda=False)["kv_cache_memory_bytes"] == 48 << 20
+    assert vllm_memory_kwargs(RolloutConfig(), on_cuda=False)["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
 
 
 def _spec(heads, kv, hidden=512, layers=8, vocab=1000, ffn=1376):
