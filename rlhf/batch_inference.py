@@ -50,7 +50,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n_samples_per_prompt", type=int, default=1)
     add_sampling_args(g, max_new_tokens="--max_new_tokens")
     g = p.add_argument_group("placement")
-    add_parallel_args(g, pp=False, tp_help="TP of the vLLM engines and of the megatron models")
+    add_parallel_args(g, pp=False, tp_help="TP of the vLLM engines and of the megatron models", cp=False)
     g.add_argument("--micro_batch_size", type=int, default=16, help="sequences per reward-model forward per rank")
     g.add_argument("--max_len", type=int, default=2048, help="reward: longer prompt+response keep their start")
     add_rollout_backend_args(g)

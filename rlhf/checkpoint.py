@@ -339,7 +339,7 @@ def saved_bytes(engines: Mapping[str, Any], mesh: Any, optimizer: bool = True) -
     from rlhf.offload import torch_optimizers
 
     def replicas(p) -> int:  # megatron marks expert weights under EP > 1 allreduce=False: replicated dp/ep times
-        return mesh.dp if getattr(p, "allreduce", True) else max(1, mesh.dp // mesh.ep)
+        return mesh.dp * mesh.cp if getattr(p, "allreduce", True) else max(1, mesh.dp // mesh.ep)
 
     local = 0.0
     for eng in engines.values():

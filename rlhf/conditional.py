@@ -125,7 +125,8 @@ def _rm_scores(args: argparse.Namespace, cfg, records: list) -> list[float]:
     tok = load_tokenizer(args.reward_pretrain, "--reward_pretrain")
     seqs = [sft_sample(r, cfg, tok)[0].input_ids[:cfg.max_len].tolist() for r in records]
     mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, DistEnv.from_environ(),
-                           seed=args.seed, ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)
+                           seed=args.seed, ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s,
+                           cp=getattr(args, "context_parallel_size", 1))
     rm = ModelEngine(mesh, args.reward_pretrain, value_head=True, name="reward", bf16=args.bf16,
                      transformer_impl=getattr(args, "transformer_impl", None))
     scores = score_sequences(rm, seqs, pad_token_id(tok), args.micro_train_batch_size).tolist()

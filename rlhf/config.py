@@ -86,10 +86,14 @@ def add_precision_seed_args(g) -> None:
     g.add_argument("--seed", type=int, default=42)
 
 
-def add_parallel_args(g, *, pp: bool = True, tp_help: str | None = None) -> None:
+def add_parallel_args(g, *, pp: bool = True, tp_help: str | None = None, cp: bool = True) -> None:
     g.add_argument("--tensor_model_parallel_size", "--tp", type=int, default=1, help=tp_help)
     if pp:
         g.add_argument("--pipeline_model_parallel_size", "--pp", type=int, default=1)
+    if cp:
+        g.add_argument("--context_parallel_size", "--cp", "--ring_attn_size", type=int, default=1,
+                       help="split each sequence over this many ranks (megatron's load-balanced layout), carved out "
+                            "of data parallelism; OpenRLHF's --ring_attn_size (docs/context_parallel.md)")
     g.add_argument("--expert_model_parallel_size", "--ep", type=int, default=1,
                    help="MoE models: spread each layer's experts over this many data-parallel ranks")
     g.add_argument("--dist_timeout_s", type=float, default=None,
@@ -168,10 +172,11 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
     """Checks on flags alone; returns the DP size."""
     from rlhf.distributed.mesh import validate_layout
 
-    dp = validate_layout(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    cp = getattr(args, "context_parallel_size", 1)
+    dp = validate_layout(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, cp=cp)
     from rlhf.models.gpt import resolve_transformer_impl
 
-    resolve_transformer_impl(args.transformer_impl, lora=bool(getattr(args, "lora_rank", 0)))  # before any model
+    resolve_transformer_impl(args.transformer_impl, lora=bool(getattr(args, "lora_rank", 0)), cp=cp)
     if args.micro_train_batch_size < 1:
         raise ValueError(f"--micro_train_batch_size must be >= 1, got {args.micro_train_batch_size}")
     if args.train_batch_size % (args.micro_train_batch_size * dp) != 0:
@@ -203,8 +208,11 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
 
     check_tokenizer_folder(args.pretrain, "--pretrain")
     check_parallel_fit(spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, src["padded_vocab"])
+    from rlhf.models.context_parallel import check_cp_flags
+
+    check_cp_flags(cp, spec, "--pretrain", args.pipeline_model_parallel_size, args.packing_samples)
     if args.packing_samples:  # what the packed attention path refuses at the first forward (models/packed_attention)
-        if spec.sliding_window is not None and args.max_len > spec.sliding_window:
+        if spec.sliding_window is not None and args.max_len > spec.sliding_window and cp == 1:
             raise ValueError(f"--packing_samples: --pretrain {args.pretrain} has sliding_window={spec.sliding_window}"
                              f", shorter than --max_len {args.max_len}; packed sequences do not support that")
         if spec.attention_dropout > 0:

@@ -287,7 +287,7 @@ class ModelEngine:
         ``(metrics, total counts)``."""
         vec = torch.zeros(2 * len(keys), dtype=torch.float64)
         top = torch.full((len(keys),), float("-inf"), dtype=torch.float64)  # the "*_max" metrics
-        if self.mesh.is_last_stage and self.mesh.tp_rank == 0:
+        if self.mesh.is_last_stage and self.mesh.tp_rank == 0 and self.mesh.cp_rank == 0:
             for o in outs:
                 for i, k in enumerate(keys):
                     s, n = o[k]
@@ -296,7 +296,7 @@ class ModelEngine:
                         continue
                     vec[2 * i] += float(s)
                     vec[2 * i + 1] += float(n)
-        dist.all_reduce(vec)  # one contribution per (DP rank) from the last stage's TP rank 0
+        dist.all_reduce(vec)  # one contribution per (DP rank) from the last stage's TP and CP rank 0
         if any(k.endswith("_max") for k in keys):  # the same keys on every rank: the same collectives
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
         metrics = {k: top[i].item() if k.endswith("_max") else

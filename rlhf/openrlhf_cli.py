@@ -73,9 +73,9 @@ COMMON: dict[str, Flag] = {
     "--ds.experts_implementation": ignore("MoE experts run megatron-core's grouped layers"),
     "--ds.use_liger_kernel": ignore("the project's own fused kernels run (kernels/)", 0),
     "--ds.tensor_parallel_size": to("--tensor_model_parallel_size"),
-    "--ds.ring_attn_size": Flag(arity=1, value_map=(("1", []),),
-                                other="ring attention (context parallelism) is not supported yet"),
-    "--ds.ring_attn_head_stride": ignore("ring attention's head stride (context parallelism is not here yet)"),
+    "--ds.ring_attn_size": to("--context_parallel_size"),
+    "--ds.ring_attn_head_stride": ignore("ring attention's head stride: context parallelism here all-gathers the "
+                                         "keys and values of the CP group (docs/context_parallel.md)"),
     "--ds.load_in_4bit": refuse("4-bit (QLoRA) base weights are not supported; train LoRA on bf16 weights", 0),
     "--ds.lora.rank": to("--lora_rank"), "--ds.lora.alpha": to("--lora_alpha"),
     "--ds.lora.target_modules": to("--target_modules", "*"), "--ds.lora.dropout": to("--lora_dropout"),

@@ -49,7 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--best_of_n", type=int, default=4, help="samples per prompt")
     add_sampling_args(g, max_new_tokens="--max_new_tokens")
     g = p.add_argument_group("placement")
-    add_parallel_args(g, pp=False, tp_help="TP of the vLLM engines and of the megatron models")
+    add_parallel_args(g, pp=False, tp_help="TP of the vLLM engines and of the megatron models", cp=False)
     g.add_argument("--micro_batch_size", type=int, default=16, help="sequences per reward-model forward per rank")
     add_rollout_backend_args(g)
     add_precision_seed_args(g)

@@ -59,7 +59,7 @@ class RMTask:
         PPO's ``--normalize_reward``."""
         outs = engine.forward(batches)
         s = torch.zeros(3, dtype=torch.float64)
-        if engine.mesh.is_last_stage and engine.mesh.tp_rank == 0:
+        if engine.mesh.is_last_stage and engine.mesh.tp_rank == 0 and engine.mesh.cp_rank == 0:
             for b, o in zip(batches, outs):
                 r = rewards_of(b, o["output"].cpu()).double()  # b is the host batch: values come back
                 s += torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=torch.float64)])

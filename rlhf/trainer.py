@@ -144,7 +144,8 @@ def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
     tokenizer, train, evals, stats, total_steps = prepare(args, task, env.world_size)
     torch.manual_seed(args.seed)
     mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, env, seed=args.seed,
-                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)
+                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s,
+                           cp=getattr(args, "context_parallel_size", 1))
     from rlhf.distributed.health import check_config_consistency; check_config_consistency(args)  # noqa: E702
     log_compat_mappings(args, mesh.dp, mesh.device.type == "cuda")
     if mesh.is_rank0:
@@ -235,7 +236,7 @@ class SupervisedLoop:
         ntok = torch.tensor([tokens_in(microbatches)], dtype=torch.float64)
         fault_point("collective")
         dist.all_reduce(ntok)
-        m["tokens_per_s"] = ntok.item() / mesh.tp / mesh.pp / max(time.time() - t0, 1e-9)
+        m["tokens_per_s"] = ntok.item() / mesh.tp / mesh.pp / mesh.cp / max(time.time() - t0, 1e-9)
         m["epoch"] = self.sampler.epoch_float
         if step % args.logging_steps == 0 or step == self.total_steps:
             self.metrics_log.log(step, m)

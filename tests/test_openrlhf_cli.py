@@ -21,8 +21,8 @@ REFUSED = {"train_reinforce_baseline_ray_agent_async.sh": "--train.async_enable 
            "train_vlm_math_hybrid_engine.sh": "(OpenRLHF): vision-language models are not supported",
            "train_prorlv2_math_hybrid_engine.sh": "--algo.advantage.is_correction_type icepop (OpenRLHF): only "
                                                   "truncated importance sampling (tis)",
-           "train_reinforce_baseline_hybrid_engine.sh": "--ds.ring_attn_size 2 (OpenRLHF): ring attention (context "
-                                                        "parallelism) is not supported yet"}
+           # its --ds.ring_attn_size 2 is context parallelism here; the script is refused for icepop
+           "train_reinforce_baseline_hybrid_engine.sh": "--algo.advantage.is_correction_type icepop (OpenRLHF)"}
 """Scripts whose settings have no counterpart here: refused before anything runs, naming the flag and why."""
 
 
@@ -58,6 +58,8 @@ def test_openrlhf_example_scripts_parse(script):
         return
     args = parse(ex["cli"], argv)
     given = dict(zip(argv, argv[1:]))
+    if "--ds.ring_attn_size" in given:  # ring attention is context parallelism here
+        assert args.context_parallel_size == int(given["--ds.ring_attn_size"])
     if ex["cli"] == "train_ppo_ray":
         assert args.pretrain == given["--actor.model_name_or_path"]
         assert args.rollout_batch_size == int(given["--rollout.batch_size"])
@@ -108,3 +110,17 @@ def test_the_docs_table_is_the_translation_table():
         body = next(v for k, v in sections.items() if k.startswith(f"launch/{entry}.py"))
         missing = [f for f in table if f"| `{f}` |" not in body]
         assert not missing, (entry, missing)
+
+
+@pytest.mark.parametrize("cli", sorted(ENTRY))
+def test_ring_attention_size_is_context_parallelism(cli):
+    """OpenRLHF's --ds.ring_attn_size N is --context_parallel_size N on every entry point (the example scripts that
+    use it are refused for other flags)."""
+    from rlhf.openrlhf_cli import translate
+
+    p = argparse.ArgumentParser()
+    importlib.import_module(ENTRY[cli]).add_args(p)
+    argv = translate(["--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "4"], ENTRY[cli].split(".")[1],
+                     set(p._option_string_actions))
+    assert argv == ["--context_parallel_size", "2"]
+    assert p._option_string_actions["--context_parallel_size"].dest == "context_parallel_size"

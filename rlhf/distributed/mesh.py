@@ -43,6 +43,12 @@ class ParallelMesh:
     """expert parallelism (MoE): each expert lives on one of ``ep`` ranks; carved out of DP, as megatron does"""
     ep_rank: int = 0
     ep_group: Any = None
+    cp: int = 1
+    """context parallelism (``--context_parallel_size``): each sequence split over ``cp`` ranks; carved out of DP as
+    megatron does (its order tp-cp-ep-dp-pp), so ``dp`` and ``dp_group`` leave CP out: the ranks of one CP group
+    see the same samples, and gradients are reduced over DP x CP"""
+    cp_rank: int = 0
+    cp_group: Any = None
     megatron_groups: list = field(default_factory=list, repr=False, compare=False)
     """the process groups megatron created for this mesh (megatron forgets them without destroying them)"""
     active: ClassVar["ParallelMesh | None"] = None
@@ -93,19 +99,25 @@ class ParallelMesh:
         destroy_mesh(self)
 
 
-def validate_layout(world_size: int, tp: int, pp: int, ep: int = 1) -> int:
-    """Check the TP/PP/EP flags against the world size before anything is started; returns DP."""
+def validate_layout(world_size: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> int:
+    """Check the TP/PP/EP/CP flags against the world size before anything is started; returns DP (CP left out)."""
     if tp < 1:
         raise ValueError(f"--tensor_model_parallel_size must be >= 1, got {tp}")
     if pp < 1:
         raise ValueError(f"--pipeline_model_parallel_size must be >= 1, got {pp}")
-    if world_size % (tp * pp) != 0:
+    if cp < 1:
+        raise ValueError(f"--context_parallel_size must be >= 1, got {cp}")
+    if world_size % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world_size} is not divisible by --tensor_model_parallel_size {tp} x "
-                         f"--pipeline_model_parallel_size {pp}")
-    dp = world_size // (tp * pp)
+                         f"--pipeline_model_parallel_size {pp}" + (f" x --context_parallel_size {cp}" if cp > 1
+                                                                   else ""))
+    dp = world_size // (tp * pp * cp)
     if ep < 1 or dp % ep:
         raise ValueError(f"--expert_model_parallel_size {ep} must be >= 1 and divide the data-parallel size {dp} "
-                         f"(world {world_size} / tp {tp} / pp {pp})")
+                         f"(world {world_size} / tp {tp} / pp {pp}" + (f" / cp {cp})" if cp > 1 else ")"))
+    if cp > 1 and ep > 1:
+        raise ValueError(f"--context_parallel_size {cp} with --expert_model_parallel_size {ep}: context "
+                         "parallelism is not wired for MoE expert parallelism yet")
     return dp
 
 
@@ -161,8 +173,8 @@ def init_process_group(env: DistEnv | None = None, timeout_s: float | None = Non
 
 def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: int = 1234,
                     timeout_s: float | None = None, device: str | torch.device | None = None,
-                    ep: int = 1) -> ParallelMesh:
-    """Start the process group if needed, build megatron's TP/PP/DP groups and seed its RNG tracker.
+                    ep: int = 1, cp: int = 1) -> ParallelMesh:
+    """Start the process group if needed, build megatron's TP/PP/(CP/)DP groups and seed its RNG tracker.
 
     ``timeout_s`` (``--dist_timeout_s``, default by device) bounds every collective of the job's groups; a job of
     more than one rank also starts the heartbeat watchdog (``rlhf.distributed.watchdog``) with it.
@@ -172,7 +184,7 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
     from rlhf.distributed.device import select_device
 
     env = env or DistEnv.from_environ()
-    dp = validate_layout(env.world_size, tp, pp, ep)
+    dp = validate_layout(env.world_size, tp, pp, ep, cp)
     if dist.is_initialized():  # the group's backend decides: a CUDA job has NCCL in it
         on_cuda = "nccl" in str(dist.get_backend())
         dev = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
@@ -198,7 +210,8 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
     # cpu:gloo,cuda:nccl): its extra *_gloo copies would only double the threads.
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
-                                 create_gloo_process_groups=False, distributed_timeout_minutes=timeout_s / 60)
+                                 context_parallel_size=cp, create_gloo_process_groups=False,
+                                 distributed_timeout_minutes=timeout_s / 60)
     if ep > 1:  # expert weights are TP-sharded over the expert-TP group: the same ranks as TP (weight sync relies)
         assert dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()) == \
             dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
@@ -212,13 +225,15 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
                         pp_group=ps.get_pipeline_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
                         backend=backend, device=dev, megatron_groups=groups, ep=ep,
                         ep_rank=ps.get_expert_model_parallel_rank(),
-                        ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None)
+                        ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None, cp=cp,
+                        cp_rank=ps.get_context_parallel_rank(),
+                        cp_group=ps.get_context_parallel_group() if cp > 1 else None)
     ParallelMesh.active = mesh
     if env.launcher != "single":  # a launched job (the converters' in-process single rank has no launcher)
         start_watchdog(env.rank, env.world_size, env.master_addr, env.master_port, timeout_s)
     if env.rank == 0:
-        log.info("mesh: world=%d tp=%d pp=%d dp=%d%s backend=%s device=%s launcher=%s", env.world_size, tp, pp, dp,
-                 f" ep={ep}" if ep > 1 else "", backend, dev, env.launcher)
+        log.info("mesh: world=%d tp=%d pp=%d dp=%d%s%s backend=%s device=%s launcher=%s", env.world_size, tp, pp,
+                 dp, f" ep={ep}" if ep > 1 else "", f" cp={cp}" if cp > 1 else "", backend, dev, env.launcher)
     return mesh
 
 

@@ -43,7 +43,7 @@ def te_available() -> bool:
     return torch.cuda.is_available() and te_import_error() is None
 
 
-def resolve_transformer_impl(impl: str | None, *, lora: bool = False) -> str:
+def resolve_transformer_impl(impl: str | None, *, lora: bool = False, cp: int = 1) -> str:
     """``--transformer_impl`` (megatron's name): ``local`` (torch layers), ``transformer_engine``, or None (auto:
     TE when it imports and CUDA is there, else local). Raises ValueError, before any model loads, when TE is asked
     for and cannot run. A TE that is installed but fails to import is never hidden: auto logs it once."""
@@ -53,6 +53,10 @@ def resolve_transformer_impl(impl: str | None, *, lora: bool = False) -> str:
     if impl == "local":
         return "local"
     if impl == "transformer_engine":
+        if cp > 1:
+            raise ValueError(f"--transformer_impl transformer_engine with --context_parallel_size {cp}: context "
+                             "parallelism runs megatron's local layers here (TE's own CP attention is not wired "
+                             "yet); use --transformer_impl local")
         if lora:
             raise ValueError("--transformer_impl transformer_engine with --lora_rank: LoRA wraps megatron's local "
                              "linears; use --transformer_impl local")
@@ -64,7 +68,7 @@ def resolve_transformer_impl(impl: str | None, *, lora: bool = False) -> str:
             raise ValueError(f"--transformer_impl transformer_engine: Transformer Engine does not import ({err}). "
                              f"Fix: {TE_INSTALL}, or --transformer_impl local")
         return impl
-    if lora or not torch.cuda.is_available():
+    if lora or cp > 1 or not torch.cuda.is_available():
         return "local"
     err = te_import_error()
     if err is not None and not err.startswith("ModuleNotFoundError") and not _TE_WARNED:
@@ -173,7 +177,7 @@ class ScoreHead(torch.nn.Module):
         torch.nn.init.normal_(self.weight, std=std)
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
-        return F.linear(hidden_states, self.weight), None  # (S, B, 1)
+        return F.linear(hidden_states, self.weight if weight is None else weight), None  # (S, B, 1)
 
 
 def _gpt_model_class():
@@ -209,6 +213,11 @@ def _gpt_model_class():
             On other stages: the hidden states (S, B, H) for the next stage."""
             if position_ids is None and input_ids is not None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            from rlhf.models import context_parallel as cpm
+
+            layout = cpm.layout_for_batch(input_ids, packed_seq_params)
+            if layout is not None:
+                return self._head(cpm.decoder_forward(self, input_ids, attention_mask, layout), output)
             pre = self._preprocess(input_ids=input_ids, position_ids=position_ids,
                                    packed_seq_params=packed_seq_params)
             decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = pre[:5]
@@ -216,14 +225,20 @@ def _gpt_model_class():
                                   rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                                   rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
                                   sequence_len_offset=sequence_len_offset)
+            return self._head(hidden, output)
+
+        def _head(self, hidden, output):
             if not self.post_process:
                 return hidden
             if output == "hidden":
                 return hidden.transpose(0, 1)  # (B, S, H)
+            from rlhf.models.context_parallel import head_weight
+
             if self.value_head:
-                values, _ = self.output_layer(hidden)
+                values, _ = self.output_layer(hidden, weight=head_weight(self.output_layer.weight, or_none=True))
                 return values.squeeze(-1).transpose(0, 1).contiguous()  # (B, S)
             weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+            weight = head_weight(weight if weight is not None else self.output_layer.weight, or_none=weight is None)
             logits, _ = self.output_layer(hidden, weight=weight)
             # Mask in megatron's (S, B, V) layout, then transpose: every TP rank returns the same memory layout.
             return mask_padded_vocab(logits, self.true_vocab_size).transpose(0, 1)  # (B, S, V_local)
@@ -233,9 +248,11 @@ def _gpt_model_class():
 
         def output_weight(self) -> torch.Tensor:
             """The (vocab-parallel) LM head weight [V_local, H], for the fused linear log-prob kernel."""
+            from rlhf.models.context_parallel import head_weight
+
             if self.share_embeddings_and_output_weights:
-                return self.shared_embedding_or_output_weight()
-            return self.output_layer.weight
+                return head_weight(self.shared_embedding_or_output_weight())
+            return head_weight(self.output_layer.weight)
 
     return LlamaGPT
 
@@ -266,6 +283,10 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
     padded_vocab = padded_vocab or padded_vocab_size(spec.vocab_size)
     check_parallel_fit(spec, tp, pp, padded_vocab, ep)
     use_te = te_available() if use_te is None else use_te
+    from rlhf.models.context_parallel import cp_group_of_job
+
+    if use_te and cp_group_of_job() is not None:
+        raise ValueError("context parallelism runs megatron's local layers (TE's CP attention is not wired yet)")
     config = transformer_config(spec, tp, pp, params_dtype=params_dtype, bf16=bf16, init_weights=init_weights,
                                 recompute=recompute, ep=ep, aux_loss_coef=aux_loss_coef, use_te=use_te)
     if spec.num_experts:

@@ -328,7 +328,7 @@ def save_peft_adapter(engine, mesh, out_dir: str, base_model: str) -> None:
         raise ValueError("--lora_export adapter: only causal LMs export as an adapter; a reward/critic model "
                          "exports merged")
     tensors = gather_adapters_hf(engine.model, engine.spec, mesh)
-    mine = tensors if (mesh.tp_rank == 0 and mesh.dp_rank == 0) else {}
+    mine = tensors if (mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0) else {}
     parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     if dist.get_rank() == 0:

@@ -45,6 +45,12 @@ class PackedDotProductAttention(DotProductAttention):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None) -> torch.Tensor:
+        from rlhf.models.context_parallel import current_layout
+
+        layout = current_layout()
+        if layout is not None:
+            _log_once("cp", f"context parallelism over {layout.cp} ranks -> rlhf.models.context_parallel.cp_attention")
+            return self._cp_forward(query, key, value, attention_mask, attention_bias, packed_seq_params, layout)
         if packed_seq_params is None:
             _log_once("unpacked", "unpacked batches -> megatron DotProductAttention (torch)")
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
@@ -68,11 +74,28 @@ class PackedDotProductAttention(DotProductAttention):
         if max_seqlen is None:
             max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
         self._check_packed_supported(int(max_seqlen), total, cu)
+        out = kernels.varlen_attention(q, k, v, cu, int(max_seqlen), softmax_scale=self._scale())  # (T, Hq, D)
+        return out.reshape(total, -1)  # (T, Hq * D), as TE returns it; Attention reshapes to (T, 1, Hq * D)
+
+    def _scale(self) -> float:
         scale = self.softmax_scale
         if self.config.apply_query_key_layer_scaling:  # megatron divides the scale by it, then its softmax
             scale *= self.layer_number                   # multiplies it back: the net scale is unchanged
-        out = kernels.varlen_attention(q, k, v, cu, int(max_seqlen), softmax_scale=scale)  # (T, Hq, D)
-        return out.reshape(total, -1)  # (T, Hq * D), as TE returns it; Attention reshapes to (T, 1, Hq * D)
+        return scale
+
+    def _cp_forward(self, q, k, v, attention_mask, attention_bias, packed_seq_params, layout) -> torch.Tensor:
+        from rlhf.models.context_parallel import cp_attention
+
+        if packed_seq_params is not None or attention_mask is not None or attention_bias is not None:
+            raise ValueError("context parallelism: the decoder runs the local tokens as a plain batch; "
+                             "packed_seq_params, attention masks and biases are not taken here")
+        if self.training and self.attention_dropout.p > 0:
+            raise ValueError(f"attention_dropout={self.attention_dropout.p} is not supported with context "
+                             "parallelism while training")
+        if self.softmax_offset is not None:
+            raise ValueError(f"softmax_type={self.config.softmax_type!r} is not supported with context parallelism")
+        window = self.scale_mask_softmax.window_size
+        return cp_attention(q, k, v, layout, self._scale(), window[0] if window is not None else None)
 
     def _check_packed_supported(self, max_seqlen: int, total: int, cu: torch.Tensor) -> None:
         window = self.scale_mask_softmax.window_size

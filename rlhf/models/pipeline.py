@@ -36,9 +36,23 @@ def _forward_step(loss_fn: LossFn | None, output: str, device: torch.device, dat
         if loss_fn is None:  # no loss: hand the output (or what ``read`` takes of it) back through megatron's store
             res = read(batch, output_tensor) if read is not None else output_tensor
             return torch.zeros((), device=output_tensor.device), {"output": res.detach()}
-        return loss_fn(batch, output_tensor)
+        return once_per_cp_group(loss_fn(batch, output_tensor))
 
     return out, loss_func
+
+
+def once_per_cp_group(result: tuple) -> tuple:
+    """With context parallelism every rank of a CP group computes the same loss on the gathered sequences
+    (rlhf.models.context_parallel), and its backward gives each rank the gradient of its own tokens; megatron then
+    sums gradients and token counts over DP x CP. So the count is this micro-batch's on CP rank 0 and 0 on the
+    others: the step's gradient is the plain one."""
+    from rlhf.models.context_parallel import cp_group_of_job
+
+    group = cp_group_of_job()
+    if group is None or torch.distributed.get_rank(group) == 0:
+        return result
+    loss_sum, num_tokens, metrics = result
+    return loss_sum, num_tokens * 0, metrics
 
 
 def run_microbatches(model: torch.nn.Module, microbatches: Sequence[dict], *, loss_fn: LossFn | None = None,
@@ -60,6 +74,11 @@ def run_microbatches(model: torch.nn.Module, microbatches: Sequence[dict], *, lo
     if not microbatches:
         return []
     b, s = microbatches[0]["input_ids"].shape
+    from rlhf.models.context_parallel import cp_group_of_job, padded_length
+
+    cp_group = cp_group_of_job()
+    if cp_group is not None:  # megatron's stage-to-stage shape is seq_length / CP: the padded split's
+        s = padded_length(s, torch.distributed.get_world_size(cp_group))
     fixed_seq_lengths(model)
     fb = get_forward_backward_func()
     device = device if device is not None else next(model.parameters()).device

@@ -188,11 +188,17 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     from rlhf.models.gpt import resolve_transformer_impl
     from rlhf.models.lora import lora_config_from_args
 
-    resolve_transformer_impl(args.transformer_impl, lora=bool(getattr(args, "lora_rank", 0)))  # before any model
+    resolve_transformer_impl(args.transformer_impl, lora=bool(getattr(args, "lora_rank", 0)),
+                             cp=args.context_parallel_size)  # before any model
     if not args.colocate_all:
         raise ValueError("--no-colocate_all: this trainer runs every role in one SPMD job on every rank; separate "
                          "placement (Ray-style) is not supported")
-    dp = validate_layout(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    dp = validate_layout(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                         cp=args.context_parallel_size)
+    if args.context_parallel_size > 1 and args.rollout_backend == "megatron":
+        raise ValueError(f"--context_parallel_size {args.context_parallel_size} with --rollout_backend megatron: the "
+                         "megatron fallback generator decodes with a KV cache that is not split over CP ranks; "
+                         "generate with vLLM (the default)")
     _check_algo(args)
     from rlhf.agents.flags import check_agent_args
 
@@ -388,6 +394,10 @@ def _check_models(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             raise ValueError(f"{flag} {path}: {e}") from None
         check_parallel_fit(src["spec"], args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            src["padded_vocab"])
+        from rlhf.models.context_parallel import check_cp_flags
+
+        check_cp_flags(args.context_parallel_size, src["spec"], flag, args.pipeline_model_parallel_size,
+                       args.packing_samples)
         sources[flag] = src
     return rewards, sources
 

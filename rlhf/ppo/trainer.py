@@ -65,7 +65,8 @@ class PPOTrainer:
         torch.manual_seed(args.seed)
         self.mesh = mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                            DistEnv.from_environ(), seed=args.seed,
-                                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)
+                                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s,
+                                           cp=args.context_parallel_size)
         check_config_consistency(args)
         log_compat(args, mesh.dp, mesh.device.type == "cuda")
         if setup.vllm_tp_reason and args.rollout_backend != "megatron" and mesh.is_rank0:

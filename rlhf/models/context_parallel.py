@@ -1,0 +1,266 @@
+"""Context parallelism (``--context_parallel_size``): one sequence's tokens split across the ranks of a CP group.
+
+Layout: megatron's load-balanced one. A sequence is padded to a multiple of 2 x CP and cut into 2 x CP equal
+chunks; CP rank r holds chunks r and 2CP-1-r, so every rank gets the same share of causal attention work. Padded
+batches (B, S) split every row the same way; packed (THD) streams split every packed sequence (each padded on its
+own), so a rank holds both ends of every sequence, as megatron/TE's THD layout does.
+
+Where it happens: ``LlamaGPT.forward`` (rlhf.models.gpt) splits the input on the first pipeline stage, gives every
+layer the rotary frequencies of its tokens' true positions, runs the decoder on the local tokens (the decoder sees a
+plain (S_local, B) batch), and on the last stage all-gathers the final hidden states over the CP group back into
+the caller's layout (padding removed). The head, log-probs, values and every loss then run on whole sequences,
+the same on each CP rank of a replica, so no loss or metric needs a CP reduction; the transformer layers'
+activations (the memory that grows with the sequence) are divided by CP. The all-gather's backward hands each
+rank the gradient of its own tokens; the head's weight enters with its gradient divided by CP (``head_weight``),
+and the loss's token count is counted once per CP group (``rlhf.models.pipeline.once_per_cp_group``), so the
+DP x CP gradient reduction gives the plain gradient.
+
+Attention (``cp_attention``): each rank all-gathers the keys and values of its CP group (K/V only: with GQA a
+fraction of the hidden size) and attends its local queries to them under the causal mask of the true positions;
+the backward all-reduces the K/V gradients and keeps its own slice (a reduce-scatter; gloo has no reduce-scatter).
+"""
+from __future__ import annotations
+
+import contextvars
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass
+class CPLayout:
+    """One micro-batch's split. ``local`` (n_local,) indexes this rank's tokens in the padded stream (rank 0's
+    chunks first in the gather order: ``order`` maps the gathered, rank-major stream back to the padded one);
+    ``keep`` (n,) indexes the caller's tokens in the padded stream; ``pos`` (n_local,) the local tokens' positions
+    in their sequences; ``blocks``: (local start, length, padded-stream key start, key length, key offset of the
+    first query) per local chunk, batched over B for padded batches."""
+    cp: int
+    rank: int
+    group: object
+    padded_len: int
+    local: torch.Tensor
+    order: torch.Tensor
+    keep: torch.Tensor
+    pos: torch.Tensor
+    blocks: list
+
+
+_CURRENT: contextvars.ContextVar[CPLayout | None] = contextvars.ContextVar("cp_layout", default=None)
+
+
+def current_layout() -> CPLayout | None:
+    return _CURRENT.get()
+
+
+class use_layout:
+    """``with use_layout(layout):`` the decoder's attention layers read the split from here."""
+
+    def __init__(self, layout: CPLayout):
+        self.layout, self.token = layout, None
+
+    def __enter__(self):
+        self.token = _CURRENT.set(self.layout)
+        return self.layout
+
+    def __exit__(self, *exc):
+        _CURRENT.reset(self.token)
+        return False
+
+
+def cp_group_of_job():
+    """megatron's CP group when CP > 1 (``initialize_mesh(cp=...)``), else None."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
+        return None
+    return ps.get_context_parallel_group()
+
+
+def layout_for_batch(input_ids: torch.Tensor | None, packed_seq_params=None) -> CPLayout | None:
+    """The split of one micro-batch, or None without CP: padded (B, S) rows split alike; a packed (1, T) stream
+    split per packed sequence (``packed_seq_params.cu_seqlens_q``)."""
+    group = cp_group_of_job()
+    if group is None:
+        return None
+    if input_ids is None:
+        raise ValueError("context parallelism needs the micro-batch's input_ids on every pipeline stage")
+    if packed_seq_params is None:
+        lengths = [int(input_ids.shape[1])]
+    else:
+        cu = packed_seq_params.cu_seqlens_q.tolist()
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        if sum(lengths) != input_ids.shape[1]:
+            raise ValueError(f"packed_seq_params.cu_seqlens_q covers {sum(lengths)} tokens, the stream has "
+                             f"{input_ids.shape[1]}")
+    return make_layout(lengths, dist.get_world_size(group), dist.get_rank(group), group)
+
+
+def _chunks(seg_start: int, seg_len: int, cp: int, rank: int) -> list[tuple[int, int, int]]:
+    """(padded-stream start, length, position in the sequence) of rank ``rank``'s two chunks of one sequence of
+    padded length ``seg_len`` (a multiple of 2 x cp)."""
+    c = seg_len // (2 * cp)
+    return [(seg_start + a * c, c, a * c) for a in (rank, 2 * cp - 1 - rank)]
+
+
+def make_layout(lengths: list[int], cp: int, rank: int, group) -> CPLayout:
+    """The split of a stream of sequences of ``lengths`` (one entry: a padded batch's row length) over ``cp``
+    ranks: each sequence padded to a multiple of 2 x cp, two chunks per rank and sequence."""
+    unit = 2 * cp
+    keep, starts, pos = [], [], 0
+    padded = [max(unit, -(-n // unit) * unit) for n in lengths]
+    for n, p in zip(lengths, padded):
+        keep.extend(range(pos, pos + n))
+        starts.append(pos)
+        pos += p
+    per_rank, blocks = [], []
+    for r in range(cp):
+        idx, loc = [], 0
+        for s, p in zip(starts, padded):
+            for start, c, first in _chunks(s, p, cp, r):
+                if r == rank:
+                    blocks.append((loc, c, s, first + c, first))
+                idx.extend(range(start, start + c))
+                loc += c
+        per_rank.append(idx)
+    local = torch.tensor(per_rank[rank], dtype=torch.long)
+    gathered = torch.tensor([i for idx in per_rank for i in idx], dtype=torch.long)
+    order = torch.empty_like(gathered)
+    order[gathered] = torch.arange(gathered.numel())
+    positions = torch.cat([torch.arange(b[4], b[4] + b[1]) for b in blocks])
+    return CPLayout(cp, rank, group, pos, local, order, torch.tensor(keep, dtype=torch.long), positions, blocks)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over ``group`` (rank-major). Backward: ``reduce`` all-reduces the gradient first
+    (the gathered tensor fed different computations on each rank: K/V), else each rank's gradient of the gathered
+    tensor is already the whole one (every rank ran the same loss on it: the final hidden states)."""
+
+    @staticmethod
+    def forward(ctx, x, group, reduce: bool):
+        ctx.group, ctx.reduce, ctx.n = group, reduce, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if ctx.reduce:
+            dist.all_reduce(grad, group=ctx.group)
+        r = dist.get_rank(ctx.group)
+        return grad[r * ctx.n:(r + 1) * ctx.n], None, None
+
+
+def gather_padded_stream(x: torch.Tensor, layout: CPLayout, reduce: bool) -> torch.Tensor:
+    """x (n_local, ...) of this rank -> (padded_len, ...) in stream order, every rank's tokens."""
+    return _GatherSeq.apply(x, layout.group, reduce).index_select(0, layout.order.to(x.device))
+
+
+def split_input(x: torch.Tensor, layout: CPLayout, dim: int, pad_value=0) -> torch.Tensor:
+    """The caller's (..., n, ...) tensor along ``dim`` -> this rank's tokens (..., n_local, ...)."""
+    shape = list(x.shape)
+    shape[dim] = layout.padded_len
+    full = torch.full(shape, pad_value, dtype=x.dtype, device=x.device)
+    full.index_copy_(dim, layout.keep.to(x.device), x)
+    return full.index_select(dim, layout.local.to(x.device))
+
+
+def gather_output(hidden: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    """The last stage's hidden states (n_local, B, H) -> (n, B, H): every rank's tokens, padding dropped."""
+    full = gather_padded_stream(hidden, layout, reduce=False)
+    return full.index_select(0, layout.keep.to(hidden.device))
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, scale: float):
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def head_weight(weight: torch.Tensor, or_none: bool = False):
+    """The head's weight as the head should use it. With CP every rank of a CP group runs the head on the whole
+    gathered sequence, so each would add the whole head gradient and the DP x CP reduction would count it CP
+    times: the weight enters with its gradient divided by CP (a tied embedding's own, per-token part is
+    untouched). Without CP: ``weight`` itself, or None with ``or_none`` (the layer's own weight)."""
+    group = cp_group_of_job()
+    if group is None:
+        return None if or_none else weight
+    return _ScaleGrad.apply(weight, 1.0 / dist.get_world_size(group))
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, scale: float,
+                 window_left: int | None = None) -> torch.Tensor:
+    """Causal attention of the local queries to the CP group's keys and values. q (n_local, B, Hq, D), k/v
+    (n_local, B, Hkv, D) in megatron's sbhd layout, RoPE applied; returns (n_local, B, Hq * D). Each local chunk
+    attends to its sequence's keys up to its last position (the causal mask aligned at the bottom right), and to
+    no key more than ``window_left`` positions back."""
+    kf = gather_padded_stream(k, layout, reduce=True)
+    vf = gather_padded_stream(v, layout, reduce=True)
+    groups = q.shape[2] // k.shape[2]
+    pieces = []
+    for loc, c, k_start, k_len, first in layout.blocks:
+        qb = q[loc:loc + c].permute(1, 2, 0, 3)                              # (B, Hq, c, D)
+        kb = kf[k_start:k_start + k_len].permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
+        vb = vf[k_start:k_start + k_len].permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
+        qpos = torch.arange(first, first + c, device=q.device).unsqueeze(1)
+        kpos = torch.arange(k_len, device=q.device).unsqueeze(0)
+        mask = kpos <= qpos
+        if window_left is not None:
+            mask &= kpos >= qpos - window_left
+        scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
+        pieces.append((loc, c, torch.matmul(probs, vb)))                      # (B, Hq, c, D)
+    out = torch.cat([o for _, _, o in sorted(pieces, key=lambda p: p[0])], dim=2)
+    return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+
+
+def decoder_forward(model, input_ids, attention_mask, layout: CPLayout) -> torch.Tensor:
+    """``LlamaGPT.forward`` under CP, up to the head: the decoder on this rank's tokens, which it sees as a plain
+    (S_local, B) batch with the RoPE frequencies of their true positions; the last stage returns the CP group's
+    final hidden states gathered back into the caller's layout, other stages their local (S_local, B, H)."""
+    if model.pre_process:
+        input_ids = split_input(input_ids, layout, dim=1)
+        position_ids = layout.pos.to(input_ids.device).unsqueeze(0).expand_as(input_ids)
+        decoder_input = model.embedding(input_ids=input_ids, position_ids=position_ids)
+    else:
+        decoder_input = None  # the previous stage's output, set by megatron's schedule
+    rotary = rotary_for_layout(model.rotary_pos_emb, layout, next(model.parameters()).device)
+    with use_layout(layout):
+        hidden = model.decoder(hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary)
+    return gather_output(hidden, layout) if model.post_process else hidden
+
+
+def rotary_for_layout(rotary_module, layout: CPLayout, device) -> torch.Tensor:
+    """megatron's RoPE frequencies (n_local, 1, 1, D) at the local tokens' positions in their sequences."""
+    longest = int(layout.pos.max()) + 1 if layout.pos.numel() else 1
+    emb = rotary_module.get_emb(longest)                                      # (longest, 1, 1, D)
+    return emb.index_select(0, layout.pos.to(emb.device)).to(device)
+
+
+def padded_length(n: int, cp: int) -> int:
+    return max(2 * cp, math.ceil(n / (2 * cp)) * 2 * cp)
+
+
+def check_cp_flags(cp: int, spec, flag: str, pp: int = 1, packing: bool = False) -> None:
+    """What context parallelism does not do yet, refused by name before any model loads."""
+    if cp == 1:
+        return
+    if spec.num_experts:
+        raise ValueError(f"--context_parallel_size {cp} with {flag}, an MoE model ({spec.num_experts} experts): "
+                         "context parallelism is not wired for MoE layers yet (their load-balancing loss would see "
+                         "one rank's tokens)")
+    if spec.attention_dropout > 0:
+        raise ValueError(f"--context_parallel_size {cp} with {flag}: attention_dropout={spec.attention_dropout} is not "
+                         "supported with context parallelism while training")
+    if packing and pp > 1:
+        raise ValueError(f"--context_parallel_size {cp} with --packing_samples and --pipeline_model_parallel_size "
+                         f"{pp}: a packed stream's CP split has a length of its own per micro-batch, and the "
+                         "pipeline needs one shape; use padded batches or PP 1")
