@@ -22,10 +22,12 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-FULL = dict(sft_epochs=6, rm_epochs=3, ppo_episodes=2, rollout_batch_size=32, n_samples=4, train_batch_size=64,
-            n_pref=4000, n_train_prompts=512, dpo_epochs=1, kto_epochs=1)
-QUICK = dict(sft_epochs=5, rm_epochs=2, ppo_episodes=1, rollout_batch_size=32, n_samples=4, train_batch_size=64,
-             n_pref=2000, n_train_prompts=256, dpo_epochs=1, kto_epochs=1)
+# The full job's schedule (2026-11-26): 5 RM epochs at 1e-3 (3 at 2e-3 left the held-out accuracy at 0.899-0.92,
+# on the 0.9 edge) and 6 PPO episodes (2 left gold still climbing: +0.07 on one seed)
+FULL = dict(sft_epochs=6, rm_epochs=5, rm_lr="1e-3", ppo_episodes=6, rollout_batch_size=32, n_samples=4,
+            train_batch_size=64, n_pref=6000, n_train_prompts=512, dpo_epochs=1, kto_epochs=1)
+QUICK = dict(sft_epochs=5, rm_epochs=4, rm_lr="1e-3", ppo_episodes=1, rollout_batch_size=32, n_samples=4,
+             train_batch_size=64, n_pref=4000, n_train_prompts=256, dpo_epochs=1, kto_epochs=1)
 EXTRA = ("dpo", "kto")  # --also choices
 
 
@@ -125,7 +127,7 @@ def main() -> int:
     times["rm"] = stage("rm", torchrun(a.nproc, "launch/rm.py", [
         "--pretrain", f"{out}/sft", "--dataset", f"{data}/pref.jsonl", "--eval_dataset", f"{data}/pref_eval.jsonl",
         "--prompt_key", "prompt", "--chosen_key", "chosen", "--rejected_key", "rejected", "--save_path",
-        f"{out}/rm", "--train_batch_size", "32", "--max_epochs", str(cfg["rm_epochs"]), "--learning_rate", "2e-3",
+        f"{out}/rm", "--train_batch_size", "32", "--max_epochs", str(cfg["rm_epochs"]), "--learning_rate", cfg["rm_lr"],
         "--tensorboard", f"{tb}/rm"] + common), logs)
     rm_result = json.load(open(f"{out}/rm/train_result.json"))
     evaluate = [sys.executable, os.path.join(REPO, "tools/eval_demo.py"), "--rm", f"{out}/rm", "--prompts",

@@ -8,7 +8,7 @@ The gold reward is a rule: 0 unless the reply has exactly four words, else the f
 used only to label preference pairs (with label noise) and to measure; PPO optimizes the *learned* reward model.
 
 The SFT corpus is mediocre on purpose: replies use the right words (four distinct words from the range) but in a
-random order, sorted only a quarter of the time. So the SFT model gets the format and the range, and orders by
+random order, sorted only 15% of the time. So the SFT model gets the format and the range, and orders by
 chance; preferences carry the ordering. Held-out prompts use (a, b) pairs never seen in training.
 
 Why not "sort the prompt's words": a tiny reward model learns order quickly but not set membership (a reply
@@ -24,7 +24,7 @@ from typing import Sequence
 
 WORDS = ("apple banana cherry delta echo golf hotel india juliet kilo lima mike oscar papa romeo tango").split()
 N_REPLY = 4
-SORTED_FRACTION = 0.25  # of the SFT replies
+SORTED_FRACTION = 0.15  # of the SFT replies
 LABEL_NOISE = 0.1  # training preference labels flipped at random
 CORRUPT_FRACTION = 0.4  # preference pairs whose rejected side breaks a rule other than the order
 
@@ -87,7 +87,7 @@ def _reply(words: Sequence[str]) -> str:
 
 
 def make_all(out: str, seed: int = 0, n_sft: int = 2000, n_pref: int = 4000, n_train_prompts: int = 512,
-             n_eval_prompts: int = 64, n_eval_pref: int = 200, held_out_fraction: float = 0.2) -> dict[str, str]:
+             n_eval_prompts: int = 64, n_eval_pref: int = 1000, held_out_fraction: float = 0.2) -> dict[str, str]:
     """Write sft.jsonl, pref.jsonl, pref_eval.jsonl (noise-free labels), prompts.jsonl and prompts_eval.jsonl,
     and KTO's unpaired kto_train.jsonl / kto_eval.jsonl (``kto_rows`` of the two preference files)."""
     rng = random.Random(seed)
