@@ -202,24 +202,27 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLa
     (n_local, B, Hkv, D) in megatron's sbhd layout, RoPE applied; returns (n_local, B, Hq * D). Each local chunk
     attends to its sequence's keys up to its last position (the causal mask aligned at the bottom right), and to
     no key more than ``window_left`` positions back."""
-    kf = gather_padded_stream(k, layout, reduce=True)
+    kf = gather_padded_stream(k, layout, reduce=True)                        # (padded_len, B, Hkv, D)
     vf = gather_padded_stream(v, layout, reduce=True)
-    groups = q.shape[2] // k.shape[2]
+    _, b, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv  # megatron's query groups: heads g*j .. g*j+g-1 share KV head j
     pieces = []
     for loc, c, k_start, k_len, first in layout.blocks:
-        qb = q[loc:loc + c].permute(1, 2, 0, 3)                              # (B, Hq, c, D)
-        kb = kf[k_start:k_start + k_len].permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
-        vb = vf[k_start:k_start + k_len].permute(1, 2, 0, 3).repeat_interleave(groups, dim=1)
-        qpos = torch.arange(first, first + c, device=q.device).unsqueeze(1)
+        # (B, Hkv, g*c, D): a KV head's g query heads stacked, so K and V are never expanded to Hq heads
+        qb = q[loc:loc + c].reshape(c, b, hkv, g, d).permute(1, 2, 3, 0, 4).reshape(b, hkv, g * c, d)
+        kb = kf[k_start:k_start + k_len].permute(1, 2, 0, 3)                  # (B, Hkv, k_len, D)
+        vb = vf[k_start:k_start + k_len].permute(1, 2, 0, 3)
+        qpos = torch.arange(first, first + c, device=q.device).repeat(g).unsqueeze(1)
         kpos = torch.arange(k_len, device=q.device).unsqueeze(0)
         mask = kpos <= qpos
         if window_left is not None:
             mask &= kpos >= qpos - window_left
         scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
-        pieces.append((loc, c, torch.matmul(probs, vb)))                      # (B, Hq, c, D)
-    out = torch.cat([o for _, _, o in sorted(pieces, key=lambda p: p[0])], dim=2)
-    return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+        o = torch.matmul(probs, vb).reshape(b, hkv, g, c, d)                  # (B, Hkv, g, c, D)
+        pieces.append(o.permute(3, 0, 1, 2, 4).reshape(c, b, hq * d))
+    return torch.cat(pieces, dim=0)                                           # blocks are in local order
 
 
 def decoder_forward(model, input_ids, attention_mask, layout: CPLayout) -> torch.Tensor:

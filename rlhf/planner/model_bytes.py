@@ -53,6 +53,9 @@ class PlanConfig:
     pp: int = 1
     ep: int = 1
     """Expert parallelism of MoE roles (carved out of DP; dense roles ignore it)."""
+    cp: int = 1
+    """Context parallelism (carved out of DP): each sequence split over ``cp`` ranks (rlhf.models.context_parallel;
+    megatron's local layers only)."""
     nnodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
@@ -85,9 +88,12 @@ class PlanConfig:
         world = self.nnodes * self.gpus_per_node
         if self.layer_impl not in LAYER_IMPLS:
             raise ValueError(f"--layer_impl must be one of {LAYER_IMPLS}, got {self.layer_impl!r}")
-        if world % (self.tp * self.pp):
-            raise ValueError(f"--tp {self.tp} x --pp {self.pp} does not divide the {world} GPUs "
-                             f"(--nnodes {self.nnodes} x --gpus_per_node {self.gpus_per_node})")
+        if self.cp < 1 or world % (self.tp * self.pp * self.cp):
+            raise ValueError(f"--tp {self.tp} x --pp {self.pp}" + (f" x --cp {self.cp}" if self.cp != 1 else "") +
+                             f" does not divide the {world} GPUs (--nnodes {self.nnodes} x --gpus_per_node "
+                             f"{self.gpus_per_node})")
+        if self.cp > 1 and self.layer_impl != "local":
+            raise ValueError(f"--cp {self.cp} runs megatron's local layers: use --layer_impl local")
         if world % self.vllm_tensor_parallel_size:
             raise ValueError(f"--vllm_tensor_parallel_size {self.vllm_tensor_parallel_size} does not divide the "
                              f"{world} GPUs")
@@ -107,9 +113,9 @@ class PlanConfig:
             if spec.num_experts and spec.num_experts % self.ep:
                 raise ValueError(f"--expert_model_parallel_size {self.ep} does not divide num_experts="
                                  f"{spec.num_experts}")
-        if self.ep < 1 or (world // (self.tp * self.pp)) % self.ep:
+        if self.ep < 1 or (world // (self.tp * self.pp * self.cp)) % self.ep:
             raise ValueError(f"--expert_model_parallel_size {self.ep} must divide the data-parallel size "
-                             f"{world // (self.tp * self.pp)}")
+                             f"{world // (self.tp * self.pp * self.cp)}")
 
     @property
     def world(self) -> int:
@@ -117,7 +123,12 @@ class PlanConfig:
 
     @property
     def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
+        return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks a gradient is reduced over and ZeRO shards over (megatron's DP x CP group)."""
+        return self.dp * self.cp
 
     @property
     def seq_len(self) -> int:
@@ -199,7 +210,7 @@ def role_state(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: bool, t
     if not trainable:
         return RoleState(n * e, 0, 0)
     dist_opt = cfg.zero_stage >= 1
-    buf = ddp_buffer_numel(numels, cfg.dp, dist_opt)
+    buf = ddp_buffer_numel(numels, cfg.dp_cp, dist_opt)
     params = (buf if dist_opt else n) * e  # the distributed optimizer re-maps the params into DDP's buffer
     grads = buf * 4
     per_elem = 8 + (4 if cfg.bf16 else 0)  # exp_avg + exp_avg_sq (+ fp32 master params for bf16 params)
@@ -207,7 +218,7 @@ def role_state(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: bool, t
         experts = spec.num_layers // cfg.pp * spec.num_experts // cfg.ep * 3 * (spec.moe_ffn_hidden_size // cfg.tp) \
             * spec.hidden_size
         return RoleState(params, grads, per_elem * ((n - experts) // cfg.dp + experts // (cfg.dp // cfg.ep)))
-    optimizer = per_elem * (n // cfg.dp if dist_opt else n)
+    optimizer = per_elem * (n // cfg.dp_cp if dist_opt else n)
     return RoleState(params, grads, optimizer)
 
 
@@ -271,6 +282,25 @@ def head_bytes(spec: ModelSpec, cfg: PlanConfig, tokens: int, response_tokens: i
     return norm + response_tokens * h * e + 3 * rows * v_local * 4
 
 
+def cp_layer_bytes_per_token(spec: ModelSpec, cfg: PlanConfig, saved: bool) -> float:
+    """One layer's bytes per local token under context parallelism (``rlhf.models.context_parallel.cp_attention``,
+    local layers): what ``layer_saved_bytes_per_token`` / ``layer_working_bytes_per_token`` count, with the
+    attention's [S, S] probabilities replaced by a local query's keys (on average (2CP+1)S/(4CP): chunk a of 2CP
+    sees a+1 chunks of keys) in fp32 plus their cast, Q stacked per KV head instead of expanded K and V, and the
+    gathered K and V of the whole sequence (2 x KV width x CP per local token)."""
+    h, d, i = spec.hidden_size, spec.head_dim, mlp_width(spec) / cfg.tp
+    q, kv = spec.num_attention_heads * d / cfg.tp, max(spec.num_kv_heads / cfg.tp, 1) * d
+    heads, e, cp = spec.num_attention_heads / cfg.tp, cfg.dtype_bytes, cfg.cp
+    keys = cfg.seq_len * (2 * cp + 1) / (4 * cp)
+    probs = heads * keys * (4 + (e if e != 4 else 0))
+    gathered = 2 * kv * cp * e
+    if saved:
+        norms = 2 * (2 * 4 * h + e * h)
+        return norms + e * ((q + 2 * kv) + 3 * q + kv + 4 * i) + probs + gathered + 8
+    attn = e * (3 * h + (q + 2 * kv) + 2 * q + kv) + 2 * probs + gathered
+    return max(attn, e * (5 * h + 4 * i), 3 * 4 * h + 3 * e * h)
+
+
 def activation_bytes(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: bool, train: bool) -> float:
     """Peak activation bytes of one role on one rank of ``stage``: a training step (``--micro_train_batch_size``
     micro-batches, 1F1B in flight) or a forward-only pass (``--micro_rollout_batch_size``).
@@ -281,17 +311,25 @@ def activation_bytes(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: b
     impl, e, s = cfg.layer_impl, cfg.dtype_bytes, cfg.seq_len
     b = cfg.micro_train_batch_size if train else cfg.micro_rollout_batch_size
     tokens, resp = b * s, b * cfg.generate_max_len
+    local = tokens / cfg.cp  # a rank's share of the tokens in the layers; the head sees them all (gathered)
     layers = spec.num_layers // cfg.pp
-    work = layer_working_bytes_per_token(spec, cfg.tp, s, e, impl) * tokens
-    scores = scores_buffer_bytes(spec, cfg.tp, b, s, e, impl)
+    if cfg.cp > 1:
+        work = cp_layer_bytes_per_token(spec, cfg, saved=False) * local
+        scores = 0  # megatron's score buffer is not used by the CP attention
+    else:
+        work = layer_working_bytes_per_token(spec, cfg.tp, s, e, impl) * tokens
+        scores = scores_buffer_bytes(spec, cfg.tp, b, s, e, impl)
     head = head_bytes(spec, cfg, tokens, resp, value_head, train) if stage == cfg.pp - 1 else 0.0
     if not train:
         return scores + max(work, head)
     n_micro = max(1, cfg.train_batch_size // cfg.dp // b)
     in_flight = min(cfg.pp - stage, n_micro)
-    full = layer_saved_bytes_per_token(spec, cfg.tp, s, e, impl) * tokens
+    if cfg.cp > 1:
+        full = cp_layer_bytes_per_token(spec, cfg, saved=True) * local
+    else:
+        full = layer_saved_bytes_per_token(spec, cfg.tp, s, e, impl) * tokens
     if cfg.gradient_checkpointing:
-        saved = layers * spec.hidden_size * e * tokens * in_flight + full  # layer inputs + one recomputed layer
+        saved = layers * spec.hidden_size * e * local * in_flight + full  # layer inputs + one recomputed layer
     else:
         saved = layers * full * in_flight
     return saved + scores + max(work, head)

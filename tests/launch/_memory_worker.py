@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node 2 tests/launch/_memory_worker.py ACTOR_HF RM_HF OUT.json CONFIG_JSON
 
-The four real engines (actor and critic with megatron DDP + optimizer, ref and reward frozen) at TP2, under the
+The four real engines (actor and critic with megatron DDP + optimizer, ref and reward frozen) at TP2 (or a
+config's ``tp`` and ``cp``: context parallelism), under the
 trainer's MemoryScheduler with --colocate_all, run the trainer's own experience forwards (rlhf.ppo.experience.
 forward_role) and PPO losses (rlhf.algo.ppo_losses.make_actor_loss / make_critic_loss) on full-length synthetic samples.
 
@@ -29,30 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from rlhf.distributed import initialize_mesh  # noqa: E402
 from rlhf.distributed.mesh import destroy_mesh, set_single_thread  # noqa: E402
-
-
-def allocation_peak(fn) -> int:
-    """Peak of live torch CPU bytes allocated (net of frees) while ``fn`` runs, relative to its start."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = []
-
-    def walk(node):
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    cur = peak = 0
-    for _, size in sorted(events, key=lambda e: e[0]):
-        cur += size
-        peak = max(peak, cur)
-    return peak
+from rlhf.planner.measure import allocation_peak  # noqa: E402
 
 
 def synthetic_experience(vocab: int, n: int, prompt_len: int, resp_len: int, seed: int):
@@ -139,8 +117,10 @@ def main() -> None:
     actor_dir, rm_dir, out_path, cfg_json = sys.argv[1:5]
     set_single_thread()
     configs = json.loads(cfg_json)
-    mesh = initialize_mesh(tp=2, pp=1)
-    results = {name: measure(actor_dir, rm_dir, cfg, mesh) for name, cfg in configs.items()}
+    results = {}
+    for name, cfg in configs.items():  # a config's layout: TP2 unless it says (CP configs: TP1 x CP)
+        mesh = initialize_mesh(tp=cfg.get("tp", 2), pp=1, cp=cfg.get("cp", 1))
+        results[name] = measure(actor_dir, rm_dir, cfg, mesh)
     if mesh.is_rank0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -165,9 +165,12 @@ def test_cli_exit_codes_and_surface(capsys):
 
 
 # ------------------------------------------------------------------------------------ planner vs measured
-DIMS = dict(num_hidden_layers=3, hidden_size=96, intermediate_size=320, num_attention_heads=6, num_key_value_heads=2)
+DIMS = dict(num_hidden_layers=3, hidden_size=96, intermediate_size=320, num_attention_heads=6, num_key_value_heads=2,
+            max_position_embeddings=512)
 SHAPE = dict(prompt_max_len=40, generate_max_len=56, rollout_samples=16, micro_rollout_batch_size=8,
              micro_train_batch_size=4, train_batch_size=8)
+LONG = dict(prompt_max_len=128, generate_max_len=256, rollout_samples=4, micro_rollout_batch_size=2,
+            micro_train_batch_size=2, train_batch_size=4)
 MEASURED = {
     "fp32": dict(bf16=False, gradient_checkpointing=False, zero_stage=0, **SHAPE),
     # Only the value-head roles are measured in bf16. (The skip is no longer forced: the actor's fused log-probs run
@@ -175,6 +178,9 @@ MEASURED = {
     # runs end to end in tests/ppo/test_ppo_bf16.py; the actor phases' bf16 memory is not compared here yet.)
     "bf16_recompute_zero1": dict(bf16=True, gradient_checkpointing=True, zero_stage=1, **SHAPE,
                                  skip=["make_experience/actor", "make_experience/ref", "actor_update/actor"]),
+    # context parallelism: 384-token sequences, one replica of 2 ranks at CP2 against 2 replicas at CP1 (TP1)
+    "cp1_long": dict(bf16=False, gradient_checkpointing=False, zero_stage=0, tp=1, cp=1, **LONG),
+    "cp2_long": dict(bf16=False, gradient_checkpointing=False, zero_stage=0, tp=1, cp=2, **LONG),
 }
 
 
@@ -200,7 +206,8 @@ def comparison(specs, measured):
     """(config, phase, role, what, planned bytes, measured bytes) for everything measured."""
     rows = []
     for name, c in MEASURED.items():
-        cfg = PlanConfig(actor=specs["actor"], reward=specs["rm"], critic=specs["rm"], tp=2, nnodes=1,
+        cfg = PlanConfig(actor=specs["actor"], reward=specs["rm"], critic=specs["rm"], tp=c.get("tp", 2),
+                         cp=c.get("cp", 1), nnodes=1,
                          gpus_per_node=2, layer_impl="local", reserved_gib=0.0, bf16=c["bf16"],
                          gradient_checkpointing=c["gradient_checkpointing"], zero_stage=c["zero_stage"],
                          prompt_max_len=c["prompt_max_len"], generate_max_len=c["generate_max_len"],
