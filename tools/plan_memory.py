@@ -48,6 +48,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline_model_parallel_size", "--pp", dest="pp", type=int, default=1)
     g.add_argument("--expert_model_parallel_size", "--ep", dest="ep", type=int, default=1,
                    help="MoE roles: experts spread over this many data-parallel ranks")
+    g.add_argument("--context_parallel_size", "--cp", "--ring_attn_size", dest="cp", type=int, default=1,
+                   help="split each sequence over this many ranks (needs --layer_impl local)")
     g.add_argument("--nnodes", type=int, default=1)
     g.add_argument("--gpus_per_node", type=int, default=8)
     g.add_argument("--gpu_memory_gib", type=float, default=80.0)
@@ -92,7 +94,7 @@ def config_from_args(args: argparse.Namespace):
     reward = load_spec("--reward_pretrain", args.reward_pretrain)
     needs_critic = get_estimator(args.advantage_estimator).needs_critic
     critic = load_spec("--critic_pretrain", args.critic_pretrain) if args.critic_pretrain else reward
-    fields = ("tp", "pp", "ep", "nnodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "reserved_gib",
+    fields = ("tp", "pp", "ep", "cp", "nnodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "reserved_gib",
               "layer_impl", "micro_train_batch_size", "train_batch_size", "micro_rollout_batch_size",
               "rollout_batch_size", "n_samples_per_prompt", "generate_max_len", "prompt_max_len", "bf16",
               "gradient_checkpointing", "zero_stage", "colocate_all", "ref_reward_offload", "adam_offload",
@@ -101,7 +103,7 @@ def config_from_args(args: argparse.Namespace):
     if args.zero_stage is None:  # launch/ppo.py's default (rlhf.config.resolve_zero_stage)
         from rlhf.config import resolve_zero_stage
 
-        resolve_zero_stage(args, args.nnodes * args.gpus_per_node // (args.tp * args.pp), cuda=True)
+        resolve_zero_stage(args, args.nnodes * args.gpus_per_node // (args.tp * args.pp * args.cp), cuda=True)
     if args.vllm_tensor_parallel_size is None:  # launch/ppo.py's choice on CUDA
         from rlhf.rollout.types import choose_tensor_parallel_size
 
@@ -112,6 +114,30 @@ def config_from_args(args: argparse.Namespace):
         print(f"--vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} ({why})", file=sys.stderr)
     return PlanConfig(actor=actor, reward=reward, critic=critic if needs_critic else None,
                       with_ref=args.init_kl_coef > 0, **{k: getattr(args, k) for k in fields})
+
+
+def longest_sequence(cfg, step: int = 128, limit: int = 1 << 20) -> int:
+    """The longest ``--prompt_max_len + --generate_max_len`` (the prompt kept, the reply grown in ``step``s) whose
+    training phases (experience forwards, critic and actor updates: where activations grow with the sequence) fit
+    this layout's devices; vLLM's rollout memory is its own question (``--vllm_gpu_memory_utilization``). 0 if
+    not even ``step`` reply tokens fit."""
+    import dataclasses
+
+    from rlhf.planner import plan
+
+    def fits(gen: int) -> bool:
+        phases = plan(dataclasses.replace(cfg, generate_max_len=gen)).phases
+        return all(ph.fits for ph in phases if ph.phase in ("make_experience", "critic_update", "actor_update"))
+
+    if not fits(step):
+        return 0
+    lo, hi = step, step * 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return cfg.prompt_max_len + lo
 
 
 def main(argv=None) -> int:
@@ -127,8 +153,10 @@ def main(argv=None) -> int:
         return 2
     result = plan(cfg)
     advice = advise(cfg)
+    longest = longest_sequence(cfg)
     if args.json:
         print(json.dumps({"fits": result.fits, "problems": result.problems, "advice": advice,
+                          "longest_sequence": longest,
                           "phases": [{"phase": ph.phase, "stage": ph.stage, "total": ph.total, "fits": ph.fits,
                                       "rows": ph.rows, "vllm": ph.vllm, "other": ph.other} for ph in result.phases],
                           "vllm": vars(result.vllm), "host_per_node": result.host_per_node}, indent=1))
@@ -142,6 +170,8 @@ def main(argv=None) -> int:
             print("note: launch/ppo.py runs only with --colocate_all; this is a what-if")
         for line in advice:
             print("advice: " + line)
+        print(f"longest sequence the training phases fit at tp {cfg.tp} x pp {cfg.pp} x cp {cfg.cp} (prompt "
+              f"{cfg.prompt_max_len} + reply, in 128s): {longest} tokens")
     return 0 if result.fits else 1
 
 

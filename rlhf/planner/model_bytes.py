@@ -282,23 +282,29 @@ def head_bytes(spec: ModelSpec, cfg: PlanConfig, tokens: int, response_tokens: i
     return norm + response_tokens * h * e + 3 * rows * v_local * 4
 
 
-def cp_layer_bytes_per_token(spec: ModelSpec, cfg: PlanConfig, saved: bool) -> float:
-    """One layer's bytes per local token under context parallelism (``rlhf.models.context_parallel.cp_attention``,
-    local layers): what ``layer_saved_bytes_per_token`` / ``layer_working_bytes_per_token`` count, with the
-    attention's [S, S] probabilities replaced by a local query's keys (on average (2CP+1)S/(4CP): chunk a of 2CP
-    sees a+1 chunks of keys) in fp32 plus their cast, Q stacked per KV head instead of expanded K and V, and the
-    gathered K and V of the whole sequence (2 x KV width x CP per local token)."""
+def cp_layer_bytes(spec: ModelSpec, cfg: PlanConfig, batch: int, saved: bool) -> float:
+    """One layer's bytes on one rank for ``batch`` sequences under context parallelism
+    (``rlhf.models.context_parallel.cp_attention``, local layers), S/CP local tokens each.
+
+    saved: the norms and MLP tensors of the local formula; of the attention, Q stacked per KV head and the output
+    (q-wide each), the softmax probabilities (fp32, plus a cast in bf16) of a local query's keys, on average
+    (2CP+1)S/(4CP) (chunk a of 2CP sees a+1 chunks), and the gathered K and V of the whole sequence.
+    working (no autograd): the attention's q- and h-wide tensors, the gathered K and V, and the largest block's
+    scores, masked scores and probabilities (the last chunk's S/(2CP) queries against all S keys), one block
+    alive at a time; or the MLP block, whichever is larger."""
     h, d, i = spec.hidden_size, spec.head_dim, mlp_width(spec) / cfg.tp
     q, kv = spec.num_attention_heads * d / cfg.tp, max(spec.num_kv_heads / cfg.tp, 1) * d
-    heads, e, cp = spec.num_attention_heads / cfg.tp, cfg.dtype_bytes, cfg.cp
-    keys = cfg.seq_len * (2 * cp + 1) / (4 * cp)
-    probs = heads * keys * (4 + (e if e != 4 else 0))
-    gathered = 2 * kv * cp * e
+    heads, e, cp, s = spec.num_attention_heads / cfg.tp, cfg.dtype_bytes, cfg.cp, cfg.seq_len
+    local = batch * s / cp
+    gathered = 2 * kv * batch * s * e
     if saved:
+        keys = s * (2 * cp + 1) / (4 * cp)
+        probs = heads * keys * (4 + (e if e != 4 else 0))
         norms = 2 * (2 * 4 * h + e * h)
-        return norms + e * ((q + 2 * kv) + 3 * q + kv + 4 * i) + probs + gathered + 8
-    attn = e * (3 * h + (q + 2 * kv) + 2 * q + kv) + 2 * probs + gathered
-    return max(attn, e * (5 * h + 4 * i), 3 * 4 * h + 3 * e * h)
+        return (norms + e * (2 * q + 4 * i) + probs + 8) * local + gathered
+    block = 3 * batch * heads * (s / (2 * cp)) * s * 4
+    attn = e * (3 * h + (q + 2 * kv) + 2 * q + kv) * local + gathered + block
+    return max(attn, e * (5 * h + 4 * i) * local, (3 * 4 * h + 3 * e * h) * local)
 
 
 def activation_bytes(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: bool, train: bool) -> float:
@@ -314,7 +320,7 @@ def activation_bytes(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: b
     local = tokens / cfg.cp  # a rank's share of the tokens in the layers; the head sees them all (gathered)
     layers = spec.num_layers // cfg.pp
     if cfg.cp > 1:
-        work = cp_layer_bytes_per_token(spec, cfg, saved=False) * local
+        work = cp_layer_bytes(spec, cfg, b, saved=False)
         scores = 0  # megatron's score buffer is not used by the CP attention
     else:
         work = layer_working_bytes_per_token(spec, cfg.tp, s, e, impl) * tokens
@@ -325,7 +331,7 @@ def activation_bytes(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: b
     n_micro = max(1, cfg.train_batch_size // cfg.dp // b)
     in_flight = min(cfg.pp - stage, n_micro)
     if cfg.cp > 1:
-        full = cp_layer_bytes_per_token(spec, cfg, saved=True) * local
+        full = cp_layer_bytes(spec, cfg, b, saved=True)
     else:
         full = layer_saved_bytes_per_token(spec, cfg.tp, s, e, impl) * tokens
     if cfg.gradient_checkpointing:

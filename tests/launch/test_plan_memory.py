@@ -136,6 +136,25 @@ def _tool():
     return mod
 
 
+def test_context_parallel_divides_activations_and_lengthens_the_longest_sequence(capsys):
+    """--cp: the layers' activations per rank shrink with CP (the head still sees the whole sequence), the longest
+    sequence the training phases fit grows; bad layouts are refused by name."""
+    tool = _tool()
+    m7 = spec("llama2-7b")
+    base = dict(actor=m7, reward=m7, gpus_per_node=8, bf16=True, gradient_checkpointing=True, zero_stage=1,
+                layer_impl="local", micro_train_batch_size=1, micro_rollout_batch_size=1, prompt_max_len=1024,
+                generate_max_len=7168)
+    acts = [activation_bytes(m7, PlanConfig(**base, cp=cp), 0, False, True) for cp in (1, 2, 4)]
+    assert acts[0] > 1.6 * acts[1] > 1.6 * 1.6 * acts[2], acts
+    longest = [tool.longest_sequence(PlanConfig(**base, cp=cp)) for cp in (1, 2, 4, 8)]
+    assert 0 < longest[0] < longest[1] < longest[2] < longest[3], longest
+    with pytest.raises(ValueError, match="--cp 2 runs megatron's local layers"):
+        PlanConfig(**{**base, "layer_impl": "te"}, cp=2)
+    m7_path = os.path.join(CONFIGS, "llama2-7b.json")
+    assert tool.main(["--pretrain", m7_path, "--reward_pretrain", m7_path, "--cp", "3", "--layer_impl", "local"]) == 2
+    assert "--cp 3 does not divide the 8 GPUs" in capsys.readouterr().err
+
+
 def test_cli_exit_codes_and_surface(capsys):
     tool = _tool()
     m7 = os.path.join(CONFIGS, "llama2-7b.json")
