@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node 4 tools/compare_logits.py --hf DIR --ckpt DIR --tp 2 --pp 2
     torchrun --nproc_per_node 4 tools/compare_logits.py --hf DIR --ckpt DIR --tp 2 --ep 2   # MoE
+    torchrun --nproc_per_node 4 tools/compare_logits.py --hf DIR --ckpt DIR --tp 2 --cp 2   # context parallelism
 
-Loads the checkpoint at TP=T, PP=P, EP=E (any layout, whatever it was written at), runs a forward on fixed random
+Loads the checkpoint at TP=T, PP=P, EP=E, CP=C (any layout, whatever it was written at), runs a forward on fixed random
 token ids, runs ``transformers`` on the same ids in fp32 and prints ``max_abs_logit_diff=<float>`` as its last
 line. For reward/critic checkpoints the per-token scalar head outputs are compared.
 """
@@ -21,6 +22,8 @@ def parse(argv=None):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", "--expert_model_parallel_size", type=int, default=1, help="expert parallelism (MoE)")
+    p.add_argument("--cp", "--context_parallel_size", type=int, default=1,
+                   help="context parallelism: each sequence split over this many ranks")
     p.add_argument("--batch_size", type=int, default=2)
     p.add_argument("--seq_len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -43,7 +46,10 @@ def main(argv=None) -> int:
         spec = spec_from_manifest(manifest)
         load_hf_config(args.hf)
         check_parallel_fit(spec, args.tp, args.pp, manifest["padded_vocab_size"], args.ep)
-        validate_layout(env.world_size, args.tp, args.pp, args.ep)
+        validate_layout(env.world_size, args.tp, args.pp, args.ep, args.cp)
+        from rlhf.models.context_parallel import check_cp_flags
+
+        check_cp_flags(args.cp, spec, "--ckpt")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -62,7 +68,7 @@ def compare(args, manifest, spec) -> float:
     from rlhf.models.pipeline import gather_vocab_parallel, run_microbatches
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    mesh = initialize_mesh(args.tp, args.pp, ep=args.ep)
+    mesh = initialize_mesh(args.tp, args.pp, ep=args.ep, cp=args.cp)
     model = build_model(spec, tp=args.tp, pp=args.pp, pp_rank=mesh.pp_rank, params_dtype=torch.float32,
                         padded_vocab=manifest["padded_vocab_size"], ep=args.ep)
     load_model(model, os.path.join(args.ckpt, "model"))
@@ -76,7 +82,7 @@ def compare(args, manifest, spec) -> float:
         ours = out[0]["output"]
         if not spec.is_seq_cls:
             ours = gather_vocab_parallel(ours)[..., : spec.vocab_size]
-        if mesh.tp_rank == 0 and mesh.dp_rank == 0:
+        if mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0:
             ref = hf_reference(args.hf, spec, ids)  # on the CPU
             diff[0] = (ours.double().cpu() - ref.double()).abs().max()
             diff[1] = ref.double().abs().max()
@@ -84,6 +90,7 @@ def compare(args, manifest, spec) -> float:
     dist.barrier()
     destroy_mesh()
     if mesh.is_rank0:
+        print(f"layout tp={args.tp} pp={args.pp} ep={args.ep} cp={args.cp} dp={mesh.dp}")
         print(f"max_abs_ref_logit={diff[1].item():.3e} relative_diff={diff[0].item() / diff[1].item():.3e}")
         sys.stdout.flush()
         print(f"max_abs_logit_diff={diff[0].item():.3e}", flush=True)

@@ -55,6 +55,19 @@ def test_compare_logits_tp2pp2_on_4_ranks(tiny_models, tmp_path):
     assert float(last.split("=")[1]) <= 1e-4
 
 
+def test_compare_logits_cp2_on_2_ranks(tiny_models, tmp_path):
+    """compare_logits --cp: each sequence split over 2 ranks (30 tokens: the split pads to 32)."""
+    hf = os.path.join(tiny_models, "hf", "llama")
+    mg = str(tmp_path / "mg")
+    assert run_python([CONVERT, "--hf", hf, "--out", mg]).returncode == 0
+    p = run_torchrun(COMPARE, 2, ["--hf", hf, "--ckpt", mg, "--cp", "2", "--seq_len", "30"])
+    assert p.returncode == 0, tail(p)
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("max_abs_logit_diff="), last
+    assert float(last.split("=")[1]) <= 1e-4
+    assert "cp=2" in p.stdout + p.stderr
+
+
 def test_compare_logits_tp2_ep2_moe_on_4_ranks(tiny_models, tmp_path):
     """The MoE path of the tools: converted at TP1 (every expert on one rank), compared at TP2 x EP2."""
     hf = os.path.join(tiny_models, "hf", "mixtral")
