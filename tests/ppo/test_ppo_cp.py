@@ -1,6 +1,9 @@
 """PPO with context parallelism: 2 ranks at CP2 (one replica, every sequence split: actor, critic, reference and
 reward model) against one rank (CP1; the same data-parallel size, so the same updates), vLLM generating (one TP1
-engine per rank): the first two steps' metrics agree. Padded and packed."""
+engine per rank): the first two steps' metrics agree. Padded batches; packed ones at CP2 matched too when this
+was written (within the same bounds), and are kept out of the suite for time: the model-level test
+(tests/models/test_context_parallel.py) checks packed CP forwards and gradients exactly, and PPO's packing code
+sees the gathered outputs in its own layout."""
 import os
 
 import pytest
@@ -22,11 +25,9 @@ def run(setup, save, cp, *extra):
     return p, read_metrics_jsonl(os.path.join(save, "metrics.jsonl"), "ppo")
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_ppo_at_cp2_matches_cp1(ppo_setup, tmp_path, packed):
-    extra = ["--packing_samples"] if packed else []
-    _, want = run(ppo_setup, str(tmp_path / "cp1"), 1, *extra)
-    p, got = run(ppo_setup, str(tmp_path / "cp2"), 2, *extra)
+def test_ppo_at_cp2_matches_cp1(ppo_setup, tmp_path):
+    _, want = run(ppo_setup, str(tmp_path / "cp1"), 1)
+    p, got = run(ppo_setup, str(tmp_path / "cp2"), 2)
     assert "cp=2" in p.stdout + p.stderr  # the mesh line: the run was split
     assert sorted(want) == sorted(got) == [1, 2]
     keys = [k for k in KEYS if k in want[1]]

@@ -238,12 +238,14 @@ def test_an_export_that_cannot_fit_writes_nothing(ckpt_run, tmp_path, monkeypatc
     assert os.listdir(tmp_path / "out") == []
 
 
-@pytest.mark.parametrize("dp,ep,expected", [(4, 2, (400 / 4 + 240 / 2) * 3 + 4 / 4 + 4 / 2),
-                                             (2, 1, (400 + 240) * 3 / 2 + 4 / 2 + 4 / 2)])
-def test_the_estimate_counts_each_replica_group_once(ckpt_run, dp, ep, expected):
-    """By hand, one rank's share: a dense fp32 weight of 100 is replicated dp times, an expert weight of 60
-    (megatron marks it allreduce=False under EP > 1) dp/ep times; Adam's exp_avg, exp_avg_sq and step are
-    replicated like their parameter (no ZeRO-1 here). One process, so the sum over ranks is this rank's share."""
+@pytest.mark.parametrize("dp,ep,cp,expected", [(4, 2, 1, (400 / 4 + 240 / 2) * 3 + 4 / 4 + 4 / 2),
+                                                (2, 1, 1, (400 + 240) * 3 / 2 + 4 / 2 + 4 / 2),
+                                                (2, 1, 2, (400 + 240) * 3 / 4 + 4 / 4 + 4 / 4)])
+def test_the_estimate_counts_each_replica_group_once(ckpt_run, dp, ep, cp, expected):
+    """By hand, one rank's share: a dense fp32 weight of 100 is replicated dp times (dp x cp: context parallelism
+    does not shard parameters), an expert weight of 60 (megatron marks it allreduce=False under EP > 1) dp/ep
+    times; Adam's exp_avg, exp_avg_sq and step are replicated like their parameter (no ZeRO-1 here). One
+    process, so the sum over ranks is this rank's share."""
     from types import SimpleNamespace
 
     from rlhf.checkpoint import saved_bytes
@@ -256,4 +258,4 @@ def test_the_estimate_counts_each_replica_group_once(ckpt_run, dp, ep, expected)
         p.grad = torch.ones_like(p)
     opt.step()  # creates the states
     engines = {"moe": SimpleNamespace(model=model, optimizer=opt)}
-    assert saved_bytes(engines, SimpleNamespace(dp=dp, ep=ep)) == pytest.approx(expected)
+    assert saved_bytes(engines, SimpleNamespace(dp=dp, ep=ep, cp=cp)) == pytest.approx(expected)
