@@ -22,6 +22,7 @@ the backward all-reduces the K/V gradients and keeps its own slice (a reduce-sca
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 from dataclasses import dataclass
 
@@ -94,7 +95,14 @@ def layout_for_batch(input_ids: torch.Tensor | None, packed_seq_params=None) -> 
         if sum(lengths) != input_ids.shape[1]:
             raise ValueError(f"packed_seq_params.cu_seqlens_q covers {sum(lengths)} tokens, the stream has "
                              f"{input_ids.shape[1]}")
-    return make_layout(lengths, dist.get_world_size(group), dist.get_rank(group), group)
+    return _cached_layout(tuple(lengths), dist.get_world_size(group), dist.get_rank(group), group)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_layout(lengths: tuple, cp: int, rank: int, group) -> CPLayout:
+    """``make_layout`` once per shape: every micro-batch of a padded run has the same one, and the split's index
+    lists are built in Python (its tensors are only read)."""
+    return make_layout(list(lengths), cp, rank, group)
 
 
 def _chunks(seg_start: int, seg_len: int, cp: int, rank: int) -> list[tuple[int, int, int]]:
@@ -107,9 +115,8 @@ def _chunks(seg_start: int, seg_len: int, cp: int, rank: int) -> list[tuple[int,
 def make_layout(lengths: list[int], cp: int, rank: int, group) -> CPLayout:
     """The split of a stream of sequences of ``lengths`` (one entry: a padded batch's row length) over ``cp``
     ranks: each sequence padded to a multiple of 2 x cp, two chunks per rank and sequence."""
-    unit = 2 * cp
     keep, starts, pos = [], [], 0
-    padded = [max(unit, -(-n // unit) * unit) for n in lengths]
+    padded = [padded_length(n, cp) for n in lengths]
     for n, p in zip(lengths, padded):
         keep.extend(range(pos, pos + n))
         starts.append(pos)

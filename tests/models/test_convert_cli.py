@@ -44,40 +44,33 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_models, tmp_path
     assert transformers.AutoTokenizer.from_pretrained(back)("hello world").input_ids
 
 
-def test_compare_logits_tp2pp2_on_4_ranks(tiny_models, tmp_path):
-    hf = os.path.join(tiny_models, "hf", "llama")
+def _compare(tiny_models, tmp_path, model: str, nproc: int, layout: list[str]):
+    """Convert ``model`` at TP1 PP1, run compare_logits at ``layout`` on ``nproc`` ranks, check its last line
+    (within 1e-4 of transformers); returns the process and the HF folder."""
+    hf = os.path.join(tiny_models, "hf", model)
     mg = str(tmp_path / "mg")
     assert run_python([CONVERT, "--hf", hf, "--out", mg, "--tp", "1", "--pp", "1"]).returncode == 0
-    p = run_torchrun(COMPARE, 4, ["--hf", hf, "--ckpt", mg, "--tp", "2", "--pp", "2"])
+    p = run_torchrun(COMPARE, nproc, ["--hf", hf, "--ckpt", mg, *layout])
     assert p.returncode == 0, tail(p)
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("max_abs_logit_diff="), last
     assert float(last.split("=")[1]) <= 1e-4
+    return p, hf
+
+
+def test_compare_logits_tp2pp2_on_4_ranks(tiny_models, tmp_path):
+    _compare(tiny_models, tmp_path, "llama", 4, ["--tp", "2", "--pp", "2"])
 
 
 def test_compare_logits_cp2_on_2_ranks(tiny_models, tmp_path):
     """compare_logits --cp: each sequence split over 2 ranks (30 tokens: the split pads to 32)."""
-    hf = os.path.join(tiny_models, "hf", "llama")
-    mg = str(tmp_path / "mg")
-    assert run_python([CONVERT, "--hf", hf, "--out", mg]).returncode == 0
-    p = run_torchrun(COMPARE, 2, ["--hf", hf, "--ckpt", mg, "--cp", "2", "--seq_len", "30"])
-    assert p.returncode == 0, tail(p)
-    last = p.stdout.strip().splitlines()[-1]
-    assert last.startswith("max_abs_logit_diff="), last
-    assert float(last.split("=")[1]) <= 1e-4
+    p, _ = _compare(tiny_models, tmp_path, "llama", 2, ["--cp", "2", "--seq_len", "30"])
     assert "cp=2" in p.stdout + p.stderr
 
 
 def test_compare_logits_tp2_ep2_moe_on_4_ranks(tiny_models, tmp_path):
     """The MoE path of the tools: converted at TP1 (every expert on one rank), compared at TP2 x EP2."""
-    hf = os.path.join(tiny_models, "hf", "mixtral")
-    mg = str(tmp_path / "mg")
-    assert run_python([CONVERT, "--hf", hf, "--out", mg]).returncode == 0
-    p = run_torchrun(COMPARE, 4, ["--hf", hf, "--ckpt", mg, "--tp", "2", "--ep", "2"])
-    assert p.returncode == 0, tail(p)
-    last = p.stdout.strip().splitlines()[-1]
-    assert last.startswith("max_abs_logit_diff="), last
-    assert float(last.split("=")[1]) <= 1e-4
+    _, hf = _compare(tiny_models, tmp_path, "mixtral", 4, ["--tp", "2", "--ep", "2"])
     _one_line_error(run_python([CONVERT, "--hf", hf, "--out", str(tmp_path / "x"), "--ep", "3"]),
                     "--expert_model_parallel_size 3 does not divide num_experts=4")
 
