@@ -210,7 +210,7 @@ def validate_common(args: argparse.Namespace, world_size: int) -> int:
     check_parallel_fit(spec, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, src["padded_vocab"])
     from rlhf.models.context_parallel import check_cp_flags
 
-    check_cp_flags(cp, spec, "--pretrain", args.pipeline_model_parallel_size, args.packing_samples)
+    check_cp_flags(cp, spec, "--pretrain")
     if args.packing_samples:  # what the packed attention path refuses at the first forward (models/packed_attention)
         if spec.sliding_window is not None and args.max_len > spec.sliding_window and cp == 1:
             raise ValueError(f"--packing_samples: --pretrain {args.pretrain} has sliding_window={spec.sliding_window}"

@@ -45,9 +45,12 @@ class DPOTask(ReferenceTask):
         return collate_dpo(samples, pad_token_id(tokenizer))
 
     def loss_fn(self, engine):
+        from rlhf.models.context_parallel import reads_local_tokens
+
         loss, beta, eps = PREFERENCE_LOSSES[self.args.loss_type], self.args.beta, self.args.label_smoothing
 
         # The logits are read by this loss only, so their storage takes their gradient (see rlhf/sft.py).
+        @reads_local_tokens  # sequence_logprobs reads the logits of a CP rank's own tokens
         def fn(batch: dict, logits: torch.Tensor):
             logps = sequence_logprobs(engine, batch, logits, inplace_backward=True)  # (2B,)
             ref = batch["ref_logps"]

@@ -49,9 +49,12 @@ class KTOTask(ReferenceTask):
         return collate_kto(samples, pad_token_id(tokenizer), self.max_len)
 
     def loss_fn(self, engine):
+        from rlhf.models.context_parallel import reads_local_tokens
+
         a = self.args
         kw = dict(beta=a.beta, desirable_weight=a.desirable_loss_weight, undesirable_weight=a.undesirable_loss_weight)
 
+        @reads_local_tokens  # sequence_logprobs reads the logits of a CP rank's own tokens
         def fn(batch: dict, logits: torch.Tensor):
             logps = sequence_logprobs(engine, batch, logits, inplace_backward=True)  # (2B,): samples, KL rows
             ref = batch["ref_logps"]

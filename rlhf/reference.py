@@ -28,10 +28,15 @@ def add_reference_args(p: argparse.ArgumentParser) -> None:
 
 
 def sequence_logprobs(engine, batch: dict, logits: torch.Tensor, inplace_backward: bool = False) -> torch.Tensor:
-    """Sum of log p(response tokens) per row: logits (R, S, V_local) vocab-parallel -> (R,) fp32."""
+    """Sum of log p(response tokens) per row: logits (R, S, V_local) vocab-parallel -> (R,) fp32. Under context
+    parallelism (a loss or reader marked ``reads_local_tokens``) the logits are this rank's tokens (R, S_local,
+    V_local)."""
+    from rlhf.models.context_parallel import current_layout
+
     mesh = engine.mesh
     lp = next_token_logprobs(logits, batch["input_ids"], tp_group=mesh.tp_group if mesh.tp > 1 else None,
-                             vocab_size=engine.spec.vocab_size, inplace_backward=inplace_backward)  # (R, S-1)
+                             vocab_size=engine.spec.vocab_size, inplace_backward=inplace_backward,
+                             cp=current_layout())  # (R, S-1)
     return (lp * batch["loss_mask"][:, 1:].to(lp.dtype)).sum(-1)
 
 
@@ -61,11 +66,13 @@ class Reference:
 
     def attach(self, microbatches: list[dict]) -> float:
         """Set ``mb["ref_logps"]`` (R,) on the last pipeline stage (None elsewhere). Returns the seconds taken."""
+        from rlhf.models.context_parallel import reads_local_tokens
+
         t0 = time.time()
         if self.offload is not None:
             self.offload.onload(params=True, grads=False, optimizer=False)
         eng = self.engine
-        outs = eng.forward(microbatches, read=lambda b, out: sequence_logprobs(eng, b, out))
+        outs = eng.forward(microbatches, read=reads_local_tokens(lambda b, out: sequence_logprobs(eng, b, out)))
         if self.offload is not None:
             self.offload.offload(params=True, grads=False, optimizer=False)
         if not outs:

@@ -388,7 +388,10 @@ def score_sequences(engine, seqs: Sequence[Sequence[int]], pad_id: int, micro_ba
             mask[b, :len(s)] = 1
         mbs.append({"input_ids": ids, "attention_mask": mask})
 
-    outs = engine.forward(mbs, output="head", read=lambda batch, values: sequence_scores(values, batch))
+    from rlhf.models.context_parallel import reads_local_tokens
+
+    outs = engine.forward(mbs, output="head",
+                          read=reads_local_tokens(lambda batch, values: sequence_scores(values, batch)))
     mine = torch.cat([o["output"] for o in outs]) if outs else None
     mine = to_all_stages(mine, (per,), mesh)
     return dp_all_gather(mine.float().contiguous(), mesh)[:n]

@@ -38,18 +38,23 @@ class SFTTask:
         return collate_sft(samples, pad_token_id(tokenizer))
 
     def loss_fn(self, engine):
+        from rlhf.models.context_parallel import current_layout, reads_local_tokens
+
         tp_group = engine.mesh.tp_group if engine.mesh.tp > 1 else None
         vocab = engine.spec.vocab_size
 
         # The logits are the model's output, read by this loss only (megatron's output layer does not save its
         # output for the backward), so the kernel may overwrite them with their gradient: no [B*S, V] buffer.
+        # Under context parallelism the logits are this rank's tokens only (``cp``, the split).
+        @reads_local_tokens
         def fn(batch: dict, logits: torch.Tensor):
+            cp = current_layout()
             if "packed_seq_params" in batch:  # --packing_samples: logits (1, T, V_local)
                 return packed_sft_loss(logits, batch["input_ids"], batch["loss_mask"],
                                        batch["packed_seq_params"].cu_seqlens_q, tp_group=tp_group,
-                                       vocab_size=vocab, inplace_backward=True)
+                                       vocab_size=vocab, inplace_backward=True, cp=cp)
             return sft_loss(logits, batch["input_ids"], batch["loss_mask"], tp_group=tp_group, vocab_size=vocab,
-                            inplace_backward=True)
+                            inplace_backward=True, cp=cp)
 
         return fn
 

@@ -55,11 +55,14 @@ def step_fn(engine, length: int, seed: int):
     ids = torch.randint(3, engine.spec.vocab_size, (1, length), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
+    from rlhf.models.context_parallel import current_layout, reads_local_tokens
+
+    @reads_local_tokens  # as the SFT trainer's loss: under CP the logits of this rank's tokens only
     def loss_fn(b, logits):
         from rlhf.algo.losses import sft_loss
 
         return sft_loss(logits, b["input_ids"], b["attention_mask"], tp_group=engine.mesh.tp_group,
-                        vocab_size=engine.spec.vocab_size)
+                        vocab_size=engine.spec.vocab_size, cp=current_layout())
 
     return lambda: engine.train_step([batch], loss_fn, ("loss",))
 

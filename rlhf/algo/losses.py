@@ -10,22 +10,30 @@ import torch.nn.functional as F
 
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, tp_group=None,
                         vocab_size: int | None = None, temperature: float = 1.0,
-                        inplace_backward: bool = False) -> torch.Tensor:
+                        inplace_backward: bool = False, cp=None) -> torch.Tensor:
     """log p(input_ids[:, t+1] | ..t). logits (B, S, V_local) vocab-parallel -> (B, S-1) fp32.
 
     ``inplace_backward``: the backward writes the gradient into ``logits``' own storage instead of a new
     ``[B*S, V_local]`` tensor (see ``kernels.token_logprobs``). Only when nothing uses ``logits`` afterwards.
+    ``cp``: a context-parallel split (``rlhf.models.context_parallel.CPLayout``); logits are then this rank's
+    tokens (B, S_local, V_local), and the log-probs are gathered over its group into (B, S-1).
     """
     import kernels
 
     targets = torch.zeros_like(input_ids)  # (B, S): the last position's target is a dummy, its log-prob dropped
     targets[:, :-1] = input_ids[:, 1:]
+    if cp is not None:
+        from rlhf.models.context_parallel import gather_tokens, split_input
+
+        targets = split_input(targets, cp, dim=1)  # (B, S_local)
     # All S positions rather than logits[:, :-1]: slicing would make the kernel's input a copy (and its gradient
     # a second [B, S, V] buffer). Rows go in (S, B) order, megatron's own layout, in which flattening its
     # (transposed) logits is a view. The order is fixed, not picked from strides: with TP the row statistics are
     # all-reduced row by row, so every rank must use the same order, whatever layout its shard has.
     kw = dict(temperature=temperature, tp_group=tp_group, vocab_size=vocab_size, inplace_backward=inplace_backward)
-    lp = kernels.token_logprobs(logits.transpose(0, 1), targets.t(), **kw).t()  # (B, S)
+    lp = kernels.token_logprobs(logits.transpose(0, 1), targets.t(), **kw).t()  # (B, S) [or (B, S_local)]
+    if cp is not None:
+        lp = gather_tokens(lp, cp)
     return lp[:, :-1]
 
 
@@ -37,20 +45,20 @@ def _masked_nll(lp: torch.Tensor, mask: torch.Tensor):
 
 
 def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, *, tp_group=None,
-             vocab_size: int | None = None, inplace_backward: bool = False):
+             vocab_size: int | None = None, inplace_backward: bool = False, cp=None):
     """Negative log-likelihood of the response tokens only.
 
     logits (B, S, V_local); input_ids, loss_mask (B, S) with loss_mask 1 on the response tokens to predict.
-    ``inplace_backward``: see ``next_token_logprobs``.
+    ``inplace_backward``, ``cp``: see ``next_token_logprobs``.
     """
     lp = next_token_logprobs(logits, input_ids, tp_group=tp_group, vocab_size=vocab_size,
-                             inplace_backward=inplace_backward)  # (B, S-1)
+                             inplace_backward=inplace_backward, cp=cp)  # (B, S-1)
     return _masked_nll(lp, loss_mask[:, 1:])
 
 
 def packed_sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                     cu_seqlens: torch.Tensor, *, tp_group=None, vocab_size: int | None = None,
-                    inplace_backward: bool = False):
+                    inplace_backward: bool = False, cp=None):
     """``sft_loss`` on a packed micro-batch (``rlhf.models.packing``): sequences back to back in one row.
 
     logits (1, T, V_local); input_ids, loss_mask (1, T); cu_seqlens [n + 1] over the whole stream (dummy
@@ -60,8 +68,14 @@ def packed_sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: to
     import kernels
 
     targets, valid = kernels.packed_next_tokens(input_ids[0], cu_seqlens)  # (T,), (T,) bool
+    if cp is not None:  # logits (1, T_local, V_local): this rank's tokens; the log-probs gathered back to (T,)
+        from rlhf.models.context_parallel import gather_tokens, split_input
+
+        targets = split_input(targets.unsqueeze(0), cp, dim=1)[0]
     lp = kernels.token_logprobs(logits[0], targets, tp_group=tp_group, vocab_size=vocab_size,
-                                inplace_backward=inplace_backward)  # (T,)
+                                inplace_backward=inplace_backward)  # (T,) [or (T_local,)]
+    if cp is not None:
+        lp = gather_tokens(lp.unsqueeze(0), cp)[0]
     mask = torch.zeros_like(lp)  # token t is scored iff token t + 1 is a response token of the same sequence
     mask[:-1] = loss_mask[0, 1:].to(lp.dtype)
     return _masked_nll(lp, mask * valid)

@@ -7,13 +7,18 @@ own), so a rank holds both ends of every sequence, as megatron/TE's THD layout d
 
 Where it happens: ``LlamaGPT.forward`` (rlhf.models.gpt) splits the input on the first pipeline stage, gives every
 layer the rotary frequencies of its tokens' true positions, runs the decoder on the local tokens (the decoder sees a
-plain (S_local, B) batch), and on the last stage all-gathers the final hidden states over the CP group back into
-the caller's layout (padding removed). The head, log-probs, values and every loss then run on whole sequences,
-the same on each CP rank of a replica, so no loss or metric needs a CP reduction; the transformer layers'
-activations (the memory that grows with the sequence) are divided by CP. The all-gather's backward hands each
-rank the gradient of its own tokens; the head's weight enters with its gradient divided by CP (``head_weight``),
-and the loss's token count is counted once per CP group (``rlhf.models.pipeline.once_per_cp_group``), so the
-DP x CP gradient reduction gives the plain gradient.
+plain (S_local, B) batch) and, on the last stage, the head on them too: the last stage returns this rank's tokens
+only, (B, S_local, V_local) logits, (B, S_local, H) hidden states or (B, S_local) values. The readers then work on
+the local chunks: log-probs and entropy through the fused vocab-parallel kernels on the local tokens
+(``rlhf.algo.losses.next_token_logprobs``, ``rlhf.models.outputs``), values and rewards read where they lie; the
+per-token results (one float a token) are all-gathered, or summed over the CP group where only one rank holds a
+token (``cp_sum``), so every CP rank of a replica computes the same loss and metrics on whole sequences. Their
+backward hands each rank the gradient of its own tokens; the loss's token count is counted once per CP group
+(``rlhf.models.pipeline.once_per_cp_group``), so the DP x CP gradient reduction gives the plain gradient.
+
+A loss or reader says it takes local outputs with ``reads_local_tokens``; any other gets the whole sequences
+(``whole_sequences``: the output all-gathered, logged once), which is correct but keeps (B, S, V) logits on every
+rank.
 
 Attention (``cp_attention``): each rank all-gathers the keys and values of its CP group (K/V only: with GQA a
 fraction of the hidden size) and attends its local queries to them under the causal mask of the true positions;
@@ -49,6 +54,7 @@ class CPLayout:
 
 
 _CURRENT: contextvars.ContextVar[CPLayout | None] = contextvars.ContextVar("cp_layout", default=None)
+_STREAM_LEN: contextvars.ContextVar[int | None] = contextvars.ContextVar("cp_stream_len", default=None)
 
 
 def current_layout() -> CPLayout | None:
@@ -56,9 +62,10 @@ def current_layout() -> CPLayout | None:
 
 
 class use_layout:
-    """``with use_layout(layout):`` the decoder's attention layers read the split from here."""
+    """``with use_layout(layout):`` the decoder's attention layers and the CP-aware readers read the split from
+    here (None: no CP)."""
 
-    def __init__(self, layout: CPLayout):
+    def __init__(self, layout: CPLayout | None):
         self.layout, self.token = layout, None
 
     def __enter__(self):
@@ -68,6 +75,29 @@ class use_layout:
     def __exit__(self, *exc):
         _CURRENT.reset(self.token)
         return False
+
+
+class stream_length:
+    """``with stream_length(n):`` a packed stream is split as if padded to ``n`` tokens (a multiple of 2 x CP, at
+    least its sequences' padded lengths): with PP every micro-batch of a schedule call sends one shape between
+    stages, and the packed streams' own padded lengths differ. None: each stream its own length."""
+
+    def __init__(self, n: int | None):
+        self.n, self.token = n, None
+
+    def __enter__(self):
+        self.token = _STREAM_LEN.set(self.n)
+        return self.n
+
+    def __exit__(self, *exc):
+        _STREAM_LEN.reset(self.token)
+        return False
+
+
+def packed_stream_length(cu_seqlens: torch.Tensor, cp: int) -> int:
+    """The length of a packed stream (``cu_seqlens`` [n + 1]) once each sequence is padded for the CP split."""
+    cu = cu_seqlens.tolist()
+    return sum(padded_length(b - a, cp) for a, b in zip(cu, cu[1:]))
 
 
 def cp_group_of_job():
@@ -95,14 +125,15 @@ def layout_for_batch(input_ids: torch.Tensor | None, packed_seq_params=None) -> 
         if sum(lengths) != input_ids.shape[1]:
             raise ValueError(f"packed_seq_params.cu_seqlens_q covers {sum(lengths)} tokens, the stream has "
                              f"{input_ids.shape[1]}")
-    return _cached_layout(tuple(lengths), dist.get_world_size(group), dist.get_rank(group), group)
+    total = _STREAM_LEN.get() if packed_seq_params is not None else None
+    return _cached_layout(tuple(lengths), dist.get_world_size(group), dist.get_rank(group), group, total)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_layout(lengths: tuple, cp: int, rank: int, group) -> CPLayout:
+def _cached_layout(lengths: tuple, cp: int, rank: int, group, total: int | None = None) -> CPLayout:
     """``make_layout`` once per shape: every micro-batch of a padded run has the same one, and the split's index
     lists are built in Python (its tensors are only read)."""
-    return make_layout(list(lengths), cp, rank, group)
+    return make_layout(list(lengths), cp, rank, group, total)
 
 
 def _chunks(seg_start: int, seg_len: int, cp: int, rank: int) -> list[tuple[int, int, int]]:
@@ -112,11 +143,17 @@ def _chunks(seg_start: int, seg_len: int, cp: int, rank: int) -> list[tuple[int,
     return [(seg_start + a * c, c, a * c) for a in (rank, 2 * cp - 1 - rank)]
 
 
-def make_layout(lengths: list[int], cp: int, rank: int, group) -> CPLayout:
+def make_layout(lengths: list[int], cp: int, rank: int, group, total: int | None = None) -> CPLayout:
     """The split of a stream of sequences of ``lengths`` (one entry: a padded batch's row length) over ``cp``
-    ranks: each sequence padded to a multiple of 2 x cp, two chunks per rank and sequence."""
+    ranks: each sequence padded to a multiple of 2 x cp, two chunks per rank and sequence. ``total``: the padded
+    stream's length (``stream_length``); what the sequences leave of it is one more sequence of padding only."""
     keep, starts, pos = [], [], 0
     padded = [padded_length(n, cp) for n in lengths]
+    if total is not None and total != sum(padded):
+        if total < sum(padded) or total % (2 * cp):
+            raise ValueError(f"a packed stream of padded length {sum(padded)} cannot be split as {total} tokens over "
+                             f"{cp} CP ranks (a multiple of {2 * cp}, at least the stream's)")
+        lengths, padded = list(lengths) + [0], padded + [total - sum(padded)]
     for n, p in zip(lengths, padded):
         keep.extend(range(pos, pos + n))
         starts.append(pos)
@@ -174,32 +211,64 @@ def split_input(x: torch.Tensor, layout: CPLayout, dim: int, pad_value=0) -> tor
     return full.index_select(dim, layout.local.to(x.device))
 
 
-def gather_output(hidden: torch.Tensor, layout: CPLayout) -> torch.Tensor:
-    """The last stage's hidden states (n_local, B, H) -> (n, B, H): every rank's tokens, padding dropped."""
-    full = gather_padded_stream(hidden, layout, reduce=False)
-    return full.index_select(0, layout.keep.to(hidden.device))
+def gather_tokens(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    """This rank's per-token output (B, n_local, ...) -> (B, n, ...): every rank's tokens in the caller's layout,
+    padding dropped. Backward: each rank keeps the gradient of its own tokens (every rank of the group runs the
+    same loss on the gathered tensor)."""
+    full = gather_padded_stream(x.transpose(0, 1), layout, reduce=False)    # (padded_len, B, ...)
+    return full.index_select(0, layout.keep.to(x.device)).transpose(0, 1)
 
 
-class _ScaleGrad(torch.autograd.Function):
+class _SumOverCP(torch.autograd.Function):
+    """All-reduce (sum) over the CP group. Backward: the identity, as every rank of the group runs the same loss on
+    the sum, so each rank's gradient of it is already the whole one."""
+
     @staticmethod
-    def forward(ctx, w, scale: float):
-        ctx.scale = scale
-        return w.view_as(w)
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.scale, None
+        return grad, None
 
 
-def head_weight(weight: torch.Tensor, or_none: bool = False):
-    """The head's weight as the head should use it. With CP every rank of a CP group runs the head on the whole
-    gathered sequence, so each would add the whole head gradient and the DP x CP reduction would count it CP
-    times: the weight enters with its gradient divided by CP (a tied embedding's own, per-token part is
-    untouched). Without CP: ``weight`` itself, or None with ``or_none`` (the layer's own weight)."""
-    group = cp_group_of_job()
-    if group is None:
-        return None if or_none else weight
-    return _ScaleGrad.apply(weight, 1.0 / dist.get_world_size(group))
+def cp_sum(x: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    """Per-entry sum over the CP group of values each held by one rank (zeros elsewhere)."""
+    return _SumOverCP.apply(x, layout.group)
+
+
+def local_index(layout: CPLayout, positions: torch.Tensor) -> torch.Tensor:
+    """positions (...) in the caller's row (a padded batch's columns, or a packed stream's tokens) -> the index of
+    each among this rank's tokens, -1 where another rank holds it."""
+    inv = torch.full((layout.padded_len,), -1, dtype=torch.long)
+    inv[layout.local] = torch.arange(layout.local.numel())
+    return inv[layout.keep][positions.cpu().long()].to(positions.device)
+
+
+def reads_local_tokens(fn):
+    """Mark a loss or reader that takes the last stage's local outputs under CP (it reads them only through
+    CP-aware readers). Returns ``fn``."""
+    fn.reads_local_tokens = True
+    return fn
+
+
+_FALLBACK_LOGGED: set = set()
+
+
+def whole_sequences(output: torch.Tensor, layout: CPLayout, fn) -> torch.Tensor:
+    """The named fallback for a loss or reader not marked ``reads_local_tokens``: its output all-gathered back
+    into the caller's layout. Values (B, S) cost nothing; (B, S, V) logits or hidden states are logged once."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    if output.dim() == 3 and fn is not None and name not in _FALLBACK_LOGGED:
+        _FALLBACK_LOGGED.add(name)
+        import logging
+
+        logging.getLogger("rlhf").info("context parallelism: %s reads whole sequences, so its (B, S, %d) output is "
+                                       "all-gathered on every CP rank (readers marked reads_local_tokens keep "
+                                       "their tokens local)", name, output.shape[-1])
+    return gather_tokens(output, layout)
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, scale: float,
@@ -233,8 +302,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLa
 
 def decoder_forward(model, input_ids, attention_mask, layout: CPLayout) -> torch.Tensor:
     """``LlamaGPT.forward`` under CP, up to the head: the decoder on this rank's tokens, which it sees as a plain
-    (S_local, B) batch with the RoPE frequencies of their true positions; the last stage returns the CP group's
-    final hidden states gathered back into the caller's layout, other stages their local (S_local, B, H)."""
+    (S_local, B) batch with the RoPE frequencies of their true positions. Returns (S_local, B, H)."""
     if model.pre_process:
         input_ids = split_input(input_ids, layout, dim=1)
         position_ids = layout.pos.to(input_ids.device).unsqueeze(0).expand_as(input_ids)
@@ -244,7 +312,7 @@ def decoder_forward(model, input_ids, attention_mask, layout: CPLayout) -> torch
     rotary = rotary_for_layout(model.rotary_pos_emb, layout, next(model.parameters()).device)
     with use_layout(layout):
         hidden = model.decoder(hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary)
-    return gather_output(hidden, layout) if model.post_process else hidden
+    return hidden
 
 
 def rotary_for_layout(rotary_module, layout: CPLayout, device) -> torch.Tensor:
@@ -258,18 +326,11 @@ def padded_length(n: int, cp: int) -> int:
     return max(2 * cp, math.ceil(n / (2 * cp)) * 2 * cp)
 
 
-def check_cp_flags(cp: int, spec, flag: str, pp: int = 1, packing: bool = False) -> None:
-    """What context parallelism does not do yet, refused by name before any model loads."""
+def check_cp_flags(cp: int, spec, flag: str) -> None:
+    """What context parallelism does not do, refused by name before any model loads (the layout's own limits:
+    ``rlhf.distributed.mesh.validate_layout``)."""
     if cp == 1:
         return
-    if spec.num_experts:
-        raise ValueError(f"--context_parallel_size {cp} with {flag}, an MoE model ({spec.num_experts} experts): "
-                         "context parallelism is not wired for MoE layers yet (their load-balancing loss would see "
-                         "one rank's tokens)")
     if spec.attention_dropout > 0:
         raise ValueError(f"--context_parallel_size {cp} with {flag}: attention_dropout={spec.attention_dropout} is not "
                          "supported with context parallelism while training")
-    if packing and pp > 1:
-        raise ValueError(f"--context_parallel_size {cp} with --packing_samples and --pipeline_model_parallel_size "
-                         f"{pp}: a packed stream's CP split has a length of its own per micro-batch, and the "
-                         "pipeline needs one shape; use padded batches or PP 1")

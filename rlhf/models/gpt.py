@@ -114,7 +114,13 @@ def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0, gr
     layer, added to the gradients by the router; 0 turns it off. Tokens reach their experts by the alltoall
     dispatcher, which lets the ranks of an EP group hold different numbers of tokens (their micro-batches are
     trimmed to their own lengths); the ranks must still run the same number of forwards. ``grouped_gemm``: TE's
-    grouped GEMM (the TE layer spec); the local spec runs megatron's SequentialMLP."""
+    grouped GEMM (the TE layer spec); the local spec runs megatron's SequentialMLP.
+
+    Context parallelism: routing is per token, so the experts see each token as without CP; megatron's router
+    sums the tokens per expert over the TP x CP group and each CP rank adds the part of the load-balancing loss of
+    its own tokens, which gives CP1's gradients as they are (tests/models/test_context_parallel.py; multiplying
+    the coefficient by CP, tried, missed by (CP - 1) times the loss's share). The tokens a sequence is padded with
+    for the CP split (fewer than 2 x CP) are routed and counted, as the pad tokens of a padded batch are."""
     if not spec.num_experts:
         return {}
     return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
@@ -228,17 +234,16 @@ def _gpt_model_class():
             return self._head(hidden, output)
 
         def _head(self, hidden, output):
+            """hidden (S, B, H); under context parallelism this rank's tokens only (S_local), and so is what the
+            head returns (rlhf.models.context_parallel)."""
             if not self.post_process:
                 return hidden
             if output == "hidden":
                 return hidden.transpose(0, 1)  # (B, S, H)
-            from rlhf.models.context_parallel import head_weight
-
             if self.value_head:
-                values, _ = self.output_layer(hidden, weight=head_weight(self.output_layer.weight, or_none=True))
+                values, _ = self.output_layer(hidden)
                 return values.squeeze(-1).transpose(0, 1).contiguous()  # (B, S)
             weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-            weight = head_weight(weight if weight is not None else self.output_layer.weight, or_none=weight is None)
             logits, _ = self.output_layer(hidden, weight=weight)
             # Mask in megatron's (S, B, V) layout, then transpose: every TP rank returns the same memory layout.
             return mask_padded_vocab(logits, self.true_vocab_size).transpose(0, 1)  # (B, S, V_local)
@@ -248,11 +253,9 @@ def _gpt_model_class():
 
         def output_weight(self) -> torch.Tensor:
             """The (vocab-parallel) LM head weight [V_local, H], for the fused linear log-prob kernel."""
-            from rlhf.models.context_parallel import head_weight
-
             if self.share_embeddings_and_output_weights:
-                return head_weight(self.shared_embedding_or_output_weight())
-            return head_weight(self.output_layer.weight)
+                return self.shared_embedding_or_output_weight()
+            return self.output_layer.weight
 
     return LlamaGPT
 

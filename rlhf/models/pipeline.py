@@ -23,26 +23,36 @@ ReadFn = Callable[[dict, torch.Tensor], torch.Tensor]
 
 
 def _forward_step(loss_fn: LossFn | None, output: str, device: torch.device, data_iterator, model,
-                  read: ReadFn | None = None):
+                  read: ReadFn | None = None, cp_stream: int | None = None):
     # The device rule: a micro-batch (collated on the host) goes to the model's device here, so the model, megatron's
     # masks and token counts, and the loss function all see one device.
     batch = to_device(next(data_iterator), device, non_blocking=True)
     # Batches are right-padded, so the causal mask alone is exact for every real token; ``attention_mask`` (B, S)
     # is the padding mask the losses use, not megatron's 4-D mask.
-    out = model(batch["input_ids"], batch.get("position_ids"), batch.get("megatron_attention_mask"), output=output,
-                packed_seq_params=batch.get("packed_seq_params"))
+    from rlhf.models import context_parallel as cpm
+
+    with cpm.stream_length(cp_stream):  # packed streams under CP and PP: one split length for every micro-batch
+        out = model(batch["input_ids"], batch.get("position_ids"), batch.get("megatron_attention_mask"),
+                    output=output, packed_seq_params=batch.get("packed_seq_params"))
+        # Under context parallelism the last stage's output holds this rank's tokens only: a loss or reader marked
+        # ``reads_local_tokens`` reads them in place (the split in the context), any other gets whole sequences.
+        layout = cpm.layout_for_batch(batch["input_ids"], batch.get("packed_seq_params"))
+    fn = loss_fn if loss_fn is not None else read
 
     def loss_func(output_tensor):
-        if loss_fn is None:  # no loss: hand the output (or what ``read`` takes of it) back through megatron's store
-            res = read(batch, output_tensor) if read is not None else output_tensor
-            return torch.zeros((), device=output_tensor.device), {"output": res.detach()}
-        return once_per_cp_group(loss_fn(batch, output_tensor))
+        if layout is not None and not getattr(fn, "reads_local_tokens", False):
+            output_tensor = cpm.whole_sequences(output_tensor, layout, fn)
+        with cpm.use_layout(layout):
+            if loss_fn is None:  # no loss: hand the output (or what ``read`` takes of it) back through megatron's store
+                res = read(batch, output_tensor) if read is not None else output_tensor
+                return torch.zeros((), device=output_tensor.device), {"output": res.detach()}
+            return once_per_cp_group(loss_fn(batch, output_tensor))
 
     return out, loss_func
 
 
 def once_per_cp_group(result: tuple) -> tuple:
-    """With context parallelism every rank of a CP group computes the same loss on the gathered sequences
+    """With context parallelism every rank of a CP group computes the same loss on the gathered per-token results
     (rlhf.models.context_parallel), and its backward gives each rank the gradient of its own tokens; megatron then
     sums gradients and token counts over DP x CP. So the count is this micro-batch's on CP rank 0 and 0 on the
     others: the step's gradient is the plain one."""
@@ -74,15 +84,22 @@ def run_microbatches(model: torch.nn.Module, microbatches: Sequence[dict], *, lo
     if not microbatches:
         return []
     b, s = microbatches[0]["input_ids"].shape
-    from rlhf.models.context_parallel import cp_group_of_job, padded_length
+    from rlhf.models.context_parallel import cp_group_of_job, packed_stream_length, padded_length
 
-    cp_group = cp_group_of_job()
+    cp_group, cp_stream = cp_group_of_job(), None
     if cp_group is not None:  # megatron's stage-to-stage shape is seq_length / CP: the padded split's
-        s = padded_length(s, torch.distributed.get_world_size(cp_group))
+        cp = torch.distributed.get_world_size(cp_group)
+        if microbatches[0].get("packed_seq_params") is not None:
+            s = max(packed_stream_length(mb["packed_seq_params"].cu_seqlens_q, cp) for mb in microbatches)
+            from megatron.core import parallel_state as ps
+
+            cp_stream = s if ps.get_pipeline_model_parallel_world_size() > 1 else None
+        else:
+            s = padded_length(s, cp)
     fixed_seq_lengths(model)
     fb = get_forward_backward_func()
     device = device if device is not None else next(model.parameters()).device
-    return fb(forward_step_func=partial(_forward_step, loss_fn, output, device, read=read),
+    return fb(forward_step_func=partial(_forward_step, loss_fn, output, device, read=read, cp_stream=cp_stream),
               data_iterator=iter(microbatches),
               model=[model], num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
               forward_only=forward_only or loss_fn is None)

@@ -317,7 +317,7 @@ def activation_bytes(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: b
     impl, e, s = cfg.layer_impl, cfg.dtype_bytes, cfg.seq_len
     b = cfg.micro_train_batch_size if train else cfg.micro_rollout_batch_size
     tokens, resp = b * s, b * cfg.generate_max_len
-    local = tokens / cfg.cp  # a rank's share of the tokens in the layers; the head sees them all (gathered)
+    local = tokens / cfg.cp  # a rank's share of the tokens, in the layers and the head
     layers = spec.num_layers // cfg.pp
     if cfg.cp > 1:
         work = cp_layer_bytes(spec, cfg, b, saved=False)
@@ -325,7 +325,7 @@ def activation_bytes(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: b
     else:
         work = layer_working_bytes_per_token(spec, cfg.tp, s, e, impl) * tokens
         scores = scores_buffer_bytes(spec, cfg.tp, b, s, e, impl)
-    head = head_bytes(spec, cfg, tokens, resp, value_head, train) if stage == cfg.pp - 1 else 0.0
+    head = head_bytes(spec, cfg, local, resp / cfg.cp, value_head, train) if stage == cfg.pp - 1 else 0.0
     if not train:
         return scores + max(work, head)
     n_micro = max(1, cfg.train_batch_size // cfg.dp // b)

@@ -396,8 +396,7 @@ def _check_models(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                            src["padded_vocab"])
         from rlhf.models.context_parallel import check_cp_flags
 
-        check_cp_flags(args.context_parallel_size, src["spec"], flag, args.pipeline_model_parallel_size,
-                       args.packing_samples)
+        check_cp_flags(args.context_parallel_size, src["spec"], flag)
         sources[flag] = src
     return rewards, sources
 

@@ -67,13 +67,18 @@ def forward_role(engine, role: str, microbatches: list[dict], temperature: float
     """One frozen forward of ``role`` over this rank's micro-batches (the pipeline's no-loss path, each output read
     where the role needs it); the result on every pipeline stage.
     actor/ref -> log-probs (B, T); critic -> values (B, T); reward -> scores (B,)."""
+    from rlhf.models.context_parallel import reads_local_tokens
+
+    # the readers of rlhf.models.outputs take a CP rank's own tokens (reads_local_tokens)
     if role in ("actor", "ref"):
+        @reads_local_tokens
         def read(batch: dict, hidden: torch.Tensor) -> torch.Tensor:
             return response_logprobs(engine, batch, hidden, temperature)
         output = "hidden"
     else:
         reader = response_values if role == "critic" else sequence_scores
 
+        @reads_local_tokens
         def read(batch: dict, out: torch.Tensor) -> torch.Tensor:
             return reader(out, batch)
         output = "head"

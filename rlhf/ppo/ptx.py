@@ -58,5 +58,9 @@ class PtxData:
                               dtype=torch.float64)
         if self.mesh.dp > 1:
             dist.all_reduce(counts, group=self.mesh.dp_group)
-        return make_ptx_combined_loss(actor_loss, self.logprobs, ptx_coef=self.coef, n_policy=counts[0].item(),
+        from rlhf.models.context_parallel import reads_local_tokens
+
+        # both halves read a CP rank's own tokens (the actor's loss is marked so; next_token_logprobs_from_hidden)
+        loss = make_ptx_combined_loss(actor_loss, self.logprobs, ptx_coef=self.coef, n_policy=counts[0].item(),
                                       n_ptx=counts[1].item(), metric_keys=metric_keys)
+        return reads_local_tokens(loss) if getattr(actor_loss, "reads_local_tokens", False) else loss

@@ -377,6 +377,7 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
     adds its pretraining micro-batches and loss to each actor step."""
     from rlhf.algo.ppo_losses import (ACTOR_METRICS, CRITIC_METRICS, ActorLossConfig, make_actor_loss,
                                       make_critic_loss)
+    from rlhf.models.context_parallel import reads_local_tokens
     from rlhf.models.outputs import response_logprobs, response_values
 
     plans = update_plans(exp.old_logprobs.shape[0], args, mesh.dp, step)
@@ -391,12 +392,12 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
 
     sums: dict[str, float] = {}
     if roles.critic is not None:
-        critic_loss = make_critic_loss(response_values, value_clip=args.value_clip)
+        critic_loss = reads_local_tokens(make_critic_loss(response_values, value_clip=args.value_clip))
         _train_role(roles, "critic", plans, lambda plan: (microbatches(plan), critic_loss), CRITIC_METRICS, "head",
                     sums, tokens * args.max_epochs, timer)
-    actor_loss = make_actor_loss(
+    actor_loss = reads_local_tokens(make_actor_loss(  # rlhf.models.outputs' readers take a CP rank's own tokens
         lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, args.temperature, entropy=True),
-        ActorLossConfig.from_args(args, estimator), kl_coef=kl_coef)
+        ActorLossConfig.from_args(args, estimator), kl_coef=kl_coef))
     keys = ACTOR_METRICS + (("kl_loss",) if estimator.kl_in_loss else ()) + (
         ("rollout_logprob_drift", "rollout_logprob_drift_max") if args.old_logprobs_source == "update" else ())
 

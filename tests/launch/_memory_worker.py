@@ -55,6 +55,7 @@ def measure(actor_dir: str, rm_dir: str, cfg: dict, mesh) -> dict:
 
     from rlhf.engine import ModelEngine, OptimConfig
     from rlhf.algo.ppo_losses import ActorLossConfig, make_actor_loss, make_critic_loss
+    from rlhf.models.context_parallel import reads_local_tokens
     from rlhf.models.outputs import response_logprobs, response_values
     from rlhf.offload import MemoryScheduler, OffloadManager
     from rlhf.ppo.experience import forward_role, select_rows
@@ -72,9 +73,10 @@ def measure(actor_dir: str, rm_dir: str, cfg: dict, mesh) -> dict:
     P, T = cfg["prompt_max_len"], cfg["generate_max_len"]
     n = cfg["rollout_samples"]
     exp = synthetic_experience(roles["actor"].spec.vocab_size, n, P, T, seed=1)
-    actor_loss = make_actor_loss(lambda b, h: response_logprobs(roles["actor"], b, h, 1.0, entropy=True),
-                                 ActorLossConfig(kl_estimator="k1"))
-    critic_loss = make_critic_loss(response_values, value_clip=0.2)
+    # marked as rlhf.ppo.stages marks them: under CP they read each rank's own tokens
+    actor_loss = reads_local_tokens(make_actor_loss(
+        lambda b, h: response_logprobs(roles["actor"], b, h, 1.0, entropy=True), ActorLossConfig(kl_estimator="k1")))
+    critic_loss = reads_local_tokens(make_critic_loss(response_values, value_clip=0.2))
     mrb, mtb = cfg["micro_rollout_batch_size"], cfg["micro_train_batch_size"]
     fwd_mbs = [select_rows(exp.batch, range(i, i + mrb), True) for i in range(0, n, mrb)]
     per_step = cfg["train_batch_size"] // mesh.dp // mtb

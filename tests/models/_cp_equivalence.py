@@ -6,7 +6,9 @@ A LAYOUT is tp.pp.cp (DP is what is left of the world). For each model of MODELS
 logits of one forward against transformers, and the loss and every gradient of one training step (megatron DDP,
 the engine's per-token loss contract, 4 micro-batches over the DP ranks) against the unsharded model run on the
 whole batch in this process without any collective. Sequence lengths are not multiples of 2 x CP (the padding
-path). Rank 0 writes WORKDIR/cp_result.json.
+path). Padded batches train through a loss that reads whole sequences (the all-gathered fallback), packed ones
+through one that reads each rank's own tokens (``reads_local_tokens``). MoE's load-balancing loss: every gradient
+of a mixtral step with it at each LAYOUT against CP1 (``aux_grads``). Rank 0 writes WORKDIR/cp_result_N.json.
 """
 import json
 import os
@@ -21,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _mp_equivalence import full_grads, hf_reference  # noqa: E402
 
 from rlhf.distributed import initialize_mesh  # noqa: E402
+from rlhf.models.context_parallel import current_layout, gather_tokens, reads_local_tokens, split_input  # noqa: E402
 from rlhf.models.checkpoint_io import load_model  # noqa: E402
 from rlhf.models.convert import hf_to_megatron_rank, plan_hf_to_megatron  # noqa: E402
 from rlhf.models.gpt import build_model  # noqa: E402
@@ -28,17 +31,34 @@ from rlhf.models.hf_llama import hf_from_megatron  # noqa: E402
 from rlhf.models.packing import make_packed_batch  # noqa: E402
 from rlhf.models.pipeline import gather_vocab_parallel, run_microbatches  # noqa: E402
 
-MODELS = ["llama-llama3", "qwen3", "mistral"]  # Llama-3 RoPE scaling; q/k norms; a sliding window (8) + tied head
+# Llama-3 RoPE scaling; q/k norms; a sliding window (8) + tied head; MoE (4 experts, top 2)
+MODELS = ["llama-llama3", "qwen3", "mistral", "mixtral"]
+AUX = 0.05  # the MoE load-balancing loss coefficient of the aux check (--aux_loss_coef)
+AUX_SEQ = 16  # a multiple of 2 x CP: no CP padding tokens, which the router would count
 SEQ = 19  # not a multiple of 2 x CP: the split pads
 LENGTHS = [[7, 19, 1], [12, 3, 9], [5, 16], [2, 11, 4]]  # packed micro-batches
 
 
 def token_loss(batch, logits):
-    """The engine's per-token contract: (sum of token NLLs, tokens, metrics)."""
+    """The engine's per-token contract: (sum of token NLLs, tokens, metrics). Not marked reads_local_tokens: under
+    CP it gets whole sequences (rlhf.models.context_parallel.whole_sequences)."""
+    return _token_loss(batch, logits, batch["labels"], None)
+
+
+@reads_local_tokens
+def local_token_loss(batch, logits):
+    """``token_loss`` on a CP rank's own tokens: the labels split as the input is, the NLLs gathered back."""
+    cp = current_layout()
+    return _token_loss(batch, logits, batch["labels"] if cp is None else split_input(batch["labels"], cp, dim=1), cp)
+
+
+def _token_loss(batch, logits, labels, cp):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     nll = vocab_parallel_cross_entropy(logits.float().transpose(0, 1).contiguous(),
-                                       batch["labels"].transpose(0, 1).contiguous()).transpose(0, 1)
+                                       labels.transpose(0, 1).contiguous()).transpose(0, 1)
+    if cp is not None:
+        nll = gather_tokens(nll, cp)
     mask = batch["loss_mask"].float()
     n = mask.sum()
     return (nll * mask).sum(), n.to(torch.int), {"loss": [(nll * mask).sum().detach(), n]}
@@ -100,17 +120,18 @@ def check(work, name, layout, results, refs):
         diff[0] = (ours.double() - hf_reference(os.path.join(work, "hf", name), False, ids).double()).abs().max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     results[f"logits/{tag}"] = diff.item()
+    if plan.spec.num_experts and tp > 1:
+        return  # megatron trains MoE with TP only under sequence parallelism, which this project does not run
     model.train()
     model.config.calculate_per_token_loss = True
     ddp = wrap_ddp(model)
     data = torch.randint(0, 1 << 30, (4, 2, SEQ + 1), generator=torch.Generator().manual_seed(2)) % plan.spec.vocab_size
-    for packed in (False, True):
-        if packed and pp > 1:
-            continue  # packed CP streams have per-micro-batch lengths; PP needs one shape (refused by the flags)
+    for packed in (False, True):  # packed with PP: the streams' CP splits padded to one length (stream_length)
         ddp.zero_grad_buffer()
         per_dp = len(data) // mesh.dp
         micro = micro_batches(data, packed)[mesh.dp_rank * per_dp:(mesh.dp_rank + 1) * per_dp]
-        outs = run_microbatches(ddp, micro, loss_fn=token_loss)
+        # padded: the whole-sequence fallback; packed: the loss on the local tokens
+        outs = run_microbatches(ddp, micro, loss_fn=local_token_loss if packed else token_loss)
         vec = torch.zeros(2, dtype=torch.float64)
         if mesh.is_last_stage and mesh.tp_rank == 0 and mesh.cp_rank == 0:
             vec[0] = sum(float(o["loss"][0]) for o in outs)
@@ -124,6 +145,32 @@ def check(work, name, layout, results, refs):
             "loss": (vec[0] / vec[1]).item(), "ref_loss": ref_loss, "max_rel_grad_diff": gdiff,
             "mismatched_names": sorted(set(ref_grads) ^ set(grads)), "cp_size": ps.get_context_parallel_world_size()}
     del ddp, model
+
+
+def aux_grads(work, layout, aux):
+    """Every gradient of one DDP step of mixtral with the load-balancing loss at ``aux`` (padded AUX_SEQ-token
+    batches, 4 micro-batches over the DP ranks). Its reference is CP1 through the same schedule: the unsharded
+    model run by hand has no megatron schedule to set the loss's scale."""
+    from rlhf.models.ddp import wrap_ddp
+
+    tp, pp, cp = layout
+    ckpt = os.path.join(work, "mg", "mixtral")
+    plan = plan_hf_to_megatron(os.path.join(work, "hf", "mixtral"), ckpt + "-unused", 1, 1, overwrite=True)
+    mesh = initialize_mesh(tp, pp, cp=cp)
+    model = build_model(plan.spec, tp=tp, pp=pp, pp_rank=mesh.pp_rank, padded_vocab=plan.padded_vocab,
+                        aux_loss_coef=aux)
+    load_model(model, os.path.join(ckpt, "model"))
+    model.config.calculate_per_token_loss = True
+    ddp = wrap_ddp(model)
+    data = torch.randint(0, plan.spec.vocab_size, (4, 2, AUX_SEQ + 1), generator=torch.Generator().manual_seed(3))
+    per_dp = len(data) // mesh.dp
+    micro = micro_batches(data, False)[mesh.dp_rank * per_dp:(mesh.dp_rank + 1) * per_dp]
+    run_microbatches(ddp, micro, loss_fn=token_loss)
+    return full_grads(ddp, mesh, plan.spec)
+
+
+def rel_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() / (b[k].abs().max().item() + 1e-12) for k in b)
 
 
 def main():
@@ -146,9 +193,20 @@ def main():
         for packed in (False, True):
             refs[name, packed] = reference(plan, os.path.join(work, "mg", name), data % plan.spec.vocab_size, packed)
     results = {}
+    aux_ref = aux_grads(work, (1, 1, 1), AUX)  # CP1: 4 DP ranks
+    # how much the load-balancing loss moves the gradients (the check below must see far less than this)
+    results["aux/effect"] = rel_diff(aux_grads(work, (1, 1, 1), 0.0), aux_ref)
     for layout in layouts:
         for name in MODELS:
             check(work, name, layout, results, refs)
+        if layout[0] > 1:
+            continue  # MoE trains at TP 1 (as in check)
+        g = aux_grads(work, layout, AUX)
+        results[f"aux/tp{layout[0]}pp{layout[1]}cp{layout[2]}"] = {"max_rel_grad_diff": rel_diff(g, aux_ref),
+                                                                   "mismatched_names": sorted(set(g) ^ set(aux_ref))}
+    from rlhf.models import context_parallel as cpm
+
+    results["whole_sequence_readers_logged"] = sorted(cpm._FALLBACK_LOGGED)  # the fallback's one line per loss
     if dist.get_rank() == 0:
         with open(os.path.join(work, f"cp_result_{dist.get_world_size()}.json"), "w") as f:
             json.dump(results, f, indent=2)

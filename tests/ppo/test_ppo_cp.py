@@ -1,9 +1,8 @@
 """PPO with context parallelism: 2 ranks at CP2 (one replica, every sequence split: actor, critic, reference and
-reward model) against one rank (CP1; the same data-parallel size, so the same updates), vLLM generating (one TP1
-engine per rank): the first two steps' metrics agree. Padded batches; packed ones at CP2 matched too when this
-was written (within the same bounds), and are kept out of the suite for time: the model-level test
-(tests/models/test_context_parallel.py) checks packed CP forwards and gradients exactly, and PPO's packing code
-sees the gathered outputs in its own layout."""
+reward model) against one rank (CP1, padded; the same data-parallel size, so the same updates), vLLM generating
+(one TP1 engine per rank): the first two steps' metrics agree, for padded and for packed (THD) batches at CP2. The
+readers of rlhf.models.outputs work on each rank's own tokens (log-probs, entropy, values, scores at the positions
+a rank holds, summed over the CP group), so this is their end-to-end check in both layouts."""
 import os
 
 import pytest
@@ -25,9 +24,15 @@ def run(setup, save, cp, *extra):
     return p, read_metrics_jsonl(os.path.join(save, "metrics.jsonl"), "ppo")
 
 
-def test_ppo_at_cp2_matches_cp1(ppo_setup, tmp_path):
-    _, want = run(ppo_setup, str(tmp_path / "cp1"), 1)
-    p, got = run(ppo_setup, str(tmp_path / "cp2"), 2)
+@pytest.fixture(scope="module")
+def cp1(ppo_setup, tmp_path_factory):
+    return run(ppo_setup, str(tmp_path_factory.mktemp("cp1")), 1)[1]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_ppo_at_cp2_matches_cp1(ppo_setup, cp1, tmp_path, packed):
+    want = cp1
+    p, got = run(ppo_setup, str(tmp_path / "cp2"), 2, *(["--packing_samples"] if packed else []))
     assert "cp=2" in p.stdout + p.stderr  # the mesh line: the run was split
     assert sorted(want) == sorted(got) == [1, 2]
     keys = [k for k in KEYS if k in want[1]]
@@ -36,8 +41,9 @@ def test_ppo_at_cp2_matches_cp1(ppo_setup, tmp_path):
     # updates a step at lr 1e-2 whose first moves are lr x sign(g) for every weight: near-zero gradient elements
     # turn fp32 reduction-order differences into whole steps. Measured (Intel Xeon with AMX, padded): largest
     # relative differences 6.4e-5 (critic values, step 1) and 1.5e-4 (step 2); the policy loss, a mean of
-    # near-cancelling terms, 3.5e-5. Negative control: with the head's gradient counted twice (a bug met while
-    # building CP, put back by hand) the step-1 policy loss was 0.00591 against 0.00711 and this test failed.
+    # near-cancelling terms, 3.5e-5. Packed at CP2 against padded at CP1 passes the same bounds. Negative control:
+    # with the CP sum's backward doubling the gradient of the positions a rank holds (as an all-reduce in the
+    # backward would), both cases failed at step 1 on actor/policy_loss.
     for s in (1, 2):
         for k in keys:
             assert got[s][k] == pytest.approx(want[s][k], rel=5e-4, abs=1e-5), (s, k, want[s], got[s])
