@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary size (default: the tiny byte-level tokenizer's, 259); e.g. 49152, SmolLM2's, "
+                        "to see the head's share")
     p.add_argument("--limit_mib", type=float, default=512.0, help="activation memory limit per rank")
     p.add_argument("--start_len", type=int, default=256)
     p.add_argument("--granularity", type=int, default=128)
@@ -140,7 +143,8 @@ def main(argv=None) -> int:
         model = make_tiny_hf(os.path.join(tmp, "model"), "llama", seed=0, hidden_size=args.hidden,
                              intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
                              num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                             max_position_embeddings=65536)
+                             max_position_embeddings=65536,
+                             **({"vocab_size": args.vocab} if args.vocab else {}))
         env = env_without_launcher()
         env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
             return 1
         r = json.loads(lines[0][7:])
     one, two = r["cp1"], r["cp2"]
-    print(f"model: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} KV heads, fp32, "
+    print(f"model: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} KV heads, vocab {args.vocab or 259}, fp32, "
           f"2 ranks")
     print(f"longest sequence within {args.limit_mib:.0f} MiB of activations per rank: CP1 {one['longest']} tokens, "
           f"CP2 {two['longest']} tokens ({two['longest'] / max(one['longest'], 1):.2f}x)")
