@@ -23,9 +23,15 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to write at")
     p.add_argument("--ep", "--expert_model_parallel_size", type=int, default=1,
                    help="expert-parallel size to write at (MoE models)")
+    p.add_argument("--cp", "--context_parallel_size", "--ring_attn_size", type=int, default=1,
+                   help="context-parallel size of the job that will load it: accepted so a layout's flags can be "
+                        "passed whole; CP does not shard parameters, so the checkpoint is the same at every CP size")
     p.add_argument("--make_vocab_size_divisible_by", type=int, default=128)
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
+    if args.cp < 1:
+        print(f"error: --context_parallel_size must be >= 1, got {args.cp}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlhf.models.convert import convert_hf_to_megatron, plan_hf_to_megatron
 
@@ -36,7 +42,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     seconds = convert_hf_to_megatron(plan, overwrite=args.overwrite)
-    print(f"converted {args.hf} -> {args.out} at tp={args.tp} pp={args.pp} ep={args.ep} in {seconds:.1f}s")
+    print(f"converted {args.hf} -> {args.out} at tp={args.tp} pp={args.pp} ep={args.ep} in {seconds:.1f}s" +
+          (f"; it loads at every CP size (--cp {args.cp} shards no parameter)" if args.cp > 1 else ""))
     return 0
 
 

@@ -115,9 +115,6 @@ def validate_layout(world_size: int, tp: int, pp: int, ep: int = 1, cp: int = 1)
     if ep < 1 or dp % ep:
         raise ValueError(f"--expert_model_parallel_size {ep} must be >= 1 and divide the data-parallel size {dp} "
                          f"(world {world_size} / tp {tp} / pp {pp}" + (f" / cp {cp})" if cp > 1 else ")"))
-    if cp > 1 and ep > 1:
-        raise ValueError(f"--context_parallel_size {cp} with --expert_model_parallel_size {ep}: context "
-                         "parallelism is not wired for MoE expert parallelism yet")
     return dp
 
 

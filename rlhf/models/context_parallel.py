@@ -279,25 +279,32 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLa
     no key more than ``window_left`` positions back."""
     kf = gather_padded_stream(k, layout, reduce=True)                        # (padded_len, B, Hkv, D)
     vf = gather_padded_stream(v, layout, reduce=True)
-    _, b, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv  # megatron's query groups: heads g*j .. g*j+g-1 share KV head j
-    pieces = []
-    for loc, c, k_start, k_len, first in layout.blocks:
-        # (B, Hkv, g*c, D): a KV head's g query heads stacked, so K and V are never expanded to Hq heads
-        qb = q[loc:loc + c].reshape(c, b, hkv, g, d).permute(1, 2, 3, 0, 4).reshape(b, hkv, g * c, d)
-        kb = kf[k_start:k_start + k_len].permute(1, 2, 0, 3)                  # (B, Hkv, k_len, D)
-        vb = vf[k_start:k_start + k_len].permute(1, 2, 0, 3)
-        qpos = torch.arange(first, first + c, device=q.device).repeat(g).unsqueeze(1)
-        kpos = torch.arange(k_len, device=q.device).unsqueeze(0)
-        mask = kpos <= qpos
-        if window_left is not None:
-            mask &= kpos >= qpos - window_left
-        scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
-        o = torch.matmul(probs, vb).reshape(b, hkv, g, c, d)                  # (B, Hkv, g, c, D)
-        pieces.append(o.permute(3, 0, 1, 2, 4).reshape(c, b, hq * d))
+    pieces = [_attend_block(q, kf, vf, block, scale, window_left) for block in layout.blocks]
     return torch.cat(pieces, dim=0)                                           # blocks are in local order
+
+
+def _attend_block(q, kf, vf, block, scale: float, window_left: int | None) -> torch.Tensor:
+    """One local chunk's attention -> (c, B, Hq * D). Its own function, so that a block's scores and probabilities
+    die with it; the scores are scaled and masked in place (their producers' backwards do not read them), so a
+    forward holds two (B, Hkv, g*c, k_len) blocks at its peak, and the backward keeps the probabilities only."""
+    loc, c, k_start, k_len, first = block
+    _, b, hq, d = q.shape
+    hkv = kf.shape[2]
+    g = hq // hkv  # megatron's query groups: heads g*j .. g*j+g-1 share KV head j
+    # (B, Hkv, g*c, D): a KV head's g query heads stacked, so K and V are never expanded to Hq heads
+    qb = q[loc:loc + c].reshape(c, b, hkv, g, d).permute(1, 2, 3, 0, 4).reshape(b, hkv, g * c, d)
+    kb = kf[k_start:k_start + k_len].permute(1, 2, 0, 3)                      # (B, Hkv, k_len, D)
+    vb = vf[k_start:k_start + k_len].permute(1, 2, 0, 3)
+    qpos = torch.arange(first, first + c, device=q.device).repeat(g).unsqueeze(1)
+    kpos = torch.arange(k_len, device=q.device).unsqueeze(0)
+    mask = kpos <= qpos
+    if window_left is not None:
+        mask &= kpos >= qpos - window_left
+    scores = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    del scores
+    o = torch.matmul(probs, vb).reshape(b, hkv, g, c, d)                      # (B, Hkv, g, c, D)
+    return o.permute(3, 0, 1, 2, 4).reshape(c, b, hq * d)
 
 
 def decoder_forward(model, input_ids, attention_mask, layout: CPLayout) -> torch.Tensor:

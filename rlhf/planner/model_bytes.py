@@ -282,7 +282,7 @@ def head_bytes(spec: ModelSpec, cfg: PlanConfig, tokens: int, response_tokens: i
     return norm + response_tokens * h * e + 3 * rows * v_local * 4
 
 
-def cp_layer_bytes(spec: ModelSpec, cfg: PlanConfig, batch: int, saved: bool) -> float:
+def cp_layer_bytes(spec: ModelSpec, cfg: PlanConfig, batch: int, saved: bool, backward: bool = False) -> float:
     """One layer's bytes on one rank for ``batch`` sequences under context parallelism
     (``rlhf.models.context_parallel.cp_attention``, local layers), S/CP local tokens each.
 
@@ -290,8 +290,12 @@ def cp_layer_bytes(spec: ModelSpec, cfg: PlanConfig, batch: int, saved: bool) ->
     (q-wide each), the softmax probabilities (fp32, plus a cast in bf16) of a local query's keys, on average
     (2CP+1)S/(4CP) (chunk a of 2CP sees a+1 chunks), and the gathered K and V of the whole sequence.
     working (no autograd): the attention's q- and h-wide tensors, the gathered K and V, and the largest block's
-    scores, masked scores and probabilities (the last chunk's S/(2CP) queries against all S keys), one block
-    alive at a time; or the MLP block, whichever is larger."""
+    scores and probabilities (the last chunk's S/(2CP) queries against all S keys; in bf16 also the scores'
+    fp32 copy), one block alive at a time; or the MLP block, whichever is larger.
+    backward (the working set of one layer's backward, on top of what is saved): the largest block's gradients of
+    its probabilities and scores (fp32), the gradients of the local Q and of the gathered K and V; or the MLP
+    block. (Measured on CPU: what a CP2 forward saves matches ``saved`` within 4%; the backward frees each
+    block's saved probabilities as it goes, so its peak is far below the forward's working set on top of them.)"""
     h, d, i = spec.hidden_size, spec.head_dim, mlp_width(spec) / cfg.tp
     q, kv = spec.num_attention_heads * d / cfg.tp, max(spec.num_kv_heads / cfg.tp, 1) * d
     heads, e, cp, s = spec.num_attention_heads / cfg.tp, cfg.dtype_bytes, cfg.cp, cfg.seq_len
@@ -302,7 +306,10 @@ def cp_layer_bytes(spec: ModelSpec, cfg: PlanConfig, batch: int, saved: bool) ->
         probs = heads * keys * (4 + (e if e != 4 else 0))
         norms = 2 * (2 * 4 * h + e * h)
         return (norms + e * (2 * q + 4 * i) + probs + 8) * local + gathered
-    block = 3 * batch * heads * (s / (2 * cp)) * s * 4
+    if backward:
+        block = 2 * batch * heads * (s / (2 * cp)) * s * 4
+        return max(block + e * 2 * q * local + gathered, e * (5 * h + 4 * i) * local)
+    block = (2 * 4 + (e if e != 4 else 0)) * batch * heads * (s / (2 * cp)) * s
     attn = e * (3 * h + (q + 2 * kv) + 2 * q + kv) * local + gathered + block
     return max(attn, e * (5 * h + 4 * i) * local, (3 * 4 * h + 3 * e * h) * local)
 
@@ -320,7 +327,9 @@ def activation_bytes(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: b
     local = tokens / cfg.cp  # a rank's share of the tokens, in the layers and the head
     layers = spec.num_layers // cfg.pp
     if cfg.cp > 1:
-        work = cp_layer_bytes(spec, cfg, b, saved=False)
+        # a training step's peak: a layer's backward on top of everything saved; with recompute the recomputed
+        # forward's working set is alive there too
+        work = cp_layer_bytes(spec, cfg, b, saved=False, backward=train and not cfg.gradient_checkpointing)
         scores = 0  # megatron's score buffer is not used by the CP attention
     else:
         work = layer_working_bytes_per_token(spec, cfg.tp, s, e, impl) * tokens

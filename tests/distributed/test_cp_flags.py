@@ -15,8 +15,7 @@ def test_layouts_are_checked_before_anything_starts():
         validate_layout(6, 2, 1, cp=2)
     with pytest.raises(ValueError, match="--context_parallel_size must be >= 1, got 0"):
         validate_layout(2, 1, 1, cp=0)
-    with pytest.raises(ValueError, match="--context_parallel_size 2 with --expert_model_parallel_size 2"):
-        validate_layout(8, 1, 1, ep=2, cp=2)
+    assert validate_layout(8, 1, 1, ep=2, cp=2) == 4  # EP with CP: the experts spread over the DP ranks
 
 
 def test_what_cp_does_not_do_is_refused_by_name(monkeypatch):

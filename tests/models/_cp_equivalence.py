@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node N tests/models/_cp_equivalence.py WORKDIR LAYOUT[,LAYOUT...]
 
-A LAYOUT is tp.pp.cp (DP is what is left of the world). For each model of MODELS, padded and packed (THD): the
+A LAYOUT is tp.pp.cp[.ep] (DP is what is left of the world; with EP > 1 only the MoE model runs). For each model of MODELS, padded and packed (THD): the
 logits of one forward against transformers, and the loss and every gradient of one training step (megatron DDP,
 the engine's per-token loss contract, 4 micro-batches over the DP ranks) against the unsharded model run on the
 whole batch in this process without any collective. Sequence lengths are not multiples of 2 x CP (the padding
@@ -103,12 +103,14 @@ def check(work, name, layout, results, refs):
 
     from rlhf.models.ddp import wrap_ddp
 
-    tp, pp, cp = layout
+    tp, pp, cp, ep = layout
     ckpt = os.path.join(work, "mg", name)
     plan = plan_hf_to_megatron(os.path.join(work, "hf", name), ckpt + "-unused", 1, 1, overwrite=True)
-    mesh = initialize_mesh(tp, pp, cp=cp)
-    tag = f"{name}/tp{tp}pp{pp}cp{cp}dp{mesh.dp}"
-    model = build_model(plan.spec, tp=tp, pp=pp, pp_rank=mesh.pp_rank, padded_vocab=plan.padded_vocab)
+    if ep > 1 and not plan.spec.num_experts:
+        return  # expert parallelism: MoE models only
+    mesh = initialize_mesh(tp, pp, cp=cp, ep=ep)
+    tag = f"{name}/tp{tp}pp{pp}cp{cp}dp{mesh.dp}" + (f"ep{ep}" if ep > 1 else "")
+    model = build_model(plan.spec, tp=tp, pp=pp, pp_rank=mesh.pp_rank, padded_vocab=plan.padded_vocab, ep=ep)
     load_model(model, os.path.join(ckpt, "model"))
     ids = torch.randint(0, plan.spec.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
     model.eval()
@@ -153,12 +155,12 @@ def aux_grads(work, layout, aux):
     model run by hand has no megatron schedule to set the loss's scale."""
     from rlhf.models.ddp import wrap_ddp
 
-    tp, pp, cp = layout
+    tp, pp, cp, ep = layout
     ckpt = os.path.join(work, "mg", "mixtral")
     plan = plan_hf_to_megatron(os.path.join(work, "hf", "mixtral"), ckpt + "-unused", 1, 1, overwrite=True)
-    mesh = initialize_mesh(tp, pp, cp=cp)
+    mesh = initialize_mesh(tp, pp, cp=cp, ep=ep)
     model = build_model(plan.spec, tp=tp, pp=pp, pp_rank=mesh.pp_rank, padded_vocab=plan.padded_vocab,
-                        aux_loss_coef=aux)
+                        aux_loss_coef=aux, ep=ep)
     load_model(model, os.path.join(ckpt, "model"))
     model.config.calculate_per_token_loss = True
     ddp = wrap_ddp(model)
@@ -174,7 +176,8 @@ def rel_diff(a, b):
 
 
 def main():
-    work, layouts = sys.argv[1], [tuple(int(v) for v in s.split(".")) for s in sys.argv[2].split(",")]
+    # tp.pp.cp[.ep]
+    work, layouts = sys.argv[1], [(tuple(int(v) for v in s.split(".")) + (1,))[:4] for s in sys.argv[2].split(",")]
     torch.set_num_threads(1)
     initialize_mesh(1, 1)
     for name in MODELS:  # the checkpoints, converted once at TP1 PP1
@@ -193,16 +196,16 @@ def main():
         for packed in (False, True):
             refs[name, packed] = reference(plan, os.path.join(work, "mg", name), data % plan.spec.vocab_size, packed)
     results = {}
-    aux_ref = aux_grads(work, (1, 1, 1), AUX)  # CP1: 4 DP ranks
+    aux_ref = aux_grads(work, (1, 1, 1, 1), AUX)  # CP1: 4 DP ranks
     # how much the load-balancing loss moves the gradients (the check below must see far less than this)
-    results["aux/effect"] = rel_diff(aux_grads(work, (1, 1, 1), 0.0), aux_ref)
+    results["aux/effect"] = rel_diff(aux_grads(work, (1, 1, 1, 1), 0.0), aux_ref)
     for layout in layouts:
         for name in MODELS:
             check(work, name, layout, results, refs)
         if layout[0] > 1:
             continue  # MoE trains at TP 1 (as in check)
         g = aux_grads(work, layout, AUX)
-        results[f"aux/tp{layout[0]}pp{layout[1]}cp{layout[2]}"] = {"max_rel_grad_diff": rel_diff(g, aux_ref),
+        results[f"aux/tp{layout[0]}pp{layout[1]}cp{layout[2]}" + (f"ep{layout[3]}" if layout[3] > 1 else "")] = {"max_rel_grad_diff": rel_diff(g, aux_ref),
                                                                    "mismatched_names": sorted(set(g) ^ set(aux_ref))}
     from rlhf.models import context_parallel as cpm
 

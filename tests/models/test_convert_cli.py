@@ -97,6 +97,7 @@ def test_bad_input_fails_fast_with_one_line(tiny_models, tmp_path):
     json.dump(cfg, open(weird / "config.json", "w"))
     _one_line_error(run_python([CONVERT, "--hf", str(weird), "--out", out]), "model_type='gpt2'")
     _one_line_error(run_python([BACK, "--ckpt", str(tmp_path / "nope"), "--out", out]), "not found")
+    _one_line_error(run_python([CONVERT, "--hf", hf, "--out", out, "--cp", "0"]), "--context_parallel_size must be >= 1")
     assert not os.path.exists(out)  # nothing half-written
 
 
