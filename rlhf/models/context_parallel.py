@@ -26,6 +26,7 @@ the backward all-reduces the K/V gradients and keeps its own slice (a reduce-sca
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import math
@@ -61,43 +62,36 @@ def current_layout() -> CPLayout | None:
     return _CURRENT.get()
 
 
-class use_layout:
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
+def use_layout(layout: CPLayout | None):
     """``with use_layout(layout):`` the decoder's attention layers and the CP-aware readers read the split from
     here (None: no CP)."""
-
-    def __init__(self, layout: CPLayout | None):
-        self.layout, self.token = layout, None
-
-    def __enter__(self):
-        self.token = _CURRENT.set(self.layout)
-        return self.layout
-
-    def __exit__(self, *exc):
-        _CURRENT.reset(self.token)
-        return False
+    return _setting(_CURRENT, layout)
 
 
-class stream_length:
+def stream_length(n: int | None):
     """``with stream_length(n):`` a packed stream is split as if padded to ``n`` tokens (a multiple of 2 x CP, at
     least its sequences' padded lengths): with PP every micro-batch of a schedule call sends one shape between
     stages, and the packed streams' own padded lengths differ. None: each stream its own length."""
+    return _setting(_STREAM_LEN, n)
 
-    def __init__(self, n: int | None):
-        self.n, self.token = n, None
 
-    def __enter__(self):
-        self.token = _STREAM_LEN.set(self.n)
-        return self.n
-
-    def __exit__(self, *exc):
-        _STREAM_LEN.reset(self.token)
-        return False
+def _packed_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    cu = cu_seqlens.tolist()
+    return [b - a for a, b in zip(cu, cu[1:])]
 
 
 def packed_stream_length(cu_seqlens: torch.Tensor, cp: int) -> int:
     """The length of a packed stream (``cu_seqlens`` [n + 1]) once each sequence is padded for the CP split."""
-    cu = cu_seqlens.tolist()
-    return sum(padded_length(b - a, cp) for a, b in zip(cu, cu[1:]))
+    return sum(padded_length(n, cp) for n in _packed_lengths(cu_seqlens))
 
 
 def cp_group_of_job():
@@ -120,8 +114,7 @@ def layout_for_batch(input_ids: torch.Tensor | None, packed_seq_params=None) -> 
     if packed_seq_params is None:
         lengths = [int(input_ids.shape[1])]
     else:
-        cu = packed_seq_params.cu_seqlens_q.tolist()
-        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        lengths = _packed_lengths(packed_seq_params.cu_seqlens_q)
         if sum(lengths) != input_ids.shape[1]:
             raise ValueError(f"packed_seq_params.cu_seqlens_q covers {sum(lengths)} tokens, the stream has "
                              f"{input_ids.shape[1]}")
