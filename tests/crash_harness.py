@@ -337,7 +337,17 @@ def fault_job(script: str, nproc: int, args: list[str], *, inject: str | None = 
         job.close()
     what = inject or f"signal {signal_after[2]} to rank {signal_after[1]} after {signal_after[0]!r}"
     print(f"fault {os.path.basename(script)} x{nproc} {what}: ended {ended - fault_at:.1f} s after it, rc {rc}")
-    return {"rc": rc, "seconds": ended - fault_at, "errors": job.error_lines(), "log": job.log}
+    timeline = "".join(f"{t - fault_at:+8.2f} s  {ln}" for t, ln in job.lines
+                       if "Warning" not in ln and "warnings.warn" not in ln)
+    return {"rc": rc, "seconds": ended - fault_at, "errors": job.error_lines(), "log": job.log,
+            "timeline": timeline[-6000:]}
+
+
+def assert_ends_within(result: dict, hi: float, lo: float = 0.0) -> None:
+    """The job ended between ``lo`` and ``hi`` seconds after its fault; if not, the job's last lines with their
+    times from the fault say what it waited on."""
+    assert lo < result["seconds"] < hi, \
+        f"ended {result['seconds']:.1f} s after the fault, not in ({lo:g}, {hi:g}):\n{result['timeline']}"
 
 
 def assert_named(result: dict, pattern: str) -> None:

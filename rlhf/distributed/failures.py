@@ -14,6 +14,9 @@ from rlhf.distributed import watchdog as wd
 
 log = logging.getLogger(__name__)
 
+SIGTERM_BACKSTOP_S = 5.0
+"""After SIGTERM, the longest a rank that is already reporting its own failure may take to end (torchrun waits
+30 s before its SIGKILL)."""
 _PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
                       "connection closed", "ECONNRESET", "Timed out waiting", "timed out", "Timeout")
 
@@ -81,6 +84,10 @@ def watch_sigterm(rank: int) -> None:
         os.close(rfd), os.close(wfd)
         log.info("watchdog: the signal wakeup fd is in use; SIGTERM is reported when the main thread next runs")
         return
+    _pipe[:] = [rfd, wfd]
+    if not _fork_hook[0]:
+        _fork_hook[0] = True
+        os.register_at_fork(after_in_child=_sigterm_default_in_child)
 
     def reader() -> None:
         while True:
@@ -91,13 +98,44 @@ def watch_sigterm(rank: int) -> None:
             if not data:
                 return
             if signal.SIGTERM in data:
-                _on_sigterm(rank)
+                _on_sigterm(rank, backstop_s=SIGTERM_BACKSTOP_S)
 
     threading.Thread(target=reader, name="rlhf-sigterm", daemon=True).start()
 
 
-def _on_sigterm(rank: int) -> None:
+_pipe: list[int] = []
+_fork_hook = [False]
+
+
+def _sigterm_default_in_child() -> None:
+    """A child forked from a rank (dist_checkpointing's writers) dies of SIGTERM as any process does. With the
+    rank's handler it would report as the rank, read the job's store through the connection it shares with the
+    rank (the two processes then took each other's replies, and the rank hung until torchrun's SIGKILL 30 s
+    later), and its C-level handler would write to the rank's wakeup pipe, so that a SIGTERM to the child alone
+    ended the rank."""
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except (ValueError, OSError):  # not the main thread of the main interpreter: nothing was inherited there
+        pass
+    for fd in _pipe:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _pipe.clear()
+
+
+def _on_sigterm(rank: int, backstop_s: float | None = None) -> None:
+    """Report this rank's SIGTERM in one line and exit 143. If the rank is already failing (its main thread is
+    reporting an exception), that report goes first; the reader thread (``backstop_s``) still ends the rank if
+    that report has not ended it by then."""
     if wd._failed.is_set():
+        if backstop_s is not None:
+            import time
+
+            time.sleep(backstop_s)
+            os._exit(128 + signal.SIGTERM)
         return
     wd._failed.set()
     dog = wd._watchdog

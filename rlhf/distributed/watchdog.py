@@ -60,6 +60,9 @@ EXIT_PEER_LOST = 75
 DONE = "done"
 """The phase a rank publishes when it ends normally (``finish_watchdog``)."""
 
+DIAGNOSE_SLACK_S = 1.0
+"""How much longer than its own wait a failing rank gives the store to say what its peers did."""
+
 _phase: tuple[str, int | None] = ("setup", None)
 _watchdog: "Watchdog | None" = None
 _failed = threading.Event()
@@ -266,13 +269,28 @@ class Watchdog(threading.Thread):
         """What the heartbeats say about the peers, for a failure of the main thread: peers on this host that
         died, and watched peers silent for more than four heartbeat periods (returned too: a stopped process
         would hold up the launcher's teardown). Empty if nothing is known. ``wait_s``: a peer's closed
-        connection can arrive a moment before its process is gone; look again until something is found."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            found = self._diagnose()
-            if found[0] or time.monotonic() >= deadline:
-                return found
-            time.sleep(0.05)
+        connection can arrive a moment before its process is gone; look again until something is found.
+
+        Never longer than ``wait_s + DIAGNOSE_SLACK_S``: the store is read from a thread of its own, since a
+        store call can block (its host stalled, or a connection that another process wrote to), and a dying
+        rank must not wait on it (a rank that did waited out torchrun's 30 s before its SIGKILL)."""
+        found: list[tuple[str, list[dict]]] = []
+
+        def look() -> None:
+            deadline = time.monotonic() + wait_s
+            while True:
+                got = self._diagnose()
+                if got[0] or time.monotonic() >= deadline:
+                    found.append(got)
+                    return
+                time.sleep(0.05)
+
+        t = threading.Thread(target=look, name="rlhf-diagnose", daemon=True)
+        t.start()
+        t.join(wait_s + DIAGNOSE_SLACK_S)
+        if found:
+            return found[0]
+        return f"the job's store did not answer in {wait_s + DIAGNOSE_SLACK_S:g} s; peers unknown", []
 
     def _diagnose(self) -> tuple[str, list[dict]]:
         out, silent = [], []
@@ -360,6 +378,10 @@ def start_watchdog(rank: int, world_size: int, master_addr: str, master_port: in
     _watchdog = Watchdog(rank, world_size, store, cfg)
     _watchdog.beat()
     _watchdog.start()
+    global _fork_hooked
+    if not _fork_hooked:  # a forked child has no heartbeat thread, and the store connection is the rank's
+        _fork_hooked = True
+        os.register_at_fork(after_in_child=_forget_in_child)
     import atexit
 
     atexit.register(finish_watchdog)  # a rank whose interpreter ends normally is done, not dead
@@ -370,6 +392,14 @@ def start_watchdog(rank: int, world_size: int, master_addr: str, master_port: in
     if rank == 0:
         log.info("watchdog: --dist_timeout_s %g (collectives, and heartbeats every %.1f s to neighbours r+1, r+2)",
                  timeout_s, cfg.interval_s)
+
+
+_fork_hooked = False
+
+
+def _forget_in_child() -> None:
+    global _watchdog
+    _watchdog = None
 
 
 def finish_watchdog() -> None:

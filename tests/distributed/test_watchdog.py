@@ -205,3 +205,76 @@ def test_sigterm_is_reported_from_inside_a_collective():
         for p in procs:
             p.kill()
             p.wait()
+
+
+class HangingStore(DictStore):
+    """A store whose reads never return (its host stalled, or a connection another process also read from)."""
+
+    def get(self, k):
+        time.sleep(3600)
+
+
+def test_a_failing_rank_never_waits_on_the_store():
+    """The report of a failing rank reads the peers' heartbeats with a bound: a store that never answers costs at
+    most wait_s + DIAGNOSE_SLACK_S and is said. Negative control: the same read, unbounded, is still blocked."""
+    import threading
+
+    dog = wd.Watchdog(0, 2, HangingStore(), wd.WatchdogConfig(timeout_s=60, interval_s=0.05))
+    _hb(dog.store, 1, 1)
+    t0 = time.monotonic()
+    peers, silent = dog.diagnose(wait_s=0.2)
+    took = time.monotonic() - t0
+    assert took < 0.2 + wd.DIAGNOSE_SLACK_S + 0.5 and silent == [], took
+    assert peers == f"the job's store did not answer in {0.2 + wd.DIAGNOSE_SLACK_S:g} s; peers unknown", peers
+    raw = threading.Thread(target=dog._diagnose, daemon=True)
+    raw.start()
+    raw.join(2.0)
+    assert raw.is_alive()
+
+
+_FORKS_A_WRITER = textwrap.dedent("""
+    import multiprocessing, os, sys, time, datetime
+    sys.path.insert(0, {repo!r})
+    import torch.distributed as dist
+    from rlhf.distributed import watchdog
+    port = int(sys.argv[1])
+    server = dist.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=60))
+    watchdog.start_watchdog(0, 2, "127.0.0.1", port, 60.0)
+    watchdog.set_phase("checkpoint_save")
+
+    def writer():  # as dist_checkpointing's forked writers
+        time.sleep(120)
+
+    child = multiprocessing.get_context("fork").Process(target=writer)
+    child.start()
+    print(child.pid, flush=True)
+    child.join()
+    print("writer ended", child.exitcode, flush=True)
+    time.sleep(2)
+    print("rank alive", flush=True)
+    os._exit(0)
+""")
+
+
+def test_a_forked_writer_dies_of_sigterm_alone():
+    """A child forked by a rank (dist_checkpointing's writers) dies of SIGTERM as a plain process does, and the
+    rank does not take the child's SIGTERM for its own. Without rlhf.distributed.failures'
+    ``_sigterm_default_in_child`` the child kept the rank's handler and wakeup pipe: the rank reported "stopped by
+    its launcher" and exited 143, and the child read the store through the rank's own connection (a torchrun
+    teardown that hit both then hung the rank 30 s, about 1 in 50 SIGKILL tests under load)."""
+    from helpers import free_port
+
+    proc = subprocess.Popen([sys.executable, "-c", _FORKS_A_WRITER.format(repo=REPO), str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_env())
+    try:
+        child = int(proc.stdout.readline())
+        time.sleep(0.3)
+        os.kill(child, signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, (proc.returncode, out, err[-2000:])
+        assert out.split("\n")[:2] == [f"writer ended {-signal.SIGTERM}", "rank alive"], (out, err[-2000:])
+        assert "stopped by its launcher" not in err, err[-2000:]
+    finally:
+        proc.kill()
+        proc.wait()
