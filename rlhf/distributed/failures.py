@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from rlhf.distributed import watchdog as wd
 
@@ -75,9 +76,11 @@ def watch_sigterm(rank: int) -> None:
     ``signal.set_wakeup_fd`` at once, so a thread reading that pipe reports (this rank's phase, and any peer the
     heartbeats know died) and exits 143 within milliseconds. Skipped (logged) where something else already owns
     the wakeup fd. Call from the main thread."""
+    global _handler_installed
     rfd, wfd = os.pipe()
     os.set_blocking(wfd, False)
     signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(rank))
+    _handler_installed = True
     prev = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
     if prev != -1:  # someone else reads the wakeup fd: put theirs back, keep only the Python-level handler
         signal.set_wakeup_fd(prev)
@@ -85,9 +88,6 @@ def watch_sigterm(rank: int) -> None:
         log.info("watchdog: the signal wakeup fd is in use; SIGTERM is reported when the main thread next runs")
         return
     _pipe[:] = [rfd, wfd]
-    if not _fork_hook[0]:
-        _fork_hook[0] = True
-        os.register_at_fork(after_in_child=_sigterm_default_in_child)
 
     def reader() -> None:
         while True:
@@ -103,18 +103,22 @@ def watch_sigterm(rank: int) -> None:
     threading.Thread(target=reader, name="rlhf-sigterm", daemon=True).start()
 
 
+_handler_installed = False
 _pipe: list[int] = []
-_fork_hook = [False]
+"""``watch_sigterm``'s wakeup pipe (read end, write end); empty where the wakeup fd was someone else's."""
 
 
-def _sigterm_default_in_child() -> None:
-    """A child forked from a rank (dist_checkpointing's writers) dies of SIGTERM as any process does. With the
-    rank's handler it would report as the rank, read the job's store through the connection it shares with the
-    rank (the two processes then took each other's replies, and the rank hung until torchrun's SIGKILL 30 s
-    later), and its C-level handler would write to the rank's wakeup pipe, so that a SIGTERM to the child alone
-    ended the rank."""
+def release_in_forked_child() -> None:
+    """In a child forked from a rank (dist_checkpointing's writers; ``rlhf.distributed.watchdog`` calls this from
+    its at-fork hook): SIGTERM kills the child as it kills any process. With the rank's handler it would report as
+    the rank, read the job's store through the connection it shares with the rank (the two processes then took
+    each other's replies, and the rank hung until torchrun's SIGKILL 30 s later), and its C-level handler would
+    write to the rank's wakeup pipe, so that a SIGTERM to the child alone ended the rank."""
+    if not _handler_installed:
+        return
     try:
-        signal.set_wakeup_fd(-1)
+        if _pipe:
+            signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except (ValueError, OSError):  # not the main thread of the main interpreter: nothing was inherited there
         pass
@@ -132,8 +136,6 @@ def _on_sigterm(rank: int, backstop_s: float | None = None) -> None:
     that report has not ended it by then."""
     if wd._failed.is_set():
         if backstop_s is not None:
-            import time
-
             time.sleep(backstop_s)
             os._exit(128 + signal.SIGTERM)
         return

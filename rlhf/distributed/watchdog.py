@@ -379,7 +379,7 @@ def start_watchdog(rank: int, world_size: int, master_addr: str, master_port: in
     _watchdog.beat()
     _watchdog.start()
     global _fork_hooked
-    if not _fork_hooked:  # a forked child has no heartbeat thread, and the store connection is the rank's
+    if not _fork_hooked:  # a forked child has no heartbeat thread; the store connection and SIGTERM are the rank's
         _fork_hooked = True
         os.register_at_fork(after_in_child=_forget_in_child)
     import atexit
@@ -400,6 +400,9 @@ _fork_hooked = False
 def _forget_in_child() -> None:
     global _watchdog
     _watchdog = None
+    from rlhf.distributed import failures
+
+    failures.release_in_forked_child()
 
 
 def finish_watchdog() -> None:

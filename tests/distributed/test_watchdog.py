@@ -260,7 +260,7 @@ _FORKS_A_WRITER = textwrap.dedent("""
 def test_a_forked_writer_dies_of_sigterm_alone():
     """A child forked by a rank (dist_checkpointing's writers) dies of SIGTERM as a plain process does, and the
     rank does not take the child's SIGTERM for its own. Without rlhf.distributed.failures'
-    ``_sigterm_default_in_child`` the child kept the rank's handler and wakeup pipe: the rank reported "stopped by
+    ``release_in_forked_child`` the child kept the rank's handler and wakeup pipe: the rank reported "stopped by
     its launcher" and exited 143, and the child read the store through the rank's own connection (a torchrun
     teardown that hit both then hung the rank 30 s, about 1 in 50 SIGKILL tests under load)."""
     from helpers import free_port
