@@ -2,10 +2,11 @@
 tests/train/test_sft_rm_faults.py, tests/dpo/test_dpo_faults.py and tests/ppo/test_ppo_faults.py.
 
 Heartbeats against an in-memory store (a stalled neighbour, a finished one, a dead local one), the phase a
-failure is reported in, the fault-injection syntax, the parent-death signal of a rank's forked children (with its
-negative control), and the SIGTERM report of a rank blocked in a gloo collective."""
+failure is reported in, the fault-injection syntax, the parent-death signal of a rank's forked children and their
+own SIGTERM (each with its negative control), and the SIGTERM report of a rank blocked in a gloo collective."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,16 +56,20 @@ def test_neighbours_form_a_ring():
 
 
 def test_a_silent_neighbour_is_named_with_its_phase_after_the_timeout():
-    dog, store = _dog(timeout=0.3)
+    # 0.2 s into a 2 s timeout: the first check stays quiet unless this process is descheduled for 1.8 s (a loaded
+    # 2-core machine has stalled a sleeping test for 0.1 s; 0.1 s of slack was too little). The second check comes
+    # after >= 2.2 s of silence, which the sleep guarantees.
+    dog, store = _dog(timeout=2.0)
     _hb(store, 1, 1), _hb(store, 2, 1)
     assert dog.check() is None
     time.sleep(0.2)
     _hb(store, 2, 2)  # rank 2 keeps beating, rank 1 does not
-    assert dog.check() is None  # 0.2 s < 0.3 s
-    time.sleep(0.2)
+    assert dog.check() is None  # 0.2 s < 2 s
+    time.sleep(2.0)
     _hb(store, 2, 3)
     what, hb = dog.check()
-    assert what.startswith("rank 1 has not answered for 0 s") and "last in phase 'update' (step 3)" in what, what
+    assert re.match(r"rank 1 has not answered for [2-9] s \(--dist_timeout_s 2\)", what), what
+    assert "last in phase 'update' (step 3)" in what, what
     assert hb["seq"] == 1
     assert json.loads(store.get("hb/0"))["seq"] == 3  # it published its own heartbeat on each check
 
@@ -238,6 +243,8 @@ _FORKS_A_WRITER = textwrap.dedent("""
     import torch.distributed as dist
     from rlhf.distributed import watchdog
     port = int(sys.argv[1])
+    if sys.argv[2] == "0":  # the negative control: the at-fork hook is never registered
+        watchdog._fork_hooked = True
     server = dist.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=60))
     watchdog.start_watchdog(0, 2, "127.0.0.1", port, 60.0)
@@ -257,24 +264,34 @@ _FORKS_A_WRITER = textwrap.dedent("""
 """)
 
 
-def test_a_forked_writer_dies_of_sigterm_alone():
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "no_fork_hook"])
+def test_a_forked_writer_dies_of_sigterm_alone(hooked):
     """A child forked by a rank (dist_checkpointing's writers) dies of SIGTERM as a plain process does, and the
-    rank does not take the child's SIGTERM for its own. Without rlhf.distributed.failures'
-    ``release_in_forked_child`` the child kept the rank's handler and wakeup pipe: the rank reported "stopped by
-    its launcher" and exited 143, and the child read the store through the rank's own connection (a torchrun
-    teardown that hit both then hung the rank 30 s, about 1 in 50 SIGKILL tests under load)."""
+    rank does not take the child's SIGTERM for its own. Negative control, the watchdog's at-fork hook (which calls
+    rlhf.distributed.failures' ``release_in_forked_child``) not registered: the child keeps the rank's handler and
+    wakeup pipe, the rank reports "stopped by its launcher" and exits 143 (and the child would read the store
+    through the rank's own connection: a torchrun teardown that hit both then hung the rank 30 s, about 1 in 50
+    SIGKILL tests under load)."""
     from helpers import free_port
 
-    proc = subprocess.Popen([sys.executable, "-c", _FORKS_A_WRITER.format(repo=REPO), str(free_port())],
+    proc = subprocess.Popen([sys.executable, "-c", _FORKS_A_WRITER.format(repo=REPO), str(free_port()),
+                             "1" if hooked else "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_env())
+    child = None
     try:
-        child = int(proc.stdout.readline())
+        child = psutil.Process(int(proc.stdout.readline()))
         time.sleep(0.3)
-        os.kill(child, signal.SIGTERM)
+        child.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
+        if not hooked:
+            assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out, err[-2000:])
+            assert "stopped by its launcher" in err and "rank alive" not in out, (out, err[-2000:])
+            return
         assert proc.returncode == 0, (proc.returncode, out, err[-2000:])
         assert out.split("\n")[:2] == [f"writer ended {-signal.SIGTERM}", "rank alive"], (out, err[-2000:])
         assert "stopped by its launcher" not in err, err[-2000:]
     finally:
         proc.kill()
         proc.wait()
+        if child is not None and child.is_running():  # the control's writer may outlive its rank
+            child.kill()
