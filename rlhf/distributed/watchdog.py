@@ -347,12 +347,13 @@ def _emit(line: str) -> None:
 
 
 def start_watchdog(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> None:
-    """Heartbeats for a job of more than one rank (after the process group is up). The store is the job's own
+    """Heartbeats for a job of more than one rank (after the process group is up), and for every launched rank,
+    one-rank jobs included, a parent-death signal (it dies with its launcher). The store is the job's own
     rendezvous store (torchrun's agent hosts it; under mpirun/srun rank 0's process group does), reached by a
     connection of its own, so that the main thread's store calls never delay a heartbeat. Without a store
     the watchdog is off, logged once."""
     global _watchdog
-    if world_size < 2 or _watchdog is not None:
+    if _watchdog is not None:
         return
     if os.environ.get(WATCHDOG_ENV, "1") == "0":
         if rank == 0:
@@ -363,7 +364,11 @@ def start_watchdog(rank: int, world_size: int, master_addr: str, master_port: in
 
     from rlhf.distributed.parent_death import die_with_parent
 
+    # Every launched rank dies with its launcher, a job's only rank too: it has no neighbour whose heartbeat would
+    # notice, and nothing else ends it when torchrun is killed.
     die_with_parent()
+    if world_size < 2:
+        return
     cfg = WatchdogConfig.for_timeout(timeout_s)
     try:
         store = dist.TCPStore(master_addr, master_port, world_size=None, is_master=False,
