@@ -13,12 +13,13 @@ to a copy of the torch module in which
   RNG functions drive the CPU generator.
 
 So vLLM, transformers and our own code see the real torch and pay nothing (a process-wide
-``TorchFunctionMode`` slowed vLLM generation by ~35%). Two patches cannot be scoped to modules and are global,
-on CPU-only builds only: ``Tensor.cuda()`` returns the tensor itself (on a CPU build it can only raise), and
-the ``'torch.cuda.FloatTensor'`` type checks run inside a narrow ``TorchFunctionMode`` entered only by the three
-megatron functions that make them.
+``TorchFunctionMode`` slowed vLLM generation by ~35%). Two patches cannot be scoped to modules: the
+``'torch.cuda.FloatTensor'`` type checks run inside a narrow ``TorchFunctionMode`` entered only by the three
+megatron functions that make them, and ``Tensor.cuda()`` returns the tensor itself: for every caller on a CPU-only
+build (where it can only raise), for megatron's callers alone where CUDA is there (a CPU engine on a GPU host, e.g.
+the HF converter beside a training job: vLLM and our code keep the real ``.cuda()``).
 
-Nothing here is installed when CUDA is available.
+Nothing here is installed when CUDA is available, unless this process trains on the CPU (``cpu_engine_requested``).
 """
 from __future__ import annotations
 
@@ -163,6 +164,12 @@ def _import_megatron_modules() -> None:
     import megatron.core.transformer.moe.moe_utils  # noqa: F401
     import megatron.core.transformer.moe.router  # noqa: F401
     import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
+    # Imported by the layer specs while a model is built, after the last rebind: a CPU engine on a GPU host would
+    # find the real torch there (attention's KV-cache buffer is made on torch.cuda.current_device()).
+    import megatron.core.fusions.fused_bias_dropout  # noqa: F401
+    import megatron.core.post_training.modelopt.layers  # noqa: F401
+    import megatron.core.transformer.attention  # noqa: F401
+    import megatron.core.transformer.multi_latent_attention  # noqa: F401
 
 
 # megatron-core 0.16.1: device="cuda" literals and torch.cuda calls in its modules (CPU-only torch).
@@ -195,11 +202,11 @@ def install(device=None) -> bool:
     """Install the shim if this process trains on the CPU: no CUDA, or a CPU engine on a CUDA host (``device`` or
     ``RLHF_DEVICE=cpu``; megatron would otherwise allocate its buffers on the GPU). True when the shim is active."""
     global _INSTALLED, _CPU_TORCH
-    if torch.cuda.is_available() and not cpu_engine_requested(device):
-        return False
-    if _INSTALLED:
+    if _INSTALLED:  # a later call (DDP's, without a device) rebinds what megatron imported since, on any host
         rebind_megatron_modules()
         return True
+    if torch.cuda.is_available() and not cpu_engine_requested(device):
+        return False
     from rlhf.compat import check_versions
 
     check_versions(("megatron-core", "torch"))
@@ -224,7 +231,8 @@ def install(device=None) -> bool:
                 getattr(mod, "clip_grad_by_total_norm_fp32", None) is not None and \
                 not getattr(mod.clip_grad_by_total_norm_fp32, "__rlhf_shimmed__", False):
             mod.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
-    torch.Tensor.cuda = _tensor_cuda_noop  # megatron-core 0.16.1 calls .cuda() on CPU tensors
+    # megatron-core 0.16.1 calls .cuda() on CPU tensors (tied embeddings at PP > 1, optimizer state restore).
+    torch.Tensor.cuda = _megatron_tensor_cuda(torch.Tensor.cuda) if torch.cuda.is_available() else _tensor_cuda_noop
     _host_split_sizes()
     n = rebind_megatron_modules()
     _INSTALLED = True
@@ -254,6 +262,22 @@ def _host_split_sizes() -> None:
 def _tensor_cuda_noop(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
                       memory_format: Any = None) -> torch.Tensor:
     return self
+
+
+def _megatron_tensor_cuda(real: Callable) -> Callable:
+    """``Tensor.cuda`` where CUDA is there: the identity for callers in megatron's modules (the CPU engine's
+    tensors stay on the host), the real method for everyone else."""
+    if getattr(real, "__rlhf_shimmed__", False):
+        return real
+
+    @functools.wraps(real)
+    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("megatron."):
+            return self
+        return real(self, *args, **kwargs)
+
+    cuda.__rlhf_shimmed__ = True
+    return cuda
 
 
 def is_installed() -> bool:
