@@ -28,7 +28,7 @@ import time
 import uuid
 
 import psutil
-from helpers import JOB_TAG, REPO, free_port, job_processes, kill_job, kill_tree, leftovers, test_env  # noqa: F401
+from helpers import JOB_TAG, REPO, free_port, job_processes, kill_job, leftovers, test_env  # noqa: F401 (re-exported)
 
 # ------------------------------------------------------------------------------------------------ one job
 class Job:

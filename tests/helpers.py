@@ -84,21 +84,6 @@ def kill_job(tag: str, root: int | None = None) -> None:
         root = None
 
 
-def kill_tree(pid: int) -> None:
-    """The whole tree under ``pid`` (kept for callers without a tag)."""
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=30)
-
-
 def leftovers(tag: str, grace: float = 10.0) -> list[str]:
     """The job's processes still alive ``grace`` seconds after it ended (waiting for them to go), as
     'pid cmdline' strings; they are killed before returning."""
@@ -117,13 +102,17 @@ def leftovers(tag: str, grace: float = 10.0) -> list[str]:
     return out
 
 
-def run_tagged(cmd: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (text output captured) with every process of it tagged. On a timeout or an interrupt the whole job
-    is SIGKILLed before ``subprocess.TimeoutExpired`` (or the interrupt) propagates; after a normal end, any process
-    of the job still alive 10 s later fails the test (and is killed). ``env[JOB_TAG]`` chooses the tag."""
+def run_tagged(cmd: list[str], timeout: float, env: dict | None = None, *, full_env: dict | None = None,
+               cwd: str = REPO) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (text output captured) with every process of it tagged; the environment is ``test_env(**env)``,
+    or ``full_env`` as given. On a timeout or an interrupt the whole job is SIGKILLed before
+    ``subprocess.TimeoutExpired`` (or the interrupt) propagates; after a normal end, any process of the job still
+    alive 10 s later fails the test (and is killed). ``env[JOB_TAG]`` chooses the tag."""
+    env = dict(env or {})
     tag = env.pop(JOB_TAG, None) or uuid.uuid4().hex
-    proc = subprocess.Popen(cmd, cwd=REPO, env=test_env(**{JOB_TAG: tag}, **env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run_env = {**full_env, **env, JOB_TAG: tag} if full_env is not None else test_env(**{JOB_TAG: tag}, **env)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 import pytest
-from helpers import REPO, free_port, test_env
+from helpers import REPO, free_port, run_tagged
 
 from rlhf.migration import add_launcher_args, add_placement_args, apply_launcher_args
 
@@ -64,7 +63,7 @@ def test_torch_distributed_launch_passes_local_rank(entry, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "1", "--master_port",
            str(free_port()), os.path.join(REPO, entry), "--pretrain", str(tmp_path), "--save_path",
            str(tmp_path / "o"), *flags]
-    proc = subprocess.run(cmd, cwd=REPO, env=test_env(), capture_output=True, text=True, timeout=300)
+    proc = run_tagged(cmd, 300)
     out = proc.stdout + proc.stderr
     assert "unrecognized arguments" not in out, out[-2000:]
     assert f"error: {'--dataset' if entry.endswith('sft.py') else '--prompt_data'}: not found: {missing}" in out, \

@@ -260,16 +260,15 @@ def test_engines_run_whole_on_the_mesh_device(tmp_path):
     back to the host. The worker's negative control shows that a batch left on the host does fail there."""
     import json
     import os
-    import subprocess
     import sys
 
-    from helpers import REPO, test_env
+    from helpers import REPO, run_tagged
     from rlhf.models.tiny import make_tiny_hf
 
     hf = str(tmp_path / "tiny")
     make_tiny_hf(hf, "llama", seed=0, num_hidden_layers=2, hidden_size=64)
     worker = os.path.join(REPO, "tests", "distributed", "_meta_device_worker.py")
-    proc = subprocess.run([sys.executable, worker, hf], capture_output=True, text=True, env=test_env(), timeout=300)
+    proc = run_tagged([sys.executable, worker, hf], 300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     found = json.loads(lines[-1][len("RESULT "):])

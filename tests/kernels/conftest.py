@@ -8,7 +8,6 @@ cannot leak into the rest of the session.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,7 +40,9 @@ def _child_env(**overrides: str | None) -> dict[str, str]:
 def _run_child_pytest(path: Path, env: dict[str, str], *extra: str, timeout: int = 300) -> None:
     """Run a pytest file in a fresh process; fail with its output if any of its tests fail."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", str(path), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    from helpers import run_tagged  # tests/helpers.py: the child pytest and whatever it starts end with the test
+
+    proc = run_tagged(cmd, timeout, full_env=env)
     if proc.returncode != 0:
         pytest.fail(f"{path.name} failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
 

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 
 import pytest
 import helpers
@@ -86,9 +87,8 @@ def test_mpirun_matches_torchrun(sft_setup, tmp_path):
     mpirun_args = "--bind-to none --oversubscribe" + (" --allow-run-as-root" if os.geteuid() == 0 else "")
     env = clean_env(NP="4", PYTHON=sys.executable, ENTRY=entry, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                     MPIRUN_ARGS=mpirun_args)
-    q = subprocess.run(["bash", os.path.join(REPO, "launch/mpirun_sft.sh")] +
-                       sft_args(sft_setup, mpi, **{"--tensor_model_parallel_size": 2}),
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    q = helpers.run_tagged(["bash", os.path.join(REPO, "launch/mpirun_sft.sh")] +
+                           sft_args(sft_setup, mpi, **{"--tensor_model_parallel_size": 2}), 300, full_env=env)
     assert q.returncode == 0, tail(q)
     assert "launcher=openmpi" in q.stdout + q.stderr, tail(q)  # 4 ranks of one job, not 4 single-rank jobs
     da, db = (json.load(open(os.path.join(s, "digest.json"))) for s in (ref, mpi))
@@ -116,22 +116,22 @@ def test_slurm_rank_mapping_and_config_mismatch(sft_setup, tmp_path):
     --learning_rate, and both ranks stop with the same error naming that flag and each rank's value."""
     _, job = _slurm_port_and_job()
     worker = os.path.join(REPO, "tests/launch/_skewed_sft.py")
-    procs = []
+    procs, tag = [], uuid.uuid4().hex
     for rank in range(2):
         env = clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
                         SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=str(job), RLHF_TEST_SKEW_RANK="1",
-                        RLHF_TEST_SKEW_ARGS="--learning_rate 2e-3")
+                        RLHF_TEST_SKEW_ARGS="--learning_rate 2e-3", **{helpers.JOB_TAG: tag})
         procs.append(subprocess.Popen([sys.executable, worker] + sft_args(sft_setup, str(tmp_path / "o")),
-                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
     outs = []
-    for proc in procs:
-        try:
+    try:
+        for proc in procs:
             out, err = proc.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        outs.append((proc.returncode, out + err))
+            outs.append((proc.returncode, out + err))
+    finally:  # a timeout, or a rank that left something behind: nothing of the two outlives the test
+        left = helpers.leftovers(tag, grace=0 if len(outs) < 2 else 10)
+    assert not left, f"processes of the job outlived it: {left}"
     # Rendezvous at localhost:{port} worked from the Slurm variables alone.
     assert "world=2" in outs[0][1] and "launcher=slurm" in outs[0][1], outs[0][1][-3000:]
     for rank, (rc, text) in enumerate(outs):

@@ -5,7 +5,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -215,7 +214,7 @@ def measured(tmp_path_factory):
                                                                      "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.join(REPO, "tests/launch/_memory_worker.py"), actor, rm, out, json.dumps(MEASURED)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = helpers.run_tagged(cmd, 300, full_env=env)
     assert proc.returncode == 0, helpers.tail(proc)
     specs = {"actor": spec_from_hf_config(load_hf_config(actor)), "rm": spec_from_hf_config(load_hf_config(rm))}
     return specs, json.load(open(out))

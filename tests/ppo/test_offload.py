@@ -2,7 +2,6 @@
 happened (2 gloo ranks, tests/ppo/_offload_worker.py); the phase scheduler keeps the right parts resident."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -28,7 +27,7 @@ def worker_result(tmp_path_factory):
     env = {k: v for k, v in helpers.test_env().items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), WORKER, hf, out]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = helpers.run_tagged(cmd, 240, full_env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-5000:]
     with open(out) as f:
         return json.load(f)

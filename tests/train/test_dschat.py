@@ -108,15 +108,14 @@ def test_three_steps_chain(rm_static, tmp_path, monkeypatch):
 def test_aiak_rm_under_torch_distributed_launch(train_setup, tmp_path):
     """AIAK-RLHF starts reward-model training with ``python3 -m torch.distributed.launch`` (which adds
     ``--local-rank=N``) and its node counts: the same command line trains and exports here."""
-    import subprocess
 
-    from helpers import REPO, free_port, tail, test_env
+    from helpers import REPO, free_port, run_tagged, tail
 
     out = tmp_path / "rm"
     cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port",
            str(free_port()), os.path.join(REPO, "launch/rm.py"), "--pretrain", train_setup["model"], "--dataset",
            train_setup["rm"], "--save_path", str(out), "--train_batch_size", "16", "--micro_train_batch_size", "8",
            "--max_samples", "64", "--max_len", "64", "--num_nodes", "1", "--num_gpus_per_node", "2"]
-    p = subprocess.run(cmd, cwd=REPO, env=test_env(), capture_output=True, text=True, timeout=600)
+    p = run_tagged(cmd, 600)
     assert p.returncode == 0, tail(p)
     assert json.load(open(out / "config.json"))["rlhf"]["reward_std"] > 0
