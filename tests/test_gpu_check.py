@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 import pytest
 from helpers import REPO
@@ -35,26 +36,40 @@ def test_offload_phase_names_are_whole(gc):
 
 
 def test_a_launch_past_the_deadline_is_not_run_and_results_come_back(gc, tmp_path, monkeypatch):
-    """The first launch runs; the second would start past the deadline: NOT RUN (before: FAIL with rc=125), and so
-    is a check never reached. The small result files hold the lines, the launch's tail and its seconds."""
-    monkeypatch.setattr(gc, "MIN_START_S", 1.0)
+    """A launch that would start past the deadline, one that the deadline cuts, and a check never reached are
+    NOT RUN (before: FAIL with rc=125, or rc=124 for the cut one), with what ran kept: the small result files hold
+    the lines, every launch's tail and its seconds."""
+    monkeypatch.setattr(gc, "MIN_START_S", 0.5)
+
+    def left(c, seconds):  # move the deadline to `seconds` from now
+        c.deadline_s = time.monotonic() - c.start + seconds
 
     def two_launches(c):
-        c.launch([sys.executable, "-c", "import time; print('first launch ran', flush=True); time.sleep(1.8)"],
-                 "first")
-        c.launch([sys.executable, "-c", "print('second')"], "second")
-        c.report.add("two", True, "unreachable")
+        c.launch([sys.executable, "-c", "print('first launch ran')"], "first")
+        saved = c.deadline_s
+        left(c, 0.2)
+        try:
+            c.launch([sys.executable, "-c", "print('second')"], "second")
+        finally:
+            c.deadline_s = saved
 
-    rc, summary, figures, tails = _run(gc, tmp_path, {"two": two_launches, "later": lambda c: None}, "two,later",
-                                       deadline_s=2.5)
+    def cut(c):
+        left(c, 1.5)  # the launch gets 1 s
+        c.launch([sys.executable, "-c", "import time; print('cut launch started', flush=True); time.sleep(60)"],
+                 "cut")
+
+    checks = {"two": two_launches, "cut": cut, "later": lambda c: None}
+    rc, summary, figures, tails = _run(gc, tmp_path, checks, "two,cut,later", deadline_s=60)
     assert rc == 1
     lines = summary.splitlines()
     assert any(ln.startswith("NOT RUN two ") and "left of the part's" in ln for ln in lines), summary
+    assert any(ln.startswith("NOT RUN cut cut cut at the part's") and "deadline after 1 s" in ln for ln in lines), summary
     assert any(ln.startswith("NOT RUN later ") for ln in lines), summary
     assert not any(ln.startswith("FAIL") for ln in lines), summary
-    assert lines[-1].startswith("0 passed, 0 failed, 2 not run"), summary
-    assert "first launch ran" in tails and "=== second" not in tails
-    assert figures["checks"]["two"]["status"] == "NOT RUN" and figures["checks"]["two"]["launch_s"]["first"] > 1
+    assert lines[-1].startswith("0 passed, 0 failed, 3 not run"), summary
+    assert "first launch ran" in tails and "cut launch started" in tails and "=== second" not in tails
+    assert figures["checks"]["two"]["status"] == "NOT RUN" and set(figures["checks"]["two"]["launch_s"]) == {"first"}
+    assert figures["checks"]["cut"]["launch_s"]["cut"] >= 1
 
 
 def test_a_fail_line_carries_the_traceback(gc, tmp_path):

@@ -18,10 +18,11 @@ Parts (``PARTS``; each has its own deadline, ``PART_BUDGET_S``):
 Output: an environment header, ``# start <check>`` before each check, one ``PASS``/``FAIL``/``NOT RUN`` line per
 check (a FAIL line is followed by the failing log's traceback and last lines, indented with ``|``), and
 ``N passed, M failed, K not run`` (exit 0 only if all passed). A check that would start with under
-``MIN_START_S`` left of the deadline is ``NOT RUN``. Bulky outputs (models, checkpoints, one log per launch) go to
-``--out`` (default ``outputs/gpu_check``, ignored by git); with ``--results DIR`` three small files are rewritten
-there after every check, so a run killed by the call's limit still returns them: ``summary.txt`` (the lines
-above), ``tails.txt`` (the last ``TAIL_LINES`` lines of every launch's log) and ``figures.json`` (every figure).
+``MIN_START_S`` left of the deadline, or whose launch the deadline cuts, is ``NOT RUN``. Bulky outputs (models,
+checkpoints, one log per launch) go to ``--out`` (default ``outputs/gpu_check``, ignored by git); with
+``--results DIR`` three small files are rewritten there after every check, so a run killed by the call's limit
+still returns them: ``summary.txt`` (the lines above), ``tails.txt`` (the last ``TAIL_LINES`` lines of every
+launch's log) and ``figures.json`` (every figure, and the seconds of every check and launch).
 Without a usable GPU it stops at its first GPU-only step with one ``STOP:`` line and exit status 2;
 ``--rehearse_on_cpu`` instead runs the launches on the CPU at small shapes (no kernels, no MFU bar), to catch a
 wrong flag or path before machine time is spent.
@@ -54,7 +55,7 @@ PARTS: dict[str, tuple[str, ...]] = {
 PART_BUDGET_S = {"fp32": 170, "bf16": 170, "resume_mfu": 150}
 """Estimates (about 25 s a launch, 15 s more for an HF export, 40 s for the kernels), not yet measured on the GPU:
 3 parts of <= 3 min plus the machine's start (~3 min) leave about 3 min of the 15 to rerun one part."""
-MIN_START_S = 20.0
+MIN_START_S = 30.0
 STEP_TIMEOUT_S = int(os.environ.get("RLHF_GPU_STEP_TIMEOUT_S", "110"))
 """Each launch's own limit: a hung launch ends as its check's FAIL (rc 124) with its log, the others still run."""
 TAIL_LINES = 60
@@ -70,7 +71,8 @@ BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.
 
 
 class OutOfTime(Exception):
-    """A launch would start with under ``MIN_START_S`` left of the deadline: its check is NOT RUN."""
+    """A launch would start with under ``MIN_START_S`` left of the deadline, or the deadline cut it: its check is
+    NOT RUN."""
 
 
 # ------------------------------------------------------------------------------------------------ reporting
@@ -225,22 +227,27 @@ class Check:
                    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         if self.rehearse:
             env.update(RLHF_DEVICE="cpu", OMP_NUM_THREADS="1")
-        limit = int(min((timeout or STEP_TIMEOUT_S) * (4 if self.rehearse else 1), left))
+        own = (timeout or STEP_TIMEOUT_S) * (4 if self.rehearse else 1)
+        limit = int(min(own, left))
         log = os.path.join(self.out, label + ".log")
         t0 = time.monotonic()
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # its own group: a timeout ends ranks and converters
-            try:
-                rc = proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                rc = 124
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the ranks also die with their launcher (PDEATHSIG)
+            proc.wait()
+            rc = 124
+            with open(log, "a") as f:  # at the end, after whatever the killed processes wrote
                 f.write(f"\nTIMEOUT after {limit} s\n")
         self.report.figures["checks"].setdefault(self.current, {}).setdefault("launch_s", {})[label] = round(
             time.monotonic() - t0, 1)
         self.report.tail(label, log)
+        if rc == 124 and limit < own:  # the part's deadline, not the launch's own limit, ended it
+            raise OutOfTime(f"{label} cut at the part's {self.deadline_s:.0f} s deadline after {limit} s (log "
+                            f"{shown(log)})")
         return rc
 
     def torchrun(self, script: str, args: list[str], label: str) -> int:

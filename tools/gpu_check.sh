@@ -7,11 +7,12 @@
 #   resume_mfu  a resume on CUDA (bit for bit) and SmolLM2-135M-size SFT on 2048-token packed rows: MFU, PASS only
 #               at >= 20% of the card's bf16 peak                                   deadline 150 s
 # One PASS/FAIL/NOT RUN line per check (a FAIL line carries the failing log's traceback and last lines), then
-# "N passed, M failed, K not run". A check that would start with under 20 s of its part's deadline left is NOT RUN,
-# so each part ends inside its call; rerun what a part did not reach by name (--only sft_bf16,rm_bf16). Bulky
-# outputs stay in outputs/gpu_check (ignored by git; a warm machine keeps them, and the assets, between calls);
-# $OUT gets 4 small files, rewritten after every check: check.log (the tee below), summary.txt, tails.txt (the
-# last 60 lines of every launch's log) and figures.json (every figure, with each check's and launch's seconds).
+# "N passed, M failed, K not run". A check that would start with under 30 s of its part's deadline left, or whose
+# launch the deadline cuts, is NOT RUN, so each part ends inside its call; rerun what a part did not reach by name
+# (--only sft_bf16,rm_bf16). Bulky outputs stay in outputs/gpu_check (ignored by git; a warm machine keeps them,
+# and the assets, between calls); $OUT gets 4 small files, rewritten after every check: check.log (the tee below),
+# summary.txt, tails.txt (the last 60 lines of every launch's log) and figures.json (every figure, with each check's
+# and launch's seconds).
 # Without a usable GPU it stops at its first GPU-only step with one STOP: line; --rehearse_on_cpu runs the launches
 # on the CPU at small shapes instead (to catch a wrong flag before machine time is spent).
 #
