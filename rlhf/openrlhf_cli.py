@@ -29,6 +29,8 @@ class Flag:
     """``(value, [our tokens])`` pairs for flags whose value picks different flags here (``--ds.param_dtype``)"""
     other: str | None = None
     """why the values outside ``value_map`` are refused (default: only those have a counterpart here)"""
+    pair: tuple = ()
+    """two values that become two of our flags, one each (``--algo.advantage.is_correction_threshold LOW HIGH``)"""
 
 
 def to(ours: str, arity: int | str = 1) -> Flag:
@@ -128,7 +130,7 @@ PPO = {**COMMON,
        "--actor.max_norm": to("--max_norm"), "--actor.aux_loss_coef": to("--aux_loss_coef"),
        "--critic.model_name_or_path": to("--critic_pretrain"), "--reward.model_name_or_path": to("--reward_pretrain"),
        "--reward.normalize_enable": to("--normalize_reward", 0),
-       "--reward.clip_range": ignore("rewards are not clipped here", 2),
+       "--reward.clip_range": to("--reward_clip_range", 2),
        "--critic.value_clip": to("--value_clip"), "--critic.freezing_steps": Flag(arity=1, value_map=(("-1", []),)),
        "--critic.save_value_network": ignore("the critic is in every checkpoint", 0),
        "--ref.offload": to("--ref_reward_offload", 0), "--reward.offload": to("--ref_reward_offload", 0),
@@ -150,7 +152,7 @@ PPO = {**COMMON,
        "--vllm.enable_sleep": ignore("vLLM sleeps between rollouts on CUDA already", 0),
        "--vllm.sync_backend": ignore("weights reach vLLM inside each process, without a transfer group"),
        "--vllm.sync_with_ray": ignore(RAY, 0),
-       "--vllm.enable_prefix_caching": ignore("vLLM's default here", 0),
+       "--vllm.enable_prefix_caching": to("--vllm_enable_prefix_caching", 0),
        "--rollout.batch_size": to("--rollout_batch_size"), "--rollout.micro_batch_size": to("--micro_rollout_batch_size"),
        "--rollout.n_samples_per_prompt": to("--n_samples_per_prompt"), "--rollout.max_new_tokens": to("--generate_max_len"),
        "--rollout.temperature": to("--temperature"), "--rollout.top_p": to("--top_p"),
@@ -163,13 +165,12 @@ PPO = {**COMMON,
        "--algo.advantage.estimator": to("--advantage_estimator"),
        "--algo.advantage.no_std_norm": to("--no_std_norm", 0),
        "--algo.advantage.is_correction_enable": to("--use_tis", 0),
-       "--algo.advantage.is_correction_threshold": ignore("--tis_cap caps the weight (upper bound only)", 2),
+       "--algo.advantage.is_correction_threshold": Flag(arity=2, pair=("--tis_floor", "--tis_cap")),
        "--algo.advantage.is_correction_type": Flag(arity=1, value_map=(("tis", []),),
                                                    other="only truncated importance sampling (tis) is implemented"),
        "--algo.kl.init_coef": to("--init_kl_coef"), "--algo.kl.target": to("--kl_target"),
        "--algo.kl.horizon": to("--kl_horizon"), "--algo.kl.estimator": to("--kl_estimator"),
-       "--algo.kl.use_loss": ignore("the KL's place follows --advantage_estimator here (in the loss for the group "
-                                    "estimators, in the reward otherwise)", 0),
+       "--algo.kl.use_loss": to("--use_kl_loss", 0),
        "--algo.dynamic_filtering_enable": to("--dynamic_filtering", 0),
        "--algo.dynamic_filtering_range": to("--dynamic_filtering_range", 2),
        "--reward.remote_url": to("--remote_rm_url"),
@@ -194,14 +195,30 @@ for _role in ("actor", "critic"):
         PPO[f"--{_role}.muon.{_k}"] = refuse("the Muon optimizer is not supported here (Adam only)")
     PPO[f"--{_role}.muon.nesterov"] = refuse("the Muon optimizer is not supported here (Adam only)", 0)
     PPO[f"--{_role}.muon.no_nesterov"] = refuse("the Muon optimizer is not supported here (Adam only)", 0)
-for _k in ("adam.betas", "adam.weight_decay", "lr_scheduler", "lr_warmup_ratio", "max_norm"):
-    PPO[f"--critic.{_k}"] = ignore("the critic shares the actor's optimizer settings here (--adam_betas, --l2, "
-                                   "--lr_scheduler, --lr_warmup_ratio, --max_norm)", 2 if _k == "adam.betas" else 1)
+CRITIC_OPTIM = {"adam.betas": ("--critic_adam_betas", ("0.9", "0.95")), "adam.weight_decay": ("--critic_l2", ("0",)),
+                "lr_scheduler": ("--critic_lr_scheduler", ("cosine_with_min_lr",)),
+                "lr_warmup_ratio": ("--critic_lr_warmup_ratio", ("0.03",)), "max_norm": ("--critic_max_norm", ("1.0",))}
+"""OpenRLHF's ``--critic.<k>`` -> (our flag, OpenRLHF's default for it). The actor's ``--actor.<k>`` becomes the shared
+flag here (``--adam_betas``, ...), which the critic follows unless its own is given: ``translate`` pins the critic to
+OpenRLHF's default when only the actor's is on the command line, as in OpenRLHF."""
+for _k, (_ours, _default) in CRITIC_OPTIM.items():
+    PPO[f"--critic.{_k}"] = to(_ours, len(_default))
 del PPO["--adam.lr"], PPO["--adam.betas"], PPO["--adam.weight_decay"], PPO["--model.model_name_or_path"]
 
 TABLE = {"sft": SFT, "rm": RM, "dpo": DPO, "kto": {**DPO, "--data.label_key": to("--label_key")}, "ppo": PPO}
 """Entry point (``rlhf.<entry>``) -> OpenRLHF flag -> what it becomes. KTO takes DPO's names (OpenRLHF has no KTO
 command at 3c3be6234e0c)."""
+
+
+def without_effect(entry: str) -> list[str]:
+    """``entry``'s OpenRLHF flags accepted with one log line and no effect, each followed by placeholder values of
+    its arity: a command line whose translation is empty (tests/test_openrlhf_cli.py, tests/ppo/test_rlvr_options.py
+    show that they change nothing)."""
+    out: list[str] = []
+    for flag, spec in TABLE[entry].items():
+        if spec.ignore:
+            out += [flag] + ["1"] * (1 if spec.arity == "*" else int(spec.arity))
+    return out
 
 
 def translate(argv: list[str], entry: str, known: set[str]) -> list[str]:
@@ -243,5 +260,24 @@ def translate(argv: list[str], entry: str, known: set[str]) -> list[str]:
                     spec.other or f"only {', '.join(mapped)} has a counterpart here"))
             out += mapped[vals[0]]
             continue
+        if spec.pair:
+            out += [tok for ours, v in zip(spec.pair, vals) for tok in (ours, v)]
+            continue
         out += [spec.ours, ",".join(vals)] if spec.arity == "*" else [spec.ours, *vals]  # '*': our comma list
+    if entry == "ppo":
+        out += _critic_keeps_openrlhf_defaults(argv)
+    return out
+
+
+def _critic_keeps_openrlhf_defaults(argv: list[str]) -> list[str]:
+    """OpenRLHF's ``--actor.adam.betas`` (and weight decay, schedule, warmup, clipping) leaves its critic at the
+    default; here it becomes the shared flag the critic follows, so the critic's own flag is set to OpenRLHF's
+    default unless the command line gives ``--critic.<k>`` or ours."""
+    given = {tok.partition("=")[0] for tok in argv if tok.startswith("--")}
+    out: list[str] = []
+    for k, (ours, default) in CRITIC_OPTIM.items():
+        if f"--actor.{k}" in given and not {f"--critic.{k}", ours} & given:
+            log.info("--actor.%s (OpenRLHF) sets the actor's only: the critic keeps OpenRLHF's default, %s %s", k,
+                     ours, " ".join(default))
+            out += [ours, *default]
     return out

@@ -124,3 +124,28 @@ def test_ring_attention_size_is_context_parallelism(cli):
                      set(p._option_string_actions))
     assert argv == ["--context_parallel_size", "2"]
     assert p._option_string_actions["--context_parallel_size"].dest == "context_parallel_size"
+
+
+def translate_only(cli: str, argv: list[str]) -> list[str]:
+    from rlhf.openrlhf_cli import translate
+
+    p = argparse.ArgumentParser()
+    importlib.import_module(ENTRY[cli]).add_args(p)
+    return translate(argv, ENTRY[cli].split(".")[1], set(p._option_string_actions))
+
+
+@pytest.mark.parametrize("cli", sorted(ENTRY))
+def test_no_effect_flags_leave_every_parsed_value_as_it_was(cli):
+    """The flags accepted with "no effect here" change none of the values the entry point parses (all that a run
+    reads): the same namespace with all of them as without. A short PPO run with all of them (the resumed launch of
+    tests/ppo/test_rlvr_options.py's dynamic-filtering test) reproduces the run without them metric for metric.
+    Negative control: one flag with an effect (--train.seed) changes the namespace."""
+    base = (["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p"] if cli == "train_ppo_ray" else
+            ["--model.model_name_or_path", "m", "--data.dataset", "d"]) + ["--ckpt.output_dir", "o"]
+    from rlhf.openrlhf_cli import without_effect
+
+    extra = without_effect(ENTRY[cli].split(".")[1])
+    assert translate_only(cli, extra) == []
+    assert len(extra) >= 10, extra
+    assert vars(parse(cli, base + extra)) == vars(parse(cli, base))
+    assert vars(parse(cli, base + ["--train.seed", "7"])) != vars(parse(cli, base))

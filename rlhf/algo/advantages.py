@@ -12,7 +12,13 @@ The PPO loop calls any estimator the same way::
     out["advantages"], out["returns"], out["token_rewards"]  # each (B, T)
 
 GAE and REINFORCE++ put the KL penalty into the per-token reward (OpenRLHF). GRPO leaves it out: the usual
-recipe adds ``kl_coef * kl`` to the loss instead (``rlhf.algo.ppo_losses.kl_loss``).
+recipe adds ``kl_coef * kl`` to the loss instead (``rlhf.algo.ppo_losses.kl_loss``). Where the KL goes is the
+caller's choice (``rlhf.algo.kl.kl_in_loss``, ``--use_kl_loss``): the KL-in-reward estimators get ``kl_coef = 0`` to
+leave it out, and the group estimators' outputs go through ``add_reward_kl`` to take it in (OpenRLHF without
+``--algo.kl.use_loss``).
+
+``reward_clip=(lo, hi)`` (``--reward_clip_range``, OpenRLHF's ``--reward.clip_range``) clamps each sequence's reward
+after its group baseline and before the KL term, where OpenRLHF's ``compute_reward`` clamps it.
 
 Batch-level statistics (REINFORCE++ whitening, ``whiten_advantages``) are over the tensors passed in; pass the
 whole rollout batch to get global statistics. GRPO groups must not be split across calls.
@@ -70,6 +76,12 @@ def compute_token_rewards(rewards: torch.Tensor, kl: torch.Tensor | None, action
         token_rewards = token_rewards - kl_coef * upcast(kl)
     token_rewards.scatter_add_(1, last_action_index(mask).unsqueeze(1), upcast(rewards).view(b, 1))
     return torch.where(mask, token_rewards, torch.zeros_like(token_rewards))
+
+
+def clip_rewards(rewards: torch.Tensor, reward_clip: tuple[float, float] | None) -> torch.Tensor:
+    """(B,) sequence rewards clamped to ``reward_clip = (lo, hi)`` (None: unchanged); OpenRLHF's
+    ``compute_reward(reward_clip_range=...)``."""
+    return rewards if reward_clip is None else rewards.clamp(min=reward_clip[0], max=reward_clip[1])
 
 
 def whiten_advantages(advantages: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
@@ -181,14 +193,41 @@ def grpo(rewards: torch.Tensor, action_mask: torch.Tensor, n_samples_per_prompt:
 
 # ---- uniform entry points (registry) ----
 
+@torch.no_grad()
+def _group_outputs(advantages: torch.Tensor, rewards: torch.Tensor, action_mask: torch.Tensor,
+                   reward_clip: tuple[float, float] | None) -> dict[str, torch.Tensor]:
+    """The group estimators' outputs from :func:`grpo`'s (B, T) advantages (each row's score on its tokens), the
+    score clamped to ``reward_clip``. They take no KL: ``kl``/``kl_coef`` are ignored (``add_reward_kl`` moves it
+    into their rewards)."""
+    if reward_clip is not None:
+        mask = (action_mask != 0).to(advantages.dtype)
+        advantages = advantages.clamp(min=reward_clip[0], max=reward_clip[1]) * mask
+    return {"advantages": advantages, "returns": advantages.clone(),
+            "token_rewards": compute_token_rewards(rewards, None, action_mask, 0.0)}
+
+
+@torch.no_grad()
+def add_reward_kl(out: dict[str, torch.Tensor], kl: torch.Tensor, action_mask: torch.Tensor,
+                  kl_coef: float) -> dict[str, torch.Tensor]:
+    """A group estimator's outputs with ``-kl_coef * kl`` in its token rewards (``--no-use_kl_loss``; OpenRLHF
+    without ``--algo.kl.use_loss``): OpenRLHF's ``compute_reward`` then ``get_cumulative_returns`` (gamma 1), written
+    as the sum of the score's return and the KL's undiscounted return-to-go. (B, T) each."""
+    kl_return = _discounted_return_to_go(-kl_coef * upcast(kl), action_mask, 1.0)
+    advantages = out["advantages"] + kl_return.to(out["advantages"].dtype)
+    mask = action_mask != 0
+    token_rewards = out["token_rewards"] + torch.where(mask, -kl_coef * upcast(kl), torch.zeros_like(kl_return))
+    return {"advantages": advantages, "returns": advantages.clone(), "token_rewards": token_rewards}
+
+
 @_register("gae", needs_critic=True, kl_in_loss=False, whiten=True, needs_groups=False)
 def gae_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                   action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
-                  n_samples_per_prompt: int = 1, std_norm: bool = True) -> dict[str, torch.Tensor]:
+                  n_samples_per_prompt: int = 1, std_norm: bool = True,
+                  reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
     """PPO with a critic: KL-penalised token rewards, then :func:`gae`."""
     if values is None:
         raise ValueError("--advantage_estimator 'gae' needs critic values (a critic model)")
-    token_rewards = compute_token_rewards(rewards, kl, action_mask, kl_coef)
+    token_rewards = compute_token_rewards(clip_rewards(rewards, reward_clip), kl, action_mask, kl_coef)
     advantages, returns = gae(token_rewards, values, action_mask, gamma, lambd)
     return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
 
@@ -197,10 +236,11 @@ def gae_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, valu
 def reinforce_plus_plus_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None,
                                   values: torch.Tensor | None = None, action_mask: torch.Tensor,
                                   kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
-                                  n_samples_per_prompt: int = 1, std_norm: bool = True) -> dict[str, torch.Tensor]:
+                                  n_samples_per_prompt: int = 1, std_norm: bool = True,
+                                  reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
     """KL-penalised token rewards, then :func:`reinforce_plus_plus` (``std_norm=False``: the return-to-go minus
     its batch mean, not divided by the std)."""
-    token_rewards = compute_token_rewards(rewards, kl, action_mask, kl_coef)
+    token_rewards = compute_token_rewards(clip_rewards(rewards, reward_clip), kl, action_mask, kl_coef)
     advantages, returns = reinforce_plus_plus(token_rewards, action_mask, gamma)
     if not std_norm:
         advantages = whiten_openrlhf(returns, action_mask, std_norm=False)
@@ -210,39 +250,42 @@ def reinforce_plus_plus_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | N
 @_register("grpo", needs_critic=False, kl_in_loss=True, whiten=False, needs_groups=True)
 def grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                    action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
-                   n_samples_per_prompt: int = 1, std_norm: bool = True) -> dict[str, torch.Tensor]:
-    """:func:`grpo`; ``kl``/``kl_coef`` are ignored (KL goes in the loss). token_rewards has no KL term."""
-    advantages, returns = grpo(rewards, action_mask, n_samples_per_prompt)
-    token_rewards = compute_token_rewards(rewards, None, action_mask, 0.0)
-    return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
+                   n_samples_per_prompt: int = 1, std_norm: bool = True,
+                   reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+    """:func:`grpo`; ``kl``/``kl_coef`` are ignored (KL goes in the loss, or ``add_reward_kl`` adds it).
+    token_rewards has no KL term."""
+    advantages, _ = grpo(rewards, action_mask, n_samples_per_prompt)
+    return _group_outputs(advantages, rewards, action_mask, reward_clip)
 
 
 @_register("dr_grpo", needs_critic=False, kl_in_loss=True, whiten=False, needs_groups=True)
 def dr_grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                       action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
-                      n_samples_per_prompt: int = 1, std_norm: bool = True) -> dict[str, torch.Tensor]:
+                      n_samples_per_prompt: int = 1, std_norm: bool = True,
+                      reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
     """:func:`grpo` without the std division (Dr. GRPO); KL handled as for ``grpo``."""
-    advantages, returns = grpo(rewards, action_mask, n_samples_per_prompt, std_normalize=False)
-    token_rewards = compute_token_rewards(rewards, None, action_mask, 0.0)
-    return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
+    advantages, _ = grpo(rewards, action_mask, n_samples_per_prompt, std_normalize=False)
+    return _group_outputs(advantages, rewards, action_mask, reward_clip)
 
 
 @_register("group_norm", needs_critic=False, kl_in_loss=True, whiten=False, needs_groups=True)
 def group_norm_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None,
                          values: torch.Tensor | None = None, action_mask: torch.Tensor, kl_coef: float = 0.0,
                          gamma: float = 1.0, lambd: float = 1.0, n_samples_per_prompt: int = 1,
-                         std_norm: bool = True) -> dict[str, torch.Tensor]:
-    """OpenRLHF's name for GRPO: :func:`grpo` with its std epsilon, 1e-9 (``grpo`` keeps 1e-6); KL in the loss."""
-    advantages, returns = grpo(rewards, action_mask, n_samples_per_prompt, eps=1e-9)
-    token_rewards = compute_token_rewards(rewards, None, action_mask, 0.0)
-    return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
+                         std_norm: bool = True,
+                         reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+    """OpenRLHF's name for GRPO: :func:`grpo` with its std epsilon, 1e-9 (``grpo`` keeps 1e-6); KL handled as for
+    ``grpo``."""
+    advantages, _ = grpo(rewards, action_mask, n_samples_per_prompt, eps=1e-9)
+    return _group_outputs(advantages, rewards, action_mask, reward_clip)
 
 
 def _baseline_estimator(kind: str, whiten: bool):
     def est(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
             action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
-            n_samples_per_prompt: int = 1, std_norm: bool = True) -> dict[str, torch.Tensor]:
-        shaped = group_baseline(rewards, n_samples_per_prompt, kind)  # (B,)
+            n_samples_per_prompt: int = 1, std_norm: bool = True,
+            reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+        shaped = clip_rewards(group_baseline(rewards, n_samples_per_prompt, kind), reward_clip)  # (B,)
         token_rewards = compute_token_rewards(shaped, kl, action_mask, kl_coef)
         returns = _discounted_return_to_go(token_rewards, action_mask, 1.0)  # OpenRLHF: gamma 1 for these
         advantages = whiten_openrlhf(returns, action_mask, std_norm) if whiten else returns.clone()

@@ -1,4 +1,5 @@
-"""KL-coefficient controllers for the reward KL penalty (Ziegler et al. 2019, as in OpenRLHF / TRL)."""
+"""KL-coefficient controllers for the reward KL penalty (Ziegler et al. 2019, as in OpenRLHF / TRL), and where the KL
+penalty goes (``kl_in_loss``)."""
 from __future__ import annotations
 
 import torch
@@ -52,3 +53,13 @@ def make_kl_controller(init_kl_coef: float, kl_target: float | None = None,
     if kl_target is None:
         return FixedKLController(init_kl_coef)
     return AdaptiveKLController(init_kl_coef, kl_target, kl_horizon)
+
+
+def kl_in_loss(estimator, use_kl_loss: bool | None) -> bool:
+    """Whether ``kl_coef * KL`` joins the actor's loss (True) or the token rewards (False).
+
+    ``use_kl_loss`` is ``--use_kl_loss`` / ``--no-use_kl_loss`` (OpenRLHF's ``--algo.kl.use_loss``): True puts the
+    KL in the loss for any estimator, False in the reward for any estimator (OpenRLHF without the flag, the group
+    estimators included); None (the flag not given) keeps the estimator's own place, ``estimator.kl_in_loss``
+    (in the loss for grpo, dr_grpo and group_norm, in the reward otherwise)."""
+    return bool(estimator.kl_in_loss) if use_kl_loss is None else bool(use_kl_loss)

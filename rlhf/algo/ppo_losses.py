@@ -241,10 +241,13 @@ class ActorLossConfig:
     entropy_coef: float = 0.0
     """--entropy_coef: ``- entropy_coef * entropy`` joins the loss, aggregated as the policy loss"""
     kl_in_loss: bool = False
-    """the estimator puts ``kl_coef * KL`` into the loss (GRPO), aggregated as the policy loss"""
+    """``kl_coef * KL`` joins the loss, aggregated as the policy loss (``rlhf.algo.kl.kl_in_loss``: the
+    estimator's place, or --use_kl_loss / --no-use_kl_loss)"""
     kl_estimator: str = "k3"
     tis_cap: float | None = None
     """--use_tis: the per-token loss weighted by ``min(exp(old - vllm), tis_cap)``"""
+    tis_floor: float | None = None
+    """--tis_floor: that weight is also at least this (OpenRLHF's ``--algo.advantage.is_correction_threshold LOW``)"""
     old_from_update: bool = False
     """one on-policy update per batch: the old log-probs are this forward's, detached (ratio 1), and the
     generator-vs-trainer drift is measured here (``rollout_logprob_drift``, ``rollout_logprob_drift_max``)"""
@@ -265,12 +268,16 @@ class ActorLossConfig:
 
     @classmethod
     def from_args(cls, args, estimator) -> "ActorLossConfig":
+        from rlhf.algo.kl import kl_in_loss
+
         low, high = args.eps_clip_low_high if args.eps_clip_low_high is not None else (args.eps_clip, args.eps_clip)
         mode = args.loss_agg_mode or ("seq_mean_token_mean" if args.policy_loss_type == "gspo" else "token_mean")
         return cls(eps_clip_low=low, eps_clip_high=high, dual_clip=args.dual_clip,
                    policy_loss_type=args.policy_loss_type, loss_agg_mode=mode, entropy_coef=args.entropy_coef or 0.0,
-                   kl_in_loss=estimator.kl_in_loss, kl_estimator=args.kl_estimator,
+                   kl_in_loss=kl_in_loss(estimator, getattr(args, "use_kl_loss", None)),
+                   kl_estimator=args.kl_estimator,
                    tis_cap=args.tis_cap if args.use_tis else None,
+                   tis_floor=getattr(args, "tis_floor", None) if args.use_tis else None,
                    old_from_update=getattr(args, "old_logprobs_source", "forward") == "update")
 
 
@@ -287,7 +294,7 @@ def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
         old = lp.detach() if cfg.old_from_update else batch["old_logprobs"]
         tis = None
         if cfg.tis_cap is not None:
-            tis = torch.exp(old - batch["vllm_logprobs"]).clamp(max=cfg.tis_cap)
+            tis = torch.exp(old - batch["vllm_logprobs"]).clamp(min=cfg.tis_floor, max=cfg.tis_cap)
         loss, count, metrics = policy_loss(lp, old, batch["advantages"], mask,
                                            eps_clip=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
                                            rollout_is_weights=tis, dual_clip=cfg.dual_clip,

@@ -56,6 +56,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--actor_learning_rate", type=float, default=1e-6)
     g.add_argument("--critic_learning_rate", type=float, default=9e-6)
     add_optim_args(g)
+    _add_critic_optim_args(g)
     _add_ppo_algo_args(g)
     g = p.add_argument_group("placement and memory")
     _add_placement_args(g)
@@ -75,11 +76,47 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "optimized (e.g. rlhf.demo.sort_task:gold_rewards)")
 
 
+CRITIC_OPTIM_FLAGS = {"critic_adam_betas": "adam_betas", "critic_l2": "l2", "critic_lr_scheduler": "lr_scheduler",
+                      "critic_lr_warmup_ratio": "lr_warmup_ratio", "critic_max_norm": "max_norm"}
+"""The critic's own optimizer flag -> the shared flag it replaces for the critic (OpenRLHF's ``--critic.*``)."""
+
+
+def _add_critic_optim_args(g) -> None:
+    g.add_argument("--critic_adam_betas", type=float, nargs=2, default=None, metavar=("BETA1", "BETA2"),
+                   help="the critic's Adam betas (default: --adam_betas)")
+    g.add_argument("--critic_l2", type=float, default=None, help="the critic's weight decay (default: --l2)")
+    g.add_argument("--critic_lr_scheduler", default=None, help="the critic's schedule (default: --lr_scheduler)")
+    g.add_argument("--critic_lr_warmup_ratio", type=float, default=None,
+                   help="the critic's warmup ratio (default: --lr_warmup_ratio)")
+    g.add_argument("--critic_max_norm", type=float, default=None,
+                   help="the critic's gradient clipping (default: --max_norm)")
+
+
+def critic_optim_config(args: argparse.Namespace, total_steps: int):
+    """The critic's optimizer: the shared optimisation flags, each replaced by its ``--critic_*`` flag where given
+    (``CRITIC_OPTIM_FLAGS``)."""
+    from rlhf.config import optim_config
+
+    shared = argparse.Namespace(**vars(args))
+    for own, common in CRITIC_OPTIM_FLAGS.items():
+        if getattr(args, own, None) is not None:
+            setattr(shared, common, getattr(args, own))
+    return optim_config(shared, args.critic_learning_rate, total_steps)
+
+
 def _add_ppo_algo_args(g) -> None:
     g.add_argument("--init_kl_coef", type=float, default=0.01)
     g.add_argument("--kl_target", type=float, default=None, help="adaptive KL target (default: fixed coefficient)")
     g.add_argument("--kl_horizon", type=float, default=10000)
     g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"])
+    g.add_argument("--use_kl_loss", action=argparse.BooleanOptionalAction, default=None,
+                   help="the KL penalty (--init_kl_coef x --kl_estimator) in the actor's loss for any estimator "
+                        "(OpenRLHF's --algo.kl.use_loss; k2 or k3 recommended there); --no-use_kl_loss: in the "
+                        "reward for any estimator (OpenRLHF without the flag). Default: in the loss for grpo, "
+                        "dr_grpo and group_norm, in the reward otherwise")
+    g.add_argument("--reward_clip_range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="clamp each sample's reward to [LOW, HIGH] after its group baseline, before the KL term "
+                        "(OpenRLHF's --reward.clip_range; OpenRLHF's default is -10 10, here no clipping)")
     g.add_argument("--eps_clip", "--actor.eps_clip", dest="eps_clip", type=float, default=0.2)
     g.add_argument("--eps_clip_low_high", "--actor.eps_clip_low_high", dest="eps_clip_low_high", type=float, nargs=2,
                    default=None, metavar=("LOW", "HIGH"),
@@ -135,6 +172,9 @@ def _add_ppo_algo_args(g) -> None:
     g.add_argument("--use_tis", action="store_true",
                    help="truncated importance sampling: weight the policy loss by min(p_trainer/p_vllm, --tis_cap)")
     g.add_argument("--tis_cap", type=float, default=2.0)
+    g.add_argument("--tis_floor", type=float, default=None,
+                   help="--use_tis: the weight is at least this too (OpenRLHF's --algo.advantage.is_correction_threshold "
+                        "LOW HIGH is --tis_floor LOW --tis_cap HIGH; default: no lower bound)")
     g.add_argument("--pretrain_data", "--unsupervised_dataset_name", dest="pretrain_data", default=None,
                    help="PPO-ptx: plain texts whose next-token loss joins each actor step (files, folders, cached Hub "
                         "names); DeepSpeed-Chat's --unsupervised_dataset_name")
@@ -159,6 +199,9 @@ def _add_placement_args(g) -> None:
                         "the heads allow within a node; CUDA: the smallest whose weights leave room for the KV cache)")
     g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.95)
     g.add_argument("--vllm_enforce_eager", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--vllm_enable_prefix_caching", action="store_true",
+                   help="vLLM's automatic prefix caching: the replies of one prompt, and prompts sharing a start, "
+                        "reuse its KV blocks; the cache is reset after every weight sync")
     g.add_argument("--weight_sync_bucket_mb", type=int, default=512)
 
 
@@ -252,6 +295,8 @@ def resolve_vllm_tp(args: argparse.Namespace, spec, world_size: int) -> str:
 def _check_algo(args: argparse.Namespace) -> None:
     from rlhf.algo.advantages import get_estimator
 
+    if args.tis_floor is not None and not 0 <= args.tis_floor < args.tis_cap:
+        raise ValueError(f"--tis_floor {args.tis_floor:g}: must be in [0, --tis_cap {args.tis_cap:g})")
     if args.use_rollout_logprobs and args.use_tis:
         raise ValueError("--use_tis corrects for the generator's log-probs differing from the trainer's, but with "
                          "--use_rollout_logprobs they are the same; use one of them")
@@ -320,6 +365,11 @@ def _check_algo(args: argparse.Namespace) -> None:
         raise ValueError(f"--no_std_norm with --advantage_estimator {args.advantage_estimator}: only gae, "
                          "reinforce_plus_plus and reinforce_baseline normalise by a batch std (dr_grpo is grpo "
                          "without its group std)")
+    if args.reward_clip_range is not None and not args.reward_clip_range[0] < args.reward_clip_range[1]:
+        lo, hi = args.reward_clip_range
+        raise ValueError(f"--reward_clip_range {lo:g} {hi:g}: LOW must be below HIGH")
+    _check_critic_optim(args)
+    _check_kl_place(args, estimator)
     if args.temperature <= 0:
         raise ValueError(f"--temperature must be > 0 for sampling, got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -328,6 +378,41 @@ def _check_algo(args: argparse.Namespace) -> None:
         raise ValueError(f"--zero_stage must be 0..3, got {args.zero_stage}")
     if args.vllm_tensor_parallel_size is not None and args.vllm_tensor_parallel_size < 1:
         raise ValueError(f"--vllm_tensor_parallel_size must be >= 1, got {args.vllm_tensor_parallel_size}")
+
+
+def _check_critic_optim(args: argparse.Namespace) -> None:
+    """The critic's own optimizer flags, checked as the shared ones are (``OptimConfig``), naming the flag."""
+    from rlhf.engine import OptimConfig
+
+    if args.critic_max_norm is not None and args.critic_max_norm < 0:
+        raise ValueError(f"--critic_max_norm must be >= 0, got {args.critic_max_norm}")
+    if args.critic_l2 is not None and args.critic_l2 < 0:
+        raise ValueError(f"--critic_l2 must be >= 0, got {args.critic_l2}")
+    if args.critic_adam_betas is not None and not all(0 <= b < 1 for b in args.critic_adam_betas):
+        raise ValueError(f"--critic_adam_betas {' '.join(f'{b:g}' for b in args.critic_adam_betas)}: each must be in "
+                         "[0, 1)")
+    for flag, kw in (("lr_scheduler", "scheduler"), ("lr_warmup_ratio", "warmup_ratio")):
+        value = getattr(args, f"critic_{flag}")
+        if value is not None:
+            try:
+                OptimConfig(**{kw: value})
+            except ValueError as e:
+                raise ValueError(str(e).replace(f"--{flag}", f"--critic_{flag}")) from None
+
+
+def _check_kl_place(args: argparse.Namespace, estimator) -> None:
+    """--use_kl_loss: logs where the KL goes when the estimator is not the recommended one for that place (as
+    OpenRLHF prints it)."""
+    from rlhf.algo.kl import kl_in_loss
+
+    if args.use_kl_loss is None or args.init_kl_coef == 0:
+        return
+    if kl_in_loss(estimator, args.use_kl_loss) and args.kl_estimator not in ("k2", "k3"):
+        log.info("--use_kl_loss with --kl_estimator %s: k2 or k3 is recommended for a KL loss (OpenRLHF)",
+                 args.kl_estimator)
+    elif not kl_in_loss(estimator, args.use_kl_loss) and args.kl_estimator != "k1":
+        log.info("--no-use_kl_loss with --kl_estimator %s: k1 is recommended for a KL in the reward (OpenRLHF)",
+                 args.kl_estimator)
 
 
 def _check_ptx(args: argparse.Namespace) -> None:
@@ -417,7 +502,10 @@ def old_logprobs_source(args: argparse.Namespace) -> tuple[str, str]:
     if args.use_rollout_logprobs:
         return "rollout", "--use_rollout_logprobs"
     one_update = args.max_epochs == 1 and args.train_batch_size == args.rollout_batch_size * args.n_samples_per_prompt
-    kl_in_reward = not get_estimator(args.advantage_estimator).kl_in_loss and args.init_kl_coef > 0
+    from rlhf.algo.kl import kl_in_loss
+
+    estimator = get_estimator(args.advantage_estimator)
+    kl_in_reward = not kl_in_loss(estimator, args.use_kl_loss) and args.init_kl_coef > 0
     if args.old_logprobs_forward == "always":
         return "forward", "--old_logprobs_forward always"
     if not one_update:

@@ -71,7 +71,8 @@ def rollout_config(args: argparse.Namespace, spec=None, world_size: int | None =
                          kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb), cpu_kv_cache_bytes=cpu_kv,
                          max_model_len=generator_max_model_len(args),
                          dtype=dtype, dtype_reason=why, seed=args.seed, enforce_eager=args.vllm_enforce_eager,
-                         backend=args.rollout_backend, weight_sync_bucket_mb=args.weight_sync_bucket_mb)
+                         backend=args.rollout_backend, weight_sync_bucket_mb=args.weight_sync_bucket_mb,
+                         enable_prefix_caching=getattr(args, "vllm_enable_prefix_caching", False))
 
 
 def build_roles(args: argparse.Namespace, setup, mesh, estimator, total_updates: int) -> PPORoles:
@@ -79,6 +80,7 @@ def build_roles(args: argparse.Namespace, setup, mesh, estimator, total_updates:
     from rlhf.config import optim_config
     from rlhf.engine import ModelEngine
     from rlhf.models.lora import lora_config_from_args
+    from rlhf.ppo.args import critic_optim_config
     from rlhf.rollout import build_rollout
     from rlhf.rollout.model_dir import vllm_model_dir
     from rlhf.rollout.vllm_engine import vllm_available
@@ -106,7 +108,7 @@ def build_roles(args: argparse.Namespace, setup, mesh, estimator, total_updates:
                                                      bf16=args.bf16, **impl)
                      for i, path in enumerate(setup.rewards.paths)}
     critic = (ModelEngine(mesh, args.critic_pretrain or setup.rewards.paths[0], value_head=True, name="critic",
-                          optim=optim_config(args, args.critic_learning_rate, total_updates),
+                          optim=critic_optim_config(args, total_updates),
                           lora=lora_config_from_args(args, "critic_lora_rank"), **common, **impl)
               if estimator.needs_critic else None)
     roles = PPORoles(actor=actor, critic=critic, ref=ref, reward_models=reward_models, rollout=rollout,

@@ -321,7 +321,8 @@ def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl
     """advantages: the per-token KL estimate, then the estimator over the global batch (gathered over DP, so
     GRPO groups and whitening see every sample); fills ``exp.kl``, ``exp.advantages``, ``exp.returns``.
     Returns the global reward, KL and advantage statistics (and the generator-vs-trainer log-prob drift)."""
-    from rlhf.algo.advantages import whiten_openrlhf
+    from rlhf.algo.advantages import add_reward_kl, whiten_openrlhf
+    from rlhf.algo.kl import kl_in_loss
     from rlhf.algo.ppo_losses import kl_estimate, masked_mean, masked_whiten
 
     mask = exp.batch["action_mask"]
@@ -329,9 +330,13 @@ def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl
               if exp.ref_logprobs is not None else torch.zeros_like(exp.old_logprobs))
     g = lambda t: dp_all_gather(t, mesh) if t is not None else None  # noqa: E731
     gmask, gkl = g(mask), g(exp.kl)
+    in_loss = kl_in_loss(estimator, args.use_kl_loss)  # where the KL goes: --use_kl_loss, else the estimator's place
     res = estimator(rewards=g(exp.rewards), kl=gkl, values=g(exp.values), action_mask=gmask,
-                    kl_coef=0.0 if estimator.kl_in_loss else kl_coef, gamma=args.gamma, lambd=args.lambd,
-                    n_samples_per_prompt=args.n_samples_per_prompt, std_norm=not args.no_std_norm)
+                    kl_coef=0.0 if in_loss else kl_coef, gamma=args.gamma, lambd=args.lambd,
+                    n_samples_per_prompt=args.n_samples_per_prompt, std_norm=not args.no_std_norm,
+                    reward_clip=tuple(args.reward_clip_range) if args.reward_clip_range is not None else None)
+    if estimator.kl_in_loss and not in_loss:  # a group estimator with its KL in the reward (--no-use_kl_loss)
+        res = add_reward_kl(res, gkl, gmask, kl_coef)
     adv = res["advantages"]
     if estimator.whiten:  # GAE: over the global batch; --no_std_norm subtracts the mean only (OpenRLHF)
         adv = masked_whiten(adv, gmask) if not args.no_std_norm else whiten_openrlhf(adv, gmask, std_norm=False)
@@ -395,10 +400,11 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
         critic_loss = reads_local_tokens(make_critic_loss(response_values, value_clip=args.value_clip))
         _train_role(roles, "critic", plans, lambda plan: (microbatches(plan), critic_loss), CRITIC_METRICS, "head",
                     sums, tokens * args.max_epochs, timer)
+    loss_cfg = ActorLossConfig.from_args(args, estimator)
     actor_loss = reads_local_tokens(make_actor_loss(  # rlhf.models.outputs' readers take a CP rank's own tokens
         lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, args.temperature, entropy=True),
-        ActorLossConfig.from_args(args, estimator), kl_coef=kl_coef))
-    keys = ACTOR_METRICS + (("kl_loss",) if estimator.kl_in_loss else ()) + (
+        loss_cfg, kl_coef=kl_coef))
+    keys = ACTOR_METRICS + (("kl_loss",) if loss_cfg.kl_in_loss else ()) + (
         ("rollout_logprob_drift", "rollout_logprob_drift_max") if args.old_logprobs_source == "update" else ())
 
     def actor_batches(plan: list[list[int]]) -> tuple[list[dict], object]:

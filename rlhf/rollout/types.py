@@ -111,6 +111,9 @@ class RolloutConfig:
     """auto | vllm | megatron (the fallback, no KV cache; for machines without vLLM)."""
     weight_sync_bucket_mb: int = 512
     """(--weight_sync_bucket_mb) TP-gathered weights are sent to the engine in buckets of about this size."""
+    enable_prefix_caching: bool = False
+    """(--vllm_enable_prefix_caching) vLLM's automatic prefix caching; every weight sync resets the cache, so no
+    KV block computed with the previous weights is reused (OpenRLHF resets it at each broadcast too)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

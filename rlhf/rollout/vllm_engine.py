@@ -126,7 +126,8 @@ class VLLMRollout:
         kwargs = dict(model=hf_dir, tokenizer=hf_dir, tensor_parallel_size=self.tp,
                       distributed_executor_backend="external_launcher", dtype=cfg.dtype,
                       enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len, seed=cfg.seed,
-                      load_format="dummy", logprobs_mode="processed_logprobs", enable_prefix_caching=False)
+                      load_format="dummy", logprobs_mode="processed_logprobs",
+                      enable_prefix_caching=cfg.enable_prefix_caching)
         if self.num_engines > 1:
             kwargs["data_parallel_size"] = self.num_engines
         kwargs.update(vllm_memory_kwargs(cfg, on_cuda))
@@ -183,7 +184,9 @@ class VLLMRollout:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.on_cuda:
             self.llm.apply_model(repack_cpu_lm_head)
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache() and self.cfg.enable_prefix_caching:
+            raise RuntimeError("vLLM did not reset its prefix cache after the weight sync: its cached KV blocks of the "
+                               "previous weights would be reused")
         self.version = version
         self.needs_sync = False
 

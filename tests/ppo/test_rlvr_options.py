@@ -73,8 +73,12 @@ def test_dynamic_filtering_fills_the_batch_and_resumes_exactly(ppo_setup, tmp_pa
     assert any(m[s]["dynamic_filtering/filled"] == 0 for s in m), m
     resumed = tmp_path / "resumed"
     run(resumed, "--stop_after_steps", "1")
-    log = run(resumed, "--load_checkpoint", "--stop_after_steps", "2")
+    from rlhf.openrlhf_cli import without_effect
+
+    # with every OpenRLHF flag accepted as "no effect here" (tests/test_openrlhf_cli.py): the metrics below show it
+    log = run(resumed, "--load_checkpoint", "--stop_after_steps", "2", *without_effect("ppo"))
     assert_resumed(log, "ppo", step=1)
+    assert "--ckpt.max_mem (OpenRLHF) accepted, no effect here" in log
     got = read_metrics_jsonl(str(resumed / "metrics.jsonl"), "ppo")
     # the resumed steps drew the same prompts and samples: the same metrics to the last bit (timings, memory and
     # the weight-sync counter of the new process aside)

@@ -1,0 +1,110 @@
+"""OpenRLHF's --critic.adam.betas, --critic.adam.weight_decay, --critic.lr_scheduler, --critic.lr_warmup_ratio and
+--critic.max_norm set the critic's own optimizer, as in OpenRLHF at 3c3be6234e0c (openrlhf/trainer/ray/ppo_critic.py
+builds the critic's optimizer, schedule and clipping from ``args.critic.*``; openrlhf/cli/train_ppo_ray.py declares
+them per role, defaults 0.9 0.95, 0, cosine_with_min_lr, 0.03, 1.0; openrlhf/utils/deepspeed: the schedule's warmup is
+``ceil(max_steps * lr_warmup_ratio)`` steps from 0). Checked on real engines (one in-process rank): megatron's
+optimizer and schedule of the critic carry the critic's values, the actor's keep the actor's, and an actor-only flag
+leaves the critic at OpenRLHF's default. Negative control: our shared flags alone (where OpenRLHF's --critic.* went
+before: accepted and dropped) give the critic the actor's betas, and the comparison sees it."""
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+OPENRLHF = ["--critic.adam.betas", "0.8", "0.9", "--critic.adam.weight_decay", "0.05", "--critic.lr_scheduler",
+            "constant_with_warmup", "--critic.lr_warmup_ratio", "0.5", "--critic.max_norm", "0.25",
+            "--actor.adam.betas", "0.9", "0.99", "--actor.max_norm", "2.0", "--actor.lr_scheduler", "cosine",
+            "--actor.lr_warmup_ratio", "0", "--critic.adam.lr", "3e-3"]
+STEPS = 10
+
+
+def parse(extra: list[str]) -> argparse.Namespace:
+    from rlhf.migration import add_launcher_args
+    from rlhf.openrlhf_cli import translate
+    from rlhf.ppo.args import add_args
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    add_launcher_args(p)
+    args = p.parse_args(translate(["--pretrain", "m", "--prompt_data", "p", "--save_path", "o", *extra], "ppo",
+                                  set(p._option_string_actions)))
+    args.zero_stage = 0  # resolve_zero_stage's choice for one CPU rank
+    return args
+
+
+def described(engine) -> dict:
+    """What megatron's optimizer and schedule of an engine hold."""
+    opt, sched = engine.optimizer, engine.scheduler
+    group = opt.param_groups[0]
+    return {"betas": tuple(group["betas"]), "weight_decay": opt.config.weight_decay, "clip_grad": opt.config.clip_grad,
+            "warmup": sched.lr_warmup_steps, "style": sched.lr_decay_style, "max_lr": sched.max_lr}
+
+
+@pytest.fixture(scope="module")
+def engines(ppo_setup):
+    from helpers import free_port
+    from rlhf.config import optim_config
+    from rlhf.distributed import DistEnv, initialize_mesh
+    from rlhf.distributed.mesh import destroy_mesh
+    from rlhf.engine import ModelEngine
+    from rlhf.ppo.args import critic_optim_config
+
+    mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
+    args = parse(OPENRLHF)
+    out = {"critic": ModelEngine(mesh, ppo_setup["rm"], value_head=True, name="critic",
+                                 optim=critic_optim_config(args, STEPS)),
+           "actor": ModelEngine(mesh, ppo_setup["actor"], value_head=False, name="actor",
+                                optim=optim_config(args, args.actor_learning_rate, STEPS)),
+           "args": args}
+    yield out
+    destroy_mesh()
+
+
+def test_the_critic_has_its_own_optimizer(engines):
+    critic, actor = described(engines["critic"]), described(engines["actor"])
+    assert critic == {"betas": (0.8, 0.9), "weight_decay": 0.05, "clip_grad": 0.25,
+                      "warmup": math.ceil(STEPS * 0.5), "style": "constant", "max_lr": 3e-3}
+    assert actor == {"betas": (0.9, 0.99), "weight_decay": 0.0, "clip_grad": 2.0, "warmup": 0, "style": "cosine",
+                     "max_lr": 1e-6}
+    # OpenRLHF's constant_with_warmup: lr * step / warmup during the warmup, from 0
+    sched = engines["critic"].scheduler
+    sched.step(increment=2)
+    assert engines["critic"].optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 2 / 5, rel=1e-12)
+    # negative control: the shared flags alone give the critic the actor's betas, clipping and schedule
+    from rlhf.config import optim_config
+
+    shared = optim_config(engines["args"], 3e-3, STEPS)
+    assert (shared.adam_betas, shared.clip_grad, shared.scheduler) == ((0.9, 0.99), 2.0, "cosine")
+    assert (tuple(shared.adam_betas), shared.clip_grad) != (critic["betas"], critic["clip_grad"])
+
+
+def test_an_actor_only_flag_leaves_the_critic_at_openrlhfs_default():
+    """OpenRLHF's --actor.adam.betas sets the actor's only; ours (--adam_betas) still sets both."""
+    from rlhf.config import optim_config
+    from rlhf.ppo.args import critic_optim_config
+
+    args = parse(["--actor.adam.betas", "0.5", "0.6", "--actor.adam.weight_decay", "0.1", "--actor.max_norm", "3",
+                  "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0.2"])
+    c, a = critic_optim_config(args, STEPS), optim_config(args, args.actor_learning_rate, STEPS)
+    assert (a.adam_betas, a.weight_decay, a.clip_grad, a.scheduler, a.warmup_ratio) == ((0.5, 0.6), 0.1, 3.0,
+                                                                                         "constant", 0.2)
+    assert (c.adam_betas, c.weight_decay, c.clip_grad, c.scheduler, c.warmup_ratio) == ((0.9, 0.95), 0.0, 1.0,
+                                                                                         "cosine", 0.03)
+    ours = parse(["--adam_betas", "0.5", "0.6", "--max_norm", "3"])
+    assert critic_optim_config(ours, STEPS).adam_betas == (0.5, 0.6)
+    assert critic_optim_config(ours, STEPS).clip_grad == 3.0
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--critic.lr_scheduler", "step"], "--critic_lr_scheduler must be one of"),
+    (["--critic.lr_warmup_ratio", "1.5"], "--critic_lr_warmup_ratio must be in [0, 1), got 1.5"),
+    (["--critic.max_norm", "-1"], "--critic_max_norm must be >= 0, got -1.0"),
+    (["--critic.adam.betas", "0.9", "1.5"], "--critic_adam_betas 0.9 1.5: each must be in [0, 1)"),
+])
+def test_bad_critic_values_name_the_flag(flags, needle):
+    from rlhf.ppo.args import _check_algo
+
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        _check_algo(parse(flags))
