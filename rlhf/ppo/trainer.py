@@ -192,8 +192,13 @@ class PPOTrainer:
                      len(self.prompts), self.total_steps, args.rollout_batch_size, args.n_samples_per_prompt,
                      args.advantage_estimator, mesh.dp, mesh.tp, mesh.pp, self.roles.rollout.name)
         if mesh.is_rank0:
+            from rlhf.algo.advantages import ADVANTAGE_ESTIMATORS
             from rlhf.algo.ppo_losses import ActorLossConfig
 
+            est = self.estimator  # the function this run calls, named by its registry entry (not by the flag)
+            log.info("advantage estimator: %s (%s%s)", next(k for k, v in ADVANTAGE_ESTIMATORS.items() if v is est),
+                     "a critic's values" if est.needs_critic else "no critic",
+                     f", groups of {args.n_samples_per_prompt} samples per prompt" if est.needs_groups else "")
             c = ActorLossConfig.from_args(args, self.estimator)
             log.info("actor loss: %s, ratio clipped to [%g, %g]%s, %s%s%s", c.policy_loss_type, 1 - c.eps_clip_low,
                      1 + c.eps_clip_high, f", dual-clip {c.dual_clip:g}" if c.dual_clip else "", c.loss_agg_mode,

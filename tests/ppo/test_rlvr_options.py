@@ -1,6 +1,7 @@
 """The RLVR loss options reach a real PPO run (launch/ppo.py's body in this process, one rank, the megatron
 generator, a rule reward): RLOO with GSPO at the paper's clip range clips whole sequences on the second pass over a
-batch, where the same run at a 0.2 range clips none. The formulas themselves: tests/algo/test_rlvr_losses.py."""
+batch, where token-level PPO at the same range clips parts of them; --entropy_coef moves the gradient; evaluation
+during training scores what a direct generation scores. The formulas themselves: tests/algo/test_rlvr_losses.py."""
 from __future__ import annotations
 
 import json
@@ -10,32 +11,82 @@ import torch
 
 from ppo_common import TINY_GRPO, ppo_args
 
+# Training runs in this process (main(argv)): pytest-timeout interrupts a run that hangs, 300 s each, the
+# slowest run here taking under a fifth of it on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(300)
 
-def _run(setup, out, monkeypatch, capsys, low_high):
+
+def _run(setup, out, monkeypatch, capsys, low_high, **flags):
     from helpers import free_port
     from rlhf.ppo import main
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    argv = ppo_args(setup, str(out), **{**TINY_GRPO, "--reward_fn": "_rule_reward:length_reward",
+    # char_code_reward: (almost) every sequence has a nonzero advantage; 10-token replies: room to clip a part
+    argv = ppo_args(setup, str(out), **{**TINY_GRPO, "--reward_fn": "_rule_reward:char_code_reward",
                                         "--rollout_backend": "megatron", "--max_samples": "8",
+                                        "--generate_max_len": "10",
                                         "--advantage_estimator": "rloo", "--policy_loss_type": "gspo",
                                         "--entropy_coef": "0.01", "--max_epochs": "2",
-                                        "--actor_learning_rate": "1e-5"}) + ["--eps_clip_low_high", *low_high]
+                                        "--actor_learning_rate": "1e-5", **flags}) + ["--eps_clip_low_high", *low_high]
     assert main(argv) == 0
-    log = capsys.readouterr().err
-    return json.load(open(out / "ppo_result.json"))["history"], log
+    from rlhf.metrics import read_metrics_jsonl
+
+    m = read_metrics_jsonl(str(out / "metrics.jsonl"), "ppo")
+    return [m[s] for s in sorted(m)], capsys.readouterr().err
+
+
+def _record_zero_gradients(monkeypatch) -> list[list[bool]]:
+    """Wraps the policy loss: for every sequence of every training call, which of its tokens (those with a nonzero
+    advantage) get no gradient from the clipped objective, read from the gradient of the loss with respect to the
+    log-probs (a clipped term is constant), not from the loss's own clip metric."""
+    from rlhf.algo import ppo_losses
+
+    real, seqs = ppo_losses.policy_loss, []
+
+    def recording(logprobs, old_logprobs, advantages, action_mask, **kw):
+        out = real(logprobs, old_logprobs, advantages, action_mask, **kw)
+        if logprobs.requires_grad:
+            grad, = torch.autograd.grad(out[0], logprobs, retain_graph=True)  # (B, T)
+            live = (action_mask != 0) & (advantages != 0)
+            seqs.extend((grad[b][live[b]] == 0).tolist() for b in range(grad.shape[0]) if live[b].any())
+        return out
+
+    monkeypatch.setattr(ppo_losses, "policy_loss", recording)
+    return seqs
 
 
 def test_gspo_rloo_entropy_reach_the_update(ppo_setup, tmp_path, monkeypatch, capsys):
-    hist, log = _run(ppo_setup, tmp_path / "narrow", monkeypatch, capsys, ["3e-4", "4e-4"])
+    """RLOO with GSPO at a 3e-4/4e-4 clip range, 2 passes over each batch. GSPO clips whole sequences: every token of
+    a sequence gets no gradient or none does, and some sequences are clipped (the second pass, where ratios moved);
+    token-level PPO at the same range and aggregation (one step, the same rollouts) clips parts of sequences and
+    makes another update (its grad norm differs). The run's estimator is named in the log from the function it
+    calls. --entropy_coef 0 instead of 0.01 (one step, the same rollouts) changes the grad norm."""
+    seqs = _record_zero_gradients(monkeypatch)
+    gspo, log = _run(ppo_setup, tmp_path / "gspo", monkeypatch, capsys, ["3e-4", "4e-4"])
+    assert "advantage estimator: rloo (no critic, groups of 2 samples per prompt)" in log, log[-3000:]
     assert "actor loss: gspo, ratio clipped to [0.9997, 1.0004], seq_mean_token_mean, entropy_coef 0.01, KL in the " \
            "reward" in log, log[-3000:]
-    narrow = [h["actor/clip_frac"] for h in hist]
     # the first pass over a batch has ratio 1 (nothing clipped); on the second, sequences whose ratio moved past
     # +-4e-4 in the direction of their advantage are clipped, whole
-    assert all(f > 0 for f in narrow), narrow
-    wide = [h["actor/clip_frac"] for h in _run(ppo_setup, tmp_path / "wide", monkeypatch, capsys, ["0.2", "0.2"])[0]]
-    assert all(w == 0 for w in wide), (narrow, wide)  # a small learning rate moves no ratio by 20%
+    assert all(h["actor/clip_frac"] > 0 for h in gspo), gspo
+    whole = sum(all(s) for s in seqs)
+    assert 0 < whole < len(seqs) and all(all(s) or not any(s) for s in seqs), seqs  # measured: 14 of 28 clipped
+    seqs.clear()
+    ppo, log = _run(ppo_setup, tmp_path / "ppo", monkeypatch, capsys, ["3e-4", "4e-4"], **{
+        "--policy_loss_type": "ppo", "--loss_agg_mode": "seq_mean_token_mean", "--stop_after_steps": "1"})
+    assert "actor loss: ppo, ratio clipped to [0.9997, 1.0004], seq_mean_token_mean" in log, log[-3000:]
+    assert ppo[0]["reward"] == gspo[0]["reward"] and ppo[0]["response_length"] == gspo[0]["response_length"]
+    partial = sum(any(s) and not all(s) for s in seqs)
+    assert partial > 0, seqs  # measured: 3 of 12 sequences in part, 3 whole
+    # measured (step 1): 0.810 against 0.682; runs of the same settings agree to the last bit
+    assert ppo[0]["actor/grad_norm"] != pytest.approx(gspo[0]["actor/grad_norm"], rel=1e-3), (ppo[0], gspo[0])
+    no_entropy, log = _run(ppo_setup, tmp_path / "no_entropy", monkeypatch, capsys, ["3e-4", "4e-4"],
+                           **{"--entropy_coef": "0", "--stop_after_steps": "1"})
+    assert "actor loss: gspo, ratio clipped to [0.9997, 1.0004], seq_mean_token_mean, KL in the reward" in log
+    assert no_entropy[0]["reward"] == gspo[0]["reward"]
+    # measured (step 1): 0.68095 against 0.68210, 1.7e-3 relative
+    assert no_entropy[0]["actor/grad_norm"] != pytest.approx(gspo[0]["actor/grad_norm"], rel=1e-4), \
+        (no_entropy[0], gspo[0])
 
 
 def test_dynamic_filtering_fills_the_batch_and_resumes_exactly(ppo_setup, tmp_path, monkeypatch, capsys):
@@ -147,30 +198,74 @@ def test_openrlhf_reward_file_and_its_extra_logs(ppo_setup, tmp_path, monkeypatc
     assert "ppo/reward_extra/dummy_scores" in ev.Tags()["scalars"]
 
 
+def _sample_like_the_fallback_generator(model, prompt_ids, k, temperature, max_tokens, eos, seed):
+    """k replies to one prompt from a transformers model, drawn as rlhf/rollout/megatron_engine.py documents its
+    sampling (one CPU generator per prompt; every step, one multinomial draw per reply from the float64 softmax of
+    logits / temperature; each reply cut after its EOS): independent of the trainer's model, data and reward code."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([prompt_ids] * k)  # (k, P)
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, -1].double()  # (k, V)
+        tok = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=gen)  # (k, 1)
+        ids = torch.cat([ids, tok], dim=1)
+    rows = ids[:, len(prompt_ids):].tolist()
+    return [r[:r.index(eos) + 1] if eos in r else r for r in rows]
+
+
 def test_evaluation_during_training(ppo_setup, tmp_path, monkeypatch):
     """--eval_dataset: held-out reward and pass@k at step 0, every --eval_steps and after the last step, in
     metrics.jsonl (prefix eval); pass@k is the mean over prompts of the best of k, so it is at least the mean.
-    Every held-out prompt is used: more of them than the training's --max_samples (which once capped them)."""
+    Every held-out prompt is used: more of them than the training's --max_samples (which once capped them). The
+    step-0 reward equals a direct generation and scoring of the same prompts: the actor's HF checkpoint in
+    transformers, sampled with the run's seed and --eval_temperature, scored by the reward function called
+    directly. The run stops after step 2 and resumes from its checkpoint: no evaluation is repeated (the resumed
+    run does not evaluate at its start, step 2's evaluation ran before the save)."""
+    import transformers
+    from _rule_reward import char_code_reward
     from helpers import free_port
     from ppo_common import write_prompts
 
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.data.mixing import mix
     from rlhf.ppo import main
     from rlhf.ppo.evaluation import pass_at_k
 
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     out = tmp_path / "o"
     held_out = write_prompts(tmp_path / "eval.jsonl", 25, seed=9)
     argv = ppo_args(ppo_setup, str(out), **{**TINY_GRPO, "--rollout_backend": "megatron", "--max_samples": "20",
                                             "--reward_fn": "_rule_reward:char_code_reward", "--eval_dataset": held_out,
                                             "--eval_steps": "2", "--eval_n_samples_per_prompt": "3",
-                                            "--num_episodes": "1"})
-    assert main(argv) == 0
-    ev = read_metrics_jsonl(str(out / "metrics.jsonl"), "eval")
-    assert sorted(ev) == [0, 2, 4, 5], sorted(ev)  # 20 prompts / 4 per step: 5 steps
+                                            "--num_episodes": "1", "--save_steps": "2"})
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert main(argv + ["--stop_after_steps", "2"]) == 0
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert main(argv + ["--load_checkpoint"]) == 0
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    ev = {r["step"]: r for r in records if r["prefix"] == "eval"}
+    # 20 prompts / 4 per step: 5 steps; each evaluation once, the resumed run's (4, 5) after the first run's
+    assert [r["step"] for r in records if r["prefix"] == "eval"] == [0, 2, 4, 5], records
+    assert sorted(r["step"] for r in records if r["prefix"] == "ppo") == [1, 2, 3, 4, 5]
     for m in ev.values():
         assert m["prompts"] == 25 and 0 <= m["reward"] <= m["pass@3"] <= 1 and m["response_length"] == 3, m
     assert pass_at_k(torch.tensor([0.0, 1.0, 0.5, 0.2, 0.2, 0.2]), 3) == pytest.approx((2.1 / 6, 0.6))
+
+    tok = transformers.AutoTokenizer.from_pretrained(ppo_setup["actor"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(ppo_setup["actor"], torch_dtype=torch.float32).eval()
+    records = [json.loads(line)["prompt"] for line in open(held_out)]
+    prompts = [records[j] for _, j in mix([len(records)], None, None, seed=3)]  # the data layer's order, --seed 3
+    seed = 3 * 100_003 + 7_777_777 + 0  # --seed 3, step 0: the evaluation's generation seed
+    texts, replies = [], []
+    for i, p in enumerate(prompts):
+        rows = _sample_like_the_fallback_generator(model, tok(p).input_ids, 3, 0.6, 3, tok.eos_token_id,
+                                                   seed * 1_000_003 + i)
+        texts += [p] * 3
+        replies += tok.batch_decode(rows, skip_special_tokens=True)
+    direct = torch.tensor(char_code_reward(texts, replies))
+    mean, best = pass_at_k(direct, 3)
+    # fp32 HF against fp32 megatron logits (within ~1e-6) draw the same tokens; the rewards are sevenths
+    assert ev[0]["reward"] == pytest.approx(mean, abs=1e-6) and ev[0]["pass@3"] == pytest.approx(best, abs=1e-6), \
+        (ev[0], mean, best)
+    assert len(set(replies)) > 25, replies  # sampled replies, not one per prompt
 
 
 def test_eval_needs_a_rule_reward(ppo_setup, tmp_path, monkeypatch, capsys):
