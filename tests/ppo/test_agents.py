@@ -15,6 +15,10 @@ import torch
 
 from ppo_common import TINY_GRPO, ppo_args
 
+# Training runs in this process (main(argv)): pytest-timeout interrupts a run that hangs, 300 s each, the
+# slowest run here taking under a fifth of it on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(300)
+
 PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peers", "openrlhf")
 
 
@@ -220,8 +224,8 @@ def test_two_turn_tool_trajectories_train_on_the_models_tokens_only(ppo_setup, t
                                                                      packing):
     """Every trajectory takes two turns with a tool's answer between them; the generator's log-probs equal the
     trainer's on the tokens that carry loss (drift ~1e-6 in fp32), which they could not if the tool's tokens (log-prob
-    0 from the generator) were among them: the negative control marks every token as the model's and the same check
-    fails by whole nats. Padded and packed (--packing_samples)."""
+    0 from the generator) were among them: the negative control (one step) marks every token as the model's and the
+    same check fails by whole nats. Padded and packed (--packing_samples), each with its control."""
     env = tmp_path / "tool_env.py"
     env.write_text(TOOL_ENV)
     extra = ["--packing_samples"] if packing else []
@@ -234,8 +238,6 @@ def test_two_turn_tool_trajectories_train_on_the_models_tokens_only(ppo_setup, t
         assert 0.5 < s["agent/env_tokens_share"] < 1, s  # the tool's answer among 2 x <= 3 tokens of the model's
         assert s["rollout_logprob_drift_max"] < 1e-4, s
         assert 1.0 <= s["reward_extra/second_len"] and 0.0 <= s["reward"] <= 1.0, s
-    if packing:
-        return
     from rlhf.agents import rollout as agent_rollout
 
     real = agent_rollout.AgentRollout._sample
@@ -246,8 +248,9 @@ def test_two_turn_tool_trajectories_train_on_the_models_tokens_only(ppo_setup, t
         return smp
 
     monkeypatch.setattr(agent_rollout.AgentRollout, "_sample", every_token_the_models)
-    bad, _ = _agent_run(ppo_setup, tmp_path / "control", monkeypatch, capsys, str(env), **{"--max_len": "96"})
-    assert all(s["rollout_logprob_drift_max"] > 1.0 for s in bad.values()), bad
+    bad, _ = _agent_run(ppo_setup, tmp_path / "control", monkeypatch, capsys, str(env), *extra, "--stop_after_steps",
+                        "1", **{"--max_len": "96"})  # one step: the drift is measured before the first update
+    assert sorted(bad) == [1] and bad[1]["rollout_logprob_drift_max"] > 1.0, bad  # measured: 6.11 (both)
 
 
 def test_environment_failures_are_counted_then_stop_the_job(ppo_setup, tmp_path, monkeypatch, capsys):
