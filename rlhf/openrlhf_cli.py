@@ -45,16 +45,26 @@ def refuse(why: str, arity: int | str = 1) -> Flag:
     return Flag(refuse=why, arity=arity)
 
 
-DS_ONLY = "a DeepSpeed setting; megatron-core's own runtime has no such knob"
 RAY = "Ray placement: every role is on every rank of the one job here"
+MUON = ("Muon is not available (Adam only): megatron-core 0.16.1's own Muon (megatron/core/optimizer/muon.py) needs "
+        "NVIDIA's emerging_optimizers, whose only release, 0.3.0, requires Python >= 3.12 (it imports "
+        "typing.override; this environment runs 3.11) and has another API than megatron-core 0.16.1 calls "
+        "(OrthogonalizedOptimizer(nesterov=...) and newton_schulz_tp(tp_mode=...) where muon.py passes use_nesterov= "
+        "and mode=)")
+"""Why --optim muon and the --muon.* flags are refused (tests/test_openrlhf_cli.py checks that it still holds)."""
 
 COMMON: dict[str, Flag] = {
     "--ckpt.output_dir": to("--save_path"), "--ckpt.save_steps": to("--save_steps"),
     "--ckpt.path": to("--ckpt_path"), "--ckpt.max_num": to("--max_ckpt_num"),
     "--ckpt.load_enable": to("--load_checkpoint", 0),
-    "--ckpt.save_hf": ignore("the final model is always exported in HF format", 0),
-    "--ckpt.disable_ds": ignore("checkpoints are megatron's distributed checkpoints", 0),
-    "--ckpt.max_mem": ignore("checkpoints are counted (--max_ckpt_num), not sized"),
+    "--ckpt.save_hf": ignore("HF weights at each save: the final model is always exported in HF format here and "
+                             "a checkpoint in between converts with tools/convert_megatron_to_hf.py; what is "
+                             "trained is the same", 0),
+    "--ckpt.disable_ds": ignore("it skips OpenRLHF's DeepSpeed checkpoints; there are none here (checkpoints are "
+                                "megatron's distributed ones, written at --save_steps); what is trained is the same",
+                                0),
+    "--ckpt.max_mem": ignore("a disk budget for keeping old checkpoints; here they are pruned by count "
+                             "(--max_ckpt_num); what is trained is the same"),
     "--ckpt.best_metric_key": refuse("keeping the best checkpoint by a metric is not supported; --max_ckpt_num keeps "
                                      "the latest"),
     "--ds.use_universal_ckpt": ignore("megatron's distributed checkpoints load at any layout already", 0),
@@ -65,15 +75,25 @@ COMMON: dict[str, Flag] = {
     "--eval.steps": to("--eval_steps"), "--eval.dataset": to("--eval_dataset"),
     "--train.micro_batch_size": to("--micro_train_batch_size"), "--train.batch_size": to("--train_batch_size"),
     "--train.max_epochs": to("--max_epochs"), "--train.seed": to("--seed"),
-    "--train.full_determinism_enable": ignore("runs are deterministic on CPU already; CUDA kernels as chosen", 0),
-    "--ds.zero_stage": to("--zero_stage"), "--ds.zpg": ignore(DS_ONLY), "--ds.deepcompile": ignore(DS_ONLY, 0),
-    "--ds.overlap_comm": ignore(DS_ONLY, 0), "--ds.grad_accum_dtype": ignore(DS_ONLY),
+    "--train.full_determinism_enable": ignore("on CPU a run is bit-reproducible already (a resumed run equals an "
+                                              "uninterrupted one bit for bit, tests/ppo/test_ppo_e2e.py); on CUDA "
+                                              "it is not honoured: the kernels run as chosen", 0),
+    "--ds.zero_stage": to("--zero_stage"),
+    "--ds.zpg": ignore("ZeRO++'s hierarchical partitioning, a DeepSpeed communication layout: the values computed "
+                       "are the same"),
+    "--ds.deepcompile": ignore("DeepSpeed's compiler: the values computed are the same", 0),
+    "--ds.overlap_comm": ignore("DeepSpeed's overlap of communication and compute: the values computed are the "
+                                "same", 0),
+    "--ds.grad_accum_dtype": Flag(arity=1, value_map=(("fp32", []), ("float32", [])),
+                                  other="gradients accumulate in fp32 here (megatron's main_grad buffers)"),
     "--ds.param_dtype": Flag(arity=1, value_map=(("bf16", ["--bf16"]), ("fp32", []), ("float32", []))),
     "--ds.attn_implementation": Flag(arity=1, value_map=(("flash_attention_2", ["--flash_attn"]),
                                                          ("flash_attention_3", ["--flash_attn"]), ("sdpa", []),
                                                          ("eager", []))),
-    "--ds.experts_implementation": ignore("MoE experts run megatron-core's grouped layers"),
-    "--ds.use_liger_kernel": ignore("the project's own fused kernels run (kernels/)", 0),
+    "--ds.experts_implementation": ignore("which HF kernel runs MoE experts: here megatron-core's expert layers "
+                                          "compute the same function"),
+    "--ds.use_liger_kernel": ignore("fused kernels of the same functions: the project's own run here "
+                                    "(kernels/), each tested against its torch reference", 0),
     "--ds.tensor_parallel_size": to("--tensor_model_parallel_size"),
     "--ds.ring_attn_size": to("--context_parallel_size"),
     "--ds.ring_attn_head_stride": ignore("ring attention's head stride: context parallelism here all-gathers the "
@@ -81,9 +101,13 @@ COMMON: dict[str, Flag] = {
     "--ds.load_in_4bit": refuse("4-bit (QLoRA) base weights are not supported; train LoRA on bf16 weights", 0),
     "--ds.lora.rank": to("--lora_rank"), "--ds.lora.alpha": to("--lora_alpha"),
     "--ds.lora.target_modules": to("--target_modules", "*"), "--ds.lora.dropout": to("--lora_dropout"),
-    "--ds.packing_samples": to("--packing_samples", 0), "--ds.adam_offload": ignore(DS_ONLY, 0),
-    "--data.disable_fast_tokenizer": ignore("the tokenizer is loaded as transformers chooses", 0),
-    "--data.dataloader_num_workers": ignore("data are tokenized up front"),
+    "--ds.packing_samples": to("--packing_samples", 0),
+    "--ds.adam_offload": ignore("DeepSpeed's CPU Adam: where the optimizer states live, not what they compute", 0),
+    "--data.disable_fast_tokenizer": refuse("the slow tokenizer is not supported: transformers' default (the fast "
+                                            "one where the folder has it) is loaded, and the two may split some "
+                                            "texts differently; drop the flag", 0),
+    "--data.dataloader_num_workers": ignore("loader processes: data are tokenized up front here, in the same "
+                                           "order"),
     "--data.max_samples": to("--max_samples"), "--data.input_key": to("--input_key"),
     "--data.input_template": to("--input_template"), "--data.apply_chat_template": to("--apply_chat_template", 0),
     "--data.tokenizer_chat_template": refuse("a chat template given on the command line is not supported; put it in "
@@ -95,19 +119,21 @@ COMMON: dict[str, Flag] = {
     "--model.model_name_or_path": to("--pretrain"), "--actor.model_name_or_path": to("--pretrain"),
     "--model.gradient_checkpointing_enable": to("--gradient_checkpointing", 0),
     "--actor.gradient_checkpointing_enable": to("--gradient_checkpointing", 0),
-    "--model.gradient_checkpointing_reentrant": ignore("megatron recomputes its own way", 0),
-    "--actor.gradient_checkpointing_reentrant": ignore("megatron recomputes its own way", 0),
+    "--model.gradient_checkpointing_reentrant": ignore("how activations are recomputed (--gradient_checkpointing: "
+                                                       "megatron's own way); the values are the same", 0),
+    "--actor.gradient_checkpointing_reentrant": ignore("how activations are recomputed (--gradient_checkpointing: "
+                                                       "megatron's own way); the values are the same", 0),
     "--model.aux_loss_coef": to("--aux_loss_coef"),
-    "--optim": Flag(arity=1, value_map=(("adam", []),)),
+    "--optim": Flag(arity=1, value_map=(("adam", []),), other=MUON),
     "--adam.lr": to("--learning_rate"), "--adam.betas": to("--adam_betas", 2), "--adam.weight_decay": to("--l2"),
     "--adam.eps": Flag(arity=1, value_map=(("1e-08", []), ("1e-8", []))),
     "--min_lr_ratio": Flag(arity=1, value_map=(("0.1", []),)),
     "--use_ms": refuse("ModelScope downloads are not supported; pass a local folder", 0),
 }
 for _k in ("lr", "momentum", "ns_steps"):
-    COMMON[f"--muon.{_k}"] = refuse("the Muon optimizer is not supported here (Adam only)")
-COMMON["--muon.nesterov"] = refuse("the Muon optimizer is not supported here (Adam only)", 0)
-COMMON["--muon.no_nesterov"] = refuse("the Muon optimizer is not supported here (Adam only)", 0)
+    COMMON[f"--muon.{_k}"] = refuse(MUON)
+COMMON["--muon.nesterov"] = refuse(MUON, 0)
+COMMON["--muon.no_nesterov"] = refuse(MUON, 0)
 
 SFT = {**COMMON, "--data.output_key": to("--output_key"), "--model.pretrain_mode_enable": to("--pretrain_mode", 0),
        "--data.multiturn": refuse("multi-turn SFT loss on every assistant turn is not supported; use --output_key "
@@ -132,9 +158,11 @@ PPO = {**COMMON,
        "--reward.normalize_enable": to("--normalize_reward", 0),
        "--reward.clip_range": to("--reward_clip_range", 2),
        "--critic.value_clip": to("--value_clip"), "--critic.freezing_steps": Flag(arity=1, value_map=(("-1", []),)),
-       "--critic.save_value_network": ignore("the critic is in every checkpoint", 0),
+       "--critic.save_value_network": ignore("an HF copy of the critic at the end: here the critic is in every "
+                                             "checkpoint (megatron format); what is trained is the same", 0),
        "--ref.offload": to("--ref_reward_offload", 0), "--reward.offload": to("--ref_reward_offload", 0),
-       "--ds.enable_sleep": ignore("offload is planned per phase (--ref_reward_offload, --adam_offload)", 0),
+       "--ds.enable_sleep": ignore("memory between phases: here offload is planned per phase "
+                                   "(--ref_reward_offload, --adam_offload); the values are the same", 0),
        "--ds.adam_offload": to("--adam_offload", 0), "--ds.value_head_prefix": Flag(arity=1,
                                                                                    value_map=(("score", []),)),
        "--train.colocate_all": to("--colocate_all", 0),
@@ -144,20 +172,26 @@ PPO = {**COMMON,
        "--train.num_episodes": to("--num_episodes"),
        "--train.async_enable": refuse("asynchronous rollouts are not supported: the job alternates generation and "
                                       "training on every rank", 0),
-       "--train.async_queue_size": ignore("asynchronous rollouts are not supported"),
+       "--train.async_queue_size": ignore("it sizes the queue of asynchronous rollouts, which are refused "
+                                          "(--train.async_enable)"),
        "--train.partial_rollout_enable": refuse("partial rollouts need asynchronous training, not supported", 0),
        "--vllm.num_engines": to("--vllm_num_engines"), "--vllm.tensor_parallel_size": to("--vllm_tensor_parallel_size"),
        "--vllm.gpu_memory_utilization": to("--vllm_gpu_memory_utilization"),
        "--vllm.enforce_eager": to("--vllm_enforce_eager", 0),
-       "--vllm.enable_sleep": ignore("vLLM sleeps between rollouts on CUDA already", 0),
+       "--vllm.enable_sleep": ignore("memory between rollouts: vLLM sleeps between them on CUDA already (and "
+                                     "frees its weights on CPU)", 0),
        "--vllm.sync_backend": ignore("weights reach vLLM inside each process, without a transfer group"),
        "--vllm.sync_with_ray": ignore(RAY, 0),
        "--vllm.enable_prefix_caching": to("--vllm_enable_prefix_caching", 0),
        "--rollout.batch_size": to("--rollout_batch_size"), "--rollout.micro_batch_size": to("--micro_rollout_batch_size"),
        "--rollout.n_samples_per_prompt": to("--n_samples_per_prompt"), "--rollout.max_new_tokens": to("--generate_max_len"),
        "--rollout.temperature": to("--temperature"), "--rollout.top_p": to("--top_p"),
-       "--rollout.max_tokens_per_gpu": ignore("the experience forwards use --train.max_tokens_per_gpu"),
-       "--rollout.vllm_generate_batch_size": ignore("each rollout is one batched generate call"),
+       "--rollout.max_tokens_per_gpu": ignore("how experience forwards are batched: they use "
+                                              "--train.max_tokens_per_gpu here; the values are the same"),
+       "--rollout.vllm_generate_batch_size": ignore("how generation is chunked: each rollout is one batched "
+                                                    "generate call here, each prompt with its own seed, so the "
+                                                    "samples do not depend on the chunking (larger values need "
+                                                    "asynchronous training, refused)"),
        "--train.max_tokens_per_gpu": to("--max_tokens_per_gpu"),
        "--actor.eps_clip": to("--eps_clip"), "--actor.policy_loss_type": to("--policy_loss_type"),
        "--actor.entropy_coef": to("--entropy_coef"), "--actor.dual_clip": to("--dual_clip"),
@@ -188,13 +222,13 @@ for _role in ("actor", "critic", "ref", "reward"):
     PPO[f"--{_role}.num_nodes"] = to(f"--{_role}_num_nodes")
     PPO[f"--{_role}.num_gpus_per_node"] = to(f"--{_role}_num_gpus_per_node")
 for _role in ("actor", "critic"):
-    PPO[f"--{_role}.optim"] = Flag(arity=1, value_map=(("adam", []),))
+    PPO[f"--{_role}.optim"] = Flag(arity=1, value_map=(("adam", []),), other=MUON)
     PPO[f"--{_role}.adam.eps"] = Flag(arity=1, value_map=(("1e-08", []), ("1e-8", [])))
     PPO[f"--{_role}.min_lr_ratio"] = Flag(arity=1, value_map=(("0.1", []),))
     for _k in ("lr", "momentum", "ns_steps"):
-        PPO[f"--{_role}.muon.{_k}"] = refuse("the Muon optimizer is not supported here (Adam only)")
-    PPO[f"--{_role}.muon.nesterov"] = refuse("the Muon optimizer is not supported here (Adam only)", 0)
-    PPO[f"--{_role}.muon.no_nesterov"] = refuse("the Muon optimizer is not supported here (Adam only)", 0)
+        PPO[f"--{_role}.muon.{_k}"] = refuse(MUON)
+    PPO[f"--{_role}.muon.nesterov"] = refuse(MUON, 0)
+    PPO[f"--{_role}.muon.no_nesterov"] = refuse(MUON, 0)
 CRITIC_OPTIM = {"adam.betas": ("--critic_adam_betas", ("0.9", "0.95")), "adam.weight_decay": ("--critic_l2", ("0",)),
                 "lr_scheduler": ("--critic_lr_scheduler", ("cosine_with_min_lr",)),
                 "lr_warmup_ratio": ("--critic_lr_warmup_ratio", ("0.03",)), "max_norm": ("--critic_max_norm", ("1.0",))}
