@@ -203,6 +203,11 @@ def _into_main_grad(w: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor) -> torc
         return None
     mg.addmm_(g2.t(), x2)
     w.grad_added_to_main_grad = True
+    # megatron-core 0.16.1 marks an LM head tied to the embedding on the same stage zero_out_wgrad: the lookup's
+    # gradient reaches .grad through autograd, summed with this placeholder, and DDP's hook adds that sum to
+    # main_grad. An uninitialized placeholder there gave tied bf16 models NaN grad norms; megatron's own is zeros.
+    if getattr(w, "zero_out_wgrad", False):
+        return torch.zeros(w.shape, dtype=w.dtype)
     return torch.empty(w.shape, dtype=w.dtype)
 
 

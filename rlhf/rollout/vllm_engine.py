@@ -138,6 +138,10 @@ class VLLMRollout:
         with keep_torch_rng():
             self.llm = LLM(**kwargs)
         self.release_on_cpu = cfg.enable_sleep_mode and not on_cuda
+        if cfg.enable_prefix_caching and mesh.is_rank0:  # vLLM turns it off for some models (MLA on CPU)
+            on = self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+            log.info("vLLM prefix caching (--vllm_enable_prefix_caching): %s", "on, reset at every weight sync" if on
+                     else "off: vLLM turned it off for this model")
         if mesh.is_rank0:
             log.info("vLLM %d engine(s) x TP %d (external_launcher, %s%s, %s) ready in %.1f s; sleep mode %s",
                      self.num_engines, self.tp, cfg.dtype, f": {cfg.dtype_reason}" if cfg.dtype_reason else "",

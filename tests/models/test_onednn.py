@@ -167,3 +167,24 @@ def test_bounded_caches_keep_new_shapes_from_growing_memory(monkeypatch):
         assert out.returncode == 0, out.stderr[-2000:]
         grown[arm] = float(out.stdout.split()[-1])
     assert grown["bounded"] < 32 and grown["default"] > 100, grown  # measured: 0.6 and 193 MB
+
+
+@pytest.mark.parametrize("fn,dtype", [(onednn.MainGradLinear, torch.float32), (onednn.Fp32GemmLinear, torch.bfloat16)])
+def test_tied_weight_placeholder_is_zeros(fn, dtype, monkeypatch):
+    """An LM head tied to the embedding (megatron's ``zero_out_wgrad``): its ``.grad`` is the placeholder plus the
+    lookup's gradient, which DDP's hook adds to ``main_grad``, so the placeholder must be zeros. Before: an
+    uninitialized tensor, and a tied SmolLM2-style model trained in bf16 on CPU skipped every update (NaN grad
+    norm) under the default bf16-by-fp32-GEMM path."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(7, 12, generator=gen).to(dtype).requires_grad_()
+    w.main_grad, w.grad_added_to_main_grad, w.zero_out_wgrad = torch.zeros(7, 12), False, True
+    ids = torch.tensor([1, 3, 3])
+    h = torch.nn.functional.embedding(ids, w)  # (3, 12): the lookup
+    x = torch.randn(4, 12, generator=gen).to(dtype)
+    g = torch.randn(4, 7, generator=gen).to(dtype)
+    with monkeypatch.context() as m:  # uninitialized memory at its worst (fresh small blocks are often zeros)
+        m.setattr(torch, "empty", lambda shape, dtype=None: torch.full(shape, float("nan"), dtype=dtype))
+        (fn.apply(x, w, None) * g).sum().add(h.float().sum()).backward()
+    lookup = torch.zeros(7, 12, dtype=dtype).index_add_(0, ids, torch.ones(3, 12, dtype=dtype))
+    assert torch.equal(w.grad, lookup)  # the placeholder added nothing
+    torch.testing.assert_close(w.main_grad.double(), g.double().T @ x.double(), atol=1e-5, rtol=1e-5)
