@@ -1,6 +1,7 @@
 """DPO with context parallelism, and checkpoints across CP sizes (CP does not shard parameters): steps 1-2 at CP2
 on 2 ranks equal one rank at CP1 (the same data-parallel size), a CP2 checkpoint resumes at CP1 and a CP1
-checkpoint at CP2, each continuing as the CP1 run does."""
+checkpoint at CP2, each continuing as the CP1 run does. Negative control: the log-probs' gradient counted on both CP
+ranks (tests/_cp_counted_twice.py) doubles the grad norm."""
 import os
 import shutil
 
@@ -23,8 +24,9 @@ def test_dpo_cp2_equals_cp1_and_checkpoints_cross_cp_sizes(pref_setup, tmp_path)
     base = ["--pretrain", pref_setup["model"], "--ref_pretrain", ref, "--dataset", pref_setup["pref"],
             "--max_samples", "160", "--max_epochs", "1", "--learning_rate", "3e-3", "--beta", "1.0"]
 
-    def run(name, cp, **kw):
-        p = run_torchrun(DPO, cp, base + ["--context_parallel_size", str(cp)] + flags(str(tmp_path / name), **kw))
+    def run(name, cp, launcher=(DPO,), **kw):
+        p = run_torchrun(launcher[0], cp, [*launcher[1:]] + base + ["--context_parallel_size", str(cp)] +
+                         flags(str(tmp_path / name), **kw))
         assert p.returncode == 0, tail(p)
         return p, read_metrics_jsonl(os.path.join(str(tmp_path / name), "metrics.jsonl"), "dpo")
 
@@ -48,3 +50,11 @@ def test_dpo_cp2_equals_cp1_and_checkpoints_cross_cp_sizes(pref_setup, tmp_path)
     for s, got in [(1, cp2), (2, cp2), (3, cp2_to_1), (4, cp2_to_1), (3, cp1_to_2), (4, cp1_to_2)]:
         for k, t in KEYS.items():
             assert got[s][k] == pytest.approx(cp1[s][k], abs=t), (s, k, cp1[s], got[s])
+    # Negative control, one step: the CP readers' gradient counted on both CP ranks (tests/_cp_counted_twice.py,
+    # the backward of the log-probs' gather all-reduced) fails the same check on the grad norm, twice CP1's
+    # (measured: 6.1293 against 3.0647, bound abs 1e-4), while the forward's loss still agrees (3.6e-7)
+    _, twice = run("twice", 2, launcher=(os.path.join(REPO, "tests/_cp_counted_twice.py"), DPO),
+                   **{"--stop_after_steps": 1})
+    assert twice[1]["loss"] == pytest.approx(cp1[1]["loss"], abs=KEYS["loss"]), (cp1[1], twice[1])
+    assert twice[1]["grad_norm"] != pytest.approx(cp1[1]["grad_norm"], abs=KEYS["grad_norm"]), (cp1[1], twice[1])
+    assert twice[1]["grad_norm"] == pytest.approx(2 * cp1[1]["grad_norm"], rel=1e-3), (cp1[1], twice[1])
