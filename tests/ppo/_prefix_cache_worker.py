@@ -22,6 +22,9 @@ from rlhf.ppo.stages import sampled_logprob_drift  # noqa: E402
 from rlhf.rollout import RolloutConfig, build_rollout, shutdown  # noqa: E402
 from rlhf.rollout.weight_sync import WeightSync  # noqa: E402
 
+from rlhf.metrics import setup_logging  # noqa: E402
+
+setup_logging(0)
 actor_dir = sys.argv[1]
 mesh = initialize_mesh(1, 1, DistEnv.from_environ(), seed=5)
 actor = ModelEngine(mesh, actor_dir, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor")

@@ -22,3 +22,4 @@ def test_prefix_cache_is_reset_by_every_weight_sync(ppo_setup):
     assert r["enabled"], r
     assert r["first"] <= 1e-4 and r["after_sync"] <= 1e-4, r
     assert r["without_reset"] > 1e-3, r  # the cache was used: without the reset it serves stale blocks
+    assert "vLLM prefix caching (--vllm_enable_prefix_caching): on, reset at every weight sync" in p.stdout + p.stderr
