@@ -73,12 +73,14 @@ def test_a_launch_past_the_deadline_is_not_run_and_results_come_back(gc, tmp_pat
 
 
 def test_a_fail_line_carries_the_traceback(gc, tmp_path):
-    """A failing launch's FAIL line quotes the end of the rank's traceback (not torchrun's, printed after it) and
-    the log's last lines; a check that raises quotes its own traceback."""
-    crash = tmp_path / "rank.py"  # a rank's traceback on stderr, then the launcher's own
+    """A failing launch's FAIL line quotes the end of the rank's traceback, its error line and its last lines, and
+    of torchrun's report after them only the exit code; a check that raises quotes its own traceback."""
+    crash = tmp_path / "rank.py"  # a rank's traceback and error line, then torchrun's own report
     crash.write_text("import sys, traceback\ndef step():\n    return 1 / 0\ntry:\n    step()\nexcept Exception:\n"
-                     "    traceback.print_exc()\n"
-                     "print('Traceback (most recent call last):\\n  File \"run.py\"\\nChildFailedError: launcher')\n"
+                     "    traceback.print_exc()\n    print('error: step 1 failed', file=sys.stderr)\n"
+                     "print('rank output ' * 3, flush=True)\n"
+                     "print('Traceback (most recent call last):\\n  File \"torch/distributed/run.py\"\\n'\n"
+                     "      'ChildFailedError: \\n  rank : 0\\n  exitcode : 1 (pid: 7)\\n=====')\n"
                      "sys.exit(1)\n")
 
     def failing(c):
@@ -93,7 +95,8 @@ def test_a_fail_line_carries_the_traceback(gc, tmp_path):
     assert rc == 1
     block = summary[summary.index("FAIL failing"):summary.index("FAIL raising")]
     assert "    | ZeroDivisionError: division by zero" in block and "return 1 / 0" in block, block
-    assert "    | ChildFailedError: launcher" in block  # the log's last lines
+    assert "    | error: step 1 failed" in block and "    | rank output" in block, block
+    assert "    |   exitcode : 1 (pid: 7)" in block and "ChildFailedError" not in block, block  # torchrun's, cut
     assert "    | KeyError: 'no such metric'" in summary[summary.index("FAIL raising"):]
     assert figures["checks"]["failing"]["status"] == "FAIL" and figures["checks"]["failing"]["rc"] == 1
     assert "ZeroDivisionError" in tails

@@ -77,22 +77,34 @@ class OutOfTime(Exception):
 
 # ------------------------------------------------------------------------------------------------ reporting
 def failure_excerpt(text: str, traceback_lines: int = 14, last_lines: int = 8) -> list[str]:
-    """The lines of a failing log worth reading inline: the end of its first traceback (the rank's own; torchrun's
-    follows it) up to the exception line, then the log's last lines, ``...`` where lines are left out."""
+    """The lines of a failing launch's log worth reading inline, ``...`` where lines are left out: the end of the
+    rank's first traceback (up to its exception line), the trainer's ``error:`` lines and the last lines the rank
+    wrote, all before torchrun's own report (a traceback of its launcher, ``ChildFailedError``), of which only the
+    ``exitcode`` line is kept."""
     lines = [ln[:400] for ln in text.splitlines()]
-    picked: list[int] = []
-    start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("Traceback (most recent call last)")),
-                 None)
-    if start is not None:
-        end = start + 1  # the frames are indented; the exception line is the first that is not
+
+    def block_end(start: int) -> int:  # the frames are indented; the exception line is the first that is not
+        end = start + 1
         while end < len(lines) and (lines[end][:1] in (" ", "\t") or not lines[end].strip()):
             end += 1
-        block = list(range(start, min(end + 1, len(lines))))
-        picked = block if len(block) <= traceback_lines else [block[0]] + block[-(traceback_lines - 1):]
-    picked += [i for i in range(max(len(lines) - last_lines, 0), len(lines)) if not picked or i > picked[-1]]
-    out: list[str] = []
-    for j, i in enumerate(picked):
-        if j and i != picked[j - 1] + 1:
+        return min(end, len(lines) - 1)
+
+    starts = [i for i, ln in enumerate(lines) if ln.lstrip().startswith("Traceback (most recent call last)")]
+    launcher = next((i for i in starts if any("ChildFailedError" in ln or "torch/distributed/run.py" in ln
+                                              for ln in lines[i:block_end(i) + 1])), None)
+    body = launcher if launcher is not None else len(lines)
+    picked: set[int] = set()
+    rank_tb = next((i for i in starts if i < body), None)
+    if rank_tb is not None:
+        block = list(range(rank_tb, block_end(rank_tb) + 1))
+        picked.update(block if len(block) <= traceback_lines else [block[0]] + block[-(traceback_lines - 1):])
+    picked.update(i for i in range(body) if lines[i].startswith("error:"))
+    picked.update(range(max(body - last_lines, 0), body))
+    if launcher is not None:
+        picked.update(i for i in range(launcher, len(lines)) if lines[i].strip().startswith("exitcode"))
+    order, out = sorted(picked), []
+    for before, i in zip([None] + order[:-1], order):
+        if before is not None and i != before + 1:
             out.append("...")
         out.append(lines[i])
     return out
@@ -501,8 +513,13 @@ def _kernels(c: Check) -> None:
     def report(name: str, ok: bool, detail: str, figures: dict | None = None) -> None:
         c.report.add(name, ok, detail, figures)
 
-    gpu_check_kernels.check_logprobs(report)
-    gpu_check_kernels.check_varlen_attention(report)
+    import torch
+
+    try:
+        gpu_check_kernels.check_logprobs(report)
+        gpu_check_kernels.check_varlen_attention(report)
+    finally:  # the launches after this one get the whole GPU, not what this process's allocator keeps cached
+        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------------------------------- main
