@@ -169,8 +169,7 @@ def test_first_difference_and_message():
     assert first_difference([same, {"a": "1", "b": "2", "c": "x"}]) == ("c", [None, "x"])
 
 
-LAUNCHERS = ["launch/slurm/ppo.sbatch", "launch/slurm/sft.sbatch", "launch/slurm/rm.sbatch",
-             "launch/mpirun_ppo.sh", "launch/mpirun_sft.sh", "launch/mpirun_rm.sh"]
+LAUNCHERS = ["launch/slurm/ppo.sbatch", "launch/slurm/sft.sbatch", "launch/slurm/rm.sbatch", "launch/mpirun.sh"]
 
 
 @pytest.mark.parametrize("path", LAUNCHERS)
@@ -187,5 +186,15 @@ def test_launcher_scripts(path):
     if "mpirun" in path:
         for name, _ in exports:
             assert f"-x {name}" in text, f"{path}: mpirun does not forward {name} to other nodes"
-    entry = os.path.basename(path).split(".")[0].replace("mpirun_", "")
+    entry = "$NAME" if path.endswith("mpirun.sh") else os.path.basename(path).split(".")[0]
     assert f"{entry}.py" in text
+
+
+@pytest.mark.parametrize("name", ["sft", "rm", "ppo"])
+def test_mpirun_wrappers_run_the_one_launcher(name):
+    """launch/mpirun_{sft,rm,ppo}.sh (the names users call) hand their flags to launch/mpirun.sh with their entry
+    point's name, and nothing else (test_mpirun_matches_torchrun runs one of them end to end)."""
+    path = os.path.join(REPO, f"launch/mpirun_{name}.sh")
+    assert subprocess.run(["bash", "-n", path], capture_output=True).returncode == 0
+    lines = [ln for ln in open(path).read().splitlines() if ln and not ln.startswith("#")]
+    assert lines == ["set -euo pipefail", f'exec bash "$(dirname "$0")/mpirun.sh" {name} "$@"'], lines
