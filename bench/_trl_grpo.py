@@ -14,7 +14,8 @@ import argparse
 import json
 import os
 import sys
-import time
+
+from _trl_timing import step_timer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +41,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import transformers
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, REPO)
@@ -70,22 +70,10 @@ def main() -> None:
     times: list[float] = []
     logged: list[dict] = []
 
-    class Timer(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            now = time.perf_counter()
-            times.append(now - self.t)
-            self.t = now
-
-        def on_log(self, _args, state, control, logs=None, **k):
-            if logs and "reward" in logs:
-                logged.append({"step": state.global_step, **{k2: v for k2, v in logs.items()
-                                                               if isinstance(v, (int, float))}})
-
+    timer = step_timer(times, logged, "reward", record=lambda logs, step: {
+        "step": step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}})
     trainer = GRPOTrainer(model=args.model, reward_funcs=[exact_answer], args=cfg, train_dataset=train,
-                          callbacks=[Timer()])
+                          callbacks=[timer])
     trainer.train()
     if args.save:
         trainer.model.save_pretrained(args.save)

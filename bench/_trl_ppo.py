@@ -14,6 +14,8 @@ import os
 import resource
 import time
 
+from _trl_timing import step_timer
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -37,7 +39,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import transformers
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     transformers.logging.set_verbosity_error()
@@ -68,23 +70,11 @@ def main() -> None:
     logged: list[dict] = []
     phases = _time_trl_phases()  # per-step seconds by phase
 
-    class Timer(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            now = time.perf_counter()
-            times.append(now - self.t)
-            self.t = now
-            phases.end_step(times[-1])
-
-        def on_log(self, _args, state, control, logs=None, **k):
-            if logs and "objective/scores" in logs:
-                logged.append(dict(logs, step=state.global_step))
+    timer = step_timer(times, logged, "objective/scores", on_step_end=phases.end_step)
 
     trainer = PPOTrainer(args=cfg, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=train, eval_dataset=train.select(range(args.batch)),
-                         callbacks=[Timer()])
+                         callbacks=[timer])
     trainer.train()
     out = {"system": "trl", "trl_version": __import__("trl").__version__,
            "transformers_version": transformers.__version__, "torch_threads": torch.get_num_threads(),
