@@ -176,3 +176,32 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# vLLM 0.32.0 (CPU): a linear layer's ``weight`` is emptied once its GEMM is prepacked; read it back through the GEMM.
+def read_engine_weights(model) -> dict[str, torch.Tensor]:
+    """Every weight this engine rank computes with, as vLLM names it (its TP shard, its dtype), read back from the
+    live model: ``<module>.weight`` is what the layer multiplies by. A layer with a prepacked CPU GEMM
+    (``cpu_linear``: every linear layer, whose ``weight`` parameter is then empty, and the LM head) is read
+    through that GEMM: ``cpu_linear(I, ...)`` returns ``W^T`` exactly, since each output is one product with 1.0
+    summed with zeros. Other parameters (embedding, norms) are read as they are; where the layer also keeps a
+    non-empty ``weight`` beside its packed copy (the embedding, a tied head), that parameter comes as
+    ``<module>.weight.param``. Runs inside the engine (``LLM.apply_model``); returns CPU copies."""
+    out: dict[str, torch.Tensor] = {}
+    packed = set()
+    for name, module in model.named_modules():
+        fn = getattr(module, "cpu_linear", None)
+        w = getattr(module, "weight", None)
+        if fn is None or not isinstance(w, torch.Tensor) or w.is_meta:
+            continue
+        k = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
+        eye = torch.eye(int(k), dtype=module.params_dtype if hasattr(module, "params_dtype") else w.dtype)
+        with torch.no_grad():
+            out[f"{name}.weight"] = fn(eye, w, None).t().contiguous()  # (N_local, K)
+        if w.numel():
+            out[f"{name}.weight.param"] = w.detach().clone()
+        packed.add(f"{name}.weight")
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name not in packed and p.numel() and not p.is_meta:
+            out[name] = p.detach().clone()
+    return out

@@ -111,7 +111,9 @@ class VLLMRollout:
     reads_actor_params = False
     name = "vllm"
 
-    def __init__(self, mesh, actor, cfg: RolloutConfig, hf_dir: str):
+    def __init__(self, mesh, actor, cfg: RolloutConfig, hf_dir: str, load_format: str = "dummy"):
+        """``load_format``: ``dummy`` (the trainer's weights come by weight sync); ``auto`` loads ``hf_dir``'s own
+        weights, as a plain vLLM would (for checks against the synced engine, tools/check_bf16_drift.py)."""
         _export_launcher_env(mesh)
         from vllm import LLM
 
@@ -126,7 +128,7 @@ class VLLMRollout:
         kwargs = dict(model=hf_dir, tokenizer=hf_dir, tensor_parallel_size=self.tp,
                       distributed_executor_backend="external_launcher", dtype=cfg.dtype,
                       enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len, seed=cfg.seed,
-                      load_format="dummy", logprobs_mode="processed_logprobs",
+                      load_format=load_format, logprobs_mode="processed_logprobs",
                       enable_prefix_caching=cfg.enable_prefix_caching)
         if self.num_engines > 1:
             kwargs["data_parallel_size"] = self.num_engines
@@ -193,6 +195,12 @@ class VLLMRollout:
                                "previous weights would be reused")
         self.version = version
         self.needs_sync = False
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's engine weights as it computes with them (``rlhf.compat.vllm.read_engine_weights``)."""
+        from rlhf.compat.vllm import read_engine_weights
+
+        return self.llm.apply_model(read_engine_weights)[0]
 
     # ------------------------------------------------------------------------------------------- generation
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,

@@ -206,3 +206,63 @@ def _place_shard(name: str, shard: torch.Tensor, dim: int, rank: int, tp: int) -
         n = piece.shape[dim]
         block.narrow(dim, rank * n, n).copy_(piece)
     return full
+
+
+def engine_layout(hf: dict[str, torch.Tensor], spec, tp: int, rank: int, vocab_pad: int = 64
+                  ) -> dict[str, torch.Tensor]:
+    """The tensors vLLM rank ``rank`` of TP ``tp`` should hold for the full HF tensors ``hf``, under the names
+    ``rlhf.compat.vllm.read_engine_weights`` reads (a dense Llama-style model): q/k/v stacked per rank (KV heads
+    replicated when TP exceeds them), gate/up stacked, vocab rows padded to ``vocab_pad`` and split. Vocab shards
+    hold only their real rows (vLLM's padding rows are not compared). A tied head is the embedding."""
+    def cols(t: torch.Tensor) -> torch.Tensor:  # column-parallel: output rows split
+        return t.chunk(tp, 0)[rank]
+
+    def heads(t: torch.Tensor, n: int) -> torch.Tensor:  # n heads' rows; replicated when tp > n
+        return cols(t) if n >= tp else t.chunk(n, 0)[rank * n // tp]
+
+    per = -(-spec.vocab_size // vocab_pad) * vocab_pad // tp
+    lo, hi = rank * per, min((rank + 1) * per, spec.vocab_size)
+    out = {}
+    head = hf["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
+    for name, t in (("model.embed_tokens", hf["model.embed_tokens.weight"]), ("lm_head", head)):
+        out[f"{name}.weight"] = out[f"{name}.weight.param"] = t[lo:hi]
+    out["model.norm.weight"] = hf["model.norm.weight"]
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat([
+            heads(hf[p + "self_attn.q_proj.weight"], spec.num_attention_heads),
+            heads(hf[p + "self_attn.k_proj.weight"], spec.num_kv_heads),
+            heads(hf[p + "self_attn.v_proj.weight"], spec.num_kv_heads)])
+        out[p + "self_attn.o_proj.weight"] = hf[p + "self_attn.o_proj.weight"].chunk(tp, 1)[rank]
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([cols(hf[p + "mlp.gate_proj.weight"]),
+                                                        cols(hf[p + "mlp.up_proj.weight"])])
+        out[p + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"].chunk(tp, 1)[rank]
+        for lin in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            out[p + lin + ".weight.param"] = out[p + lin + ".weight"]  # a reload keeps the parameter too
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[p + norm + ".weight"] = hf[p + norm + ".weight"]
+    return out
+
+
+def compare_engine_weights(engine: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict:
+    """Bit-for-bit comparison of what an engine rank holds (``read_engine_weights``) with ``expected``
+    (``engine_layout``), each expected tensor cast to the engine tensor's dtype as vLLM's loader casts (``copy_``).
+    Returns {"compared": n, "mismatched": {name: (differing elements, max |diff|)}, "missing": [...],
+    "unexpected": [...]} (names the engine holds that nothing expects, e.g. another architecture's)."""
+    mismatched, missing = {}, []
+    for name, want in expected.items():
+        got = engine.get(name)
+        if got is None:
+            if not name.endswith(".param"):  # a parameter beside a packed copy may be empty: nothing to compare
+                missing.append(name)
+            continue
+        got = got[: want.shape[0]] if name.endswith(("embed_tokens.weight", "lm_head.weight")) or \
+            name.endswith(".weight.param") else got  # vocab shards: their real rows
+        want = want.to(got.dtype)
+        if got.shape != want.shape:
+            mismatched[name] = (-1, float("inf"))
+        elif not torch.equal(got, want):
+            d = (got.float() - want.float()).abs()
+            mismatched[name] = (int((d > 0).sum()), float(d.max()))
+    return {"compared": sum(n in engine for n in expected), "mismatched": mismatched, "missing": missing,
+            "unexpected": sorted(set(engine) - set(expected))}
