@@ -272,18 +272,22 @@ class Check:
         return os.path.join(self.out, label + ".log")
 
     def assets(self) -> dict[str, str]:
-        """A small Llama (head size 64: the real kernels run) and the bundled task's data; made once per work
-        folder (a warm machine keeps it between calls)."""
+        """A small Llama (head size 64: the real kernels run), its reward model, a small Mixtral and the bundled
+        task's data; made once per work folder (a warm machine keeps it between calls)."""
         if self._assets is None:
             done = os.path.join(self.out, "assets", "done.json")
             if os.path.exists(done):
                 with open(done) as f:
                     self._assets = json.load(f)
-            else:
+            if self._assets is None or not ASSETS <= set(self._assets):  # none yet, or an older check's
+                shutil.rmtree(os.path.join(self.out, "assets"), ignore_errors=True)
                 self._assets = make_assets(os.path.join(self.out, "assets"))
                 with open(done, "w") as f:
                     json.dump(self._assets, f)
         return self._assets
+
+
+ASSETS = {"tokenizer", "actor", "rm", "moe", "sft", "pref", "prompts"}
 
 
 def make_assets(out: str) -> dict[str, str]:
