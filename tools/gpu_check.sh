@@ -29,7 +29,8 @@
 #       "set -o pipefail; bash tools/gpu_check.sh --only resume_mfu --results $OUT 2>&1 | tee $OUT/check.log")
 #
 # (the tee keeps the lines coming if the call's limit kills the check; the reply's output_tail has them too). Copy
-# each call's 4 files into bench/results/gpu/<part>/ and give the machine back after the last call.
+# each call's 4 files to bench/results/gpu_<part>_<file> (files directly under bench/results are tracked, its
+# folders are ignored) and give the machine back after the last call.
 #
 # For a machine with Python 3.12 and torch preinstalled but no package registry: what it lacks comes as wheels in
 # ${RLHF_WHEELS:-tools/gpu_wheels} (ignored by git; about 20 MB), installed with --no-index --no-deps into a
