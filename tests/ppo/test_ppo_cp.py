@@ -14,9 +14,10 @@ KEYS = ("reward", "advantages_abs", "actor/policy_loss", "actor/approx_kl", "act
         "critic/value_loss", "critic/values", "critic/grad_norm", "kl", "entropy", "response_length")
 
 
-def run(setup, save, cp, *extra):
-    p = run_torchrun(PPO, cp, ppo_args(setup, save, **{"--stop_after_steps": 2, "--init_kl_coef": "0.05",
-                                                      "--vllm_tensor_parallel_size": 1}) +
+def run(setup, save, cp, *extra, steps=2, launcher=(PPO,)):
+    p = run_torchrun(launcher[0], cp, [*launcher[1:]] +
+                     ppo_args(setup, save, **{"--stop_after_steps": steps, "--init_kl_coef": "0.05",
+                                              "--vllm_tensor_parallel_size": 1}) +
                      ["--context_parallel_size", str(cp), *extra], timeout=900)
     assert p.returncode == 0, tail(p)
     from rlhf.metrics import read_metrics_jsonl
@@ -42,8 +43,21 @@ def test_ppo_at_cp2_matches_cp1(ppo_setup, cp1, tmp_path, packed):
     # turn fp32 reduction-order differences into whole steps. Measured (Intel Xeon with AMX, padded): largest
     # relative differences 6.4e-5 (critic values, step 1) and 1.5e-4 (step 2); the policy loss, a mean of
     # near-cancelling terms, 3.5e-5. Packed at CP2 against padded at CP1 passes the same bounds. Negative control:
-    # with the CP sum's backward doubling the gradient of the positions a rank holds (as an all-reduce in the
-    # backward would), both cases failed at step 1 on actor/policy_loss.
+    # test_cp_head_counted_twice_fails_the_same_check.
     for s in (1, 2):
         for k in keys:
             assert got[s][k] == pytest.approx(want[s][k], rel=5e-4, abs=1e-5), (s, k, want[s], got[s])
+
+
+def test_cp_head_counted_twice_fails_the_same_check(ppo_setup, cp1, tmp_path):
+    """Negative control of the test above, one padded step: the readers' CP sum with an all-reduce in its backward
+    (tests/_cp_counted_twice.py; each rank's gradient of the positions it holds doubled, the head counted on both
+    CP ranks) generates the same rollouts but fails the same bounds on both models' grad norms, which double."""
+    _, got = run(ppo_setup, str(tmp_path / "twice"), 2, steps=1,
+                 launcher=(os.path.join(REPO, "tests/_cp_counted_twice.py"), PPO))
+    want = cp1[1]
+    for k in ("reward", "advantages_abs", "response_length"):  # the same rollouts
+        assert got[1][k] == pytest.approx(want[k], rel=5e-4, abs=1e-5), (k, want, got[1])
+    for k in ("actor/grad_norm", "critic/grad_norm"):  # measured: actor 1.894 vs 0.944, critic 492.7 vs 246.4
+        assert got[1][k] != pytest.approx(want[k], rel=5e-4, abs=1e-5), (k, want, got[1])
+        assert got[1][k] == pytest.approx(2 * want[k], rel=1e-2), (k, want, got[1])
