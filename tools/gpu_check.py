@@ -381,13 +381,16 @@ def check_ppo(c: Check, prec: str) -> None:
     m = last_metrics(save, "ppo")
     phases = {k[len("time/"):]: round(v, 3) for k, v in m.items() if k.startswith("time/")}
     freed = offload_freed_gb(m)
+    peaks = {k[len("mem/"):-len("_peak_gb")]: round(v, 3) for k, v in m.items()
+             if k.startswith("mem/") and k.endswith("_peak_gb")}  # CUDA's per-phase peak (CPU: resident set)
     drift = m.get("rollout_logprob_drift_max", math.nan)
     ok = rc == 0 and math.isfinite(m.get("reward", math.nan)) and (bool(freed) or c.rehearse) and \
         drift <= (5e-2 if prec == "bf16" else 1e-3)
     c.report.add(f"{name}", ok, f"[{generator}] rc={rc} reward={m.get('reward')} drift_max={drift:.1e} phase "
-                 f"seconds {json.dumps(phases)} device GB freed per offload phase {json.dumps(freed)}",
-                 dict(rc=rc, generator=generator, reward=m.get("reward"), drift_max=drift, phase_s=phases,
-                      freed_gb=freed), c.log(name))
+                 f"seconds {json.dumps(phases)} device GB freed per offload phase {json.dumps(freed)} peak GB per "
+                 f"phase {json.dumps(peaks)}", dict(rc=rc, generator=generator, reward=m.get("reward"),
+                                                   drift_max=drift, phase_s=phases, freed_gb=freed, peak_gb=peaks),
+                 c.log(name))
 
 
 def check_resume(c: Check) -> None:
@@ -485,7 +488,8 @@ def check_mfu(c: Check) -> None:
     flops = train_flops_per_token(cfg, (shape["max_len"] + 1) / 2)  # every row is one 2048-token sequence
     name = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else "cpu"
     peak = bf16_peak_tflops(name)
-    m = mfu_of(steps, flops, peak, skip=2 if shape["steps"] > 3 else 0)
+    skip = 2 if shape["steps"] > 3 else 0
+    m = mfu_of(steps, flops, peak, skip=skip)
     figures = dict(rc=rc, device=name, peak_tflops=peak, flops_per_token=flops, tokens_per_step=shape["batch"] *
                    shape["max_len"], **m)
     if rc != 0 or not m:
@@ -493,8 +497,8 @@ def check_mfu(c: Check) -> None:
         return
     ok = c.rehearse or m["mfu"] >= MFU_BAR
     c.report.add("mfu", ok, f"{m['tokens_per_s']:.0f} tokens/s (median of {m['timed_steps']} steps after the "
-                 f"first 2), {flops / 1e9:.2f} GFLOP per token, MFU {m['mfu']:.3f} of {name}'s {peak} TFLOPS bf16 "
-                 f"peak (bar {MFU_BAR})", figures, c.log("mfu_bf16"))
+                 f"first {skip}), {flops / 1e9:.2f} GFLOP per token, MFU {m['mfu']:.3f} of {name}'s {peak} TFLOPS "
+                 f"bf16 peak (bar {MFU_BAR})", figures, c.log("mfu_bf16"))
 
 
 CHECKS: dict[str, Callable[[Check], None]] = {
