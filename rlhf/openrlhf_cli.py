@@ -299,7 +299,29 @@ def translate(argv: list[str], entry: str, known: set[str]) -> list[str]:
             continue
         out += [spec.ours, ",".join(vals)] if spec.arity == "*" else [spec.ours, *vals]  # '*': our comma list
     if entry == "ppo":
-        out += _critic_keeps_openrlhf_defaults(argv)
+        out += _critic_keeps_openrlhf_defaults(argv) + _openrlhf_defaults(argv)
+    return out
+
+
+OPENRLHF_PPO_DEFAULTS = (
+    (("--algo.kl.use_loss", "--use_kl_loss", "--no-use_kl_loss"), ("--no-use_kl_loss",),
+     "the KL in the reward for every estimator"),
+    (("--reward.clip_range", "--reward_clip_range"), ("--reward_clip_range", "-10", "10"), "rewards clipped to [-10, 10]"),
+)
+"""OpenRLHF's PPO defaults that differ from ours in what the flags above change: (the flags that set it, what
+OpenRLHF does without them, as ours, why). An OpenRLHF command line (one naming the actor with
+``--actor.model_name_or_path``) gets them unless it sets the value itself."""
+
+
+def _openrlhf_defaults(argv: list[str]) -> list[str]:
+    given = {tok.partition("=")[0] for tok in argv if tok.startswith("--")}
+    if "--actor.model_name_or_path" not in given:
+        return []
+    out: list[str] = []
+    for flags, ours, what in OPENRLHF_PPO_DEFAULTS:
+        if not set(flags) & given:
+            log.info("OpenRLHF's default without %s: %s (%s)", flags[0], what, " ".join(ours))
+            out += list(ours)
     return out
 
 

@@ -112,11 +112,12 @@ def _add_ppo_algo_args(g) -> None:
     g.add_argument("--use_kl_loss", action=argparse.BooleanOptionalAction, default=None,
                    help="the KL penalty (--init_kl_coef x --kl_estimator) in the actor's loss for any estimator "
                         "(OpenRLHF's --algo.kl.use_loss; k2 or k3 recommended there); --no-use_kl_loss: in the "
-                        "reward for any estimator (OpenRLHF without the flag). Default: in the loss for grpo, "
-                        "dr_grpo and group_norm, in the reward otherwise")
+                        "reward for any estimator (OpenRLHF without the flag, which an OpenRLHF command line gets). "
+                        "Default: in the loss for grpo, dr_grpo and group_norm, in the reward otherwise")
     g.add_argument("--reward_clip_range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                    help="clamp each sample's reward to [LOW, HIGH] after its group baseline, before the KL term "
-                        "(OpenRLHF's --reward.clip_range; OpenRLHF's default is -10 10, here no clipping)")
+                        "(OpenRLHF's --reward.clip_range). Default: no clipping; an OpenRLHF command line gets "
+                        "OpenRLHF's -10 10")
     g.add_argument("--eps_clip", "--actor.eps_clip", dest="eps_clip", type=float, default=0.2)
     g.add_argument("--eps_clip_low_high", "--actor.eps_clip_low_high", dest="eps_clip_low_high", type=float, nargs=2,
                    default=None, metavar=("LOW", "HIGH"),

@@ -246,3 +246,21 @@ def test_tis_threshold_is_openrlhfs_clamp():
     assert torch.allclose(res[0][1], res[1][1], rtol=1e-10, atol=1e-14)
     cap_only = ours(lp0, ppo_args(["--algo.advantage.is_correction_enable"])).item()
     assert abs(cap_only - res[1][0]) > 1e-3, (cap_only, res[1][0])
+
+
+@pytest.mark.parametrize("estimator", ["group_norm", "rloo"])
+def test_an_openrlhf_command_line_gets_openrlhfs_defaults(estimator):
+    """Without --algo.kl.use_loss and --reward.clip_range, OpenRLHF puts the KL in the reward for every estimator
+    and clips rewards to [-10, 10] (openrlhf/cli/train_ppo_ray.py's defaults). An OpenRLHF command line (one naming
+    --actor.model_name_or_path) gets both here, so its returns equal OpenRLHF's. Negative control: our own command
+    line keeps our defaults (group_norm's KL in the loss, no clip) and is told apart (> 1e-3)."""
+    args = ppo_args(["--actor.model_name_or_path", "m", "--algo.advantage.estimator", estimator])
+    assert args.use_kl_loss is False and list(args.reward_clip_range) == [-10.0, 10.0]
+    rewards, mask, old, ref, values = inputs()
+    rewards = rewards * 8  # RLOO's shaped rewards pass +-10
+    exp, _ = ours_advantages(args, rewards, mask, old, ref, values)
+    want = openrlhf_advantages(estimator, rewards, old, ref, values, mask, use_loss=False, clip=(-10.0, 10.0),
+                               kl_estimator="k1")[1]
+    assert torch.allclose(exp.returns * mask, want * mask, rtol=1e-12, atol=1e-12)
+    own, _ = ours_advantages(ppo_args(["--advantage_estimator", estimator]), rewards, mask, old, ref, values)
+    assert (own.returns * mask - want * mask).abs().max() > 1e-3
