@@ -1,7 +1,7 @@
 """bf16 rollout/trainer log-prob drift on a real model: a stale or mis-cast weight sync, or bf16 arithmetic?
 
     .venv/bin/python -m torch.distributed.run --nproc_per_node 1 tools/check_bf16_drift.py --out /tmp/bf16drift \
-        [--model DIR] [--updates 3] [--lr 1e-5] [--gemm bf16|auto]
+        [--model DIR] [--updates 3] [--lr 1e-5] [--gemm bf16|auto] [--vllm_dtype bfloat16|float32] [--no_layers]
 
 One rank: the megatron actor in bf16 (``--gemm bf16`` forces bf16's own GEMMs on the trainer, as on CPUs with
 AMX; ``auto`` is this CPU's default) and vLLM in bf16 at TP 1, SmolLM2-135M-Instruct by default (prepared once
@@ -18,7 +18,7 @@ under --out). In order:
    teacher-forced log-probs of HF transformers in fp32 (the reference) and in bf16, megatron bf16 and vLLM bf16;
    then the LM head alone in fp32 on each side's final hidden states.
 
-Prints one table per part and writes ``<out>/bf16_drift_<gemm>.json`` (after each part).
+Prints one table per part and writes ``<out>/bf16_drift_<gemm>_<vllm_dtype>.json`` (after each part).
 """
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ def parse(argv=None):
     p.add_argument("--gemm", choices=("bf16", "auto"), default="bf16", help="RLHF_CPU_BF16_GEMM of the trainer")
     p.add_argument("--max_tokens", type=int, default=24)
     p.add_argument("--no_layers", action="store_true", help="skip part 4 (per-layer comparison)")
+    p.add_argument("--vllm_dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="float32: the engine computes in fp32 on the synced bf16 weights (--bf16 on CPUs without "
+                        "fast bf16 products)")
     return p.parse_args(argv)
 
 
@@ -70,17 +73,18 @@ def main(argv=None) -> int:
                         bf16=True, name="actor")
     spec = actor.spec
     cfg = RolloutConfig(tensor_parallel_size=1, kv_cache_bytes=64 << 20, max_model_len=256, backend="vllm",
-                        dtype="bfloat16")
+                        dtype=args.vllm_dtype)
     engine = VLLMRollout(mesh, actor, cfg, hf_dir, load_format="auto")
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
                for q in QUESTIONS]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     sync = WeightSync(actor, mesh)
-    report: dict = {"cpu": cpu_name(), "gemm": args.gemm, "lr": args.lr, "model": hf_dir, "stages": {}}
+    report: dict = {"cpu": cpu_name(), "gemm": args.gemm, "vllm_dtype": args.vllm_dtype, "lr": args.lr,
+                    "model": hf_dir, "stages": {}}
 
     def save():  # after every part: a run cut short keeps what it measured
-        with open(os.path.join(out, f"bf16_drift_{args.gemm}.json"), "w") as f:
+        with open(os.path.join(out, f"bf16_drift_{args.gemm}_{args.vllm_dtype}.json"), "w") as f:
             json.dump(report, f, indent=1)
 
     def expected():
@@ -148,8 +152,6 @@ def cpu_name() -> str:
 
 def drift(engine, actor, mesh, prompts, max_tokens: int) -> dict:
     """PPO's rollout_logprob_drift on the engine's own samples (temperature 1): mean and max |vLLM - trainer|."""
-    import torch
-
     from rlhf.ppo.experience import collate_sequences, forward_role, select_rows
     from rlhf.ppo.stages import generator_logprobs
 
