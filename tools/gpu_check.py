@@ -418,12 +418,18 @@ def check_resume(c: Check) -> None:
     if rc_b != 0:
         c.report.add("resume", False, f"the resumed run: rc={rc_b}", dict(rc=[rc_a, rc_b]), c.log("resume_resumed"))
         return
+    from rlhf.metrics import read_metrics_jsonl
+
+    # A run that failed to load would start afresh and end equal too (same seed): it must have begun at step 3.
+    first = min(read_metrics_jsonl(os.path.join(resumed, "metrics.jsonl"), "sft"), default=None)
     a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (straight, resumed))
     diff = max(((a[k].double() - b[k].double()).abs().max().item() for k in a if k in b), default=math.nan)
     same = a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
-    c.report.add("resume", same, "step-2 checkpoint resumed == uninterrupted, bit for bit" if same else
-                 f"weights differ: max |diff| {diff:.1e}, keys equal {a.keys() == b.keys()}",
-                 dict(rc=[rc_a, rc_b], bitwise_equal=same, max_abs_diff=diff), c.log("resume_resumed"))
+    detail = (f"weights differ: max |diff| {diff:.1e}, keys equal {a.keys() == b.keys()}" if not same else
+              f"the resumed run began at step {first}, not 3" if first != 3 else
+              "step-2 checkpoint resumed (steps 3-4) == uninterrupted, bit for bit")
+    c.report.add("resume", same and first == 3, detail, dict(rc=[rc_a, rc_b], bitwise_equal=same, max_abs_diff=diff,
+                                                            resumed_first_step=first), c.log("resume_resumed"))
 
 
 # ---------------------------------------------------------------------------------------------------- MFU
