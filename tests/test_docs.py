@@ -293,16 +293,17 @@ class Report:
 
 
 def wrapper_entry(script: str) -> str | None:
-    """The launch/<name>.py a wrapper script (launch/mpirun_*.sh, launch/slurm/*.sbatch) hands "$@" to."""
+    """The launch/<name>.py a wrapper script (launch/mpirun_*.sh, launch/slurm/*.sbatch) hands "$@" to; "$NAME" for
+    launch/mpirun.sh, whose first argument names it."""
     text = open(os.path.join(ROOT, script)).read()
     for line in text.split("\n"):
         if line.lstrip().startswith("#") or '"$@"' not in line:
             continue
-        m = re.search(r"launch/(\w+)\.py", line)
+        m = re.search(r"launch/(\w+)\.py", line) or re.search(r'/mpirun\.sh"? (\w+) "\$@"', line)
         if m:
             return m.group(1)
         if "$ENTRY" in line:
-            m = re.search(r"ENTRY=\$\{ENTRY:-[^}\n]*?(\w+)\.py\}", text)
+            m = re.search(r"ENTRY=\$\{ENTRY:-[^}\n]*?(\$?\w+)\.py\}", text)
             if m:
                 return m.group(1)
     return None
@@ -376,6 +377,8 @@ def check_command(where: str, command: str, report: Report) -> None:
             if name is None:
                 report.skipped.append(f"{where}: {script} (a shell script that passes no flags to an entry point)")
                 continue
+            if name == "$NAME":  # launch/mpirun.sh NAME flags...
+                name, args = (args[0], args[1:]) if args else ("", args)
             target = f"launch/{name}.py"
         else:
             target = script
@@ -485,6 +488,7 @@ def test_wrappers_forward_to_their_entry_points():
     for kind in ("sft", "rm", "ppo"):
         assert wrapper_entry(f"launch/mpirun_{kind}.sh") == kind
         assert wrapper_entry(f"launch/slurm/{kind}.sbatch") == kind
+    assert wrapper_entry("launch/mpirun.sh") == "$NAME"
     assert wrapper_entry("launch/demo.sh") is None
 
 
