@@ -125,12 +125,44 @@ def test_parts_and_mfu_figures(gc):
     assert gc.bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0 and gc.bf16_peak_tflops("NVIDIA H200") == 989.0
 
 
-def test_mfu_rows_are_2048_tokens(gc, tmp_path):
-    """The generated texts fill a 2048-token row with the check's tokenizer (the old data: ~10-token samples)."""
-    from rlhf.demo.sort_task import corpus
-    from rlhf.models.tiny import make_tokenizer
+def test_mfu_rows_are_2048_tokens_and_only_20_percent_passes(gc, tmp_path, monkeypatch):
+    """The generated texts fill a 2048-token row with the check's tokenizer (the old data: ~10-token samples), and
+    the MFU check, its launch stubbed with a metrics file, is a FAIL at 19% of the peak and a PASS at 21% (the
+    old check passed whatever it measured)."""
+    import transformers
 
-    tok = make_tokenizer(str(tmp_path / "tok"), vocab_size=384, seed=0, texts=corpus())
+    import rlhf.models.tiny as tiny
+    from rlhf.demo.sort_task import corpus
+
+    tok_dir = str(tmp_path / "tok")
+    tok = tiny.make_tokenizer(tok_dir, vocab_size=384, seed=0, texts=corpus())
     texts = gc.long_texts(tok, 3, gc.MFU_SHAPE["max_len"] + 16)
     assert len(texts) == 3 and len(set(texts)) == 3
     assert all(len(tok(t)["input_ids"]) >= 2064 for t in texts)
+
+    def config_only(out, *args, **dims):  # the model's config is all the check reads back
+        dims = {k: v for k, v in dims.items() if k not in ("tokenizer_dir", "dtype", "seed")}
+        transformers.LlamaConfig(**dims).save_pretrained(out)
+        return out
+
+    monkeypatch.setattr(tiny, "make_tiny_hf", config_only)
+    monkeypatch.setattr(gc, "bf16_peak_tflops", lambda name: 989.0)
+    monkeypatch.setattr(gc, "MFU_SHAPE", dict(max_len=64, micro=2, batch=2, steps=4))  # small data, same code
+    flops = gc.train_flops_per_token(gc.SMOLLM2_135M, 32.5)
+    for mfu, status in ((0.19, "FAIL"), (0.21, "PASS")):
+        def launch(script, args, label, tps=mfu * 989e12 / flops):
+            save = args[args.index("--save_path") + 1]
+            os.makedirs(save, exist_ok=True)
+            with open(os.path.join(save, "metrics.jsonl"), "w") as f:
+                for step in range(1, 5):
+                    f.write(json.dumps({"prefix": "sft", "step": step, "tokens_per_s": tps / (10 if step < 3 else 1)})
+                            + "\n")
+            open(os.path.join(tmp_path, label + ".log"), "w").close()
+            return 0
+
+        report = gc.Report(None, "mfu")
+        c = gc.Check(str(tmp_path), report, 100.0, rehearse=False)
+        c._assets, c.torchrun = {"tokenizer": tok_dir}, launch
+        gc.check_mfu(c)
+        assert report.status["mfu"] == status, report.lines
+        assert report.figures["checks"]["mfu"]["mfu"] == pytest.approx(mfu)  # steps 1-2 (10x slower) left out
