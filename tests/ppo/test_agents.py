@@ -15,8 +15,8 @@ import torch
 
 from ppo_common import TINY_GRPO, ppo_args
 
-# Training runs in this process (main(argv)): pytest-timeout interrupts a run that hangs, 300 s each, the
-# slowest run here taking under a fifth of it on a loaded 2-core machine.
+# Training runs in this process (main(argv)): pytest-timeout interrupts a test whose run hangs after 300 s, 5x the
+# slowest of these files' tests on a loaded 2-core AMD EPYC (36-62 s, 2026-11-27; test_rlvr_options 11-50 s).
 pytestmark = pytest.mark.timeout(300)
 
 PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peers", "openrlhf")

@@ -12,6 +12,10 @@ from ppo_common import TINY_GRPO, ppo_args
 from rlhf.algo.ppo_losses import ActorLossConfig, make_actor_loss
 from rlhf.ppo.stages import token_budget_groups
 
+# Training runs in this process (main(argv)): pytest-timeout interrupts a test whose run hangs after 300 s, 5x the
+# slowest of these files' tests on a loaded 2-core AMD EPYC (36-62 s, 2026-11-27; test_rlvr_options 11-50 s).
+pytestmark = pytest.mark.timeout(300)
+
 F64 = torch.float64
 
 

@@ -8,7 +8,13 @@ import glob
 import os
 import struct
 
+import pytest
+
 from test_sft_rm_faults import sft_args
+
+# Training runs in this process (main(argv)): pytest-timeout interrupts a test whose run hangs after 300 s, 5x the
+# slowest of these files' tests on a loaded 2-core AMD EPYC (36-62 s, 2026-11-27; test_rlvr_options 11-50 s).
+pytestmark = pytest.mark.timeout(300)
 
 
 def wandb_records(path: str):
