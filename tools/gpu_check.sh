@@ -4,8 +4,8 @@
 #   fp32        kernels at real shapes against fp64 references; SFT (padded, with its checkpoint and HF export; packed),
 #               PPO with offload and RM, in fp32                                      deadline 170 s
 #   bf16        SFT packed, PPO with offload, an MoE SFT, RM, SFT padded, in bf16    deadline 170 s
-#   resume_mfu  a resume on CUDA (bit for bit) and SmolLM2-135M-size SFT on 2048-token packed rows: MFU, PASS only
-#               at >= 20% of the card's bf16 peak                                   deadline 150 s
+#   resume_mfu  SmolLM2-135M-size SFT on 2048-token packed rows: MFU, PASS only at >= 20% of the card's bf16
+#               peak; a resume on CUDA (bit for bit)                                deadline 170 s
 # One PASS/FAIL/NOT RUN line per check (a FAIL line carries the failing log's traceback and last lines), then
 # "N passed, M failed, K not run". A check that would start with under 30 s of its part's deadline left, or whose
 # launch the deadline cuts, is NOT RUN, so each part ends inside its call; rerun what a part did not reach by name
@@ -19,13 +19,13 @@
 # On the lent machine (the device tool's `run`): first fetch the wheels here (below) and check the carry with
 # `python tools/gpu_carry.py` (17.5 MiB measured, of 64). Then one call per part, each with
 # carry ["tools/gpu_wheels"] (estimates, not yet measured: the machine's start takes a few minutes of the 15, the
-# three parts about 8; what is left reruns one part):
+# three parts about 10; what is left reruns, by name, the checks a part failed or did not reach):
 #
 #   run(timeout_s=240, carry=["tools/gpu_wheels"], command=
 #       "set -o pipefail; bash tools/gpu_check.sh --only fp32 --results $OUT 2>&1 | tee $OUT/check.log")
 #   run(timeout_s=240, carry=["tools/gpu_wheels"], command=
 #       "set -o pipefail; bash tools/gpu_check.sh --only bf16 --results $OUT 2>&1 | tee $OUT/check.log")
-#   run(timeout_s=220, carry=["tools/gpu_wheels"], command=
+#   run(timeout_s=240, carry=["tools/gpu_wheels"], command=
 #       "set -o pipefail; bash tools/gpu_check.sh --only resume_mfu --results $OUT 2>&1 | tee $OUT/check.log")
 #
 # (the tee keeps the lines coming if the call's limit kills the check; the reply's output_tail has them too). Copy
