@@ -6,6 +6,7 @@ that keeps the causal LM's ``architectures`` and adds ``normalize_reward``, ``me
 statistics its ``--normalize_reward`` divides by) and ``value_head_prefix``. Our HF format is
 ``*ForSequenceClassification`` with ``score.weight`` and the statistics under ``rlhf.reward_mean/reward_std``.
 Both load as ``--reward_pretrain`` / ``--critic_pretrain``; ``to_openrlhf`` / ``from_openrlhf`` convert a folder.
+What a config says (``is_openrlhf_config``, ``head_prefix``, ``reward_stats``) is ``rlhf.models.reward_config``.
 """
 from __future__ import annotations
 
@@ -13,31 +14,8 @@ import json
 import os
 from typing import Any
 
-OPENRLHF_CONFIG_KEYS = ("normalize_reward", "mean", "std", "value_head_prefix")
-OPENRLHF_ARCHS = ("RewardModel", "CriticModel")
-
-
-def is_openrlhf_config(cfg: dict[str, Any]) -> bool:
-    return any(k in cfg for k in ("normalize_reward", "value_head_prefix")) or \
-        any(a in OPENRLHF_ARCHS for a in cfg.get("architectures") or [])
-
-
-def head_prefix(cfg: dict[str, Any]) -> str:
-    """The scalar head's tensor name without ``.weight`` in a folder with this config."""
-    if is_openrlhf_config(cfg):
-        return str(cfg.get("value_head_prefix") or "value_head")
-    return "score"
-
-
-def reward_stats(cfg: dict[str, Any]) -> tuple[float, float] | None:
-    """(mean, std) a reward model's scores are normalized with: ours (``rlhf.reward_mean/reward_std``, written
-    by launch/rm.py) or OpenRLHF's (``mean``/``std``); None when the config has neither."""
-    ours = cfg.get("rlhf") or {}
-    if "reward_mean" in ours and "reward_std" in ours:
-        return float(ours["reward_mean"]), float(ours["reward_std"])
-    if "mean" in cfg and "std" in cfg:
-        return float(cfg["mean"]), float(cfg["std"])
-    return None
+from rlhf.models.reward_config import OPENRLHF_CONFIG_KEYS, head_prefix, is_openrlhf_config, reward_stats
+from rlhf.models.spec import CAUSAL_LM_ARCHS, SEQ_CLS_ARCHS, load_hf_config
 
 
 def _rewrite(folder: str, out: str, rename: dict[str, str], cfg: dict[str, Any]) -> None:
@@ -66,8 +44,6 @@ def _rewrite(folder: str, out: str, rename: dict[str, str], cfg: dict[str, Any])
 
 def to_openrlhf(folder: str, out: str | None = None, prefix: str = "value_head") -> str:
     """Our HF reward model folder -> OpenRLHF's format (in place when ``out`` is None)."""
-    from rlhf.models.spec import CAUSAL_LM_ARCHS, load_hf_config
-
     cfg = load_hf_config(folder)
     if is_openrlhf_config(cfg):
         raise ValueError(f"{folder}: already in OpenRLHF's reward-model format")
@@ -87,8 +63,6 @@ def to_openrlhf(folder: str, out: str | None = None, prefix: str = "value_head")
 
 def from_openrlhf(folder: str, out: str | None = None) -> str:
     """OpenRLHF's reward model folder -> our HF ``*ForSequenceClassification`` format."""
-    from rlhf.models.spec import SEQ_CLS_ARCHS, load_hf_config
-
     cfg = load_hf_config(folder)
     if not is_openrlhf_config(cfg):
         raise ValueError(f"{folder}: not an OpenRLHF reward model (no normalize_reward/value_head_prefix in "

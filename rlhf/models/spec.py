@@ -12,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rlhf.models.reward_config import head_prefix, is_openrlhf_config
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -46,7 +48,7 @@ _BENIGN_KEYS = {
     "router_aux_loss_coef", "output_router_logits", "router_jitter_noise", "decoder_sparse_step", "mlp_only_layers",
     "shared_expert_intermediate_size",
     "rlhf",  # our own block: reward normalisation statistics etc.
-    "normalize_reward", "mean", "std", "value_head_prefix",  # OpenRLHF's reward/critic models (reward_format.py)
+    "normalize_reward", "mean", "std", "value_head_prefix",  # OpenRLHF's reward/critic models (reward_config.py)
 }
 
 
@@ -121,8 +123,6 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         raise ValueError(f"{source}: unsupported config field mlp_bias=True")
     if cfg.get("pretraining_tp", 1) not in (None, 1):
         raise ValueError(f"{source}: unsupported config field pretraining_tp={cfg['pretraining_tp']}")
-    from rlhf.models.reward_format import head_prefix, is_openrlhf_config
-
     archs = cfg.get("architectures") or []
     is_seq_cls = any(a.endswith("ForSequenceClassification") for a in archs) or is_openrlhf_config(cfg)
     if is_seq_cls and int(cfg.get("num_labels", len(cfg.get("id2label", {}) or {}) or 1)) != 1:
