@@ -15,9 +15,9 @@ to a copy of the torch module in which
 So vLLM, transformers and our own code see the real torch and pay nothing (a process-wide
 ``TorchFunctionMode`` slowed vLLM generation by ~35%). Two patches cannot be scoped to modules: the
 ``'torch.cuda.FloatTensor'`` type checks run inside a narrow ``TorchFunctionMode`` entered only by the three
-megatron functions that make them, and ``Tensor.cuda()`` returns the tensor itself: for every caller on a CPU-only
-build (where it can only raise), for megatron's callers alone where CUDA is there (a CPU engine on a GPU host, e.g.
-the HF converter beside a training job: vLLM and our code keep the real ``.cuda()``).
+megatron functions that make them, and ``Tensor.cuda()`` returns the tensor itself: for every caller where torch
+sees no GPU (on a CPU-only build it can only raise), for megatron's callers alone where a CUDA build sees one (a CPU
+engine on a GPU host, e.g. the HF converter beside a training job: vLLM and our code keep the real ``.cuda()``).
 
 Nothing here is installed when CUDA is available, unless this process trains on the CPU (``cpu_engine_requested``).
 """
@@ -202,11 +202,12 @@ def install(device=None) -> bool:
     """Install the shim if this process trains on the CPU: no CUDA, or a CPU engine on a CUDA host (``device`` or
     ``RLHF_DEVICE=cpu``; megatron would otherwise allocate its buffers on the GPU). True when the shim is active."""
     global _INSTALLED, _CPU_TORCH
-    if _INSTALLED:  # a later call (DDP's, without a device) rebinds what megatron imported since, on any host
+    if _INSTALLED:  # any later call (DDP's, without a device) rebinds what megatron imported since, on any host
         rebind_megatron_modules()
-        return True
     if torch.cuda.is_available() and not cpu_engine_requested(device):
         return False
+    if _INSTALLED:
+        return True
     from rlhf.compat import check_versions
 
     check_versions(("megatron-core", "torch"))
@@ -232,7 +233,8 @@ def install(device=None) -> bool:
                 not getattr(mod.clip_grad_by_total_norm_fp32, "__rlhf_shimmed__", False):
             mod.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
     # megatron-core 0.16.1 calls .cuda() on CPU tensors (tied embeddings at PP > 1, optimizer state restore).
-    torch.Tensor.cuda = _megatron_tensor_cuda(torch.Tensor.cuda) if torch.cuda.is_available() else _tensor_cuda_noop
+    gpu_host = torch.version.cuda is not None and torch.cuda.is_available()
+    torch.Tensor.cuda = _megatron_tensor_cuda(torch.Tensor.cuda) if gpu_host else _tensor_cuda_noop
     _host_split_sizes()
     n = rebind_megatron_modules()
     _INSTALLED = True
