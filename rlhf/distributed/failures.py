@@ -11,7 +11,8 @@ import sys
 import threading
 import time
 
-from rlhf.distributed import watchdog as wd
+from rlhf.distributed import rank_state
+from rlhf.distributed.heartbeat import kill_if_local
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +28,14 @@ def failure_line(exc: BaseException, rank: int) -> str:
     heartbeats know about the peers (a peer that died is named; a stopped one on this host is killed, as it would
     hold up the launcher's teardown)."""
     msg = " ".join(str(exc).split())[:300]
-    where = wd._where(wd.current_phase())
+    where = rank_state.where(rank_state.current_phase())
     lost = any(m in str(exc) for m in _PEER_LOST_MARKERS)
     line = f"error: rank {rank} {'lost a peer' if lost else 'failed'} in {where}: {type(exc).__name__}: {msg}"
-    dog = wd._watchdog
+    dog = rank_state.running_watchdog()
     if dog is None:
         return line
     peers, silent = dog.diagnose(wait_s=1.0 if lost else 0.0)
-    killed = [hb["pid"] for hb in silent if wd._kill_if_local(hb, dog.host)]
+    killed = [hb["pid"] for hb in silent if kill_if_local(hb, dog.host)]
     if killed:
         peers += f"; killed the silent process(es) {killed} on this host"
     return line + (f" [{peers}]" if peers else "")
@@ -45,22 +46,22 @@ def fail_job(exc: BaseException, code: int = 1) -> None:
     interpreter teardown (gloo's threads, vLLM) while its peers are gone or blocked."""
     import traceback
 
-    wd._failed.set()
+    rank_state.failed.set()
     try:
         traceback.print_exception(exc, file=sys.stderr)
     except Exception:
         pass
-    dog = wd._watchdog
-    wd._emit(failure_line(exc, dog.rank if dog is not None else int(os.environ.get("RANK", 0))))
+    dog = rank_state.running_watchdog()
+    rank_state.emit(failure_line(exc, dog.rank if dog is not None else int(os.environ.get("RANK", 0))))
     end_rank(code)
 
 
 def end_rank(code: int) -> int:
     """Leave with ``code``: at once (``os._exit``, output flushed) in a job whose watchdog runs, where a normal
     interpreter exit could wait on peers that are gone; otherwise return ``code`` to the caller."""
-    if not wd.watchdog_running():
+    if not rank_state.watchdog_running():
         return code
-    wd._failed.set()
+    rank_state.failed.set()
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -134,14 +135,15 @@ def _on_sigterm(rank: int, backstop_s: float | None = None) -> None:
     """Report this rank's SIGTERM in one line and exit 143. If the rank is already failing (its main thread is
     reporting an exception), that report goes first; the reader thread (``backstop_s``) still ends the rank if
     that report has not ended it by then."""
-    if wd._failed.is_set():
+    if rank_state.failed.is_set():
         if backstop_s is not None:
             time.sleep(backstop_s)
             os._exit(128 + signal.SIGTERM)
         return
-    wd._failed.set()
-    dog = wd._watchdog
+    rank_state.failed.set()
+    dog = rank_state.running_watchdog()
     peers = dog.diagnose(wait_s=0.5)[0] if dog is not None else ""
-    wd._emit(f"error: rank {rank} stopped by its launcher (SIGTERM) in {wd._where(wd.current_phase())}"
-             + (f" [{peers}]" if peers else ""))
+    where = rank_state.where(rank_state.current_phase())
+    rank_state.emit(f"error: rank {rank} stopped by its launcher (SIGTERM) in {where}"
+                    + (f" [{peers}]" if peers else ""))
     os._exit(128 + signal.SIGTERM)

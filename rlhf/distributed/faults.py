@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from rlhf.distributed import watchdog as wd
+from rlhf.distributed import rank_state
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "RLHF_FAULT_INJECT"
@@ -72,16 +72,16 @@ def fault_point(site: str) -> None:
         return
     rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("SLURM_PROCID", 0))))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    now = wd.current_phase()
+    now = rank_state.current_phase()
     for f in faults:
         if f.site == site and f.rank == rank and f.restart == restart and f.step in (None, now[1]):
             faults.remove(f)
-            log.warning("fault injection: %s at %s in %s on rank %d", f.kind, site, wd._where(now), rank)
-            wd._emit(f"fault injection: {f.kind} at {site} in {wd._where(now)} on rank {rank}")
-            dog = wd._watchdog
+            log.warning("fault injection: %s at %s in %s on rank %d", f.kind, site, rank_state.where(now), rank)
+            rank_state.emit(f"fault injection: {f.kind} at {site} in {rank_state.where(now)} on rank {rank}")
+            dog = rank_state.running_watchdog()
             if dog is not None and f.kind in ("kill", "stop"):  # as if the fault came a moment into the phase:
                 deadline = time.monotonic() + 2.0               # its heartbeat names the phase
-                while dog.published != wd.current_phase() and time.monotonic() < deadline:
+                while dog.published != rank_state.current_phase() and time.monotonic() < deadline:
                     dog.wake.set()
                     time.sleep(0.01)
             if f.kind == "raise":
