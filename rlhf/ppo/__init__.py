@@ -9,8 +9,9 @@ One step (``PPOTrainer.train_step``), each stage timed by phase name (``rlhf.ppo
     update              critic_update, actor_update   --max_epochs passes, --train_batch_size per optimizer step
 
 Layout: ``args`` (flags, checks), ``roles`` (the models and the memory schedule), ``experience`` (records),
-``stages``, ``trainer`` (the loop). The losses are in ``rlhf.algo.ppo_losses``.
+``stages``, ``prompts`` (--prompt_data), ``trainer`` (the loop). The losses are in ``rlhf.algo.ppo_losses``.
 """
-from rlhf.ppo.trainer import PPOTrainer, load_prompts, main, run
+from rlhf.ppo.prompts import load_prompts
+from rlhf.ppo.trainer import PPOTrainer, main, run
 
 __all__ = ["PPOTrainer", "load_prompts", "main", "run"]

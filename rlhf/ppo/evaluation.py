@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf.ppo.prompts import load_prompts
+
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -63,7 +65,6 @@ class Evaluator:
 
     def __init__(self, cfg: EvalConfig, args: argparse.Namespace, tokenizer, reward_cfg, mesh):
         from rlhf.ppo.stages import RewardSources
-        from rlhf.ppo.trainer import load_prompts
 
         self.cfg, self.args, self.mesh = cfg, args, mesh
         eval_args = argparse.Namespace(**{**vars(args), "prompt_data": cfg.dataset, "prompt_data_probs": None,
