@@ -42,7 +42,7 @@ def check_agent_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max_len must be >= 2, got {args.max_len}")
     AgentConfig(path=args.agent_func_path, max_len=args.max_len, max_turns=args.max_turns,
                 timeout_s=args.agent_timeout_s, max_failures=args.max_agent_failures)
-    from rlhf.agents import load_agent_executor
+    from rlhf.agents.executor import load_agent_executor
 
     load_agent_executor(args.agent_func_path)  # the user's file imports and defines AgentExecutor: before any model
     refused = [("--eval_dataset", args.eval_dataset, "held-out evaluation runs single-turn replies"),

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from rlhf.agents import (CURRENT, Completion, MultiTurnAgentExecutor, RequestOutput, SamplingParams,
-                         TooManyAgentFailures, Trajectory, _Logprob, execute_kwargs, load_agent_executor)
+from rlhf.agents.environment import Completion, RequestOutput, SamplingParams, _Logprob
+from rlhf.agents.executor import (CURRENT, MultiTurnAgentExecutor, TooManyAgentFailures, Trajectory, execute_kwargs,
+                                  load_agent_executor)
 from rlhf.rollout.types import Sample
 
 log = logging.getLogger(__name__)

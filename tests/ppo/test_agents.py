@@ -37,7 +37,7 @@ class ScriptedLLM:
         self.tok, self.replies, self.calls = tok, list(replies), []
 
     async def generate(self, ids, params, multi_modal_data=None):
-        from rlhf.agents import Completion, RequestOutput, _Logprob
+        from rlhf.agents.environment import Completion, RequestOutput, _Logprob
 
         self.calls.append((list(ids), params.max_tokens))
         toks = self.replies.pop(0)[: params.max_tokens]

@@ -22,7 +22,7 @@ class Replies:
         self.tok, self.replies, self.contexts = tok, list(replies), []
 
     async def generate(self, ids, params, multi_modal_data=None):
-        from rlhf.agents import Completion, RequestOutput, _Logprob
+        from rlhf.agents.environment import Completion, RequestOutput, _Logprob
 
         self.contexts.append(list(ids))
         toks = self.replies.pop(0)
