@@ -1,5 +1,5 @@
 """The package's shape, checked from the source (no imports run): workflows never import each other, shared
-layers never import a workflow, and the size limits a reader relies on hold."""
+layers never import a workflow, no module imports in a circle, and the size limits a reader relies on hold."""
 from __future__ import annotations
 
 import ast
@@ -13,12 +13,12 @@ WORKFLOWS = {"sft": ("rlhf.sft", "rlhf.conditional"), "rm": ("rlhf.rm",), "dpo":
              "batch_inference": ("rlhf.batch_inference",)}
 
 
-def modules():
-    for dirpath, _, files in os.walk(PKG):
+def modules(root: str = ROOT, pkg: str = "rlhf"):
+    for dirpath, _, files in os.walk(os.path.join(root, pkg)):
         for f in files:
             if f.endswith(".py"):
                 path = os.path.join(dirpath, f)
-                rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                rel = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
                 yield rel.removesuffix(".__init__"), path
 
 
@@ -38,6 +38,68 @@ def imported(path: str) -> set[str]:
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
     return {m for m in out if m.startswith("rlhf")}
+
+
+def import_graph(root: str = ROOT, pkg: str = "rlhf") -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, anywhere in its source (top level, inside functions, under
+    ``if TYPE_CHECKING:`` too). ``from a.b import c`` is an edge to module ``a.b.c`` when that is a module, else to
+    ``a.b``; a package is its ``__init__``; relative imports are resolved. Importing ``a.b.c`` runs ``a/__init__``
+    and ``a/b/__init__`` too, but those parents are not edges: a package's face imports its own modules, so every
+    module would sit in a circle with its package; a module that takes a name from its package's face
+    (``from a import x``) is an edge to ``a``, so a face whose modules import it back is still caught."""
+    mods = dict(modules(root, pkg))
+
+    def known(name: str) -> str | None:  # the longest prefix of ``name`` that is one of the package's modules
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, path in mods.items():
+        here = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                out.update(known(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = here.split(".")[:len(here.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([base] if base else []))
+                out.update(known(f"{base}.{a.name}") if f"{base}.{a.name}" in mods else known(base)
+                           for a in node.names)
+        graph[mod] = out - {None, mod}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module: modules that each reach the other."""
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for dep in graph.get(todo.pop(), ()):
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        return seen
+
+    reached = {m: reach(m) for m in graph}
+    out, placed = [], set()
+    for m in sorted(graph):
+        if m not in placed:
+            comp = {m} | {n for n in reached[m] if m in reached[n]}
+            placed |= comp
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    return out
+
+
+def test_no_module_imports_in_a_circle():
+    """A circle means two modules each need the other: what they both need moves down a layer (docs/layout.md)."""
+    graph = import_graph()
+    found = circles(graph)
+    assert not found, "\n".join(" <-> ".join(c) + ": " + "; ".join(f"{m} imports {sorted(graph[m] & set(c))}"
+                                                                     for m in c) for c in found)
 
 
 def test_workflows_share_layers_never_each_other():
@@ -74,3 +136,17 @@ def test_layout_checks_can_fail(tmp_path):
     p = tmp_path / "m.py"
     p.write_text("from rlhf.dpo import DPOTask\nimport rlhf.ppo.stages\n")
     assert {workflow_of(d) for d in imported(str(p))} == {"dpo", "ppo"}
+
+
+def test_a_circle_is_found(tmp_path):
+    """The circle scan sees a two-module circle through a function-level import, one through relative imports, and
+    none through a package face that imports its own modules."""
+    files = {"__init__.py": "from pkg.c import y\n", "a.py": "from pkg.b import x\n",
+             "b.py": "def x():\n    from pkg import a\n", "c.py": "import pkg.a\ny = 1\n",
+             "d.py": "from . import e\n", "e.py": "from .d import z\n"}
+    (tmp_path / "pkg").mkdir()
+    for name, text in files.items():
+        (tmp_path / "pkg" / name).write_text(text)
+    graph = import_graph(str(tmp_path), "pkg")
+    assert graph["pkg"] == {"pkg.c"} and graph["pkg.c"] == {"pkg.a"}
+    assert circles(graph) == [["pkg.a", "pkg.b"], ["pkg.d", "pkg.e"]]
