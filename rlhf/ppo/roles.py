@@ -80,7 +80,7 @@ def build_roles(args: argparse.Namespace, setup, mesh, estimator, total_updates:
     from rlhf.config import optim_config
     from rlhf.engine import ModelEngine
     from rlhf.models.lora import lora_config_from_args
-    from rlhf.ppo.args import critic_optim_config
+    from rlhf.ppo.critic_optim import critic_optim_config
     from rlhf.rollout import build_rollout
     from rlhf.rollout.model_dir import vllm_model_dir
     from rlhf.rollout.vllm_engine import vllm_available

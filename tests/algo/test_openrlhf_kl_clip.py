@@ -199,11 +199,11 @@ def test_negative_controls():
 
 
 def test_bad_values_name_the_flag():
-    from rlhf.ppo.args import _check_algo
+    from rlhf.ppo.algo_args import check_algo
 
     args = ppo_args(["--reward.clip_range", "2", "-2"])
     with pytest.raises(ValueError, match=r"--reward_clip_range 2 -2: LOW must be below HIGH"):
-        _check_algo(args)
+        check_algo(args)
 
 
 def test_tis_threshold_is_openrlhfs_clamp():

@@ -49,7 +49,7 @@ def engines(ppo_setup):
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.mesh import destroy_mesh
     from rlhf.engine import ModelEngine
-    from rlhf.ppo.args import critic_optim_config
+    from rlhf.ppo.critic_optim import critic_optim_config
 
     mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
     args = parse(OPENRLHF)
@@ -83,7 +83,7 @@ def test_the_critic_has_its_own_optimizer(engines):
 def test_an_actor_only_flag_leaves_the_critic_at_openrlhfs_default():
     """OpenRLHF's --actor.adam.betas sets the actor's only; ours (--adam_betas) still sets both."""
     from rlhf.config import optim_config
-    from rlhf.ppo.args import critic_optim_config
+    from rlhf.ppo.critic_optim import critic_optim_config
 
     args = parse(["--actor.adam.betas", "0.5", "0.6", "--actor.adam.weight_decay", "0.1", "--actor.max_norm", "3",
                   "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0.2"])
@@ -104,7 +104,7 @@ def test_an_actor_only_flag_leaves_the_critic_at_openrlhfs_default():
     (["--critic.adam.betas", "0.9", "1.5"], "--critic_adam_betas 0.9 1.5: each must be in [0, 1)"),
 ])
 def test_bad_critic_values_name_the_flag(flags, needle):
-    from rlhf.ppo.args import _check_algo
+    from rlhf.ppo.algo_args import check_algo
 
     with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        _check_algo(parse(flags))
+        check_algo(parse(flags))
