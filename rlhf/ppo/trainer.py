@@ -276,8 +276,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         result = trainer.fit()
         result["data"] = stats
-    finally:
-        trainer.close()
+    except BaseException:
+        from rlhf.distributed.watchdog import watchdog_running
+
+        # A launched rank that fails reports and leaves at once (rlhf.distributed.failures.fail_job). Tearing vLLM
+        # and the process groups down first closed its peers' connections before its report: a peer then ended
+        # the job as "lost a peer" and the launcher's SIGTERM reached this rank before it said what failed.
+        if not watchdog_running():
+            trainer.close()
+        raise
+    trainer.close()
     return result
 
 
