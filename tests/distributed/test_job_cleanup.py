@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 import uuid
 
 import psutil
 import pytest
-from helpers import JOB_TAG, REPO, free_port, job_processes, kill_job, run_torchrun, test_env
+from crash_harness import Job
+from helpers import JOB_TAG, REPO, job_processes, kill_job, run_torchrun
 
 _STUBBORN = """
 import os, signal, sys, time
@@ -46,14 +46,6 @@ def _wait_for_file(path, proc, timeout: float = 60.0) -> int:
     return int(open(path).read())
 
 
-def _launch(script: str, pidfile: str, tag: str, **env: str) -> subprocess.Popen:
-    """torchrun with one rank, in the background, tagged (so that the test can clean up whatever it leaves)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-           str(free_port()), script, pidfile]
-    return subprocess.Popen(cmd, cwd=REPO, env=test_env(**{JOB_TAG: tag}, **env), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-
-
 def test_a_rank_that_ignores_sigterm_is_gone_after_a_timeout(tmp_path):
     script, pidfile, tag = tmp_path / "stubborn.py", str(tmp_path / "pid"), uuid.uuid4().hex
     script.write_text(_STUBBORN)
@@ -69,16 +61,15 @@ def test_a_rank_that_ignores_sigterm_is_gone_after_a_timeout(tmp_path):
     # Negative control: what subprocess.run(timeout=...) does on a timeout (kill torchrun, the child it started)
     # leaves the rank running.
     os.remove(pidfile)
-    tag = uuid.uuid4().hex
-    proc = _launch(str(script), pidfile, tag)
+    job = Job(str(script), 1, [pidfile])  # torchrun in the background, tagged
     try:
-        pid = _wait_for_file(pidfile, proc)
-        proc.kill()
-        proc.wait(timeout=30)
+        pid = _wait_for_file(pidfile, job.proc)
+        job.proc.kill()
+        job.proc.wait(timeout=30)
         time.sleep(1.0)
         assert _alive(pid), "control: the rank died with torchrun alone, so the test above shows nothing"
     finally:
-        kill_job(tag, proc.pid)
+        kill_job(job.tag, job.proc.pid)
     assert not _alive(pid)
 
 
@@ -87,13 +78,13 @@ def test_a_launched_single_rank_dies_with_its_launcher(tmp_path, watchdog):
     """``watchdog=0`` is the negative control: with ``RLHF_WATCHDOG=0`` no parent-death signal is armed, and the rank
     of a one-rank job lives on after torchrun is SIGKILLed (as every one-rank job did before the signal was armed
     for world size 1)."""
-    script, pidfile, tag = tmp_path / "alone.py", str(tmp_path / "pid"), uuid.uuid4().hex
+    script, pidfile = tmp_path / "alone.py", str(tmp_path / "pid")
     script.write_text(_LAUNCHED_ALONE.format(repo=REPO))
-    proc = _launch(str(script), pidfile, tag, RLHF_WATCHDOG=watchdog)
+    job = Job(str(script), 1, [pidfile], RLHF_WATCHDOG=watchdog)
     try:
-        pid = _wait_for_file(pidfile, proc)
-        proc.kill()  # torchrun alone, as a scheduler's SIGKILL of the launcher would
-        proc.wait(timeout=30)
+        pid = _wait_for_file(pidfile, job.proc)
+        job.proc.kill()  # torchrun alone, as a scheduler's SIGKILL of the launcher would
+        job.proc.wait(timeout=30)
         deadline = time.monotonic() + (10 if watchdog == "1" else 2)  # the control only needs to outlive a moment
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -102,4 +93,4 @@ def test_a_launched_single_rank_dies_with_its_launcher(tmp_path, watchdog):
         else:
             assert _alive(pid), "control: without the parent-death signal the rank should have lived on"
     finally:
-        kill_job(tag, proc.pid)
+        kill_job(job.tag, job.proc.pid)
