@@ -22,13 +22,12 @@ import os
 import random
 import re
 import subprocess
-import sys
 import threading
 import time
 import uuid
 
 import psutil
-from helpers import JOB_TAG, REPO, free_port, job_processes, kill_job, leftovers, test_env  # noqa: F401 (re-exported)
+from helpers import JOB_TAG, REPO, job_processes, kill_job, leftovers, test_env, torchrun_cmd  # noqa: F401 (re-exported)
 
 # ------------------------------------------------------------------------------------------------ one job
 class Job:
@@ -36,12 +35,9 @@ class Job:
 
     def __init__(self, script: str, nproc: int, args: list[str], *, max_restarts: int = 0, **env: str):
         self.tag = uuid.uuid4().hex
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port())]
-        if max_restarts:
-            cmd += ["--max-restarts", str(max_restarts)]
+        cmd = torchrun_cmd(os.path.join(REPO, script), nproc, args, max_restarts)
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd + [os.path.join(REPO, script), *args], cwd=REPO,
+        self.proc = subprocess.Popen(cmd, cwd=REPO,
                                      env=test_env(PYTHONUNBUFFERED="1", **{JOB_TAG: self.tag}, **env),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)

@@ -128,11 +128,16 @@ def run_tagged(cmd: list[str], timeout: float, env: dict | None = None, *, full_
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def torchrun_cmd(script: str, nproc: int, args: list[str], max_restarts: int = 0) -> list[str]:
+    """``torchrun --nproc_per_node nproc [--max-restarts N] script args`` on a free port."""
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+            str(free_port()), *restarts, script, *args]
+
+
 def run_torchrun(script: str, nproc: int, args: list[str], timeout: float = 600, **env: str):
     """Run ``torchrun --nproc_per_node nproc script args``; returns the CompletedProcess (text)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), script, *args]
-    return run_tagged(cmd, timeout, env)
+    return run_tagged(torchrun_cmd(script, nproc, args), timeout, env)
 
 
 def run_python(args: list[str], timeout: float = 600, **env: str):
