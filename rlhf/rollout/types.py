@@ -148,3 +148,5 @@ class Sample:
     finished: bool
     action_mask: list[bool] | None = None
     agent: object = None
+    versions: list[int] | None = None
+    """partial rollouts (``rlhf.rollout.partial``): the policy version that produced each response token"""

@@ -1,0 +1,224 @@
+"""Partial rollouts in the colocated vLLM engine (issue 44): generate for more groups than a step trains, stop the
+engine with vLLM's own abort once enough whole groups have finished, and carry the unfinished samples, with the
+tokens, per-token log-probs and per-token policy versions they already have, into the next step, where they
+continue from prompt + prefix under the newly synced weights (verl's ``colocate_async``, slime's
+``--partial-rollout``, Kimi k1.5's partial rollouts).
+
+``PartialSample`` is one sample of a group in flight; ``generate_partial`` runs one engine round over a list of
+them; ``PartialRollouts`` keeps what is carried between steps, applies the staleness bound and picks the groups a
+step trains (oldest first, so that stopping early does not bias the trained batch toward short answers).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from rlhf.rollout.types import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PartialSample:
+    """Sample ``k`` of group ``group`` (one prompt's ``--n_samples_per_prompt`` samples share a group)."""
+
+    group: int
+    """a running id of the group, unique within the job (the order groups were started in)"""
+    k: int
+    prompt_index: int
+    """the dataset index of the prompt"""
+    prompt_ids: list[int]
+    seed: int
+    """the seed of the first round; a continuation at version v draws with ``continuation_seed(seed, v)``"""
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """the policy version (weight updates applied) that produced each response token"""
+    done: bool = False
+    """no more tokens: ended with EOS (``finished``) or at the length limit"""
+    finished: bool = False
+    """ended with EOS"""
+
+    def to_sample(self) -> Sample:
+        return Sample(self.prompt_index, list(self.prompt_ids), list(self.response_ids), list(self.logprobs),
+                      self.finished, versions=list(self.versions))
+
+
+def continuation_seed(seed: int, version: int) -> int:
+    """The seed of a carried sample's continuation under version ``version``: a fresh stream per round, still a
+    function of the sample's own seed only (the same continuation whatever else the engine batches)."""
+    return (seed * 1_000_003 + 7_919 * (version + 1)) % (2**63 - 1)
+
+
+def _engine_share(n_items: int, engines: int, e: int) -> tuple[int, int]:
+    return n_items * e // engines, n_items * (e + 1) // engines
+
+
+def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_needed: int, temperature: float,
+                     top_p: float, max_tokens: int, version: int, stop_token_ids: Sequence[int] | None = None
+                     ) -> tuple[list[list[PartialSample]], dict]:
+    """One engine round over ``groups`` (every rank passes the same list; engine ``e`` takes a contiguous share of
+    the groups and stops once its share of ``groups_needed`` groups is whole). Returns every group, updated, in
+    the order given (on every rank), and counts: ``aborted`` samples, ``generated`` tokens.
+
+    ``groups_needed`` >= the number of groups: nothing is aborted, every sample runs to its end (K = 0).
+    New samples (no tokens yet) draw with their ``seed``, as ``VLLMRollout.generate`` seeds sample k of a prompt,
+    so a round with nothing carried and nothing aborted generates exactly what ``generate`` would.
+    ``stop_token_ids``: vLLM's own, ending a sample as EOS does (``finished``)."""
+    import torch.distributed as dist
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    if getattr(rollout, "cpu_released", False):
+        raise RuntimeError("vLLM's weights were freed after the last rollout (CPU sleep) and not synced since")
+    E, e = rollout.num_engines, rollout.engine_index
+    lo, hi = _engine_share(len(groups), E, e)
+    n_lo, n_hi = _engine_share(groups_needed, E, e)
+    need = n_hi - n_lo
+    mine = [[_copy(s) for s in g] for g in groups[lo:hi]]
+    engine = rollout.llm.llm_engine
+    by_id: dict[str, tuple[int, PartialSample]] = {}
+    left = [sum(not s.done for s in g) for g in mine]
+    whole = sum(x == 0 for x in left)
+    for gi, g in enumerate(mine):
+        for s in g:
+            if s.done:
+                continue
+            remaining = max_tokens - len(s.response_ids)
+            seed = s.seed if not s.response_ids else continuation_seed(s.seed, version)
+            params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=remaining, logprobs=0,
+                                    seed=seed, detokenize=False, stop_token_ids=list(stop_token_ids or []))
+            params.output_kind = RequestOutputKind.DELTA
+            rid = f"partial-{version}-{s.group}-{s.k}"
+            engine.add_request(rid, {"prompt_token_ids": list(s.prompt_ids) + list(s.response_ids)}, params)
+            by_id[rid] = (gi, s)
+    aborted = generated = 0
+    while engine.has_unfinished_requests():
+        if whole >= need:  # vLLM's own abort: the engine frees the requests' KV blocks, nothing more is sampled
+            pending = [rid for rid, (_, s) in by_id.items() if not s.done]
+            aborted = len(pending)
+            engine.abort_request(pending)
+            break
+        for o in engine.step():
+            gi, s = by_id[o.request_id]
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            s.response_ids += ids
+            s.logprobs += [float(d[t].logprob) for d, t in zip(c.logprobs or [], ids)]
+            s.versions += [version] * len(ids)
+            generated += len(ids)
+            if o.finished:
+                s.done, s.finished = True, c.finish_reason == "stop"
+                left[gi] -= 1
+                whole += left[gi] == 0
+    parts: list = [None] * rollout.mesh.world_size
+    dist.all_gather_object(parts, (lo, mine, aborted, generated) if rollout.is_leader else None)
+    out: list[list[PartialSample]] = [[] for _ in groups]
+    counts = {"aborted": 0, "generated": 0}
+    for p in parts:
+        if p is None:
+            continue
+        plo, pg, pa, pgen = p
+        for i, g in enumerate(pg):
+            out[plo + i] = g
+        counts["aborted"] += pa
+        counts["generated"] += pgen
+    return out, counts
+
+
+def _copy(s: PartialSample) -> PartialSample:
+    return PartialSample(s.group, s.k, s.prompt_index, list(s.prompt_ids), s.seed, list(s.response_ids),
+                         list(s.logprobs), list(s.versions), s.done, s.finished)
+
+
+def new_group(group: int, prompt_index: int, prompt_ids: list[int], *, n: int, step_seed: int,
+              position: int) -> list[PartialSample]:
+    """The ``n`` samples of a new group, seeded as ``VLLMRollout.generate`` seeds the prompt at ``position`` of a
+    step whose seed is ``step_seed``."""
+    base = step_seed * 1_000_003 + position * n
+    return [PartialSample(group, k, prompt_index, list(prompt_ids), base + k) for k in range(n)]
+
+
+class PartialRollouts:
+    """The groups carried between steps (oldest first) and the prompts a staleness drop sends back.
+
+    Step at version ``v`` (the weights after ``v`` updates generate it and are the ones trained):
+    ``drop_stale(v)`` drops every carried group with a token older than ``v - max_staleness`` (its prompt goes back
+    to the queue); the engine round runs over the carried groups, then new ones; ``settle`` picks the first
+    ``batch_groups`` whole groups in that order (the oldest first) to train and carries the rest. With
+    ``max_staleness`` 0 nothing may cross an update: the round generates exactly one step's groups and runs every
+    sample to its end, as the synchronous trainer does."""
+
+    def __init__(self, *, n: int, batch_groups: int, oversample_groups: int, max_staleness: int):
+        if max_staleness < 0:
+            raise ValueError(f"--max_staleness must be >= 0, got {max_staleness}")
+        self.n, self.batch_groups, self.max_staleness = n, batch_groups, max_staleness
+        self.oversample_groups = oversample_groups if max_staleness > 0 else 0
+        self.carried: list[list[PartialSample]] = []
+        self.requeue: list[tuple[int, list[int]]] = []
+        """(dataset index, prompt ids) of groups dropped as stale: started again, before new prompts"""
+        self.next_group = 0
+
+    # ---------------------------------------------------------------------------------------------- a step
+    def drop_stale(self, version: int) -> dict[str, float]:
+        keep, dropped = [], 0
+        for g in self.carried:
+            oldest = min((v for s in g for v in s.versions), default=version)
+            if version - oldest > self.max_staleness:
+                dropped += len(g)
+                self.requeue.append((g[0].prompt_index, list(g[0].prompt_ids)))
+            else:
+                keep.append(g)
+        self.carried = keep
+        return {"partial/dropped_samples": float(dropped)}
+
+    def new_prompts_needed(self) -> int:
+        """How many prompts the sampler gives this step: the round holds ``batch_groups + oversample_groups``
+        groups, carried and requeued ones included."""
+        return max(0, self.batch_groups + self.oversample_groups - len(self.carried) - len(self.requeue))
+
+    def round_groups(self, new: Sequence[tuple[int, list[int]]], *, step_seed: int) -> list[list[PartialSample]]:
+        """Carried groups (oldest first), then requeued and ``new`` prompts (dataset index, prompt ids) as new
+        groups."""
+        fresh = list(self.requeue) + list(new)
+        self.requeue = []
+        groups = [g for g in self.carried]
+        for pos, (idx, ids) in enumerate(fresh):
+            groups.append(new_group(self.next_group, idx, ids, n=self.n, step_seed=step_seed, position=pos))
+            self.next_group += 1
+        return groups
+
+    def groups_needed(self, groups: Sequence[list[PartialSample]]) -> int:
+        """The engine may stop once this many groups are whole: ``batch_groups``, or every group when
+        ``max_staleness`` is 0 (nothing is carried)."""
+        return self.batch_groups if self.max_staleness > 0 else len(groups)
+
+    def settle(self, groups: list[list[PartialSample]], version: int) -> tuple[list[list[PartialSample]], dict]:
+        """The groups to train (the first ``batch_groups`` whole ones, in round order: oldest first) and the
+        metrics of the round; the rest is carried."""
+        train, carry = [], []
+        for g in groups:
+            (train if len(train) < self.batch_groups and all(s.done for s in g) else carry).append(g)
+        self.carried = carry
+        ages: dict[int, int] = {}
+        for g in train:
+            for s in g:
+                for v in s.versions:
+                    ages[version - v] = ages.get(version - v, 0) + 1
+        m = {"partial/carried_samples": float(sum(len(g) for g in carry)),
+             "partial/carried_unfinished": float(sum(not s.done for g in carry for s in g)),
+             "partial/trained_groups": float(len(train))}
+        for a in range(self.max_staleness + 1):
+            m[f"partial/tokens_age_{a}"] = float(ages.get(a, 0))
+        return train, m
+
+    # ----------------------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        return {"carried": [[_copy(s).__dict__ for s in g] for g in self.carried],
+                "requeue": [(i, list(p)) for i, p in self.requeue], "next_group": self.next_group}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.carried = [[PartialSample(**d) for d in g] for g in state["carried"]]
+        self.requeue = [(i, list(p)) for i, p in state["requeue"]]
+        self.next_group = state["next_group"]
