@@ -200,8 +200,8 @@ PPO = {**COMMON,
        "--algo.advantage.no_std_norm": to("--no_std_norm", 0),
        "--algo.advantage.is_correction_enable": to("--use_tis", 0),
        "--algo.advantage.is_correction_threshold": Flag(arity=2, pair=("--tis_floor", "--tis_cap")),
-       "--algo.advantage.is_correction_type": Flag(arity=1, value_map=(("tis", []),),
-                                                   other="only truncated importance sampling (tis) is implemented"),
+       "--algo.advantage.is_correction_type": Flag(arity=1, value_map=tuple(
+           (t, ["--is_correction_type", t]) for t in ("tis", "icepop", "seq-mask-tis"))),
        "--algo.kl.init_coef": to("--init_kl_coef"), "--algo.kl.target": to("--kl_target"),
        "--algo.kl.horizon": to("--kl_horizon"), "--algo.kl.estimator": to("--kl_estimator"),
        "--algo.kl.use_loss": to("--use_kl_loss", 0),
@@ -307,6 +307,8 @@ OPENRLHF_PPO_DEFAULTS = (
     (("--algo.kl.use_loss", "--use_kl_loss", "--no-use_kl_loss"), ("--no-use_kl_loss",),
      "the KL in the reward for every estimator"),
     (("--reward.clip_range", "--reward_clip_range"), ("--reward_clip_range", "-10", "10"), "rewards clipped to [-10, 10]"),
+    (("--algo.advantage.is_correction_threshold", "--tis_floor", "--tis_cap"), ("--tis_floor", "0.5", "--tis_cap", "5.0"),
+     "the importance weight of --algo.advantage.is_correction_enable bounded to [0.5, 5.0]"),
 )
 """OpenRLHF's PPO defaults that differ from ours in what the flags above change: (the flags that set it, what
 OpenRLHF does without them, as ours, why). An OpenRLHF command line (one naming the actor with

@@ -11,9 +11,11 @@ or gradients.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from rlhf.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_ESTIMATE_CLAMP = 10.0
@@ -244,10 +246,9 @@ class ActorLossConfig:
     """``kl_coef * KL`` joins the loss, aggregated as the policy loss (``rlhf.algo.kl.kl_in_loss``: the
     estimator's place, or --use_kl_loss / --no-use_kl_loss)"""
     kl_estimator: str = "k3"
-    tis_cap: float | None = None
-    """--use_tis: the per-token loss weighted by ``min(exp(old - vllm), tis_cap)``"""
-    tis_floor: float | None = None
-    """--tis_floor: that weight is also at least this (OpenRLHF's ``--algo.advantage.is_correction_threshold LOW``)"""
+    correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """the rollout corrections (``rlhf.algo.rollout_correction``): --use_tis with --is_correction_type, --tis_cap,
+    --tis_floor; --rollout_rs with --rollout_rs_threshold"""
     old_from_update: bool = False
     """one on-policy update per batch: the old log-probs are this forward's, detached (ratio 1), and the
     generator-vs-trainer drift is measured here (``rollout_logprob_drift``, ``rollout_logprob_drift_max``)"""
@@ -276,8 +277,7 @@ class ActorLossConfig:
                    policy_loss_type=args.policy_loss_type, loss_agg_mode=mode, entropy_coef=args.entropy_coef or 0.0,
                    kl_in_loss=kl_in_loss(estimator, getattr(args, "use_kl_loss", None)),
                    kl_estimator=args.kl_estimator,
-                   tis_cap=args.tis_cap if args.use_tis else None,
-                   tis_floor=getattr(args, "tis_floor", None) if args.use_tis else None,
+                   correction=RolloutCorrectionConfig.from_namespace(args),
                    old_from_update=getattr(args, "old_logprobs_source", "forward") == "update")
 
 
@@ -286,26 +286,33 @@ def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
 
     ``logprobs_fn(batch, output) -> (logprobs, entropy)``, each (B, T), from the model's output. The batch holds
     ``old_logprobs``, ``advantages``, ``action_mask`` (B, T), plus ``ref_logprobs`` when ``cfg.kl_in_loss`` (GRPO:
-    ``kl_coef * kl`` is added to the loss) and ``vllm_logprobs`` with ``cfg.tis_cap``. The KL and entropy terms are
-    aggregated as the policy loss (``cfg.loss_agg_mode``). Metrics: ``ACTOR_METRICS`` (+ ``kl_loss``), per token."""
+    ``kl_coef * kl`` is added to the loss) and ``vllm_logprobs`` with a rollout correction (``cfg.correction``: its
+    weights multiply the policy loss; a token its rejection drops leaves the mask of every term and of the count).
+    The KL and entropy terms are aggregated as the policy loss (``cfg.loss_agg_mode``). Metrics: ``ACTOR_METRICS``
+    (+ ``kl_loss``, + ``cfg.correction.metric_keys()``), per token."""
     def loss_fn(batch: dict, output: torch.Tensor):
         lp, ent = logprobs_fn(batch, output)
-        mask = batch["action_mask"]
+        mask = resp = batch["action_mask"]
         old = lp.detach() if cfg.old_from_update else batch["old_logprobs"]
-        tis = None
-        if cfg.tis_cap is not None:
-            tis = torch.exp(old - batch["vllm_logprobs"]).clamp(min=cfg.tis_floor, max=cfg.tis_cap)
+        corr = None
+        if cfg.correction.enabled:
+            corr = rollout_correction(old, batch["vllm_logprobs"], mask, cfg.correction)
+            if corr.keep is not None:  # verl's rejection: the token leaves the response mask
+                mask = _bool_mask(resp) & corr.keep
         loss, count, metrics = policy_loss(lp, old, batch["advantages"], mask,
                                            eps_clip=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
-                                           rollout_is_weights=tis, dual_clip=cfg.dual_clip,
-                                           policy_loss_type=cfg.policy_loss_type, loss_agg_mode=cfg.loss_agg_mode)
+                                           rollout_is_weights=None if corr is None else corr.weights,
+                                           dual_clip=cfg.dual_clip, policy_loss_type=cfg.policy_loss_type,
+                                           loss_agg_mode=cfg.loss_agg_mode)
+        if corr is not None:
+            metrics.update(corr.metrics)
         n = _count(mask)
         metrics["entropy"] = [masked_sum(ent.detach(), mask), n]
         if cfg.old_from_update:
             drift = (upcast(lp.detach()) - upcast(batch["vllm_logprobs"])).abs()
-            metrics["rollout_logprob_drift"] = [masked_sum(drift, mask), n]
+            metrics["rollout_logprob_drift"] = [masked_sum(drift, resp), _count(resp)]
             # a "*_max" metric: reduced by its maximum (rlhf.engine.ModelEngine.reduce_metrics)
-            metrics["rollout_logprob_drift_max"] = [torch.where(_bool_mask(mask), drift, 0).max(), n]
+            metrics["rollout_logprob_drift_max"] = [torch.where(_bool_mask(resp), drift, 0).max(), _count(resp)]
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * aggregate(upcast(ent), mask, cfg.loss_agg_mode)[0]
         if cfg.kl_in_loss and "ref_logprobs" in batch:

@@ -405,7 +405,8 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
         lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, args.temperature, entropy=True),
         loss_cfg, kl_coef=kl_coef))
     keys = ACTOR_METRICS + (("kl_loss",) if loss_cfg.kl_in_loss else ()) + (
-        ("rollout_logprob_drift", "rollout_logprob_drift_max") if args.old_logprobs_source == "update" else ())
+        ("rollout_logprob_drift", "rollout_logprob_drift_max") if args.old_logprobs_source == "update" else ()
+    ) + loss_cfg.correction.metric_keys()  # rlhf.algo.rollout_correction.METRICS
 
     def actor_batches(plan: list[list[int]]) -> tuple[list[dict], object]:
         mbs = microbatches(plan)
