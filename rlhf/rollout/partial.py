@@ -11,12 +11,52 @@ step trains (oldest first, so that stopping early does not bias the trained batc
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from rlhf.part import Part
 from rlhf.rollout.types import Sample
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PartialRolloutConfig(Part):
+    """Partial rollouts and their staleness bound (``launch/ppo.py``; OpenRLHF: ``--train.async_enable
+    --train.partial_rollout_enable``)."""
+
+    partial_rollout: bool = False
+    """(--partial_rollout) stop generating once a step's groups are whole; carry the rest to the next step"""
+    max_staleness: int = 1
+    """(--max_staleness) a trained token is at most this many weight updates older than the weights trained"""
+    partial_rollout_oversample: float = 0.25
+    """(--partial_rollout_oversample) extra groups started per step, a fraction of --rollout_batch_size"""
+
+    @classmethod
+    def add_args(cls, g) -> None:
+        g.add_argument("--partial_rollout", action="store_true",
+                       help="partial rollouts (verl colocate_async, slime --partial-rollout): generate for more "
+                            "prompts than a step trains, stop vLLM once --rollout_batch_size whole groups are done, "
+                            "carry the unfinished samples with their tokens into the next step (OpenRLHF: "
+                            "--train.async_enable --train.partial_rollout_enable)")
+        g.add_argument("--max_staleness", type=int, default=1,
+                       help="--partial_rollout: a trained token is at most K weight updates old; older carried "
+                            "groups are dropped and their prompts generated again (0: nothing crosses an update, "
+                            "the synchronous trainer). NeMo-RL max_trajectory_age_steps, AReaL "
+                            "max_head_offpolicyness, prime-rl max_off_policy_steps, TRL max_staleness")
+        g.add_argument("--partial_rollout_oversample", type=float, default=0.25,
+                       help="--partial_rollout: groups started per step beyond --rollout_batch_size, as a fraction "
+                            "of it (OpenRLHF: --rollout.vllm_generate_batch_size above the rollout batch)")
+
+    def check(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"--max_staleness must be >= 0, got {self.max_staleness}")
+        if not 0 <= self.partial_rollout_oversample <= 8:
+            raise ValueError(f"--partial_rollout_oversample must be in [0, 8], got {self.partial_rollout_oversample:g}")
+
+    def extra_groups(self, batch_groups: int) -> int:
+        return math.ceil(self.partial_rollout_oversample * batch_groups) if self.max_staleness > 0 else 0
 
 
 @dataclass
@@ -56,8 +96,8 @@ def _engine_share(n_items: int, engines: int, e: int) -> tuple[int, int]:
 
 
 def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_needed: int, temperature: float,
-                     top_p: float, max_tokens: int, version: int, stop_token_ids: Sequence[int] | None = None
-                     ) -> tuple[list[list[PartialSample]], dict]:
+                     top_p: float, max_tokens: int, version: int, stop_token_ids: Sequence[int] | None = None,
+                     ignore_eos: bool = False) -> tuple[list[list[PartialSample]], dict]:
     """One engine round over ``groups`` (every rank passes the same list; engine ``e`` takes a contiguous share of
     the groups and stops once its share of ``groups_needed`` groups is whole). Returns every group, updated, in
     the order given (on every rank), and counts: ``aborted`` samples, ``generated`` tokens.
@@ -88,7 +128,8 @@ def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_n
             remaining = max_tokens - len(s.response_ids)
             seed = s.seed if not s.response_ids else continuation_seed(s.seed, version)
             params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=remaining, logprobs=0,
-                                    seed=seed, detokenize=False, stop_token_ids=list(stop_token_ids or []))
+                                    seed=seed, detokenize=False, stop_token_ids=list(stop_token_ids or []),
+                                    ignore_eos=ignore_eos)
             params.output_kind = RequestOutputKind.DELTA
             rid = f"partial-{version}-{s.group}-{s.k}"
             engine.add_request(rid, {"prompt_token_ids": list(s.prompt_ids) + list(s.response_ids)}, params)
@@ -158,7 +199,16 @@ class PartialRollouts:
         self.carried: list[list[PartialSample]] = []
         self.requeue: list[tuple[int, list[int]]] = []
         """(dataset index, prompt ids) of groups dropped as stale: started again, before new prompts"""
+        self.pending: list[int] = []
+        """dataset indices drawn from the sampler (whole batches) and not started yet"""
         self.next_group = 0
+
+    def take_prompts(self, k: int, next_batch) -> list[int]:
+        """``k`` dataset indices in the sampler's order; ``next_batch()`` gives the sampler's next batch."""
+        while len(self.pending) < k:
+            self.pending += list(next_batch())
+        out, self.pending = self.pending[:k], self.pending[k:]
+        return out
 
     # ---------------------------------------------------------------------------------------------- a step
     def drop_stale(self, version: int) -> dict[str, float]:
@@ -216,9 +266,11 @@ class PartialRollouts:
     # ----------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
         return {"carried": [[_copy(s).__dict__ for s in g] for g in self.carried],
-                "requeue": [(i, list(p)) for i, p in self.requeue], "next_group": self.next_group}
+                "requeue": [(i, list(p)) for i, p in self.requeue], "pending": list(self.pending),
+                "next_group": self.next_group}
 
     def load_state_dict(self, state: dict) -> None:
         self.carried = [[PartialSample(**d) for d in g] for g in state["carried"]]
         self.requeue = [(i, list(p)) for i, p in state["requeue"]]
+        self.pending = list(state["pending"])
         self.next_group = state["next_group"]

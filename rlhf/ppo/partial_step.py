@@ -1,0 +1,50 @@
+"""The rollout stage of a PPO step with ``--partial_rollout`` (issue 44): the carried groups and new prompts go to
+the engine (``rlhf.rollout.partial``), the first ``--rollout_batch_size`` whole groups (oldest first) are trained,
+the rest is carried. What follows (experience, advantages, update) is the synchronous step's, on those groups; the
+generator's per-token log-probs, which may span several policy versions, are the behaviour policy of the rollout
+corrections (``--use_tis`` and ``--is_correction_type``)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from rlhf.ppo.stages import Rollout, make_rollout, sync_weights
+from rlhf.rollout.partial import PartialRolloutConfig, PartialRollouts, generate_partial
+
+
+def build_partial(cfg: PartialRolloutConfig, args: argparse.Namespace) -> PartialRollouts | None:
+    if not cfg.partial_rollout:
+        return None
+    return PartialRollouts(n=args.n_samples_per_prompt, batch_groups=args.rollout_batch_size,
+                           oversample_groups=cfg.extra_groups(args.rollout_batch_size),
+                           max_staleness=cfg.max_staleness)
+
+
+def generate_partial_step(roles, args: argparse.Namespace, partial: PartialRollouts, prompts: list, sampler,
+                          step: int, mesh, timer) -> tuple[Rollout, dict[str, float]]:
+    """The step's rollout. ``step`` is the policy version: the weight updates applied so far."""
+    roles.memory.enter("rollout")
+    seed = args.seed * 100_003 + step  # the synchronous step's seed (rlhf.ppo.stages.generate, round 0)
+    metrics = partial.drop_stale(step)
+    if roles.rollout.needs_sync:  # a CPU engine released its weights after the last rollout
+        sync_weights(roles, timer)
+        roles.memory.enter("rollout")
+    new = partial.take_prompts(partial.new_prompts_needed(), lambda: sampler.next_step()[0])
+    groups = partial.round_groups([(i, prompts[i].prompt_ids.tolist()) for i in new], step_seed=seed)
+    with timer.phase("rollout"):
+        roles.rollout.wake_up(["kv_cache"])
+        groups, counts = generate_partial(roles.rollout, groups, groups_needed=partial.groups_needed(groups),
+                                          temperature=args.temperature, top_p=args.top_p,
+                                          max_tokens=args.generate_max_len, version=step,
+                                          ignore_eos=args.ignore_eos)
+        roles.rollout.sleep()
+    train, m = partial.settle(groups, step)
+    if len(train) < partial.batch_groups:
+        raise RuntimeError(f"partial rollout: {len(train)} whole groups after the round, {partial.batch_groups} "
+                           "needed (the engine stopped early)")
+    samples = [dataclasses.replace(s.to_sample(), prompt_index=g) for g, grp in enumerate(train) for s in grp]
+    metrics.update(m)
+    metrics.update({"partial/aborted_samples": float(counts["aborted"]),
+                    "partial/generated_tokens": float(counts["generated"]),
+                    "partial/new_groups": float(len(new))})
+    return make_rollout([grp[0].prompt_index for grp in train], samples, mesh), metrics

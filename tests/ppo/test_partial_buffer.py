@@ -1,0 +1,74 @@
+"""``rlhf.rollout.partial.PartialRollouts``, the bookkeeping of partial rollouts between steps (no engine): the
+staleness bound counted in weight updates, the oldest-first choice of trained groups, K = 0 as the synchronous
+trainer, the prompt queue, and the checkpointed state."""
+import argparse
+import json
+
+import pytest
+
+from rlhf.rollout.partial import PartialRolloutConfig, PartialRollouts, PartialSample, new_group
+
+
+def group(g, versions, done=True, n=2):
+    return [PartialSample(g, k, 10 + g, [1, 2], 0, [5] * len(versions), [-1.0] * len(versions), list(versions),
+                          done, done) for k in range(n)]
+
+
+def test_staleness_counts_weight_updates_and_requeues_the_prompt():
+    p = PartialRollouts(n=2, batch_groups=2, oversample_groups=1, max_staleness=1)
+    p.carried = [group(0, [3, 3], done=False), group(1, [4, 5], done=False)]
+    m = p.drop_stale(5)  # group 0 has tokens 2 updates old at version 5: more than K = 1
+    assert m["partial/dropped_samples"] == 2.0
+    assert [g[0].group for g in p.carried] == [1] and p.requeue == [(10, [1, 2])]
+    # The same carried groups under K = 2 stay.
+    q = PartialRollouts(n=2, batch_groups=2, oversample_groups=1, max_staleness=2)
+    q.carried = [group(0, [3, 3], done=False)]
+    assert q.drop_stale(5)["partial/dropped_samples"] == 0.0 and len(q.carried) == 1
+    # The requeued prompt starts again as a new group, before the sampler's prompts.
+    groups = p.round_groups([(77, [9])], step_seed=1)
+    assert [(g[0].prompt_index, g[0].response_ids) for g in groups] == [(11, [5, 5]), (10, []), (77, [])]
+
+
+def test_oldest_whole_groups_are_trained_first_and_the_rest_carried():
+    p = PartialRollouts(n=2, batch_groups=2, oversample_groups=2, max_staleness=2)
+    groups = [group(0, [3]), group(1, [4], done=False), group(2, [5, 5]), group(3, [5])]
+    train, m = p.settle(groups, 5)
+    assert [g[0].group for g in train] == [0, 2] and [g[0].group for g in p.carried] == [1, 3]
+    assert m["partial/tokens_age_2"] == 2.0 and m["partial/tokens_age_0"] == 4.0 and m["partial/tokens_age_1"] == 0
+    assert m["partial/carried_samples"] == 4.0 and m["partial/carried_unfinished"] == 2.0
+
+
+def test_k0_is_the_synchronous_round():
+    p = PartialRollouts(n=3, batch_groups=4, oversample_groups=5, max_staleness=0)
+    assert p.new_prompts_needed() == 4  # no over-sampling: nothing may be carried across an update
+    groups = p.round_groups([(i, [i]) for i in range(4)], step_seed=7)
+    assert p.groups_needed(groups) == 4  # the engine runs every sample to its end
+    # seeded as VLLMRollout.generate seeds prompt i of a step: seed * 1_000_003 + i * n, sample k: + k
+    assert [s.seed for g in groups for s in g] == [7 * 1_000_003 + i * 3 + k for i in range(4) for k in range(3)]
+    assert PartialRolloutConfig(max_staleness=0).extra_groups(4) == 0
+    assert PartialRolloutConfig(partial_rollout_oversample=0.25).extra_groups(10) == 3
+
+
+def test_prompt_queue_and_state_round_trip():
+    batches = iter([[1, 2, 3], [4, 5, 6]])
+    p = PartialRollouts(n=2, batch_groups=2, oversample_groups=1, max_staleness=1)
+    assert p.take_prompts(2, lambda: next(batches)) == [1, 2]
+    assert p.take_prompts(2, lambda: next(batches)) == [3, 4] and p.pending == [5, 6]
+    p.carried = [group(0, [1, 2], done=False)] + [new_group(1, 3, [7], n=2, step_seed=1, position=0)]
+    p.requeue = [(9, [8])]
+    state = json.loads(json.dumps(p.state_dict()))  # plain data
+    q = PartialRollouts(n=2, batch_groups=2, oversample_groups=1, max_staleness=1)
+    q.load_state_dict(state)
+    assert q.carried == p.carried and q.requeue == p.requeue and q.pending == p.pending
+    assert q.next_group == p.next_group
+
+
+@pytest.mark.parametrize("flags,msg", [(["--max_staleness", "-1"], "--max_staleness must be >= 0, got -1"),
+                                       (["--partial_rollout_oversample", "9"],
+                                        "--partial_rollout_oversample must be in [0, 8], got 9")])
+def test_bad_values_name_the_flag(flags, msg):
+    ap = argparse.ArgumentParser()
+    PartialRolloutConfig.add_args(ap)
+    with pytest.raises(ValueError) as e:
+        PartialRolloutConfig.from_args(ap.parse_args(flags))
+    assert str(e.value) == msg
