@@ -18,11 +18,7 @@ from helpers import REPO
 EXAMPLES = json.load(open(os.path.join(REPO, "tests", "peers", "openrlhf", "example_commands.json")))
 ENTRY = {"train_sft": "rlhf.sft", "train_rm": "rlhf.rm", "train_dpo": "rlhf.dpo", "train_ppo_ray": "rlhf.ppo.args"}
 REFUSED = {"train_reinforce_baseline_ray_agent_async.sh": "--train.async_enable (OpenRLHF): asynchronous rollouts",
-           "train_vlm_math_hybrid_engine.sh": "(OpenRLHF): vision-language models are not supported",
-           "train_prorlv2_math_hybrid_engine.sh": "--algo.advantage.is_correction_type icepop (OpenRLHF): only "
-                                                  "truncated importance sampling (tis)",
-           # its --ds.ring_attn_size 2 is context parallelism here; the script is refused for icepop
-           "train_reinforce_baseline_hybrid_engine.sh": "--algo.advantage.is_correction_type icepop (OpenRLHF)"}
+           "train_vlm_math_hybrid_engine.sh": "(OpenRLHF): vision-language models are not supported"}
 """Scripts whose settings have no counterpart here: refused before anything runs, naming the flag and why."""
 
 
@@ -73,6 +69,12 @@ def test_openrlhf_example_scripts_parse(script):
         assert args.save_path == given["--ckpt.output_dir"]
     if "--ds.packing_samples" in argv:
         assert args.packing_samples
+    if "--algo.advantage.is_correction_enable" in argv:  # OpenRLHF's bounds 0.5 5.0 unless given
+        lo, hi = (given["--algo.advantage.is_correction_threshold"], argv[argv.index(
+            "--algo.advantage.is_correction_threshold") + 2]) if "--algo.advantage.is_correction_threshold" in argv \
+            else ("0.5", "5.0")
+        assert (args.use_tis, args.tis_floor, args.tis_cap) == (True, float(lo), float(hi))
+        assert args.is_correction_type == given.get("--algo.advantage.is_correction_type", "tis")
 
 
 def test_values_reach_their_flags():
