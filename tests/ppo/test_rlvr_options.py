@@ -171,6 +171,43 @@ def test_one_update_per_batch_skips_the_old_logprob_forward(ppo_setup, tmp_path,
         assert 0 < a["rollout_logprob_drift_max"] <= 1e-5 and a["rollout_logprob_drift"] <= a["rollout_logprob_drift_max"]
 
 
+def test_rollout_correction_reaches_the_update(ppo_setup, tmp_path, monkeypatch, capsys):
+    """OpenRLHF's --algo.advantage.is_correction_type tis against icepop at bounds that bite (0.8 1.25), one step
+    each from the same rollouts. The generator's log-probs stand for a stale behaviour policy: every third response
+    token's is lowered by 0.3 (w = e^0.3 = 1.35 > 1.25 there, about 1 elsewhere). tis clamps those weights (clipped,
+    nothing masked), icepop zeroes them (masked, nothing clipped); the mean weight and the update differ. The
+    formulas themselves: tests/algo/test_rollout_correction.py."""
+    from helpers import free_port
+    from rlhf.ppo import main, stages
+
+    real = stages.generator_logprobs
+
+    def stale(local, T):
+        return real(local, T) - 0.3 * (torch.arange(T) % 3 == 0).to(torch.float32)  # (B, T)
+
+    monkeypatch.setattr(stages, "generator_logprobs", stale)
+
+    def run(kind):
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        argv = ppo_args(ppo_setup, str(tmp_path / kind), **{
+            **TINY_GRPO, "--reward_fn": "_rule_reward:char_code_reward", "--rollout_backend": "megatron",
+            "--max_samples": "8", "--max_epochs": "1", "--stop_after_steps": "1"})
+        assert main(argv + ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_threshold",
+                            "0.8", "1.25", "--algo.advantage.is_correction_type", kind]) == 0
+        capsys.readouterr()
+        from rlhf.metrics import read_metrics_jsonl
+
+        return read_metrics_jsonl(str(tmp_path / kind / "metrics.jsonl"), "ppo")[1]
+
+    tis, ice = run("tis"), run("icepop")
+    assert tis["reward"] == ice["reward"]  # the same rollouts
+    assert tis["actor/rollout_corr_masked_frac"] == 0 and 0.2 < tis["actor/rollout_corr_clipped_frac"] < 0.5, tis
+    assert ice["actor/rollout_corr_clipped_frac"] == 0 and 0.2 < ice["actor/rollout_corr_masked_frac"] < 0.5, ice
+    assert ice["actor/rollout_corr_masked_frac"] == tis["actor/rollout_corr_clipped_frac"]  # the same tokens
+    assert tis["actor/rollout_is_weight"] > ice["actor/rollout_is_weight"] > 0.99, (tis, ice)
+    assert tis["actor/grad_norm"] != pytest.approx(ice["actor/grad_norm"], rel=1e-4), (tis, ice)
+
+
 def test_openrlhf_reward_file_and_its_extra_logs(ppo_setup, tmp_path, monkeypatch):
     """OpenRLHF's examples/python/reward_func.py, unchanged (tests/peers), as --remote_rm_url: its random 0/1
     rewards train the step and its extra log (the same tensor) reaches metrics.jsonl and TensorBoard as
