@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from rlhf.algo.preference_losses import PREFERENCE_LOSSES
-from rlhf.reference import ReferenceTask, add_reference_args, sequence_logprobs
+from rlhf.part import Part
+from rlhf.parts import KeysPart
+from rlhf.reference import ReferencePart, ReferenceTask, sequence_logprobs
 
 log = logging.getLogger("rlhf")
 
@@ -60,18 +63,36 @@ class DPOTask(ReferenceTask):
         return fn
 
 
+@dataclass
+class DPOPart(Part):
+    """DPO's loss."""
+
+    loss_type: str = "dpo"
+    """(--loss_type, --ipo) dpo | ipo | cdpo"""
+    label_smoothing: float = 0.0
+    """(--label_smoothing) cDPO: the probability that a preference label is flipped"""
+
+    @classmethod
+    def add_args(cls, p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("DPO")
+        g.add_argument("--loss_type", default="dpo", help="dpo | ipo | cdpo")
+        g.add_argument("--ipo", dest="loss_type", action="store_const", const="ipo",
+                       help="compatibility (OpenRLHF): the same as --loss_type ipo")
+        g.add_argument("--label_smoothing", type=float, default=0.0,
+                       help="cDPO: the probability that a preference label is flipped, in (0, 0.5)")
+
+
+TASK_PARTS = {"reference": ReferencePart, "dpo": DPOPart, "keys": KeysPart}
+"""DPO's own parts of ``rlhf.config.SupervisedJob``"""
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_common_args, add_key_args
+    from rlhf.config import add_common_args
 
     add_common_args(p, lr=5e-7, epochs=1)
-    add_reference_args(p)
-    g = p.add_argument_group("DPO")
-    g.add_argument("--loss_type", default="dpo", help="dpo | ipo | cdpo")
-    g.add_argument("--ipo", dest="loss_type", action="store_const", const="ipo",
-                   help="compatibility (OpenRLHF): the same as --loss_type ipo")
-    g.add_argument("--label_smoothing", type=float, default=0.0,
-                   help="cDPO: the probability that a preference label is flipped, in (0, 0.5)")
-    add_key_args(p, pairs=True)
+    ReferencePart.add_args(p)
+    DPOPart.add_args(p)
+    KeysPart.add_args(p, pairs=True)
 
 
 TASK = DPOTask

@@ -12,12 +12,15 @@ micro-batches. The extra rows double a step's forward.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from rlhf.algo.preference_losses import kto_kl_estimate, kto_loss
-from rlhf.reference import ReferenceTask, add_reference_args, sequence_logprobs
+from rlhf.part import Part
+from rlhf.parts import KeysPart
+from rlhf.reference import ReferencePart, ReferenceTask, sequence_logprobs
 
 
 class KTOTask(ReferenceTask):
@@ -81,16 +84,36 @@ class KTOTask(ReferenceTask):
         return m
 
 
+@dataclass
+class KTOPart(Part):
+    """KTO's labels and loss weights."""
+
+    label_key: str = "label"
+    """(--label_key) boolean (or 0/1) field: is the completion desirable"""
+    desirable_loss_weight: float = 1.0
+    """(--desirable_loss_weight)"""
+    undesirable_loss_weight: float = 1.0
+    """(--undesirable_loss_weight)"""
+
+    @classmethod
+    def add_args(cls, p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("KTO")
+        g.add_argument("--label_key", default="label", help="boolean (or 0/1) field: is the completion desirable")
+        g.add_argument("--desirable_loss_weight", type=float, default=1.0)
+        g.add_argument("--undesirable_loss_weight", type=float, default=1.0)
+
+
+TASK_PARTS = {"reference": ReferencePart, "kto": KTOPart, "keys": KeysPart}
+"""KTO's own parts of ``rlhf.config.SupervisedJob``"""
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_common_args, add_key_args
+    from rlhf.config import add_common_args
 
     add_common_args(p, lr=5e-7, epochs=1)
-    add_reference_args(p)
-    g = p.add_argument_group("KTO")
-    g.add_argument("--label_key", default="label", help="boolean (or 0/1) field: is the completion desirable")
-    g.add_argument("--desirable_loss_weight", type=float, default=1.0)
-    g.add_argument("--undesirable_loss_weight", type=float, default=1.0)
-    add_key_args(p, pairs=False)
+    ReferencePart.add_args(p)
+    KTOPart.add_args(p)
+    KeysPart.add_args(p, pairs=False)
 
 
 TASK = KTOTask

@@ -13,28 +13,64 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from dataclasses import dataclass
+
+from rlhf.part import Part
 
 log = logging.getLogger(__name__)
 
 ROLES = ("actor", "critic", "ref", "reward")
 
 
-def add_launcher_args(p: argparse.ArgumentParser) -> None:
-    """Added to every entry point by ``rlhf.config.cli_main``."""
-    g = p.add_argument_group("launchers (compatibility)")
-    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
-                   help="added by torch.distributed.launch / deepspeed; LOCAL_RANK in the environment wins")
-    g.add_argument("--num_nodes", type=int, default=None, help="AIAK-RLHF: nodes of the job (checked)")
-    g.add_argument("--num_gpus_per_node", type=int, default=None, help="AIAK-RLHF: ranks per node (checked)")
+@dataclass
+class LauncherPart(Part):
+    """Flags that launchers of the seed systems add; every entry point takes them (``rlhf.config.cli_main``) and
+    ``apply_launcher_args`` acts on them before anything else."""
+
+    local_rank: int | None = None
+    """(--local-rank, --local_rank) torch.distributed.launch / deepspeed; LOCAL_RANK wins"""
+    num_nodes: int | None = None
+    """(--num_nodes) AIAK-RLHF: nodes of the job (checked)"""
+    num_gpus_per_node: int | None = None
+    """(--num_gpus_per_node) AIAK-RLHF: ranks per node (checked)"""
+
+    @classmethod
+    def add_args(cls, p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("launchers (compatibility)")
+        g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
+                       help="added by torch.distributed.launch / deepspeed; LOCAL_RANK in the environment wins")
+        g.add_argument("--num_nodes", type=int, default=None, help="AIAK-RLHF: nodes of the job (checked)")
+        g.add_argument("--num_gpus_per_node", type=int, default=None, help="AIAK-RLHF: ranks per node (checked)")
 
 
-def add_placement_args(g) -> None:
-    """OpenRLHF's Ray placement flags (PPO)."""
-    for role in ROLES:
-        g.add_argument(f"--{role}_num_nodes", type=int, default=None, help=argparse.SUPPRESS)
-        g.add_argument(f"--{role}_num_gpus_per_node", type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--colocate_actor_ref", action="store_true", help=argparse.SUPPRESS)
-    g.add_argument("--colocate_critic_reward", action="store_true", help=argparse.SUPPRESS)
+add_launcher_args = LauncherPart.add_args
+
+
+@dataclass
+class PlacementPart(Part):
+    """OpenRLHF's Ray placement flags (PPO), hidden: checked, then every role is on every rank."""
+
+    actor_num_nodes: int | None = None
+    actor_num_gpus_per_node: int | None = None
+    critic_num_nodes: int | None = None
+    critic_num_gpus_per_node: int | None = None
+    ref_num_nodes: int | None = None
+    ref_num_gpus_per_node: int | None = None
+    reward_num_nodes: int | None = None
+    reward_num_gpus_per_node: int | None = None
+    colocate_actor_ref: bool = False
+    colocate_critic_reward: bool = False
+
+    @classmethod
+    def add_args(cls, g) -> None:
+        for role in ROLES:
+            g.add_argument(f"--{role}_num_nodes", type=int, default=None, help=argparse.SUPPRESS)
+            g.add_argument(f"--{role}_num_gpus_per_node", type=int, default=None, help=argparse.SUPPRESS)
+        g.add_argument("--colocate_actor_ref", action="store_true", help=argparse.SUPPRESS)
+        g.add_argument("--colocate_critic_reward", action="store_true", help=argparse.SUPPRESS)
+
+
+add_placement_args = PlacementPart.add_args
 
 
 def _relaunch(nodes: int, per_node: int) -> str:

@@ -9,6 +9,7 @@ argparse ``Namespace``. Adding a flag touches the part's ``add_args``, one field
 from __future__ import annotations
 
 import argparse
+import typing
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -20,6 +21,10 @@ class Part:
 
     DESTS: dict[str, str] = {}
     """field name -> the flag's ``dest`` where the two differ"""
+    DERIVED: tuple[str, ...] = ()
+    """init fields that no flag of this part sets: the entry point derives them (``from_args(ns, name=...)``)"""
+    RESOLVED: tuple[str, ...] = ()
+    """non-init fields the job's checks resolve (e.g. PPO's old log-probs' source), shown in ``Job.namespace``"""
 
     @classmethod
     def add_args(cls, g: Any) -> None:
@@ -49,3 +54,49 @@ class Part:
 
     def check(self) -> None:
         """Checks of this part's own values: ``ValueError`` naming the flag and its value."""
+
+    @classmethod
+    def flag_dests(cls) -> set[str]:
+        """The flag ``dest`` of every init field that a flag sets: the flags this part owns."""
+        return {cls.DESTS.get(f.name, f.name) for f in fields(cls)  # type: ignore[arg-type]
+                if f.init and f.name not in cls.DERIVED}
+
+
+class Job:
+    """A job's configuration: a dataclass with one field per part (the field's type, a ``Part``), built once at
+    the entry point (``from_args``) and handed out part by part."""
+
+    @classmethod
+    def part_types(cls) -> dict[str, type[Part]]:
+        """field name -> its part's class, in field order."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: hints[f.name] for f in fields(cls)  # type: ignore[arg-type]
+                if isinstance(hints[f.name], type) and issubclass(hints[f.name], Part)}
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace, derived: dict[str, dict[str, Any]] | None = None, **extra: Any):
+        """Every part from the parsed flags, in field order (each checks its own values as it is built);
+        ``derived``: part name -> the values its ``DERIVED`` fields take; ``extra``: the other fields."""
+        derived = derived or {}
+        return cls(**{name: t.from_args(ns, **derived.get(name, {})) for name, t in cls.part_types().items()},
+                   **extra)
+
+    def namespace(self) -> argparse.Namespace:
+        """The job as one flat ``Namespace`` (every flag's ``dest`` with its value, resolved ones included), for
+        the code that still reads flags by name: built from the parts, never the parsed flags themselves."""
+        ns = argparse.Namespace()
+        for part in self.parts():
+            for f in fields(part):  # type: ignore[arg-type]
+                if f.init and f.name not in part.DERIVED:
+                    setattr(ns, part.DESTS.get(f.name, f.name), getattr(part, f.name))
+            for name in part.RESOLVED:
+                setattr(ns, name, getattr(part, name))
+        return ns
+
+    def parts(self) -> list[Part]:
+        """Every part of the job (a field holding a dict of parts contributes each of them)."""
+        out: list[Part] = []
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            out.extend(x for x in (v.values() if isinstance(v, dict) else [v]) if isinstance(x, Part))
+        return out

@@ -10,21 +10,38 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlhf.algo.losses import next_token_logprobs
+from rlhf.part import Part
 
 log = logging.getLogger("rlhf")
 
 
-def add_reference_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("reference model")
-    g.add_argument("--ref_pretrain", default=None, help="frozen reference model (default: --pretrain)")
-    g.add_argument("--ref_offload", action="store_true",
-                   help="keep the reference's weights in host memory between its forwards")
-    g.add_argument("--beta", type=float, default=0.1, help="strength of the implicit KL to the reference")
+@dataclass
+class ReferencePart(Part):
+    """The frozen reference of DPO and KTO."""
+
+    ref_pretrain: str | None = None
+    """(--ref_pretrain) default: --pretrain"""
+    ref_offload: bool = False
+    """(--ref_offload) its weights in host memory between its forwards"""
+    beta: float = 0.1
+    """(--beta) strength of the implicit KL to the reference"""
+
+    @classmethod
+    def add_args(cls, p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("reference model")
+        g.add_argument("--ref_pretrain", default=None, help="frozen reference model (default: --pretrain)")
+        g.add_argument("--ref_offload", action="store_true",
+                       help="keep the reference's weights in host memory between its forwards")
+        g.add_argument("--beta", type=float, default=0.1, help="strength of the implicit KL to the reference")
+
+
+add_reference_args = ReferencePart.add_args
 
 
 def sequence_logprobs(engine, batch: dict, logits: torch.Tensor, inplace_backward: bool = False) -> torch.Tensor:

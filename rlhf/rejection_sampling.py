@@ -32,8 +32,8 @@ log = logging.getLogger("rlhf")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import (add_parallel_args, add_precision_seed_args, add_rollout_backend_args,
-                             add_sampling_args, add_text_args)
+    from rlhf.config import add_parallel_args, add_rollout_backend_args, add_sampling_args, add_text_args
+    from rlhf.parts import add_precision_seed_args
     from rlhf.rewards import add_reward_args
 
     g = p.add_argument_group("models")

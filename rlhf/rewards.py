@@ -27,6 +27,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from rlhf.models.reward_format import reward_stats
+from rlhf.part import Part
 
 RewardFn = Callable[[list, list], list]
 
@@ -226,8 +227,10 @@ def _floats(flag: str, value: str | None, n: int) -> list[float]:
 
 
 @dataclass
-class RewardConfig:
-    """Which reward sources a job uses and how they combine (flags in parentheses)."""
+class RewardConfig(Part):
+    """Which reward sources a job uses and how they combine (flags in parentheses): PPO's rewards part."""
+
+    DERIVED = ("agent",)
 
     reward_pretrain: str | None = None
     """(--reward_pretrain) comma-separated reward models: HF *ForSequenceClassification folders or megatron
@@ -263,7 +266,12 @@ class RewardConfig:
                              "--remote_rm_url http://host:port/path and/or --agent_func_path agent.py")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "RewardConfig":
+    def add_args(cls, g) -> None:
+        add_reward_args(g)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RewardConfig":  # type: ignore[override]
+        """From the parsed flags of PPO or rejection sampling (those without the agent's flag have no agent)."""
         return cls(reward_pretrain=args.reward_pretrain, reward_weights=getattr(args, "reward_weights", None),
                    reward_fn=getattr(args, "reward_fn", None),
                    reward_fn_weight=getattr(args, "reward_fn_weight", 1.0),

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rlhf.algo.losses import packed_sequence_rewards, pairwise_loss, sequence_rewards
+from rlhf.part import Part
+from rlhf.parts import KeysPart
 
 
 def rewards_of(batch: dict, values: torch.Tensor) -> torch.Tensor:
@@ -69,15 +72,33 @@ class RMTask:
         return {"reward_mean": mean, "reward_std": std, "reward_stats_samples": int(s[2].item())}
 
 
+@dataclass
+class RMPart(Part):
+    """The reward model's margin field and export format."""
+
+    margin_key: str | None = None
+    """(--margin_key) optional per-pair margin field"""
+    export_format: str = "hf"
+    """(--export_format) hf | openrlhf"""
+
+    @classmethod
+    def add_args(cls, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--margin_key", default=None, help="optional per-pair margin field")
+        p.add_argument("--export_format", choices=["hf", "openrlhf"], default="hf",
+                       help="hf: *ForSequenceClassification with score.weight; openrlhf: OpenRLHF's reward-model "
+                            "folder (value_head.weight, mean/std in config.json) for OpenRLHF's --reward_pretrain")
+
+
+TASK_PARTS = {"keys": KeysPart, "rm": RMPart}
+"""RM's own parts of ``rlhf.config.SupervisedJob``"""
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_common_args, add_key_args
+    from rlhf.config import add_common_args
 
     add_common_args(p, lr=9e-6, epochs=1)
-    add_key_args(p, pairs=True)
-    p.add_argument("--margin_key", default=None, help="optional per-pair margin field")
-    p.add_argument("--export_format", choices=["hf", "openrlhf"], default="hf",
-                   help="hf: *ForSequenceClassification with score.weight; openrlhf: OpenRLHF's reward-model folder "
-                        "(value_head.weight, mean/std in config.json) for OpenRLHF's --reward_pretrain")
+    KeysPart.add_args(p, pairs=True)
+    RMPart.add_args(p)
 
 
 TASK = RMTask

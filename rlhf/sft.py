@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlhf.algo.losses import packed_sft_loss, sft_loss
+from rlhf.conditional import ConditionalPart
+from rlhf.part import Part
+from rlhf.parts import KeysPart
 
 
 class SFTTask:
@@ -66,16 +70,30 @@ class SFTTask:
         return {"conditional": self.conditional} if self.conditional else {}
 
 
+@dataclass
+class SFTPart(Part):
+    """SFT's own switch."""
+
+    pretrain_mode: bool = False
+    """(--pretrain_mode) continued pretraining: the loss on every token"""
+
+    @classmethod
+    def add_args(cls, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--pretrain_mode", action="store_true",
+                       help="continued pretraining (OpenRLHF's flag): the loss on every token of --input_key's text")
+
+
+TASK_PARTS = {"keys": KeysPart, "sft": SFTPart, "conditional": ConditionalPart}
+"""SFT's own parts of ``rlhf.config.SupervisedJob``"""
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_common_args, add_key_args
+    from rlhf.config import add_common_args
 
     add_common_args(p, lr=5e-6, epochs=2)
-    add_key_args(p, pairs=False)
-    p.add_argument("--pretrain_mode", action="store_true",
-                   help="continued pretraining (OpenRLHF's flag): the loss on every token of --input_key's text")
-    from rlhf.conditional import add_args as add_conditional_args
-
-    add_conditional_args(p)
+    KeysPart.add_args(p, pairs=False)
+    SFTPart.add_args(p)
+    ConditionalPart.add_args(p)
 
 
 TASK = SFTTask

@@ -107,13 +107,15 @@ def _pad_width(mb: dict, width: int, pad_id: int) -> dict:
     return out
 
 
-def prepare(args: argparse.Namespace, task: Task, world_size: int) -> tuple[Any, list, list, dict, int]:
-    """Every check on the flags and the data before the process group and any model: the tokenizer, the train
-    and eval samples, the data statistics and the number of optimizer steps."""
-    from rlhf.config import validate_common
+def prepare(args: argparse.Namespace, task: Task, world_size: int, task_parts: dict | None = None):
+    """Every check on the flags and the data before the process group and any model: the job's configuration
+    (``SupervisedJob``, built here once: each part checks its own values), the tokenizer, the train and eval
+    samples, the data statistics and the number of optimizer steps."""
+    from rlhf.config import SupervisedJob, validate_common
 
-    validate_common(args, world_size)
-    if getattr(args, "lora_rank", 0) and args.lora_export == "adapter" and task.value_head:
+    job = SupervisedJob.from_args(args, task={k: t.from_args(args) for k, t in (task_parts or {}).items()})
+    validate_common(job, world_size)
+    if job.lora.lora_rank and job.lora.lora_export == "adapter" and task.value_head:
         raise ValueError(f"--lora_export adapter: {task.name} has a value head; reward models export merged")
     if hasattr(task, "validate"):
         task.validate(args)
@@ -127,45 +129,47 @@ def prepare(args: argparse.Namespace, task: Task, world_size: int) -> tuple[Any,
     if steps_per_epoch < 1:
         raise ValueError(f"--train_batch_size {args.train_batch_size} is larger than the dataset "
                          f"({len(train)} samples after filtering)")
-    return tokenizer, train, evals, stats, steps_per_epoch * args.max_epochs
+    return job, tokenizer, train, evals, stats, steps_per_epoch * args.max_epochs
 
 
-def run(args: argparse.Namespace, task: Task) -> dict[str, Any]:
+def run(args: argparse.Namespace, task: Task, task_parts: dict | None = None) -> dict[str, Any]:
+    """The job from the flags (``prepare``), then the mesh, the engine, the sampler and the checkpoints from its
+    parts. The task's hooks and data loading still read ``args``."""
     from rlhf.checkpoint import Checkpointer
-    from rlhf.config import log_compat_mappings, optim_config
+    from rlhf.config import log_compat_mappings
     from rlhf.data import BatchConfig, DistributedBatchSampler
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.engine import ModelEngine
     from rlhf.metrics import setup_logging
-    from rlhf.models.lora import lora_config_from_args
 
     env = DistEnv.from_environ()
     setup_logging(env.rank)
-    tokenizer, train, evals, stats, total_steps = prepare(args, task, env.world_size)
-    torch.manual_seed(args.seed)
-    mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, env, seed=args.seed,
-                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s,
-                           cp=getattr(args, "context_parallel_size", 1))
+    job, tokenizer, train, evals, stats, total_steps = prepare(args, task, env.world_size, task_parts)
+    par, eng, batch = job.parallel, job.engine, job.batch
+    torch.manual_seed(eng.seed)
+    mesh = initialize_mesh(par.tp, par.pp, env, seed=eng.seed, ep=par.expert_model_parallel_size,
+                           timeout_s=par.dist_timeout_s, cp=par.cp)
     from rlhf.distributed.health import check_config_consistency; check_config_consistency(args)  # noqa: E702
-    log_compat_mappings(args, mesh.dp, mesh.device.type == "cuda")
+    log_compat_mappings(eng, mesh.dp, mesh.device.type == "cuda")  # resolves job.engine.zero_stage
     if mesh.is_rank0:
         log.info("%s: %d train / %d eval samples (%s); %d steps of %d samples on dp=%d tp=%d pp=%d", task.name,
                  len(train), len(evals), ", ".join(f"{k}={v:g}" for k, v in stats.items()), total_steps,
-                 args.train_batch_size, mesh.dp, mesh.tp, mesh.pp)
-    engine = ModelEngine(mesh, args.pretrain, optim=optim_config(args, args.learning_rate, total_steps),
-                         value_head=task.value_head, bf16=args.bf16, transformer_impl=args.transformer_impl,
-                         recompute=args.gradient_checkpointing, name=task.name, lora=lora_config_from_args(args))
+                 batch.train_batch_size, mesh.dp, mesh.tp, mesh.pp)
+    engine = ModelEngine(mesh, job.model.pretrain,
+                         optim=job.optim.config(job.optim.learning_rate, total_steps, eng.zero_stage >= 1),
+                         value_head=task.value_head, bf16=eng.bf16, transformer_impl=eng.transformer_impl,
+                         recompute=eng.gradient_checkpointing, name=task.name, lora=job.lora.config(eng.seed))
     if hasattr(task, "setup"):
         task.setup(args, mesh, engine)
-    sampler = DistributedBatchSampler(len(train), BatchConfig(args.train_batch_size, args.micro_train_batch_size,
-                                                              mesh.dp, mesh.dp_rank), seed=args.seed)
-    ckpt = Checkpointer(mesh, args.ckpt_path or os.path.join(args.save_path, "checkpoints"), args.max_ckpt_num)
+    sampler = DistributedBatchSampler(len(train), BatchConfig(batch.train_batch_size, batch.micro_train_batch_size,
+                                                              mesh.dp, mesh.dp_rank), seed=eng.seed)
+    ckpt = Checkpointer(mesh, job.checkpoint.dir, job.checkpoint.max_ckpt_num)
     step = 0
-    state = ckpt.load_if_any({task.name: engine}) if args.load_checkpoint else None
+    state = ckpt.load_if_any({task.name: engine}) if job.checkpoint.load_checkpoint else None
     if state is not None:
         step = state["step"]
         sampler.load_state_dict(state["extra"]["sampler"])
-    if args.packing_samples and mesh.is_rank0:
+    if eng.packing_samples and mesh.is_rank0:
         log.info("--packing_samples: each micro-batch runs as one padding-free row (THD, varlen attention)%s",
                  "; with PP > 1 a step's rows are filled to its longest with a dummy sequence" if mesh.pp > 1
                  else "")
@@ -265,4 +269,4 @@ def main(task_mod, argv=None) -> int:
     and exit 2 on bad input."""
     from rlhf.config import cli_main
 
-    return cli_main(task_mod.add_args, lambda args: run(args, task_mod.TASK()), argv)
+    return cli_main(task_mod.add_args, lambda args: run(args, task_mod.TASK(), task_mod.TASK_PARTS), argv)

@@ -2,6 +2,36 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+
+from rlhf.part import Part
+
+
+@dataclass
+class AgentPart(Part):
+    """Multi-turn agents (``rlhf.agents.rollout.AgentConfig`` is built of it once ``validate`` has filled
+    ``max_len``)."""
+
+    agent_func_path: str | None = None
+    """(--agent_func_path) a Python file defining OpenRLHF's AgentExecutor"""
+    max_turns: int | None = None
+    """(--max_turns) model turns per trajectory at most"""
+    max_len: int | None = None
+    """(--max_len, --data.max_len) prompt and reply tokens together; filled by ``check_agent_args``"""
+    agent_timeout_s: float = 60.0
+    """(--agent_timeout_s) seconds an environment's reset or step may take"""
+    max_agent_failures: int = 0
+    """(--max_agent_failures) failed trajectories tolerated per step"""
+
+    @classmethod
+    def add_args(cls, g) -> None:
+        add_agent_args(g)
+
+    def config(self):
+        from rlhf.agents.rollout import AgentConfig
+
+        return AgentConfig(path=self.agent_func_path, max_len=self.max_len, max_turns=self.max_turns,
+                           timeout_s=self.agent_timeout_s, max_failures=self.max_agent_failures)
 
 
 def add_agent_args(g) -> None:
@@ -23,47 +53,47 @@ def add_agent_args(g) -> None:
                         "the job")
 
 
-def check_agent_args(args: argparse.Namespace) -> None:
-    """The agent flags against each other and the rest; fills --max_len's default. ``ValueError`` naming them."""
-    from rlhf.agents.rollout import AgentConfig
-
-    if not args.agent_func_path:
-        if args.max_turns is not None:
-            raise ValueError(f"--max_turns {args.max_turns} applies to multi-turn agents: add --agent_func_path")
-        if args.max_len is not None:  # OpenRLHF's --data.max_len: prompt and reply together
-            if args.max_len <= args.generate_max_len:
-                raise ValueError(f"--max_len {args.max_len} leaves no room for a prompt beside --generate_max_len "
-                                 f"{args.generate_max_len}")
-            args.prompt_max_len = min(args.prompt_max_len, args.max_len - args.generate_max_len)
+def check_agent_args(job) -> None:
+    """The agent flags against the rest of the job (``PPOJobConfig``); fills --max_len's default (and lowers
+    --prompt_max_len under an OpenRLHF --max_len). ``ValueError`` naming them."""
+    agent, gen = job.agent, job.generation
+    if not agent.agent_func_path:
+        if agent.max_turns is not None:
+            raise ValueError(f"--max_turns {agent.max_turns} applies to multi-turn agents: add --agent_func_path")
+        if agent.max_len is not None:  # OpenRLHF's --data.max_len: prompt and reply together
+            if agent.max_len <= gen.generate_max_len:
+                raise ValueError(f"--max_len {agent.max_len} leaves no room for a prompt beside --generate_max_len "
+                                 f"{gen.generate_max_len}")
+            gen.prompt_max_len = min(gen.prompt_max_len, agent.max_len - gen.generate_max_len)
         return
-    if args.max_len is None:
-        args.max_len = args.prompt_max_len + args.generate_max_len
-    if args.max_len < 2:
-        raise ValueError(f"--max_len must be >= 2, got {args.max_len}")
-    AgentConfig(path=args.agent_func_path, max_len=args.max_len, max_turns=args.max_turns,
-                timeout_s=args.agent_timeout_s, max_failures=args.max_agent_failures)
+    if agent.max_len is None:
+        agent.max_len = gen.prompt_max_len + gen.generate_max_len
+    if agent.max_len < 2:
+        raise ValueError(f"--max_len must be >= 2, got {agent.max_len}")
+    agent.config()
     from rlhf.agents.executor import load_agent_executor
 
-    load_agent_executor(args.agent_func_path)  # the user's file imports and defines AgentExecutor: before any model
-    refused = [("--eval_dataset", args.eval_dataset, "held-out evaluation runs single-turn replies"),
-               ("--overlong_buffer_len", args.overlong_buffer_len, "it measures one reply against --generate_max_len"),
-               ("--stop_properly_penalty_coef", args.stop_properly_penalty_coef, "it scores one reply's ending"),
-               ("--ignore_eos", args.ignore_eos or None, "a benchmark setting for one reply"),
-               ("--pretrain_data", args.pretrain_data, "not supported with trajectories yet")]
+    load_agent_executor(agent.agent_func_path)  # the user's file imports and defines AgentExecutor: before any model
+    algo = job.algo
+    refused = [("--eval_dataset", job.eval.dataset, "held-out evaluation runs single-turn replies"),
+               ("--overlong_buffer_len", algo.overlong_buffer_len, "it measures one reply against --generate_max_len"),
+               ("--stop_properly_penalty_coef", algo.stop_properly_penalty_coef, "it scores one reply's ending"),
+               ("--ignore_eos", gen.ignore_eos or None, "a benchmark setting for one reply"),
+               ("--pretrain_data", job.ptx.pretrain_data, "not supported with trajectories yet")]
     for flag, value, why in refused:
         if value is not None:
             raise ValueError(f"--agent_func_path with {flag}: {why}; drop one of them")
-    if args.rollout_backend == "megatron" and getattr(args, "expert_model_parallel_size", 1) > 1:
+    if job.rollout.rollout_backend == "megatron" and job.parallel.expert_model_parallel_size > 1:
         raise ValueError("--agent_func_path with --rollout_backend megatron and --expert_model_parallel_size > 1: the "
                          "fallback generator's turns differ in length across data-parallel ranks, whose MoE forwards "
                          "are collectives; use vLLM")
 
 
-def check_agent_fit(args: argparse.Namespace, hf_config: dict) -> None:
+def check_agent_fit(agent: AgentPart, hf_config: dict) -> None:
     """--max_len within the actor's positions (vLLM refuses a longer context; RoPE past them is garbage)."""
     limit = hf_config.get("max_position_embeddings")
-    if args.agent_func_path and limit and args.max_len > limit:
-        raise ValueError(f"--max_len {args.max_len} is longer than --pretrain's max_position_embeddings {limit}: "
+    if agent.agent_func_path and limit and agent.max_len > limit:
+        raise ValueError(f"--max_len {agent.max_len} is longer than --pretrain's max_position_embeddings {limit}: "
                          "a trajectory cannot be longer than the model's context")
 
 
@@ -75,7 +105,8 @@ def response_width(args: argparse.Namespace, samples: list) -> int:
     return max([args.generate_max_len] + [len(s.response_ids) for s in samples])
 
 
-def generator_max_model_len(args: argparse.Namespace) -> int:
-    """The generator's context: a prompt and a reply, or a whole trajectory with an agent."""
-    return max(args.prompt_max_len + args.generate_max_len, args.max_len if getattr(args, "agent_func_path", None)
-               else 0)
+def generator_max_model_len(generation, agent: AgentPart) -> int:
+    """The generator's context: a prompt and a reply (``generation``: the job's ``GenerationPart``), or a whole
+    trajectory with an agent."""
+    return max(generation.prompt_max_len + generation.generate_max_len,
+               agent.max_len if agent.agent_func_path else 0)

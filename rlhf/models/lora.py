@@ -36,6 +36,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from rlhf.part import Part
+
 log = logging.getLogger(__name__)
 
 MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -113,17 +115,51 @@ class LoraConfig:
 
 
 # ----------------------------------------------------------------------------------------------------- flags
-def add_lora_args(p: argparse.ArgumentParser) -> None:
-    """``--lora_rank/--lora_alpha/--target_modules/--lora_dropout/--lora_export`` (SFT, RM, DPO, PPO's actor)."""
-    g = p.add_argument_group("LoRA")
-    g.add_argument("--lora_rank", type=int, default=0, help="LoRA rank r (0: full fine-tuning)")
-    g.add_argument("--lora_alpha", type=float, default=16.0, help="LoRA scale alpha (the update is alpha/r * BA)")
-    g.add_argument("--target_modules", default="all-linear",
-                   help="comma-separated: linear_qkv,linear_proj,linear_fc1,linear_fc2, the HF names "
-                        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or all-linear")
-    g.add_argument("--lora_dropout", type=float, default=0.0)
-    g.add_argument("--lora_export", default="merged", choices=["merged", "adapter"],
-                   help="final export with LoRA: a merged HF model, or a PEFT adapter folder")
+@dataclass
+class LoraPart(Part):
+    """The LoRA flags (SFT, RM, DPO, KTO, PPO's actor; PPO's critic has its own rank, sharing the rest)."""
+
+    lora_rank: int = 0
+    """(--lora_rank) 0: full fine-tuning"""
+    lora_alpha: float = 16.0
+    """(--lora_alpha)"""
+    target_modules: str = "all-linear"
+    """(--target_modules)"""
+    lora_dropout: float = 0.0
+    """(--lora_dropout)"""
+    lora_export: str = "merged"
+    """(--lora_export) merged | adapter"""
+
+    @classmethod
+    def add_args(cls, p: argparse.ArgumentParser) -> None:
+        """``--lora_rank/--lora_alpha/--target_modules/--lora_dropout/--lora_export`` in their own group."""
+        g = p.add_argument_group("LoRA")
+        g.add_argument("--lora_rank", type=int, default=0, help="LoRA rank r (0: full fine-tuning)")
+        g.add_argument("--lora_alpha", type=float, default=16.0,
+                       help="LoRA scale alpha (the update is alpha/r * BA)")
+        g.add_argument("--target_modules", default="all-linear",
+                       help="comma-separated: linear_qkv,linear_proj,linear_fc1,linear_fc2, the HF names "
+                            "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or all-linear")
+        g.add_argument("--lora_dropout", type=float, default=0.0)
+        g.add_argument("--lora_export", default="merged", choices=["merged", "adapter"],
+                       help="final export with LoRA: a merged HF model, or a PEFT adapter folder")
+
+    def config(self, seed: int, rank: int | None = None, flag: str = "--lora_rank") -> LoraConfig | None:
+        """The ``LoraConfig`` of ``rank`` (default ``--lora_rank``; PPO's critic passes ``--critic_lora_rank``),
+        None when it is 0. Raises ValueError naming ``flag``."""
+        rank = self.lora_rank if rank is None else rank
+        if rank is None or rank == 0:
+            return None
+        if rank < 0:
+            raise ValueError(f"{flag} must be >= 0 (0: full fine-tuning), got {rank}")
+        return LoraConfig(rank=rank, alpha=self.lora_alpha, target_modules=self.target_modules,
+                          dropout=self.lora_dropout, seed=seed, flag=flag)
+
+    def check(self) -> None:
+        self.config(42)  # --lora_rank/--lora_alpha/--target_modules/--lora_dropout
+
+
+add_lora_args = LoraPart.add_args
 
 
 def lora_config_from_args(args: argparse.Namespace, rank_flag: str = "lora_rank") -> LoraConfig | None:

@@ -9,18 +9,43 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 
 import torch
 
+from rlhf.part import Part
+
+
+@dataclass
+class EmaPart(Part):
+    """--enable_ema: the moving average of the actor."""
+
+    enable_ema: bool = False
+    """(--enable_ema) exported to <save_path>/ema"""
+    ema_beta: float = 0.992
+    """(--ema_beta) ema = beta * ema + (1 - beta) * actor"""
+
+    @classmethod
+    def add_args(cls, g) -> None:
+        g.add_argument("--enable_ema", action="store_true",
+                       help="keep an exponential moving average of the actor; exported to <save_path>/ema")
+        g.add_argument("--ema_beta", type=float, default=0.992,
+                       help="--enable_ema: ema = beta * ema + (1 - beta) * actor")
+
+    def check(self) -> None:
+        if self.enable_ema and not 0.0 <= self.ema_beta <= 1.0:
+            raise ValueError(f"--ema_beta must be in [0, 1], got {self.ema_beta}")
+
 
 class ActorEMA:
-    def __init__(self, args: argparse.Namespace, actor, mesh):
+    def __init__(self, cfg: EmaPart, pretrain: str, engine, actor, mesh):
+        """``engine``: the job's ``EnginePart`` (precision, layer implementation)."""
         from rlhf.engine import ModelEngine
         from rlhf.offload import OffloadManager, cpu_offload_moves
 
-        self.beta = float(args.ema_beta)
-        self.engine = ModelEngine(mesh, args.pretrain, value_head=False, name="ema", bf16=args.bf16,
-                                  transformer_impl=args.transformer_impl)
+        self.beta = float(cfg.ema_beta)
+        self.engine = ModelEngine(mesh, pretrain, value_head=False, name="ema", bf16=engine.bf16,
+                                  transformer_impl=engine.transformer_impl)
         self.engine.ckpt_prefix = "ema."
         self.offload = OffloadManager(self.engine, name="ema") if (mesh.device.type != "cpu"
                                                                    or cpu_offload_moves()) else None
@@ -49,10 +74,7 @@ class ActorEMA:
         export_hf(out, self.engine, mesh, {"ppo_steps": step, "ema_beta": self.beta})
 
 
-def check_ema_args(args: argparse.Namespace) -> None:
-    if not getattr(args, "enable_ema", False):
-        return
-    if not 0.0 <= args.ema_beta <= 1.0:
-        raise ValueError(f"--ema_beta must be in [0, 1], got {args.ema_beta}")
-    if getattr(args, "lora_rank", 0):
+def check_ema_args(ema: EmaPart, lora_rank: int) -> None:
+    """--enable_ema against the actor's LoRA (``EmaPart.check`` checked --ema_beta)."""
+    if ema.enable_ema and lora_rank:
         raise ValueError("--enable_ema with --lora_rank: the average of LoRA adapters is not implemented; drop one")

@@ -18,13 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf.part import Part
 from rlhf.ppo.prompts import load_prompts
 
 
 @dataclass(frozen=True)
-class EvalConfig:
-    dataset: str
-    """--eval_dataset"""
+class EvalConfig(Part):
+    """The held-out evaluation's part of the PPO job (off without --eval_dataset)."""
+
+    DESTS = {"dataset": "eval_dataset", "steps": "eval_steps", "n_samples_per_prompt": "eval_n_samples_per_prompt",
+             "temperature": "eval_temperature", "max_samples": "eval_max_samples"}
+    dataset: str | None = None
+    """--eval_dataset (None: no evaluation)"""
     steps: int = -1
     """--eval_steps: every this many steps (and at step 0 and after the last); -1: at step 0 and the end only"""
     n_samples_per_prompt: int = 4
@@ -34,20 +39,35 @@ class EvalConfig:
     max_samples: int | None = None
     """--eval_max_samples: the first this many held-out prompts"""
 
+    @classmethod
+    def add_args(cls, g) -> None:
+        g.add_argument("--eval_dataset", "--eval.dataset", dest="eval_dataset", default=None,
+                       help="held-out prompts, scored by the rule reward (--reward_fn / --remote_rm_url, --label_key) "
+                            "at step 0, every --eval_steps and at the end: eval/reward and eval/pass@k")
+        g.add_argument("--eval_steps", "--eval.steps", dest="eval_steps", type=int, default=-1,
+                       help="evaluate every N steps (-1: at the start and the end only)")
+        g.add_argument("--eval_n_samples_per_prompt", "--eval.n_samples_per_prompt",
+                       dest="eval_n_samples_per_prompt", type=int, default=4,
+                       help="replies per held-out prompt (the k of pass@k)")
+        g.add_argument("--eval_temperature", "--eval.temperature", dest="eval_temperature", type=float, default=0.6)
+        g.add_argument("--eval_max_samples", type=int, default=None,
+                       help="the first N held-out prompts (default: all)")
+
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if not self.dataset:
+            return
         if self.n_samples_per_prompt < 1:
             raise ValueError(f"--eval_n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
         if not self.temperature > 0:
             raise ValueError(f"--eval_temperature must be > 0, got {self.temperature}")
         if self.steps == 0 or self.steps < -1:
             raise ValueError(f"--eval_steps must be >= 1 (or -1: at the start and the end only), got {self.steps}")
+        from rlhf.config import check_paths_exist
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "EvalConfig | None":
-        if not args.eval_dataset:
-            return None
-        return cls(dataset=args.eval_dataset, steps=args.eval_steps, n_samples_per_prompt=args.eval_n_samples_per_prompt,
-                   temperature=args.eval_temperature, max_samples=args.eval_max_samples)
+        check_paths_exist("--eval_dataset", self.dataset)
 
     def due(self, step: int, total: int) -> bool:
         """Evaluate after ``step`` steps (0: before the first)?"""

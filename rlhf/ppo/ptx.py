@@ -6,9 +6,47 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from rlhf.part import Part
+
+
+@dataclass
+class PtxPart(Part):
+    """PPO-ptx: the plain texts whose next-token loss joins each actor step."""
+
+    pretrain_data: str | None = None
+    """(--pretrain_data, --unsupervised_dataset_name) None: no ptx loss"""
+    pretrain_input_key: str = "text"
+    """(--pretrain_input_key) the text field"""
+    pretrain_max_len: int | None = None
+    """(--pretrain_max_len) default --prompt_max_len + --generate_max_len"""
+    ptx_coef: float = 0.05
+    """(--ptx_coef, --unsup_coef) weight of the ptx loss"""
+
+    @classmethod
+    def add_args(cls, g) -> None:
+        g.add_argument("--pretrain_data", "--unsupervised_dataset_name", dest="pretrain_data", default=None,
+                       help="PPO-ptx: plain texts whose next-token loss joins each actor step (files, folders, cached "
+                            "Hub names); DeepSpeed-Chat's --unsupervised_dataset_name")
+        g.add_argument("--pretrain_input_key", default="text", help="--pretrain_data: the text field")
+        g.add_argument("--pretrain_max_len", type=int, default=None,
+                       help="--pretrain_data: longer texts keep their start (default --prompt_max_len + "
+                            "--generate_max_len)")
+        g.add_argument("--ptx_coef", "--unsup_coef", dest="ptx_coef", type=float, default=0.05,
+                       help="weight of the ptx loss (OpenRLHF's --ptx_coef; DeepSpeed-Chat's --unsup_coef)")
+
+    def check(self) -> None:
+        if not self.pretrain_data:
+            return
+        from rlhf.config import check_paths_exist
+
+        check_paths_exist("--pretrain_data", self.pretrain_data)
+        if self.ptx_coef < 0:
+            raise ValueError(f"--ptx_coef must be >= 0, got {self.ptx_coef}")
 
 
 def load_ptx_samples(args: argparse.Namespace, tokenizer) -> list:

@@ -3,7 +3,6 @@ that time-shares them (``rlhf.offload``). Built in the order that matters on CUD
 claims a fraction of the memory free then), then the megatron engines."""
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from dataclasses import dataclass
@@ -52,41 +51,42 @@ class PPORoles:
         self.memory.current = None
 
 
-def rollout_config(args: argparse.Namespace, spec=None, world_size: int | None = None, on_cuda: bool = False):
-    """The generator's settings; with the actor's ``spec`` and the world size, the CPU KV cache is sized to the
-    rollout batch (unless ``--vllm_kv_cache_mb`` is given). Its dtype: ``rlhf.rollout.types.generator_dtype``."""
+def rollout_config(job, spec=None, world_size: int | None = None, on_cuda: bool = False):
+    """The generator's settings from the job's parts (``job``: the ``PPOJobConfig``; its rollout, engine, batch,
+    generation and agent parts are read); with the actor's ``spec`` and the world size, the CPU KV cache is sized
+    to the rollout batch (unless ``--vllm_kv_cache_mb`` is given). Its dtype: ``rollout.types.generator_dtype``."""
     from rlhf.agents.flags import generator_max_model_len
     from rlhf.rollout import RolloutConfig
     from rlhf.rollout.types import generator_dtype, kv_cache_bytes_for_batch, mb_to_bytes
 
-    dtype, why = generator_dtype(args.bf16, on_cuda)
+    r = job.rollout
+    dtype, why = generator_dtype(job.engine.bf16, on_cuda)
+    max_len = generator_max_model_len(job.generation, job.agent)
     cpu_kv = None
-    if spec is not None and world_size and args.vllm_kv_cache_mb is None:
-        engines = max(world_size // args.vllm_tensor_parallel_size, 1)
-        seqs = -(-args.rollout_batch_size * args.n_samples_per_prompt // engines)
-        cpu_kv = kv_cache_bytes_for_batch(spec, args.vllm_tensor_parallel_size, seqs,
-                                          generator_max_model_len(args), 2 if dtype == "bfloat16" else 4)
-    return RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size, num_engines=args.vllm_num_engines,
-                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                         kv_cache_bytes=mb_to_bytes(args.vllm_kv_cache_mb), cpu_kv_cache_bytes=cpu_kv,
-                         max_model_len=generator_max_model_len(args),
-                         dtype=dtype, dtype_reason=why, seed=args.seed, enforce_eager=args.vllm_enforce_eager,
-                         backend=args.rollout_backend, weight_sync_bucket_mb=args.weight_sync_bucket_mb,
-                         enable_prefix_caching=getattr(args, "vllm_enable_prefix_caching", False))
+    if spec is not None and world_size and r.vllm_kv_cache_mb is None:
+        engines = max(world_size // r.vllm_tensor_parallel_size, 1)
+        seqs = -(-job.batch.samples // engines)
+        cpu_kv = kv_cache_bytes_for_batch(spec, r.vllm_tensor_parallel_size, seqs, max_len,
+                                          2 if dtype == "bfloat16" else 4)
+    return RolloutConfig(tensor_parallel_size=r.vllm_tensor_parallel_size, num_engines=r.vllm_num_engines,
+                         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                         kv_cache_bytes=mb_to_bytes(r.vllm_kv_cache_mb), cpu_kv_cache_bytes=cpu_kv,
+                         max_model_len=max_len, dtype=dtype, dtype_reason=why, seed=job.engine.seed,
+                         enforce_eager=r.vllm_enforce_eager, backend=r.rollout_backend,
+                         weight_sync_bucket_mb=r.weight_sync_bucket_mb,
+                         enable_prefix_caching=r.vllm_enable_prefix_caching)
 
 
-def build_roles(args: argparse.Namespace, setup, mesh, estimator, total_updates: int) -> PPORoles:
-    """Every role of the job on this rank, then the memory schedule; ``total_updates`` sizes the LR schedules."""
-    from rlhf.config import optim_config
+def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
+    """Every role of the job (``PPOJobConfig``) on this rank, then the memory schedule; ``total_updates`` sizes the
+    LR schedules."""
     from rlhf.engine import ModelEngine
-    from rlhf.models.lora import lora_config_from_args
-    from rlhf.ppo.critic_optim import critic_optim_config
     from rlhf.rollout import build_rollout
     from rlhf.rollout.model_dir import vllm_model_dir
     from rlhf.rollout.vllm_engine import vllm_available
     from rlhf.rollout.weight_sync import WeightSync
 
-    rcfg = rollout_config(args, setup.sources["--pretrain"]["spec"], mesh.world_size, mesh.device.type == "cuda")
+    rcfg = rollout_config(job, setup.sources["--pretrain"]["spec"], mesh.world_size, mesh.device.type == "cuda")
     if rcfg.cpu_kv_cache_bytes and mesh.device.type != "cuda" and mesh.is_rank0:
         log.info("vLLM KV cache: %d MB per rank, sized to the rollout batch (--vllm_kv_cache_mb overrides)",
                  rcfg.cpu_kv_cache_bytes >> 20)
@@ -94,34 +94,37 @@ def build_roles(args: argparse.Namespace, setup, mesh, estimator, total_updates:
     # of the memory that is free then), and goes to sleep at once; the first weight sync wakes it.
     rollout = None
     if rcfg.backend == "vllm" or (rcfg.backend == "auto" and vllm_available()):
-        model_dir = vllm_model_dir(args.pretrain, setup.sources["--pretrain"], mesh,
-                                   out_dir=os.path.join(args.save_path, "vllm_config"))
+        model_dir = vllm_model_dir(job.models.pretrain, setup.sources["--pretrain"], mesh,
+                                   out_dir=os.path.join(job.checkpoint.save_path, "vllm_config"))
         rollout = build_rollout(mesh, None, rcfg, model_dir)
         rollout.sleep()
-    common = dict(bf16=args.bf16, recompute=args.gradient_checkpointing)
-    impl = dict(transformer_impl=args.transformer_impl)
-    actor = ModelEngine(mesh, args.pretrain, optim=optim_config(args, args.actor_learning_rate, total_updates),
-                        value_head=False, name="actor", lora=lora_config_from_args(args), **common, **impl)
-    ref = (ModelEngine(mesh, args.pretrain, value_head=False, name="ref", bf16=args.bf16, **impl)
-           if args.init_kl_coef > 0 else None)
+    eng, optim, lora, pretrain = job.engine, job.optim, job.lora, job.models.pretrain
+    sharded = eng.zero_stage >= 1  # resolved by log_compat before the roles are built
+    common = dict(bf16=eng.bf16, recompute=eng.gradient_checkpointing)
+    impl = dict(transformer_impl=eng.transformer_impl)
+    actor = ModelEngine(mesh, pretrain, optim=optim.actor_config(total_updates, sharded), value_head=False,
+                        name="actor", lora=lora.config(eng.seed), **common, **impl)
+    ref = (ModelEngine(mesh, pretrain, value_head=False, name="ref", bf16=eng.bf16, **impl)
+           if job.algo.init_kl_coef > 0 else None)
     reward_models = {f"reward{i or ''}": ModelEngine(mesh, path, value_head=True, name=f"reward{i or ''}",
-                                                     bf16=args.bf16, **impl)
+                                                     bf16=eng.bf16, **impl)
                      for i, path in enumerate(setup.rewards.paths)}
-    critic = (ModelEngine(mesh, args.critic_pretrain or setup.rewards.paths[0], value_head=True, name="critic",
-                          optim=critic_optim_config(args, total_updates),
-                          lora=lora_config_from_args(args, "critic_lora_rank"), **common, **impl)
+    critic = (ModelEngine(mesh, job.models.critic_pretrain or setup.rewards.paths[0], value_head=True, name="critic",
+                          optim=optim.critic_config(total_updates, sharded), lora=lora.critic_config(eng.seed),
+                          **common, **impl)
               if estimator.needs_critic else None)
     roles = PPORoles(actor=actor, critic=critic, ref=ref, reward_models=reward_models, rollout=rollout,
                      weight_sync=None, memory=None, managers={})
-    _add_memory_schedule(roles, args, mesh)
+    _add_memory_schedule(roles, job.offload, mesh)
     if roles.rollout is None:  # the megatron fallback generates with the actor itself
         roles.rollout = build_rollout(mesh, actor, rcfg, "")
-    torch.manual_seed(args.seed)
+    torch.manual_seed(eng.seed)
     roles.weight_sync = WeightSync(actor, mesh, rcfg.weight_sync_bucket_mb << 20)
     return roles
 
 
-def _add_memory_schedule(roles: PPORoles, args: argparse.Namespace, mesh) -> None:
+def _add_memory_schedule(roles: PPORoles, args, mesh) -> None:
+    """``args``: the job's ``OffloadPart``."""
     from rlhf.offload import MemoryScheduler, OffloadManager, cpu_offload_moves
 
     roles.managers = {k: OffloadManager(v, name=k) for k, v in roles.engines.items()}

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from rlhf.ppo.evaluation import EvalConfig
 from rlhf.ppo.prompts import load_prompts
 from rlhf.ppo.stages import (RewardSources, Rollout, compute_advantages, generate_filtered, make_experience,
                              sync_weights, update)
@@ -28,7 +27,9 @@ def load_gold_fn(spec: str):
 
 
 class PPOTrainer:
-    def __init__(self, args: argparse.Namespace, setup, prompts: list, tokenizer, ptx_samples: list | None = None):
+    def __init__(self, setup, prompts: list, tokenizer, ptx_samples: list | None = None):
+        """``setup.job``: the configuration (``PPOJobConfig``); each component below takes its part. ``self.args``:
+        the job's flat view (``Job.namespace``) for the stages, the evaluator and ptx, which read flags by name."""
         from rlhf.algo.advantages import get_estimator
         from rlhf.algo.kl import make_kl_controller
         from rlhf.checkpoint import Checkpointer
@@ -38,60 +39,58 @@ class PPOTrainer:
         from rlhf.ppo.args import log_compat
         from rlhf.ppo.roles import build_roles
 
-        self.args, self.prompts, self.tokenizer = args, prompts, tokenizer
-        self.gold_fn = load_gold_fn(args.gold_reward_fn) if args.gold_reward_fn else None
+        self.job = job = setup.job
+        self.prompts, self.tokenizer = prompts, tokenizer
+        self.gold_fn = load_gold_fn(job.logging.gold_reward_fn) if job.logging.gold_reward_fn else None
         self.pad_id = pad_token_id(tokenizer)
-        self.estimator = get_estimator(args.advantage_estimator)
-        self.total_steps = len(prompts) // args.rollout_batch_size * args.num_episodes
-        updates = setup.samples // args.train_batch_size * args.max_epochs * self.total_steps
-        torch.manual_seed(args.seed)
-        self.mesh = mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                           DistEnv.from_environ(), seed=args.seed,
-                                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s,
-                                           cp=args.context_parallel_size)
+        self.estimator = get_estimator(job.algo.advantage_estimator)
+        batch, par, seed = job.batch, job.parallel, job.engine.seed
+        self.total_steps = len(prompts) // batch.rollout_batch_size * batch.num_episodes
+        updates = setup.samples // batch.train_batch_size * batch.max_epochs * self.total_steps
+        torch.manual_seed(seed)
+        self.mesh = mesh = initialize_mesh(par.tp, par.pp, DistEnv.from_environ(), seed=seed,
+                                           ep=par.expert_model_parallel_size, timeout_s=par.dist_timeout_s, cp=par.cp)
+        log_compat(job.engine, mesh.dp, mesh.device.type == "cuda")  # resolves --zero_stage
+        self.args = args = job.namespace()
         check_config_consistency(args)
-        log_compat(args, mesh.dp, mesh.device.type == "cuda")
-        if setup.vllm_tp_reason and args.rollout_backend != "megatron" and mesh.is_rank0:
-            log.info("--vllm_tensor_parallel_size not given: %d (%d engine(s)); %s", args.vllm_tensor_parallel_size,
-                     setup.engines, setup.vllm_tp_reason)
-        self.roles = build_roles(args, setup, mesh, self.estimator, updates)
-        if args.agent_func_path:
-            from rlhf.agents.rollout import AgentConfig, AgentRollout
+        if setup.vllm_tp_reason and job.rollout.rollout_backend != "megatron" and mesh.is_rank0:
+            log.info("--vllm_tensor_parallel_size not given: %d (%d engine(s)); %s",
+                     job.rollout.vllm_tensor_parallel_size, setup.engines, setup.vllm_tp_reason)
+        self.roles = build_roles(job, setup, mesh, self.estimator, updates)
+        if job.agent.agent_func_path:
+            from rlhf.agents.rollout import AgentRollout
 
-            self.roles.agent = AgentRollout(AgentConfig(args.agent_func_path, args.max_len, args.max_turns,
-                                                        args.agent_timeout_s, args.max_agent_failures), tokenizer,
-                                            mesh)
+            self.roles.agent = AgentRollout(job.agent.config(), tokenizer, mesh)
         self.rewards = RewardSources(setup.rewards, setup.sources["--reward_pretrain"], prompts, tokenizer, mesh)
-        self.kl_ctl = make_kl_controller(args.init_kl_coef, args.kl_target, args.kl_horizon)
-        self.sampler = DistributedBatchSampler(len(prompts), BatchConfig(args.rollout_batch_size,
-                                                                         args.rollout_batch_size), seed=args.seed)
-        self.ckpt = Checkpointer(mesh, args.ckpt_path or os.path.join(args.save_path, "checkpoints"),
-                                 args.max_ckpt_num)
+        self.kl_ctl = make_kl_controller(job.algo.init_kl_coef, job.algo.kl_target, job.algo.kl_horizon)
+        self.sampler = DistributedBatchSampler(len(prompts), BatchConfig(batch.rollout_batch_size,
+                                                                         batch.rollout_batch_size), seed=seed)
+        self.ckpt = Checkpointer(mesh, job.checkpoint.dir, job.checkpoint.max_ckpt_num)
         for role, eng in self.roles.trainable.items():
             eng.ckpt_prefix = f"{role}."
         self.ema = None
-        if args.enable_ema:
+        if job.ema.enable_ema:
             from rlhf.ppo.ema import ActorEMA
 
-            self.ema = ActorEMA(args, self.roles.actor, mesh)
+            self.ema = ActorEMA(job.ema, job.models.pretrain, job.engine, self.roles.actor, mesh)
         self.ptx = None
         if ptx_samples:
             from rlhf.ppo.ptx import PtxData
 
             self.ptx = PtxData(args, ptx_samples, self.pad_id, mesh, self.roles.actor)
         self.evaluator = None
-        eval_cfg = EvalConfig.from_args(args)
-        if eval_cfg is not None:  # the rule reward only (reward models score training replies alone)
+        if job.eval.dataset:  # the rule reward only (reward models score training replies alone)
             from rlhf.ppo.evaluation import Evaluator
             from rlhf.rewards import RewardConfig
 
-            rule = RewardConfig(reward_fn=args.reward_fn, reward_fn_weight=args.reward_fn_weight,
-                                remote_rm_url=args.remote_rm_url, remote_rm_weight=args.remote_rm_weight,
-                                remote_rm_timeout=args.remote_rm_timeout)
-            self.evaluator = Evaluator(eval_cfg, args, tokenizer, rule, mesh)
+            r = job.rewards
+            rule = RewardConfig(reward_fn=r.reward_fn, reward_fn_weight=r.reward_fn_weight,
+                                remote_rm_url=r.remote_rm_url, remote_rm_weight=r.remote_rm_weight,
+                                remote_rm_timeout=r.remote_rm_timeout)
+            self.evaluator = Evaluator(job.eval, args, tokenizer, rule, mesh)
         self.step = 0
         state = None
-        if args.load_checkpoint:
+        if job.checkpoint.load_checkpoint:
             self.roles.all_on_device()
             state = self.ckpt.load_if_any(self.checkpointed())
         if state is not None:
@@ -168,7 +167,7 @@ class PPOTrainer:
         from rlhf.distributed.watchdog import set_phase, set_step
         from rlhf.metrics import MetricsLogger, PhaseTimer
 
-        args, mesh = self.args, self.mesh
+        args, job, mesh = self.args, self.job, self.mesh
         if mesh.is_rank0:
             log.info("ppo: %d prompts, %d steps of %d prompts x %d samples; %s; dp=%d tp=%d pp=%d; generation: %s",
                      len(self.prompts), self.total_steps, args.rollout_batch_size, args.n_samples_per_prompt,
@@ -190,8 +189,8 @@ class PPOTrainer:
                                                            "make_experience", "forward": "the actor's forward in "
                                                 "make_experience", "rollout": "the generator's"}[
                 args.old_logprobs_source], args.old_logprobs_reason)
-        logger = MetricsLogger(mesh.is_rank0, self.total_steps, args.tensorboard, prefix="ppo",
-                               jsonl_path=os.path.join(args.save_path, "metrics.jsonl"), args=args)
+        logger = MetricsLogger(mesh.is_rank0, self.total_steps, job.logging.tensorboard, prefix="ppo",
+                               jsonl_path=os.path.join(job.checkpoint.save_path, "metrics.jsonl"), args=args)
         timer = PhaseTimer()
         history: list[dict[str, float]] = []
         start, t_end = self.step, time.perf_counter()
@@ -199,8 +198,8 @@ class PPOTrainer:
             self.evaluate(logger)
         set_phase("train")  # between the timed phases
         while self.step < self.total_steps:
-            if 0 <= args.stop_after_steps <= self.step - start:
-                log.info("stopping after %d steps (--stop_after_steps)", args.stop_after_steps)
+            if 0 <= job.checkpoint.stop_after_steps <= self.step - start:
+                log.info("stopping after %d steps (--stop_after_steps)", job.checkpoint.stop_after_steps)
                 logger.close()
                 return {"history": history, "stopped": True}
             timer.reset()
@@ -209,13 +208,14 @@ class PPOTrainer:
             self.step += 1
             m.update(timer.metrics)
             m["time/step"] = sum(v for k, v in timer.metrics.items() if k.startswith("time/"))
-            if self.step % args.logging_steps == 0 or self.step == self.total_steps:
+            if self.step % job.logging.logging_steps == 0 or self.step == self.total_steps:
                 logger.log(self.step, m)
             now = time.perf_counter()  # wall time between step ends, logging included (bench/ppo_vs_trl.py)
             m["time/step_wall"], t_end = now - t_end, now
             history.append(m)
             self.evaluate(logger)  # before the save: a resumed run does not repeat it
-            if (args.save_steps > 0 and self.step % args.save_steps == 0) or self.step == self.total_steps:
+            save_steps = job.checkpoint.save_steps
+            if (save_steps > 0 and self.step % save_steps == 0) or self.step == self.total_steps:
                 self.save()
         logger.close()
         self.export(history)
@@ -241,7 +241,7 @@ class PPOTrainer:
         if self.ema is not None:
             self.ema.export(self.args, self.mesh, self.step)
         if self.mesh.is_rank0:
-            with open(os.path.join(self.args.save_path, "ppo_result.json"), "w") as f:
+            with open(os.path.join(self.job.checkpoint.save_path, "ppo_result.json"), "w") as f:
                 json.dump({"history": history}, f, indent=1)
 
     def close(self) -> None:
@@ -258,21 +258,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     env = DistEnv.from_environ()
     setup_logging(env.rank)
-    setup = validate(args, env.world_size)  # flags, files and model configs: before any model is loaded
-    if args.gold_reward_fn:
-        load_gold_fn(args.gold_reward_fn)
-    _check_generator(args, setup, env.world_size)
-    tokenizer = load_tokenizer(args.pretrain)
-    prompts, stats = load_prompts(args, tokenizer)
-    if len(prompts) < args.rollout_batch_size:
-        raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} is larger than the number of prompts "
+    setup = validate(args, env.world_size)  # the job, built once; flags, files and model configs: before any model
+    job = setup.job
+    if job.logging.gold_reward_fn:
+        load_gold_fn(job.logging.gold_reward_fn)
+    _check_generator(job, setup, env.world_size)
+    tokenizer = load_tokenizer(job.models.pretrain)
+    flat = job.namespace()  # what load_prompts and load_ptx_samples read (prompt_max_len as validate left it)
+    prompts, stats = load_prompts(flat, tokenizer)
+    if len(prompts) < job.batch.rollout_batch_size:
+        raise ValueError(f"--rollout_batch_size {job.batch.rollout_batch_size} is larger than the number of prompts "
                          f"({len(prompts)} in --prompt_data)")
     ptx_samples = None
-    if args.pretrain_data:
+    if job.ptx.pretrain_data:
         from rlhf.ppo.ptx import load_ptx_samples
 
-        ptx_samples = load_ptx_samples(args, tokenizer)
-    trainer = PPOTrainer(args, setup, prompts, tokenizer, ptx_samples)
+        ptx_samples = load_ptx_samples(flat, tokenizer)
+    trainer = PPOTrainer(setup, prompts, tokenizer, ptx_samples)
     try:
         result = trainer.fit()
         result["data"] = stats
@@ -289,9 +291,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _check_generator(args: argparse.Namespace, setup, world_size: int) -> None:
+def _check_generator(job, setup, world_size: int) -> None:
     """vLLM is installed when asked for, and the actor fits its tensor-parallel layout."""
-    if not setup.engines or args.rollout_backend == "megatron":
+    r = job.rollout
+    if not setup.engines or r.rollout_backend == "megatron":
         return
     from rlhf.rollout.vllm_engine import check_vllm_fit, vllm_available
 
@@ -299,9 +302,9 @@ def _check_generator(args: argparse.Namespace, setup, world_size: int) -> None:
         from rlhf.rollout.types import RolloutConfig
 
         check_vllm_fit(setup.sources["--pretrain"]["spec"],
-                       RolloutConfig(tensor_parallel_size=args.vllm_tensor_parallel_size,
-                                     num_engines=args.vllm_num_engines), world_size)
-    elif args.rollout_backend == "vllm":
+                       RolloutConfig(tensor_parallel_size=r.vllm_tensor_parallel_size,
+                                     num_engines=r.vllm_num_engines), world_size)
+    elif r.rollout_backend == "vllm":
         raise ValueError("--rollout_backend vllm: vllm is not installed")
 
 

@@ -31,12 +31,24 @@ def _args(**kw):
     return argparse.Namespace(**base)
 
 
+def _job(**kw):
+    """The parts of ``PPOJobConfig`` that ``rollout_config`` reads, from ``_args``'s flags."""
+    from rlhf.agents.flags import AgentPart
+    from rlhf.parts import EnginePart
+    from rlhf.ppo.parts import GenerationPart, PPOBatch, RolloutPart
+
+    a = vars(_args(**kw))
+    pick = lambda cls: cls(**{k: v for k, v in a.items() if k in cls.flag_dests()})  # noqa: E731
+    return argparse.Namespace(rollout=pick(RolloutPart), engine=pick(EnginePart), batch=pick(PPOBatch),
+                              generation=pick(GenerationPart), agent=AgentPart())
+
+
 def test_rollout_config_sizes_the_cpu_cache_unless_the_flag_is_given():
-    cfg = rollout_config(_args(), SPEC, world_size=4)  # 2 engines, 64 sequences each, 100 tokens
+    cfg = rollout_config(_job(), SPEC, world_size=4)  # 2 engines, 64 sequences each, 100 tokens
     assert cfg.kv_cache_bytes is None and cfg.cpu_kv_cache_bytes == kv_cache_bytes_for_batch(SPEC, 2, 64, 100, 4)
     assert vllm_memory_kwargs(cfg, on_cuda=False)["kv_cache_memory_bytes"] == cfg.cpu_kv_cache_bytes
     assert "kv_cache_memory_bytes" not in vllm_memory_kwargs(cfg, on_cuda=True)  # CUDA: the memory fraction
-    flagged = rollout_config(_args(vllm_kv_cache_mb=48), SPEC, world_size=4)
+    flagged = rollout_config(_job(vllm_kv_cache_mb=48), SPEC, world_size=4)
     assert flagged.cpu_kv_cache_bytes is None
     assert vllm_memory_kwargs(flagged, on_cuda=False)["kv_cache_memory_bytes"] == 48 << 20
     assert vllm_memory_kwargs(RolloutConfig(), on_cuda=False)["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
@@ -105,12 +117,12 @@ def test_generator_dtype_follows_the_cpu_bf16_choice(monkeypatch):
     assert generator_dtype(True, on_cuda=True)[0] == "bfloat16"
     monkeypatch.setenv("RLHF_CPU_BF16_GEMM", "bf16")
     assert generator_dtype(True, on_cuda=False)[0] == "bfloat16"
-    cfg = rollout_config(_args(bf16=True), SPEC, world_size=4)
+    cfg = rollout_config(_job(bf16=True), SPEC, world_size=4)
     assert (cfg.dtype, cfg.cpu_kv_cache_bytes) == ("bfloat16", kv_cache_bytes_for_batch(SPEC, 2, 64, 100, 2))
     monkeypatch.setenv("RLHF_CPU_BF16_GEMM", "fp32")  # bf16 products slower than fp32's: vLLM in fp32, 4-byte cache
     dtype, why = generator_dtype(True, on_cuda=False)
     assert dtype == "float32" and "RLHF_CPU_BF16_GEMM" in why
-    cfg = rollout_config(_args(bf16=True), SPEC, world_size=4)
+    cfg = rollout_config(_job(bf16=True), SPEC, world_size=4)
     assert (cfg.dtype, cfg.cpu_kv_cache_bytes) == ("float32", kv_cache_bytes_for_batch(SPEC, 2, 64, 100, 4))
 
 

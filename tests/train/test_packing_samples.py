@@ -74,7 +74,7 @@ def test_flag_reaches_the_trainer_pp2(train_setup, tmp_path):
 
 def test_sliding_window_model_is_refused(tmp_path):
     from rlhf import sft
-    from rlhf.config import validate_common
+    from rlhf.config import SupervisedJob, validate_common
     from rlhf.models.tiny import make_tiny_hf
 
     model = make_tiny_hf(str(tmp_path / "mistral"), "mistral", num_hidden_layers=1, sliding_window=16)
@@ -84,7 +84,7 @@ def test_sliding_window_model_is_refused(tmp_path):
     sft.add_args(p)
     args = p.parse_args(["--pretrain", model, "--dataset", str(data), "--save_path", str(tmp_path / "o"),
                          "--max_len", "64", "--train_batch_size", "8", "--micro_train_batch_size", "8"])
-    validate_common(args, 1)  # fine unpacked
+    validate_common(SupervisedJob.from_args(args), 1)  # fine unpacked
     args.packing_samples = True
     with pytest.raises(ValueError, match="--packing_samples.*sliding_window=16.*--max_len 64"):
-        validate_common(args, 1)
+        validate_common(SupervisedJob.from_args(args), 1)
