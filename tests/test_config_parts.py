@@ -1,0 +1,151 @@
+"""The typed configuration parts (issue 43 item 1): every flag of each training entry point belongs to exactly one
+part of its job (no flag outside a part, none in two), each part built from the parsed defaults holds the
+parser's defaults, and a part's own check raises ``ValueError`` naming the flag. Cheap: parsers and dataclasses
+only, no model."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from rlhf.migration import LauncherPart
+from rlhf.part import Part
+
+
+def _ppo():
+    from rlhf.ppo.args import PPOJobConfig, add_args
+
+    return add_args, list(PPOJobConfig.part_types().values()), ["--pretrain", "m", "--prompt_data", "d",
+                                                                 "--save_path", "o", "--reward_fn", "m:f"]
+
+
+def _supervised(name: str):
+    import importlib
+
+    from rlhf.config import SupervisedJob
+
+    mod = importlib.import_module(f"rlhf.{name}")
+    parts = list(SupervisedJob.part_types().values()) + list(mod.TASK_PARTS.values())
+    return mod.add_args, parts, ["--pretrain", "m", "--dataset", "d", "--save_path", "o"]
+
+
+JOBS = {"ppo": _ppo, **{n: (lambda n=n: _supervised(n)) for n in ("sft", "rm", "dpo", "kto")}}
+
+
+def _parser(add_args) -> argparse.ArgumentParser:
+    """What ``rlhf.config.cli_main`` parses: the entry point's flags and the launchers'."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    LauncherPart.add_args(p)
+    return p
+
+
+def _dests(p: argparse.ArgumentParser) -> set[str]:
+    return {a.dest for a in p._actions if not isinstance(a, argparse._HelpAction)}
+
+
+def ownership(dests: set[str], parts: list[type[Part]]) -> tuple[list[str], dict[str, list[str]], dict[str, list]]:
+    """(flags no part owns, flags two parts own, part -> fields whose flag the parser lacks)."""
+    owners: dict[str, list[str]] = {}
+    for part in parts:
+        for d in part.flag_dests():
+            owners.setdefault(d, []).append(part.__name__)
+    orphans = sorted(dests - set(owners))
+    doubles = {d: o for d, o in owners.items() if len(o) > 1}
+    missing = {part.__name__: sorted(part.flag_dests() - dests) for part in parts if part.flag_dests() - dests}
+    return orphans, doubles, missing
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_every_flag_belongs_to_one_part(job):
+    add_args, parts, _ = JOBS[job]()
+    assert len(set(parts)) == len(parts), f"{job}: a part listed twice"
+    orphans, doubles, missing = ownership(_dests(_parser(add_args)), parts)
+    assert not orphans, f"{job}: flags in no part: {orphans}"
+    assert not doubles, f"{job}: flags in two parts: {doubles}"
+    assert not missing, f"{job}: part fields without a flag (list them in DERIVED): {missing}"
+
+
+def test_an_orphan_flag_and_a_shared_one_are_found():
+    add_args, parts, _ = JOBS["ppo"]()
+    p = _parser(add_args)
+    p.add_argument("--not_in_any_part", type=int, default=0)
+    orphans, doubles, _ = ownership(_dests(p), parts)
+    assert orphans == ["not_in_any_part"]
+    assert not doubles
+    from rlhf.parts import BatchPart
+
+    _, doubles, _ = ownership(_dests(p), parts + [BatchPart])  # PPOBatch already owns the batch flags
+    assert set(doubles) == {"train_batch_size", "micro_train_batch_size", "max_epochs"}
+    _, _, missing = ownership(_dests(p) - {"seed"}, parts)
+    assert missing == {"EnginePart": ["seed"]}
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_parts_hold_the_parsed_defaults(job, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").write_text("{}\n")  # --prompt_data / --dataset must exist
+    add_args, parts, required = JOBS[job]()
+    ns = _parser(add_args).parse_args(required)
+    for part_cls in parts:
+        part = part_cls.from_args(ns)
+        for f in fields(part):
+            if not f.init or f.name in part_cls.DERIVED:
+                continue
+            dest = part_cls.DESTS.get(f.name, f.name)
+            got = getattr(part, f.name)
+            assert got == getattr(ns, dest), f"{job}: {part_cls.__name__}.{f.name} = {got!r}, flag {getattr(ns, dest)!r}"
+
+
+def test_from_args_is_strict():
+    from rlhf.parts import ParallelPart
+
+    with pytest.raises(TypeError, match="ParallelPart.pipeline_model_parallel_size"):
+        ParallelPart.from_args(argparse.Namespace(tensor_model_parallel_size=1))
+    full = argparse.Namespace(**{f.name: f.default for f in fields(ParallelPart)})
+    with pytest.raises(TypeError, match="no fields"):
+        ParallelPart.from_args(full, not_a_field=1)
+
+
+def _bad_parts():
+    from rlhf.config import DataPart, SupervisedBatch
+    from rlhf.parts import BatchPart, EnginePart
+    from rlhf.ppo.algo_args import AlgoPart
+    from rlhf.ppo.ema import EmaPart
+    from rlhf.ppo.evaluation import EvalConfig
+    from rlhf.ppo.parts import GenerationPart, OffloadPart, PPOBatch, PPOLogging, PPOLora, PPOOptim, RolloutPart
+    from rlhf.ppo.ptx import PtxPart
+
+    return [
+        (lambda: BatchPart(micro_train_batch_size=0), "--micro_train_batch_size must be >= 1, got 0"),
+        (lambda: PPOBatch(rollout_batch_size=0), "--rollout_batch_size must be >= 1, got 0"),
+        (lambda: SupervisedBatch(max_len=4), "--max_len must be >= 8, got 4"),
+        (lambda: EnginePart(zero_stage=7), "--zero_stage must be 0..3, got 7"),
+        (lambda: DataPart(eval_split=1.5), r"--eval_split must be in \[0, 1\), got 1.5"),
+        (lambda: GenerationPart(temperature=0.0), "--temperature must be > 0 for sampling, got 0.0"),
+        (lambda: GenerationPart(top_p=1.5), r"--top_p must be in \(0, 1\], got 1.5"),
+        (lambda: AlgoPart(dynamic_filtering=True, dynamic_filtering_range=(1.0, 0.5)),
+         "--dynamic_filtering_range 1 0.5: LO must be below HI"),
+        (lambda: AlgoPart(reward_clip_range=(2.0, 1.0)), "--reward_clip_range 2 1: LOW must be below HIGH"),
+        (lambda: EmaPart(enable_ema=True, ema_beta=2.0), r"--ema_beta must be in \[0, 1\], got 2.0"),
+        (lambda: PtxPart(pretrain_data="/no/such/texts.jsonl"), "--pretrain_data: not found"),
+        (lambda: PtxPart(pretrain_data="README.md", ptx_coef=-1.0), "--ptx_coef must be >= 0, got -1.0"),
+        (lambda: OffloadPart(colocate_all=False), "--no-colocate_all"),
+        (lambda: RolloutPart(vllm_tensor_parallel_size=0), "--vllm_tensor_parallel_size must be >= 1, got 0"),
+        (lambda: PPOLogging(logging_steps=0), "--logging_steps must be >= 1, got 0"),
+        (lambda: PPOOptim(critic_l2=-1.0), "--critic_l2 must be >= 0, got -1.0"),
+        (lambda: PPOLora(critic_lora_rank=-2), r"--critic_lora_rank must be >= 0 \(0: full fine-tuning\), got -2"),
+        (lambda: EvalConfig(dataset="README.md", n_samples_per_prompt=0),
+         "--eval_n_samples_per_prompt must be >= 1, got 0"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_parts())))
+def test_a_part_check_names_its_flag(case, monkeypatch):
+    import os
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # README.md exists
+    make, message = _bad_parts()[case]
+    with pytest.raises(ValueError, match=message):
+        make().check()
