@@ -49,7 +49,8 @@ def parse(extra: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_args(p)
     add_launcher_args(p)
-    return p.parse_args(translate(["--pretrain", "m", "--prompt_data", "p.jsonl", "--save_path", "o", *extra], "ppo",
+    return p.parse_args(translate(["--pretrain", "m", "--prompt_data", "p.jsonl", "--save_path", "o", "--reward_fn",
+                                   "rlhf.verifiers:math_reward", *extra], "ppo",
                                   set(p._option_string_actions)))
 
 
@@ -299,8 +300,11 @@ def test_flags_parse_and_openrlhf_flags_map():
     (["--use_tis", "--use_rollout_logprobs"], "--use_tis corrects"),
     (["--rollout_rs", "token_k1", "--rollout_rs_threshold", "2", "--use_rollout_logprobs"], "--rollout_rs corrects"),
 ])
-def test_bad_values_name_the_flag(flags, needle):
+def test_bad_values_name_the_flag(flags, needle, tmp_path):
     from rlhf.ppo.algo_args import check_algo
+    from rlhf.ppo.args import PPOJobConfig
 
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1 ="}\n')
     with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        check_algo(parse(flags))
+        # the part's own checks as the job is built, then the job's
+        check_algo(PPOJobConfig.from_args(parse(flags + ["--prompt_data", str(tmp_path / "p.jsonl")])))
