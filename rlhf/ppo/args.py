@@ -13,6 +13,7 @@ from rlhf.agents.flags import AgentPart
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig
 from rlhf.migration import LauncherPart, PlacementPart
 from rlhf.part import Job
+from rlhf.rollout.partial import PartialRolloutConfig, check_partial
 from rlhf.parts import CheckpointPart, EnginePart, ParallelPart, TextPart
 from rlhf.ppo.algo_args import AlgoPart, add_algo_args, check_algo
 from rlhf.ppo.ema import EmaPart
@@ -38,6 +39,7 @@ class PPOJobConfig(Job):
     batch: PPOBatch
     generation: GenerationPart
     agent: AgentPart
+    partial: PartialRolloutConfig
     optim: PPOOptim
     algo: AlgoPart
     correction: RolloutCorrectionConfig
@@ -66,6 +68,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     PPOBatch.add_args(g, micro_bs=8, epochs=1)
     GenerationPart.add_args(g)
     AgentPart.add_args(g)
+    PartialRolloutConfig.add_args(g)
     g = p.add_argument_group("optimisation")
     PPOOptim.add_args(g)
     add_algo_args(g)  # AlgoPart, RolloutCorrectionConfig, PtxPart, EmaPart
@@ -123,6 +126,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     from rlhf.agents.flags import check_agent_args, check_agent_fit
 
     check_agent_args(job)
+    check_partial(job)
     from rlhf.ppo.ema import check_ema_args
 
     check_ema_args(job.ema, job.lora.lora_rank)

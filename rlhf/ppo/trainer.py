@@ -77,7 +77,7 @@ class PPOTrainer:
         if ptx_samples:
             from rlhf.ppo.ptx import PtxData
 
-            self.ptx = PtxData(args, ptx_samples, self.pad_id, mesh, self.roles.actor)
+            self.ptx = PtxData(job.ptx, job.batch, seed, ptx_samples, self.pad_id, mesh, self.roles.actor)
         self.evaluator = None
         if job.eval.dataset:  # the rule reward only (reward models score training replies alone)
             from rlhf.ppo.evaluation import Evaluator
@@ -87,7 +87,10 @@ class PPOTrainer:
             rule = RewardConfig(reward_fn=r.reward_fn, reward_fn_weight=r.reward_fn_weight,
                                 remote_rm_url=r.remote_rm_url, remote_rm_weight=r.remote_rm_weight,
                                 remote_rm_timeout=r.remote_rm_timeout)
-            self.evaluator = Evaluator(job.eval, args, tokenizer, rule, mesh)
+            self.evaluator = Evaluator(job.eval, job, tokenizer, rule, mesh)
+        from rlhf.ppo.partial_step import build_partial
+
+        self.partial = build_partial(job.partial, args)
         self.step = 0
         state = None
         if job.checkpoint.load_checkpoint:
@@ -99,6 +102,8 @@ class PPOTrainer:
             self.kl_ctl.load_state_dict(state["extra"]["kl_ctl"])
             if self.ptx is not None:
                 self.ptx.sampler.load_state_dict(state["extra"]["ptx_sampler"])
+            if self.partial is not None:
+                self.partial.load_state_dict(state["extra"]["partial"])
         self.actor_changed = True  # vLLM starts from dummy weights
 
     # ----------------------------------------------------------------------------------------------- one step
@@ -109,11 +114,18 @@ class PPOTrainer:
         if self.actor_changed or roles.rollout.needs_sync:  # a sleeping engine discarded its weights
             metrics.update(sync_weights(roles, timer))
             self.actor_changed = False
-        rollout, filtered = generate_filtered(roles, args, self.prompts, self.sampler, self.rewards, self.step, mesh,
-                                              timer)
+        if self.partial is not None:  # --partial_rollout (rlhf.ppo.partial_step)
+            from rlhf.ppo.partial_step import generate_partial_step
+
+            rollout, filtered = generate_partial_step(roles, args, self.partial, self.prompts, self.sampler,
+                                                      self.step, mesh, timer)
+        else:
+            rollout, filtered = generate_filtered(roles, args, self.prompts, self.sampler, self.rewards, self.step,
+                                                  mesh, timer)
         metrics.update(filtered)
         metrics.update(self.gold_metrics(rollout))
-        generated = filtered.get("dynamic_filtering/generated_tokens", rollout.generated_tokens)
+        generated = filtered.get("dynamic_filtering/generated_tokens",
+                                 filtered.get("partial/generated_tokens", rollout.generated_tokens))
         timer.metrics["tokens_per_s/rollout"] = generated / timer.metrics["time/rollout"]
         exp, raw_rewards, reward_metrics = make_experience(roles, args, rollout, self.rewards, mesh, self.pad_id,
                                                            timer)
@@ -161,6 +173,8 @@ class PPOTrainer:
         extra = {"sampler": self.sampler.state_dict(), "kl_ctl": self.kl_ctl.state_dict()}
         if self.ptx is not None:
             extra["ptx_sampler"] = self.ptx.sampler.state_dict()
+        if self.partial is not None:  # the carried samples: a resumed job continues them exactly
+            extra["partial"] = self.partial.state_dict()
         self.ckpt.save(self.step, self.checkpointed(), extra)
 
     def fit(self) -> dict[str, Any]:
@@ -170,8 +184,8 @@ class PPOTrainer:
         args, job, mesh = self.args, self.job, self.mesh
         if mesh.is_rank0:
             log.info("ppo: %d prompts, %d steps of %d prompts x %d samples; %s; dp=%d tp=%d pp=%d; generation: %s",
-                     len(self.prompts), self.total_steps, args.rollout_batch_size, args.n_samples_per_prompt,
-                     args.advantage_estimator, mesh.dp, mesh.tp, mesh.pp, self.roles.rollout.name)
+                     len(self.prompts), self.total_steps, job.batch.rollout_batch_size, job.batch.n_samples_per_prompt,
+                     job.algo.advantage_estimator, mesh.dp, mesh.tp, mesh.pp, self.roles.rollout.name)
         if mesh.is_rank0:
             from rlhf.algo.advantages import ADVANTAGE_ESTIMATORS
             from rlhf.algo.ppo_losses import ActorLossConfig
@@ -179,8 +193,8 @@ class PPOTrainer:
             est = self.estimator  # the function this run calls, named by its registry entry (not by the flag)
             log.info("advantage estimator: %s (%s%s)", next(k for k, v in ADVANTAGE_ESTIMATORS.items() if v is est),
                      "a critic's values" if est.needs_critic else "no critic",
-                     f", groups of {args.n_samples_per_prompt} samples per prompt" if est.needs_groups else "")
-            c = ActorLossConfig.from_args(args, self.estimator)
+                     f", groups of {job.batch.n_samples_per_prompt} samples per prompt" if est.needs_groups else "")
+            c = ActorLossConfig.from_args(args, self.estimator)  # the flat view: the loss reads flags of 2 parts
             log.info("actor loss: %s, ratio clipped to [%g, %g]%s, %s%s%s", c.policy_loss_type, 1 - c.eps_clip_low,
                      1 + c.eps_clip_high, f", dual-clip {c.dual_clip:g}" if c.dual_clip else "", c.loss_agg_mode,
                      f", entropy_coef {c.entropy_coef:g}" if c.entropy_coef else "",
@@ -188,7 +202,7 @@ class PPOTrainer:
             log.info("old log-probs: %s (%s)", {"update": "the update's own forward, detached; no actor forward in "
                                                            "make_experience", "forward": "the actor's forward in "
                                                 "make_experience", "rollout": "the generator's"}[
-                args.old_logprobs_source], args.old_logprobs_reason)
+                job.algo.old_logprobs_source], job.algo.old_logprobs_reason)
         logger = MetricsLogger(mesh.is_rank0, self.total_steps, job.logging.tensorboard, prefix="ppo",
                                jsonl_path=os.path.join(job.checkpoint.save_path, "metrics.jsonl"), args=args)
         timer = PhaseTimer()
@@ -264,8 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         load_gold_fn(job.logging.gold_reward_fn)
     _check_generator(job, setup, env.world_size)
     tokenizer = load_tokenizer(job.models.pretrain)
-    flat = job.namespace()  # what load_prompts and load_ptx_samples read (prompt_max_len as validate left it)
-    prompts, stats = load_prompts(flat, tokenizer)
+    prompts, stats = load_prompts(job.namespace(), tokenizer)  # the flat view: prompt_max_len as validate left it
     if len(prompts) < job.batch.rollout_batch_size:
         raise ValueError(f"--rollout_batch_size {job.batch.rollout_batch_size} is larger than the number of prompts "
                          f"({len(prompts)} in --prompt_data)")
@@ -273,7 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if job.ptx.pretrain_data:
         from rlhf.ppo.ptx import load_ptx_samples
 
-        ptx_samples = load_ptx_samples(flat, tokenizer)
+        ptx_samples = load_ptx_samples(job, tokenizer)
     trainer = PPOTrainer(setup, prompts, tokenizer, ptx_samples)
     try:
         result = trainer.fit()

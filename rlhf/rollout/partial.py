@@ -59,6 +59,29 @@ class PartialRolloutConfig(Part):
         return math.ceil(self.partial_rollout_oversample * batch_groups) if self.max_staleness > 0 else 0
 
 
+def check_partial(job) -> None:
+    """``--partial_rollout`` against the rest of the job (``PPOJobConfig``), before any model: the combinations not
+    built yet are refused by name, with the reason."""
+    if not job.partial.partial_rollout:
+        return
+    if job.algo.dynamic_filtering:
+        raise ValueError("--partial_rollout with --dynamic_filtering is not supported yet: dynamic sampling "
+                         "generates again within a step, partial rollouts carry replies across steps; use one")
+    if job.agent.agent_func_path:
+        raise ValueError("--partial_rollout with --agent_func_path is not supported yet: a multi-turn trajectory "
+                         "cannot be carried between turns of the environment yet")
+    backend = job.rollout.rollout_backend
+    if backend == "megatron":
+        raise ValueError("--partial_rollout with --rollout_backend megatron: the fallback generator cannot stop "
+                         "and resume a request; partial rollouts use vLLM's abort")
+    if backend == "auto":
+        from rlhf.rollout.vllm_engine import vllm_available
+
+        if not vllm_available():
+            raise ValueError("--partial_rollout needs vLLM (not installed: the megatron fallback cannot stop and "
+                             "resume a request)")
+
+
 @dataclass
 class PartialSample:
     """Sample ``k`` of group ``group`` (one prompt's ``--n_samples_per_prompt`` samples share a group)."""
