@@ -170,11 +170,9 @@ PPO = {**COMMON,
        "--train.colocate_critic_reward": to("--colocate_critic_reward", 0),
        "--train.enable_ema": to("--enable_ema", 0), "--train.ema_beta": to("--ema_beta"),
        "--train.num_episodes": to("--num_episodes"),
-       "--train.async_enable": refuse("asynchronous rollouts are not supported: the job alternates generation and "
-                                      "training on every rank", 0),
-       "--train.async_queue_size": ignore("it sizes the queue of asynchronous rollouts, which are refused "
-                                          "(--train.async_enable)"),
-       "--train.partial_rollout_enable": refuse("partial rollouts need asynchronous training, not supported", 0),
+       "--train.async_enable": to("--partial_rollout", 0),  # colocated: partial rollouts (docs/async.md)
+       "--train.async_queue_size": to("--max_staleness"),
+       "--train.partial_rollout_enable": to("--partial_rollout", 0),
        "--vllm.num_engines": to("--vllm_num_engines"), "--vllm.tensor_parallel_size": to("--vllm_tensor_parallel_size"),
        "--vllm.gpu_memory_utilization": to("--vllm_gpu_memory_utilization"),
        "--vllm.enforce_eager": to("--vllm_enforce_eager", 0),
@@ -188,10 +186,7 @@ PPO = {**COMMON,
        "--rollout.temperature": to("--temperature"), "--rollout.top_p": to("--top_p"),
        "--rollout.max_tokens_per_gpu": ignore("how experience forwards are batched: they use "
                                               "--train.max_tokens_per_gpu here; the values are the same"),
-       "--rollout.vllm_generate_batch_size": ignore("how generation is chunked: each rollout is one batched "
-                                                    "generate call here, each prompt with its own seed, so the "
-                                                    "samples do not depend on the chunking (larger values need "
-                                                    "asynchronous training, refused)"),
+       "--rollout.vllm_generate_batch_size": to("--vllm_generate_batch_size"),
        "--train.max_tokens_per_gpu": to("--max_tokens_per_gpu"),
        "--actor.eps_clip": to("--eps_clip"), "--actor.policy_loss_type": to("--policy_loss_type"),
        "--actor.entropy_coef": to("--entropy_coef"), "--actor.dual_clip": to("--dual_clip"),

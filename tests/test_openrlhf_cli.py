@@ -17,8 +17,7 @@ from helpers import REPO
 
 EXAMPLES = json.load(open(os.path.join(REPO, "tests", "peers", "openrlhf", "example_commands.json")))
 ENTRY = {"train_sft": "rlhf.sft", "train_rm": "rlhf.rm", "train_dpo": "rlhf.dpo", "train_ppo_ray": "rlhf.ppo.args"}
-REFUSED = {"train_reinforce_baseline_ray_agent_async.sh": "--train.async_enable (OpenRLHF): asynchronous rollouts",
-           "train_vlm_math_hybrid_engine.sh": "(OpenRLHF): vision-language models are not supported"}
+REFUSED = {"train_vlm_math_hybrid_engine.sh": "(OpenRLHF): vision-language models are not supported"}
 """Scripts whose settings have no counterpart here: refused before anything runs, naming the flag and why."""
 
 
@@ -75,6 +74,10 @@ def test_openrlhf_example_scripts_parse(script):
             else ("0.5", "5.0")
         assert (args.use_tis, args.tis_floor, args.tis_cap) == (True, float(lo), float(hi))
         assert args.is_correction_type == given.get("--algo.advantage.is_correction_type", "tis")
+    if "--train.async_enable" in argv:  # asynchronous training in a colocated job: partial rollouts (docs/async.md)
+        assert args.partial_rollout
+        if "--train.async_queue_size" in given:
+            assert args.max_staleness == int(given["--train.async_queue_size"])
 
 
 def test_values_reach_their_flags():

@@ -32,6 +32,8 @@ class PartialRolloutConfig(Part):
     """(--max_staleness) a trained token is at most this many weight updates older than the weights trained"""
     partial_rollout_oversample: float = 0.25
     """(--partial_rollout_oversample) extra groups started per step, a fraction of --rollout_batch_size"""
+    vllm_generate_batch_size: int | None = None
+    """(--vllm_generate_batch_size) groups in flight per step, carried ones included; replaces the oversample"""
 
     @classmethod
     def add_args(cls, g) -> None:
@@ -47,7 +49,11 @@ class PartialRolloutConfig(Part):
                             "max_head_offpolicyness, prime-rl max_off_policy_steps, TRL max_staleness")
         g.add_argument("--partial_rollout_oversample", type=float, default=0.25,
                        help="--partial_rollout: groups started per step beyond --rollout_batch_size, as a fraction "
-                            "of it (OpenRLHF: --rollout.vllm_generate_batch_size above the rollout batch)")
+                            "of it")
+        g.add_argument("--vllm_generate_batch_size", "--rollout.vllm_generate_batch_size",
+                       dest="vllm_generate_batch_size", type=int, default=None,
+                       help="--partial_rollout: prompts (groups) in flight per step, carried ones included, at least "
+                            "--rollout_batch_size (OpenRLHF's flag; replaces --partial_rollout_oversample)")
 
     def check(self) -> None:
         if self.max_staleness < 0:
@@ -56,14 +62,25 @@ class PartialRolloutConfig(Part):
             raise ValueError(f"--partial_rollout_oversample must be in [0, 8], got {self.partial_rollout_oversample:g}")
 
     def extra_groups(self, batch_groups: int) -> int:
-        return math.ceil(self.partial_rollout_oversample * batch_groups) if self.max_staleness > 0 else 0
+        if self.max_staleness == 0:
+            return 0
+        if self.vllm_generate_batch_size is not None:
+            return self.vllm_generate_batch_size - batch_groups
+        return math.ceil(self.partial_rollout_oversample * batch_groups)
 
 
 def check_partial(job) -> None:
     """``--partial_rollout`` against the rest of the job (``PPOJobConfig``), before any model: the combinations not
     built yet are refused by name, with the reason."""
-    if not job.partial.partial_rollout:
+    p = job.partial
+    if p.vllm_generate_batch_size is not None and not p.partial_rollout:
+        raise ValueError(f"--vllm_generate_batch_size {p.vllm_generate_batch_size} starts more prompts than a step "
+                         "trains, which only --partial_rollout carries over (OpenRLHF: --train.partial_rollout_enable)")
+    if not p.partial_rollout:
         return
+    if p.vllm_generate_batch_size is not None and p.vllm_generate_batch_size < job.batch.rollout_batch_size:
+        raise ValueError(f"--vllm_generate_batch_size {p.vllm_generate_batch_size} must be at least "
+                         f"--rollout_batch_size {job.batch.rollout_batch_size}")
     if job.algo.dynamic_filtering:
         raise ValueError("--partial_rollout with --dynamic_filtering is not supported yet: dynamic sampling "
                          "generates again within a step, partial rollouts carry replies across steps; use one")

@@ -72,3 +72,40 @@ def test_bad_values_name_the_flag(flags, msg):
     with pytest.raises(ValueError) as e:
         PartialRolloutConfig.from_args(ap.parse_args(flags))
     assert str(e.value) == msg
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--dynamic_filtering"], "--partial_rollout with --dynamic_filtering is not supported yet"),
+    (["--agent_func_path", "x.py"], "--partial_rollout with --agent_func_path is not supported yet"),
+    (["--rollout_backend", "megatron"], "--partial_rollout with --rollout_backend megatron"),
+    (["--vllm_generate_batch_size", "2"], "--vllm_generate_batch_size 2 must be at least --rollout_batch_size 4"),
+])
+def test_combinations_not_built_are_refused_by_name(flags, needle, tmp_path):
+    """The job's check (``check_partial`` on the typed job, as ``validate`` runs it before any model); OpenRLHF's
+    dotted flags reach the same flags."""
+    from rlhf.migration import add_launcher_args
+    from rlhf.openrlhf_cli import translate
+    from rlhf.ppo.args import PPOJobConfig, add_args
+    from rlhf.rollout.partial import check_partial
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1 ="}\n')
+    p = argparse.ArgumentParser()
+    add_args(p)
+    add_launcher_args(p)
+
+    def job(extra):
+        return PPOJobConfig.from_args(p.parse_args(translate(
+            ["--pretrain", "m", "--prompt_data", str(tmp_path / "p.jsonl"), "--save_path", "o", "--reward_fn",
+             "rlhf.verifiers:math_reward", "--rollout_batch_size", "4", *extra], "ppo", set(p._option_string_actions))))
+
+    with pytest.raises(ValueError, match=needle):
+        check_partial(job(["--partial_rollout", *flags]))
+    # without --partial_rollout the same flags pass this check (over-sampling alone is refused: nothing carries it)
+    if flags[0] == "--vllm_generate_batch_size":
+        with pytest.raises(ValueError, match="only --partial_rollout carries over"):
+            check_partial(job(flags))
+    else:
+        check_partial(job(flags))
+    j = job(["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "2",
+             "--rollout.vllm_generate_batch_size", "6"])
+    assert (j.partial.partial_rollout, j.partial.max_staleness, j.partial.extra_groups(4)) == (True, 2, 2)
