@@ -83,11 +83,15 @@ def pass_at_k(rewards: torch.Tensor, k: int) -> tuple[float, float]:
 class Evaluator:
     """The held-out prompts and their reward sources; ``run(step)`` generates, scores and returns the metrics."""
 
-    def __init__(self, cfg: EvalConfig, args: argparse.Namespace, tokenizer, reward_cfg, mesh):
+    def __init__(self, cfg: EvalConfig, job, tokenizer, reward_cfg, mesh):
+        """``job``: the ``PPOJobConfig``; the held-out prompts are read as --prompt_data's are (its flat view with
+        --eval_dataset in their place), the replies as long as --generate_max_len."""
         from rlhf.ppo.stages import RewardSources
 
-        self.cfg, self.args, self.mesh = cfg, args, mesh
-        eval_args = argparse.Namespace(**{**vars(args), "prompt_data": cfg.dataset, "prompt_data_probs": None,
+        self.cfg, self.mesh = cfg, mesh
+        self.max_tokens, self.seed = job.generation.generate_max_len, job.engine.seed
+        eval_args = argparse.Namespace(**{**vars(job.namespace()), "prompt_data": cfg.dataset,
+                                          "prompt_data_probs": None,
                                           "max_samples": cfg.max_samples})  # not --max_samples: that caps training
         try:
             self.prompts, _ = load_prompts(eval_args, tokenizer)
@@ -104,8 +108,8 @@ class Evaluator:
             roles.rollout.wake_up(["kv_cache"])
             samples = roles.rollout.generate([p.prompt_ids.tolist() for p in self.prompts], n=k,
                                              temperature=self.cfg.temperature, top_p=1.0,
-                                             max_tokens=self.args.generate_max_len,
-                                             seed=self.args.seed * 100_003 + 7_777_777 + step)
+                                             max_tokens=self.max_tokens,
+                                             seed=self.seed * 100_003 + 7_777_777 + step)
             roles.rollout.sleep()
             # every rank scores every reply (the same numbers everywhere, no collective)
             rollout = Rollout(prompt_idx=list(range(len(self.prompts))), samples=samples, local=samples)

@@ -5,7 +5,6 @@
 (``rlhf.algo.ppo_losses.make_ptx_combined_loss``). Its sampler is checkpointed with the run."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
@@ -49,33 +48,37 @@ class PtxPart(Part):
             raise ValueError(f"--ptx_coef must be >= 0, got {self.ptx_coef}")
 
 
-def load_ptx_samples(args: argparse.Namespace, tokenizer) -> list:
-    """The --pretrain_data texts as SFT samples in pretrain mode, before any model loads."""
+def load_ptx_samples(job, tokenizer) -> list:
+    """The --pretrain_data texts as SFT samples in pretrain mode, before any model loads (``job``: the
+    ``PPOJobConfig``; its ptx, generation, text, batch and engine parts are read)."""
     from rlhf.data import DataConfig, build_sft_dataset
 
-    cfg = DataConfig(dataset=args.pretrain_data, input_key=args.pretrain_input_key, output_key=None,
-                     pretrain_mode=True, max_len=args.pretrain_max_len or args.prompt_max_len + args.generate_max_len,
-                     seed=args.seed, skip_bad_samples=args.skip_bad_samples)
+    ptx, gen = job.ptx, job.generation
+    cfg = DataConfig(dataset=ptx.pretrain_data, input_key=ptx.pretrain_input_key, output_key=None,
+                     pretrain_mode=True, max_len=ptx.pretrain_max_len or gen.prompt_max_len + gen.generate_max_len,
+                     seed=job.engine.seed, skip_bad_samples=job.text.skip_bad_samples)
     try:
         samples, _ = build_sft_dataset(cfg, tokenizer)
     except ValueError as e:
         raise ValueError(str(e).replace("--input_key", "--pretrain_input_key")
                          .replace("--dataset", "--pretrain_data")) from None
-    if len(samples) < args.train_batch_size:
-        raise ValueError(f"--pretrain_data {args.pretrain_data}: {len(samples)} texts, fewer than one "
-                         f"--train_batch_size {args.train_batch_size}")
+    if len(samples) < job.batch.train_batch_size:
+        raise ValueError(f"--pretrain_data {ptx.pretrain_data}: {len(samples)} texts, fewer than one "
+                         f"--train_batch_size {job.batch.train_batch_size}")
     return samples
 
 
 class PtxData:
-    def __init__(self, args: argparse.Namespace, samples: list, pad_id: int, mesh, actor):
+    def __init__(self, ptx: PtxPart, batch, seed: int, samples: list, pad_id: int, mesh, actor):
+        """``batch``: the job's batch part (one ptx micro-batch of --micro_train_batch_size per update
+        micro-batch); ``seed``: --seed."""
         from rlhf.data import BatchConfig, DistributedBatchSampler
 
         self.samples, self.pad_id, self.mesh, self.actor = samples, pad_id, mesh, actor
-        self.coef = float(args.ptx_coef)
-        self.sampler = DistributedBatchSampler(len(samples), BatchConfig(args.train_batch_size,
-                                                                         args.micro_train_batch_size, mesh.dp,
-                                                                         mesh.dp_rank), seed=args.seed + 1)
+        self.coef = float(ptx.ptx_coef)
+        self.sampler = DistributedBatchSampler(len(samples), BatchConfig(batch.train_batch_size,
+                                                                         batch.micro_train_batch_size, mesh.dp,
+                                                                         mesh.dp_rank), seed=seed + 1)
 
     def next_microbatches(self) -> list[dict]:
         from rlhf.data import collate_sft
