@@ -5,8 +5,8 @@ replies end at very different lengths and a step's groups finish long before its
   ``--max_staleness 1``, which carries samples across updates, ends elsewhere);
 - ``--max_staleness 1``: vLLM is stopped early (samples aborted and carried), carried tokens are trained one update
   old and never older, and every trained group is whole;
-- a job stopped after step 2 with samples carried resumes to the same weights as the straight run.
-Three steps each, about 20-40 s a job on a 2-core machine."""
+- a job resumed from the checkpoint after step 2, with samples carried, ends with the straight run's weights.
+Three steps each, four jobs, about 20-40 s a job on a 2-core machine."""
 import json
 import os
 import shutil
@@ -85,8 +85,14 @@ def test_k1_stops_early_carries_and_bounds_the_age(k1):
 def test_resume_with_samples_carried_is_exact(ppo_setup, eos_actor, k1, tmp_path):
     save, hist, _ = k1
     assert hist[1]["partial/carried_samples"] > 0, hist  # the checkpoint after step 2 holds carried samples
-    _run(ppo_setup, eos_actor, tmp_path / "r", "--partial_rollout", "--max_staleness", "1",
-         "--partial_rollout_oversample", "1", "--stop_after_steps", "2")
+    # The straight run's checkpoint after step 2 (--save_steps 1) is where a job stopped after step 2 would stand:
+    # resume from it (the step-3 checkpoint and the final export removed, `latest` naming step 2).
+    r = tmp_path / "r"
+    shutil.copytree(save, r)
+    ckpt = r / "checkpoints"
+    shutil.rmtree(ckpt / "iter_0000003")
+    os.remove(r / "model.safetensors")
+    (ckpt / "latest").write_text("iter_0000002")
     resumed, p = _run(ppo_setup, eos_actor, tmp_path / "r", "--partial_rollout", "--max_staleness", "1",
                       "--partial_rollout_oversample", "1", "--load_checkpoint")
     assert "resumed from" in p.stdout + p.stderr, tail(p)
