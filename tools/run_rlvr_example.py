@@ -31,6 +31,9 @@ CONFIGS = {
     "grpo": [],
     "dapo": ["--eps_clip_low_high", "0.2", "0.28", "--dynamic_filtering", "--overlong_buffer_len", "8",
              "--overlong_penalty_factor", "0.5"],
+    # GRPO with truncated importance sampling against the generator's log-probs (issue 47: does correcting the
+    # bf16 trainer / fp32-or-bf16 generator mismatch change what is learned?)
+    "grpo_tis": ["--use_tis"],
 }
 
 
