@@ -10,7 +10,6 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from rlhf.migration import LauncherPart
 from rlhf.models.lora import LoraPart
 from rlhf.part import Job, Part
 from rlhf.parts import (BatchPart, CheckpointPart, EnginePart, LoggingPart, ModelPart, OptimPart, ParallelPart,
@@ -119,7 +118,8 @@ class SupervisedOptim(OptimPart):
 @dataclass
 class SupervisedJob(Job):
     """The configuration of SFT, RM, DPO and KTO: the shared parts, and the task's own (``TASK_PARTS`` of its
-    module: the record keys, the reference, the loss's options), built once by ``rlhf.trainer.prepare``."""
+    module: the record keys, the reference, the loss's options), built once by ``rlhf.trainer.prepare``. The
+    launchers' flags (``rlhf.migration.LauncherPart``) are applied by ``cli_main`` before, and are no part of it."""
 
     model: ModelPart
     checkpoint: CheckpointPart
@@ -131,7 +131,6 @@ class SupervisedJob(Job):
     data: DataPart
     text: TextPart
     lora: LoraPart
-    launcher: LauncherPart
     task: dict = field(default_factory=dict)
     """the task's own parts by name"""
 

@@ -253,7 +253,8 @@ class Residency:
 
 
 def plan_residency(phase: str, roles: Iterable[str], *, colocate_all: bool = False,
-                   ref_reward_offload: bool = False, adam_offload: bool = False) -> dict[str, Residency]:
+                   ref_reward_offload: bool = False, adam_offload: bool = False,
+                   teacher_offload: bool = False) -> dict[str, Residency]:
     """Per role, the parts ``phase`` keeps on the device. Pure; the flags combine.
 
     A role's grads are resident during its own update only, whatever the flags (``DROPPED``: freeing them copies
@@ -261,7 +262,7 @@ def plan_residency(phase: str, roles: Iterable[str], *, colocate_all: bool = Fal
     weights it generates with), make_experience keeps every role's params (forward only), ``<role>_update`` keeps
     that role's params, grads and optimizer, weight_sync keeps the actor's params. ``ref_reward_offload``: ref and
     reward params only during make_experience. ``adam_offload``: a role's optimizer states only during its own
-    update.
+    update. ``teacher_offload``: the distillation teacher's params only during make_experience.
     """
     if phase not in PHASES:
         raise ValueError(f"unknown PPO phase {phase!r}; expected one of {PHASES}")
@@ -274,6 +275,8 @@ def plan_residency(phase: str, roles: Iterable[str], *, colocate_all: bool = Fal
             params = updating or phase == "make_experience" or (phase == "weight_sync" and role == "actor")
             optimizer = updating
         if ref_reward_offload and (role == "ref" or role.startswith("reward")):  # reward, reward1, ...
+            params = params and phase == "make_experience"
+        if teacher_offload and role == "teacher":
             params = params and phase == "make_experience"
         if adam_offload:
             optimizer = optimizer and updating
@@ -292,10 +295,10 @@ class MemoryScheduler:
 
     def __init__(self, managers: Mapping[str, OffloadManager], *, colocate_all: bool = False,
                  ref_reward_offload: bool = False, adam_offload: bool = False, move: bool = True,
-                 keep_parked: bool = True):
+                 keep_parked: bool = True, teacher_offload: bool = False):
         self.managers = dict(managers)
         self.flags = dict(colocate_all=colocate_all, ref_reward_offload=ref_reward_offload,
-                          adam_offload=adam_offload)
+                          adam_offload=adam_offload, teacher_offload=teacher_offload)
         self.move = move
         """False: copy nothing, only drop and restore grads (``cpu_offload_moves``: on a CPU device the host *is* the
         device, so a copy cannot lower peak memory; it only costs time)."""

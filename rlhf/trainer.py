@@ -121,15 +121,16 @@ def prepare(args: argparse.Namespace, task: Task, world_size: int, task_parts: d
         task.validate(args)
     from rlhf.models.source import load_tokenizer  # after the flag checks: importing transformers takes seconds
 
-    tokenizer = load_tokenizer(args.pretrain)
+    tokenizer = load_tokenizer(job.model.pretrain)
     train, evals, stats = task.load_data(args, tokenizer)
     if not train:
-        raise ValueError(f"--dataset {args.dataset}: no training samples after filtering")
-    steps_per_epoch = len(train) // args.train_batch_size
+        raise ValueError(f"--dataset {job.data.dataset}: no training samples after filtering")
+    batch = job.batch
+    steps_per_epoch = len(train) // batch.train_batch_size
     if steps_per_epoch < 1:
-        raise ValueError(f"--train_batch_size {args.train_batch_size} is larger than the dataset "
+        raise ValueError(f"--train_batch_size {batch.train_batch_size} is larger than the dataset "
                          f"({len(train)} samples after filtering)")
-    return job, tokenizer, train, evals, stats, steps_per_epoch * args.max_epochs
+    return job, tokenizer, train, evals, stats, steps_per_epoch * batch.max_epochs
 
 
 def run(args: argparse.Namespace, task: Task, task_parts: dict | None = None) -> dict[str, Any]:
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace, task: Task, task_parts: dict | None = None) ->
         log.info("--packing_samples: each micro-batch runs as one padding-free row (THD, varlen attention)%s",
                  "; with PP > 1 a step's rows are filled to its longest with a dummy sequence" if mesh.pp > 1
                  else "")
-    result = SupervisedLoop(args, task, tokenizer, engine, sampler, ckpt, total_steps).fit(train, evals, step)
+    result = SupervisedLoop(job, args, task, tokenizer, engine, sampler, ckpt, total_steps).fit(train, evals, step)
     from rlhf.distributed.mesh import destroy_mesh
 
     destroy_mesh()
@@ -184,23 +185,28 @@ class SupervisedLoop:
     """The steps of one supervised run (SFT, RM, DPO, KTO) after everything is built: train, evaluate,
     checkpoint, export."""
 
-    def __init__(self, args: argparse.Namespace, task: Task, tokenizer, engine, sampler, ckpt, total_steps: int):
+    def __init__(self, job, args: argparse.Namespace, task: Task, tokenizer, engine, sampler, ckpt,
+                 total_steps: int):
+        """``job``: the ``SupervisedJob`` (batching, checkpoints, logging); ``args``: the parsed flags, for the
+        task's hooks, the HF export and the run's logged config."""
         from rlhf.metrics import MetricsLogger
 
-        self.args, self.task, self.tokenizer, self.engine = args, task, tokenizer, engine
+        self.job, self.args, self.task, self.tokenizer, self.engine = job, args, task, tokenizer, engine
         self.sampler, self.ckpt, self.total_steps, self.mesh = sampler, ckpt, total_steps, engine.mesh
-        self.metrics_log = MetricsLogger(self.mesh.is_rank0, total_steps, args.tensorboard, prefix=task.name,
-                                         jsonl_path=os.path.join(args.save_path, "metrics.jsonl"), args=args)
+        self.metrics_log = MetricsLogger(self.mesh.is_rank0, total_steps, job.logging.tensorboard, prefix=task.name,
+                                         jsonl_path=os.path.join(job.checkpoint.save_path, "metrics.jsonl"),
+                                         args=args)
 
     def batches(self, groups: Sequence[list]) -> list[dict]:
-        return make_microbatches(self.task, groups, self.tokenizer, packing=self.args.packing_samples,
+        return make_microbatches(self.task, groups, self.tokenizer, packing=self.job.engine.packing_samples,
                                  same_shape=self.mesh.pp > 1)
 
     def fit(self, train: list, evals: list, step: int) -> dict[str, Any]:
         from rlhf.distributed.watchdog import phase, set_phase, set_step
 
-        args, task, engine, mesh, dp = self.args, self.task, self.engine, self.mesh, self.mesh.dp
-        mbs = args.micro_train_batch_size
+        task, engine, mesh, dp = self.task, self.engine, self.mesh, self.mesh.dp
+        ckpt, eval_steps = self.job.checkpoint, self.job.data.eval_steps
+        mbs = self.job.batch.micro_train_batch_size
         eval_batches = self.batches([evals[i:i + mbs] for i in range(0, len(evals), mbs)])
         eval_batches = eval_batches[mesh.dp_rank::dp] if len(eval_batches) >= dp else eval_batches[:0]
         result: dict[str, Any] = {}
@@ -208,18 +214,18 @@ class SupervisedLoop:
         start_step = step
         set_phase("train")  # between the named phases below
         while step < self.total_steps:
-            if 0 <= args.stop_after_steps <= step - start_step:
-                log.info("stopping after %d steps (--stop_after_steps)", args.stop_after_steps)
+            if 0 <= ckpt.stop_after_steps <= step - start_step:
+                log.info("stopping after %d steps (--stop_after_steps)", ckpt.stop_after_steps)
                 self.metrics_log.close()
                 return result
             set_step(step + 1)
             with phase("update"):
                 result["train"] = self.train_step(train, loss_fn, step + 1)
             step += 1
-            if args.eval_steps > 0 and step % args.eval_steps == 0 and step < self.total_steps:
+            if eval_steps > 0 and step % eval_steps == 0 and step < self.total_steps:
                 with phase("eval"):
                     self.metrics_log.log(step, task.evaluate(engine, eval_batches), prefix="eval", progress=False)
-            if (args.save_steps > 0 and step % args.save_steps == 0) or step == self.total_steps:
+            if (ckpt.save_steps > 0 and step % ckpt.save_steps == 0) or step == self.total_steps:
                 self.ckpt.save(step, {task.name: engine}, {"sampler": self.sampler.state_dict()})
         if eval_batches:
             with phase("eval"):
@@ -231,7 +237,7 @@ class SupervisedLoop:
         """Optimizer step number ``step``: its micro-batches, the update, throughput, logging."""
         from rlhf.distributed.faults import fault_point
 
-        args, task, engine, mesh = self.args, self.task, self.engine, self.mesh
+        task, engine, mesh = self.task, self.engine, self.mesh
         microbatches = self.batches([[train[i] for i in idx] for idx in self.sampler.next_step()])
         t0 = time.time()
         pre = task.before_step(engine, microbatches) if hasattr(task, "before_step") else {}
@@ -242,7 +248,7 @@ class SupervisedLoop:
         dist.all_reduce(ntok)
         m["tokens_per_s"] = ntok.item() / mesh.tp / mesh.pp / mesh.cp / max(time.time() - t0, 1e-9)
         m["epoch"] = self.sampler.epoch_float
-        if step % args.logging_steps == 0 or step == self.total_steps:
+        if step % self.job.logging.logging_steps == 0 or step == self.total_steps:
             self.metrics_log.log(step, m)
         return m
 
@@ -250,7 +256,7 @@ class SupervisedLoop:
         """The task's statistics over the training data (e.g. reward mean/std), then the HF export."""
         from rlhf.checkpoint import export_hf
 
-        args, mesh, mbs = self.args, self.mesh, self.args.micro_train_batch_size
+        args, mesh, mbs = self.args, self.mesh, self.job.batch.micro_train_batch_size
         train_batches = self.batches([train[i:i + mbs] for i in range(0, len(train), mbs)])
         extra = self.task.export_extra(self.engine, train_batches[mesh.dp_rank::mesh.dp])
         result.update(extra)
@@ -259,7 +265,7 @@ class SupervisedLoop:
             self.task.after_export(args, mesh)
         self.metrics_log.close()
         if mesh.is_rank0:
-            with open(os.path.join(args.save_path, "train_result.json"), "w") as f:
+            with open(os.path.join(self.job.checkpoint.save_path, "train_result.json"), "w") as f:
                 json.dump(result, f, indent=2)
         return result
 

@@ -1,5 +1,5 @@
 """The typed configuration parts (issue 43 item 1): every flag of each training entry point belongs to exactly one
-part of its job (no flag outside a part, none in two), each part built from the parsed defaults holds the
+part of its job or to the launchers' part that ``cli_main`` applies first (no flag outside a part, none in two), each part built from the parsed defaults holds the
 parser's defaults, and a part's own check raises ``ValueError`` naming the flag. Cheap: parsers and dataclasses
 only, no model."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rlhf.part import Part
 def _ppo():
     from rlhf.ppo.args import PPOJobConfig, add_args
 
-    return add_args, list(PPOJobConfig.part_types().values()), ["--pretrain", "m", "--prompt_data", "d",
+    return add_args, list(PPOJobConfig.part_types().values()) + [LauncherPart], ["--pretrain", "m", "--prompt_data", "d",
                                                                  "--save_path", "o", "--reward_fn", "m:f"]
 
 
@@ -26,7 +26,7 @@ def _supervised(name: str):
     from rlhf.config import SupervisedJob
 
     mod = importlib.import_module(f"rlhf.{name}")
-    parts = list(SupervisedJob.part_types().values()) + list(mod.TASK_PARTS.values())
+    parts = list(SupervisedJob.part_types().values()) + list(mod.TASK_PARTS.values()) + [LauncherPart]
     return mod.add_args, parts, ["--pretrain", "m", "--dataset", "d", "--save_path", "o"]
 
 

@@ -6,8 +6,9 @@
         --micro_rollout_batch_size 8 --rollout_batch_size 512 --n_samples_per_prompt 4 \
         --prompt_max_len 1024 --generate_max_len 1024 --vllm_tensor_parallel_size 2
 
---pretrain / --reward_pretrain / --critic_pretrain take an HF folder, its config.json, or a converted megatron
-checkpoint; only the config is read. The PPO flags mean what they mean to launch/ppo.py, with the same defaults.
+--pretrain / --reward_pretrain / --critic_pretrain / --teacher (on-policy distillation's teacher) take an HF folder,
+its config.json, or a converted megatron checkpoint; only the config is read. The PPO flags mean what they mean to
+launch/ppo.py, with the same defaults.
 Prints one table per phase (GiB per GPU, at the pipeline stage that needs most), whether it fits, and which
 changes would make it fit. Exit status: 0 fits, 1 does not fit, 2 bad input. The model is in rlhf/planner.py.
 """
@@ -44,6 +45,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pretrain", required=True, help="actor (and reference): HF folder, config.json or megatron ckpt")
     g.add_argument("--reward_pretrain", required=True, help="reward model config")
     g.add_argument("--critic_pretrain", default=None, help="critic config (default: --reward_pretrain)")
+    g.add_argument("--teacher", "--teacher_pretrain", dest="teacher", default=None,
+                   help="on-policy distillation teacher config (launch/ppo.py's --teacher_pretrain): one more "
+                        "frozen model, forward only, on the student's layout")
     g.add_argument("--tensor_model_parallel_size", "--tp", dest="tp", type=int, default=1)
     g.add_argument("--pipeline_model_parallel_size", "--pp", dest="pp", type=int, default=1)
     g.add_argument("--expert_model_parallel_size", "--ep", dest="ep", type=int, default=1,
@@ -75,6 +79,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--colocate_all", "--colocate_all_models", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--ref_reward_offload", action="store_true")
     g.add_argument("--adam_offload", action="store_true")
+    g.add_argument("--teacher_offload", action="store_true", help="the teacher's weights on host outside make_experience")
     g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.95)
     g.add_argument("--vllm_tensor_parallel_size", type=int, default=None,
                    help="as launch/ppo.py: default chosen per model (rlhf.rollout.types.choose_tensor_parallel_size)")
@@ -94,10 +99,12 @@ def config_from_args(args: argparse.Namespace):
     reward = load_spec("--reward_pretrain", args.reward_pretrain)
     needs_critic = get_estimator(args.advantage_estimator).needs_critic
     critic = load_spec("--critic_pretrain", args.critic_pretrain) if args.critic_pretrain else reward
+    teacher = load_spec("--teacher", args.teacher) if args.teacher else None
     fields = ("tp", "pp", "ep", "cp", "nnodes", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "reserved_gib",
               "layer_impl", "micro_train_batch_size", "train_batch_size", "micro_rollout_batch_size",
               "rollout_batch_size", "n_samples_per_prompt", "generate_max_len", "prompt_max_len", "bf16",
               "gradient_checkpointing", "zero_stage", "colocate_all", "ref_reward_offload", "adam_offload",
+              "teacher_offload",
               "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "weight_sync_bucket_mb",
               "vllm_max_num_seqs", "vllm_max_num_batched_tokens")
     if args.zero_stage is None:  # launch/ppo.py's default (rlhf.config.resolve_zero_stage)
@@ -113,7 +120,7 @@ def config_from_args(args: argparse.Namespace):
             gpu_memory_utilization=args.vllm_gpu_memory_utilization)
         print(f"--vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} ({why})", file=sys.stderr)
     return PlanConfig(actor=actor, reward=reward, critic=critic if needs_critic else None,
-                      with_ref=args.init_kl_coef > 0, **{k: getattr(args, k) for k in fields})
+                      with_ref=args.init_kl_coef > 0, teacher=teacher, **{k: getattr(args, k) for k in fields})
 
 
 def longest_sequence(cfg, step: int = 128, limit: int = 1 << 20) -> int:

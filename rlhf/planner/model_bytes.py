@@ -49,6 +49,10 @@ class PlanConfig:
     """The critic's architecture (``--critic_pretrain``, default the reward model); None: no critic (GRPO...)."""
     with_ref: bool = True
     """A reference model exists (``--init_kl_coef > 0``)."""
+    teacher: ModelSpec | None = None
+    """The on-policy distillation teacher's architecture (``--teacher_pretrain``; frozen, forward only)."""
+    teacher_offload: bool = False
+    """(--teacher_offload) the teacher's params on host outside make_experience."""
     tp: int = 1
     pp: int = 1
     ep: int = 1
@@ -146,6 +150,8 @@ class PlanConfig:
             out["critic"] = (self.critic, True, True)
         if self.with_ref:
             out["ref"] = (self.actor, False, False)
+        if self.teacher is not None:
+            out["teacher"] = (self.teacher, False, False)
         out["reward"] = (self.reward, True, False)
         return out
 

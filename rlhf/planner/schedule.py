@@ -68,7 +68,8 @@ def _phase(cfg: PlanConfig, phase: str, stage: int, vm: VLLMMemory) -> PhasePlan
     startup = phase == "vllm_startup"
     residency = None if startup else plan_residency(phase, roles, colocate_all=cfg.colocate_all,
                                                     ref_reward_offload=cfg.ref_reward_offload,
-                                                    adam_offload=cfg.adam_offload)
+                                                    adam_offload=cfg.adam_offload,
+                                                    teacher_offload=cfg.teacher_offload)
     rows: dict[str, dict[str, float]] = {}
     for role, (spec, value_head, trainable) in roles.items():
         st = role_state(spec, cfg, stage, value_head, trainable)
@@ -126,14 +127,15 @@ def plan(cfg: PlanConfig) -> Plan:
 def candidate_changes(cfg: PlanConfig) -> list[list[tuple[str, dict]]]:
     """Changes worth trying, as groups of alternatives for one setting (at most one per group is applied),
     cheapest groups first: the offload flags, ZeRO-1, recompute, then sharding, smaller micro-batches, nodes."""
-    specs = [cfg.actor, cfg.reward] + ([cfg.critic] if cfg.critic else [])
+    specs = [cfg.actor, cfg.reward] + ([cfg.critic] if cfg.critic else []) + ([cfg.teacher] if cfg.teacher else [])
 
     def divides_heads(n: int) -> bool:
         return all(s.num_attention_heads % n == 0 and (s.num_kv_heads % n == 0 or n % s.num_kv_heads == 0)
                    for s in specs)
 
     groups: list[list[tuple[str, dict]]] = []
-    for flag in ("ref_reward_offload", "adam_offload", "gradient_checkpointing"):
+    for flag in ("ref_reward_offload", "adam_offload", "gradient_checkpointing") + (
+            ("teacher_offload",) if cfg.teacher is not None else ()):
         if not getattr(cfg, flag):
             groups.append([(f"--{flag}", {flag: True})])
     if cfg.zero_stage < 1:
@@ -260,11 +262,12 @@ def format_plan(p: Plan) -> str:
 
 def format_markdown(p: Plan) -> str:
     """One row per phase (GiB per GPU at its worst pipeline stage), for documentation."""
-    out = ["| phase | actor | critic | ref | reward | vLLM | other | total | fits |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    roles = ("actor", "critic", "ref", "reward") + (("teacher",) if p.cfg.teacher is not None else ())
+    out = ["| phase | " + " | ".join(roles) + " | vLLM | other | total | fits |",
+           "| --- | " + "---: | " * len(roles) + "---: | ---: | ---: | --- |"]
     for ph in p.phases:
         cells = [f"{sum(ph.rows[r].values()) / GiB:.1f}" if r in ph.rows and any(ph.rows[r].values()) else "-"
-                 for r in ("actor", "critic", "ref", "reward")]
+                 for r in roles]
         vllm = f"{sum(ph.vllm.values()) / GiB:.1f}" if ph.vllm else "-"
         out.append(f"| {ph.phase} | " + " | ".join(cells) + f" | {vllm} | {sum(ph.other.values()) / GiB:.1f} | "
                    f"{ph.total / GiB:.1f} | {'yes' if ph.fits else 'no'} |")

@@ -11,7 +11,7 @@ from typing import Any
 
 from rlhf.agents.flags import AgentPart
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig
-from rlhf.migration import LauncherPart, PlacementPart
+from rlhf.migration import PlacementPart
 from rlhf.part import Job
 from rlhf.rollout.partial import PartialRolloutConfig, check_partial
 from rlhf.parts import CheckpointPart, EnginePart, ParallelPart, TextPart
@@ -53,11 +53,11 @@ class PPOJobConfig(Job):
     lora: PPOLora
     checkpoint: CheckpointPart
     logging: PPOLogging
-    launcher: LauncherPart
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    """The parts' flags in the groups of ``--help`` (``LauncherPart``'s: added by ``rlhf.config.cli_main``)."""
+    """The parts' flags in the groups of ``--help``. ``rlhf.config.cli_main`` adds ``LauncherPart``'s, which it
+    applies before the job is built (``apply_launcher_args``): no part of the job."""
     g = p.add_argument_group("models and data")
     PPOModels.add_args(g)
     RewardConfig.add_args(g)

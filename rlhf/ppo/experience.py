@@ -66,11 +66,11 @@ def prepare_microbatches(mbs: list[dict], *, packing: bool, pp: int, pad_id: int
 def forward_role(engine, role: str, microbatches: list[dict], temperature: float) -> torch.Tensor:
     """One frozen forward of ``role`` over this rank's micro-batches (the pipeline's no-loss path, each output read
     where the role needs it); the result on every pipeline stage.
-    actor/ref -> log-probs (B, T); critic -> values (B, T); reward -> scores (B,)."""
+    actor/ref/teacher -> log-probs (B, T); critic -> values (B, T); reward -> scores (B,)."""
     from rlhf.models.context_parallel import reads_local_tokens
 
     # the readers of rlhf.models.outputs take a CP rank's own tokens (reads_local_tokens)
-    if role in ("actor", "ref"):
+    if role in ("actor", "ref", "teacher"):
         @reads_local_tokens
         def read(batch: dict, hidden: torch.Tensor) -> torch.Tensor:
             return response_logprobs(engine, batch, hidden, temperature)
@@ -106,6 +106,8 @@ class Experience:
     """(B,) the combined reward being optimized (normalized where asked; rlhf/rewards.py)"""
     ref_logprobs: torch.Tensor | None = None
     """(B, T) the reference model's, when --init_kl_coef > 0"""
+    teacher_logprobs: torch.Tensor | None = None
+    """(B, T) the distillation teacher's (--teacher_pretrain), at the sampling temperature"""
     values: torch.Tensor | None = None
     """(B, T) the critic's, when the estimator needs a critic"""
     kl: torch.Tensor | None = None

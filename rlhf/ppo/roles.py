@@ -33,12 +33,14 @@ class PPORoles:
     """one ``OffloadManager`` per role"""
     agent: Any = None
     """--agent_func_path: the multi-turn rollout (``rlhf.agents.rollout.AgentRollout``) driving ``rollout``"""
+    teacher: Any = None
+    """the frozen teacher of on-policy distillation (--teacher_pretrain; ``rlhf.ppo.distill``)"""
 
     @property
     def engines(self) -> dict[str, Any]:
         """Every megatron engine by role name."""
         return {k: v for k, v in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref),
-                                  *self.reward_models.items()) if v is not None}
+                                  ("teacher", self.teacher), *self.reward_models.items()) if v is not None}
 
     @property
     def trainable(self) -> dict[str, Any]:
@@ -113,9 +115,11 @@ def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
                           optim=optim.critic_config(total_updates, sharded), lora=lora.critic_config(eng.seed),
                           **common, **impl)
               if estimator.needs_critic else None)
+    teacher = (ModelEngine(mesh, job.distill.teacher_pretrain, value_head=False, name="teacher", bf16=eng.bf16,
+                           **impl) if job.distill.teacher_pretrain else None)
     roles = PPORoles(actor=actor, critic=critic, ref=ref, reward_models=reward_models, rollout=rollout,
-                     weight_sync=None, memory=None, managers={})
-    _add_memory_schedule(roles, job.offload, mesh)
+                     weight_sync=None, memory=None, managers={}, teacher=teacher)
+    _add_memory_schedule(roles, job.offload, mesh, job.distill.teacher_offload)
     if roles.rollout is None:  # the megatron fallback generates with the actor itself
         roles.rollout = build_rollout(mesh, actor, rcfg, "")
     torch.manual_seed(eng.seed)
@@ -123,15 +127,15 @@ def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
     return roles
 
 
-def _add_memory_schedule(roles: PPORoles, args, mesh) -> None:
-    """``args``: the job's ``OffloadPart``."""
+def _add_memory_schedule(roles: PPORoles, args, mesh, teacher_offload: bool = False) -> None:
+    """``args``: the job's ``OffloadPart``; ``teacher_offload``: --teacher_offload."""
     from rlhf.offload import MemoryScheduler, OffloadManager, cpu_offload_moves
 
     roles.managers = {k: OffloadManager(v, name=k) for k, v in roles.engines.items()}
     moves = mesh.device.type != "cpu" or cpu_offload_moves()
     roles.memory = MemoryScheduler(roles.managers, colocate_all=args.colocate_all,
                                    ref_reward_offload=args.ref_reward_offload, adam_offload=args.adam_offload,
-                                   move=moves)
+                                   teacher_offload=teacher_offload, move=moves)
     if not moves and mesh.is_rank0 and (args.colocate_all or args.ref_reward_offload or args.adam_offload):
         log.info("offload: the device is the CPU, so parameters and optimizer states stay where they are (a host "
                  "copy cannot lower peak memory; RLHF_OFFLOAD_ON_CPU=1 copies anyway); gradients are still freed "

@@ -151,17 +151,17 @@ def token_budget_groups(batch: dict, rows: list[int], max_tokens: int) -> list[l
 
 
 def frozen_forwards(roles, args: argparse.Namespace, mbs: list, tokens: float, timer) -> dict[str, torch.Tensor]:
-    """make_experience's forwards, one role after another: actor and ref log-probs (B, T) at the sampling
+    """make_experience's forwards, one role after another: actor, ref and teacher log-probs (B, T) at the sampling
     temperature (no actor forward with --use_rollout_logprobs), critic values (B, T), reward scores (B,)."""
     roles.memory.enter("make_experience")
     out = {}
     engines = roles.engines
-    order = ("ref", *roles.reward_models, "critic")
+    order = ("ref", "teacher", *roles.reward_models, "critic")
     for role in ("actor", *order) if args.old_logprobs_source == "forward" else order:
         if role in engines:
             with timer.phase(f"{role}_fwd", tokens=tokens):
                 out[role] = forward_role(engines[role], "reward" if role in roles.reward_models else role, mbs,
-                                         args.temperature if role in ("actor", "ref") else 1.0)
+                                         args.temperature if role in ("actor", "ref", "teacher") else 1.0)
     return out
 
 
@@ -294,7 +294,8 @@ def make_experience(roles, args: argparse.Namespace, rollout: Rollout, rewards: 
     exp = Experience(samples=rollout.local, batch=batch,
                      old_logprobs=out["actor"] if args.old_logprobs_source == "forward" else vllm_lp,
                      vllm_logprobs=vllm_lp,
-                     rewards=combined, ref_logprobs=out.get("ref"), values=out.get("critic"))
+                     rewards=combined, ref_logprobs=out.get("ref"), values=out.get("critic"),
+                     teacher_logprobs=out.get("teacher"))
     return exp, raw, metrics
 
 
@@ -347,6 +348,10 @@ def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl
            "kl": masked_mean(gkl, gmask).item(), "advantages_abs": masked_mean(adv.abs(), gmask).item()}
     if args.old_logprobs_source == "forward":  # otherwise the update measures it (or there is nothing to compare)
         out.update(logprob_drift(exp, mesh))
+    if exp.teacher_logprobs is not None:  # on-policy distillation's per-token term (rlhf.ppo.distill)
+        from rlhf.ppo.distill import add_distill_advantages
+
+        out.update(add_distill_advantages(exp, args, mesh))
     return out
 
 

@@ -101,6 +101,24 @@ def test_phases_follow_the_trainers_residency_plan():
     assert set(q.phases[3].rows) == {"actor", "reward"}
 
 
+def test_a_distillation_teacher_is_one_more_frozen_role(capsys):
+    """--teacher (launch/ppo.py's --teacher_pretrain): its weights count in make_experience (and at vLLM's start-up),
+    nowhere else under --colocate_all, and the CLI prints its column."""
+    s, big = spec("llama2-7b"), spec("llama2-13b")
+    base = dict(actor=s, reward=s, critic=None, tp=2, bf16=True, vllm_tensor_parallel_size=2)
+    without, with_ = plan(PlanConfig(**base)), plan(PlanConfig(**base, teacher=big))
+    params = role_state(big, PlanConfig(**base, teacher=big), 0, False, False).params
+    by0, by1 = {p.phase: p for p in without.phases}, {p.phase: p for p in with_.phases}
+    assert by1["make_experience"].rows["teacher"]["params"] == params > 0
+    for ph in ("rollout", "weight_sync", "actor_update"):
+        assert by1[ph].total == by0[ph].total, ph
+    assert by1["make_experience"].total > by0["make_experience"].total
+    m7, m13 = os.path.join(CONFIGS, "llama2-7b.json"), os.path.join(CONFIGS, "llama2-13b.json")
+    _tool().main(["--pretrain", m7, "--reward_pretrain", m7, "--teacher", m13, "--advantage_estimator", "grpo",
+                  "--bf16", "--tp", "2", "--vllm_tensor_parallel_size", "2", "--markdown"])
+    assert "| teacher |" in capsys.readouterr().out
+
+
 def test_recompute_and_tp_shrink_activations():
     s = spec("llama2-13b")
     cfg = PlanConfig(actor=s, reward=s, critic=s, tp=2, bf16=True, micro_train_batch_size=4)

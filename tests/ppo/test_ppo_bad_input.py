@@ -51,6 +51,11 @@ def test_missing_input_key(ppo_setup, tmp_path, no_models, capsys):
     ({"--advantage_estimator": "ppo2"}, "--advantage_estimator"),
     ({"--use_rollout_logprobs": "", "--use_tis": ""}, "--use_tis"),
     ({"--no-colocate_all": ""}, "--no-colocate_all"),
+    # on-policy distillation: its flags without a teacher, a teacher that is no model folder
+    ({"--distill_coef": 0.5}, "--distill_coef 0.5 needs --teacher_pretrain"),
+    ({"--task_reward_coef": 0}, "--task_reward_coef 0.0 needs --teacher_pretrain"),
+    ({"--teacher_pretrain": "/nonexistent/teacher"}, "--teacher_pretrain /nonexistent/teacher"),
+    ({"--teacher_pretrain": "/nonexistent/teacher", "--distill_coef": 0}, "--distill_coef must be > 0"),
     ({"--lora_rank": 4, "--target_modules": "foo"}, "--target_modules: unknown module 'foo'"),
     ({"--critic_lora_rank": -1}, "--critic_lora_rank must be >= 0"),
     ({"--rollout_batch_size": 128, "--train_batch_size": 64, "--micro_rollout_batch_size": 16},

@@ -1,0 +1,140 @@
+"""On-policy distillation (--teacher_pretrain; launch/ppo.py's body in this process, one rank, the megatron
+generator, GRPO, pure distillation with --task_reward_coef 0): the per-token signal against transformers' own
+forwards of the student and the teacher on the same tokens; a teacher equal to the student gives zero signal and
+leaves the weights as they were (control: another teacher moves them); resume with a teacher is exact; a teacher
+with another tokenizer is refused by name before any model is loaded."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from ppo_common import DIMS, TINY_GRPO, ppo_args
+from safetensors.torch import load_file
+
+PURE = {**TINY_GRPO, "--reward_fn": "_rule_reward:char_code_reward", "--rollout_backend": "megatron",
+        "--task_reward_coef": "0", "--init_kl_coef": "0", "--max_samples": "8", "--save_steps": "1",
+        "--actor_learning_rate": "1e-3", "--temperature": "0.9", "--generate_max_len": "4"}
+"""2 steps of 4 prompts x 2 replies; the task reward is logged, its advantages weigh 0."""
+
+
+@pytest.fixture(scope="module")
+def teachers(ppo_setup):
+    """A larger teacher (3 layers, another seed) with the student's tokenizer, and two with other tokenizers."""
+    from transformers import AutoTokenizer
+
+    from rlhf.models.tiny import make_tiny_hf, make_tokenizer
+
+    work, actor = ppo_setup["work"], ppo_setup["actor"]
+    big = make_tiny_hf(os.path.join(work, "teacher"), "llama", seed=11, tokenizer_dir=actor,
+                       **{**DIMS, "num_hidden_layers": 3})
+    make_tokenizer(os.path.join(work, "tok300"), vocab_size=300)
+    vocab = make_tiny_hf(os.path.join(work, "teacher_vocab"), "llama", seed=12,
+                         tokenizer_dir=os.path.join(work, "tok300"), **DIMS)
+    eos = os.path.join(work, "teacher_eos")
+    shutil.copytree(actor, eos, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(actor)
+    tok.eos_token = "<pad>"  # same vocabulary, another end-of-sequence id
+    tok.save_pretrained(eos)
+    return {"big": big, "vocab": vocab, "eos": eos}
+
+
+def _run(setup, out, teacher, monkeypatch, *extra, capture=None):
+    from helpers import free_port
+
+    import rlhf.ppo.distill as distill
+    from rlhf.ppo import main
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    if capture is not None:  # each step's experience as the distillation term sees it
+        orig = distill.add_distill_advantages
+
+        def spy(exp, args, mesh):
+            m = orig(exp, args, mesh)
+            capture.append({"batch": {k: v.cpu().clone() for k, v in exp.batch.items()},
+                            "advantages": exp.advantages.cpu().clone(), "metrics": m})
+            return m
+        monkeypatch.setattr(distill, "add_distill_advantages", spy)
+    argv = ppo_args(setup, str(out), **{**PURE, "--teacher_pretrain": teacher}) + list(extra)
+    assert main(argv) == 0
+    from rlhf.metrics import read_metrics_jsonl
+
+    m = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "ppo")
+    return [m[s] for s in sorted(m)], load_file(str(out / "model.safetensors"))
+
+
+def _hf_logprobs(path: str, batch: dict, temperature: float) -> torch.Tensor:
+    """transformers' log-probs (B, T) of the response tokens at ``temperature``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, S, V)
+    at = lp.gather(1, batch["resp_pos"].unsqueeze(-1).expand(-1, -1, lp.shape[-1]))  # (B, T, V)
+    return at.gather(2, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def straight(ppo_setup, teachers, tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    out, steps = tmp_path_factory.mktemp("straight"), []
+    try:
+        hist, weights = _run(ppo_setup, out, teachers["big"], mp, capture=steps)
+    finally:
+        mp.undo()
+    return out, hist, weights, steps
+
+
+def test_signal_equals_transformers_and_a_teacher_moves_the_student(ppo_setup, teachers, straight):
+    _, hist, weights, steps = straight
+    assert len(hist) == 2 and len(steps) == 2
+    first = steps[0]  # step 1: the student is still the initial actor
+    b, mask = first["batch"], first["batch"]["action_mask"]
+    want = (_hf_logprobs(ppo_setup["actor"], b, 0.9) - _hf_logprobs(teachers["big"], b, 0.9)) * mask
+    got = -first["advantages"]  # --task_reward_coef 0, --distill_coef 1: the advantage is minus the signal
+    assert mask.sum() > 4 and want[mask].abs().min() > 1e-3, want  # a signal worth comparing
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    assert hist[0]["distill/reverse_kl"] == pytest.approx((want.sum() / mask.sum()).item(), abs=2e-5)
+    assert "reward" in hist[0]  # the task reward is still logged
+    initial = load_file(f"{ppo_setup['actor']}/model.safetensors")
+    assert any(not torch.equal(weights[k], initial[k]) for k in initial)  # control: another teacher moves them
+
+
+def test_teacher_equal_to_the_student_gives_zero_and_moves_nothing(ppo_setup, tmp_path, monkeypatch):
+    steps: list = []
+    hist, weights = _run(ppo_setup, tmp_path / "o", ppo_setup["actor"], monkeypatch, capture=steps)
+    assert all(h["distill/reverse_kl"] == 0.0 for h in hist), hist
+    assert all(torch.count_nonzero(s["advantages"]) == 0 for s in steps)
+    initial = load_file(f"{ppo_setup['actor']}/model.safetensors")
+    assert weights.keys() == initial.keys() and all(torch.equal(weights[k], initial[k]) for k in initial)
+
+
+def test_resume_with_a_teacher_is_exact(ppo_setup, teachers, straight, tmp_path, monkeypatch):
+    save, hist, weights, _ = straight
+    # The straight run's checkpoint after step 1 (--save_steps 1) is where a job stopped after step 1 stands.
+    r = tmp_path / "r"
+    shutil.copytree(save, r)
+    shutil.rmtree(r / "checkpoints" / "iter_0000002")
+    os.remove(r / "model.safetensors")
+    (r / "checkpoints" / "latest").write_text("iter_0000001")
+    resumed, w = _run(ppo_setup, r, teachers["big"], monkeypatch, "--load_checkpoint")
+    assert resumed[-1]["distill/reverse_kl"] == hist[-1]["distill/reverse_kl"]
+    assert w.keys() == weights.keys() and all(torch.equal(w[k], weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize("which,needle", [("vocab", "vocabulary size: student"),
+                                          ("eos", "special token ids: eos_token_id")])
+def test_another_tokenizer_is_refused_by_name(ppo_setup, teachers, tmp_path, monkeypatch, capsys, which, needle):
+    import rlhf.engine
+    from rlhf.ppo import main
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the teacher was checked")
+
+    monkeypatch.setattr(rlhf.engine.ModelEngine, "__init__", boom)
+    argv = ppo_args(ppo_setup, str(tmp_path / "o"), **{**PURE, "--teacher_pretrain": teachers[which]})
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--teacher_pretrain" in err and needle in err, err
