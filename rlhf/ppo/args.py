@@ -16,6 +16,7 @@ from rlhf.part import Job
 from rlhf.rollout.partial import PartialRolloutConfig, check_partial
 from rlhf.parts import CheckpointPart, EnginePart, ParallelPart, TextPart
 from rlhf.ppo.algo_args import AlgoPart, add_algo_args, check_algo
+from rlhf.ppo.distill import DistillConfig, check_teacher
 from rlhf.ppo.ema import EmaPart
 from rlhf.ppo.evaluation import EvalConfig
 from rlhf.ppo.parts import (GenerationPart, OffloadPart, PPOBatch, PPOLogging, PPOLora, PPOModels, PPOOptim,
@@ -32,6 +33,7 @@ class PPOJobConfig(Job):
     needs. A new flag goes to one part's ``add_args`` and fields, and to the component that reads it."""
 
     models: PPOModels
+    distill: DistillConfig
     rewards: RewardConfig
     prompts: PromptDataPart
     text: TextPart
@@ -60,6 +62,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     applies before the job is built (``apply_launcher_args``): no part of the job."""
     g = p.add_argument_group("models and data")
     PPOModels.add_args(g)
+    DistillConfig.add_args(g)
     RewardConfig.add_args(g)
     PromptDataPart.add_args(g)
     TextPart.add_args(g)
@@ -98,7 +101,7 @@ class PPOSetup:
     """samples per step, global: --rollout_batch_size x --n_samples_per_prompt"""
     sources: dict[str, Any]
     """``describe_source`` of each model flag: {"--pretrain": ..., "--critic_pretrain": ..., "--reward_pretrain":
-    [one per reward model]}"""
+    [one per reward model], "--teacher_pretrain": ... or None}"""
     vllm_tp_reason: str = ""
     """why ``--vllm_tensor_parallel_size`` has its value when the trainer chose it ("" when the user did)"""
 
@@ -138,6 +141,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
 
     check_agent_fit(job.agent, sources["--pretrain"]["hf_config"])
     check_tokenizer_folder(job.models.pretrain, "--pretrain")  # the prompts and replies are tokenized with it
+    sources["--teacher_pretrain"] = check_teacher(job.distill, job.models.pretrain, par)  # its tokenizer: before loading
     why = resolve_vllm_tp(job.rollout, sources["--pretrain"]["spec"], world_size, job.engine.bf16)
     engines = _check_batch_sizes(job, world_size, dp)
     job.algo.old_logprobs_source, job.algo.old_logprobs_reason = old_logprobs_source(job.namespace())
@@ -250,6 +254,9 @@ def old_logprobs_source(args: argparse.Namespace) -> tuple[str, str]:
     kl_in_reward = not kl_in_loss(estimator, args.use_kl_loss) and args.init_kl_coef > 0
     if args.old_logprobs_forward == "always":
         return "forward", "--old_logprobs_forward always"
+    if getattr(args, "teacher_pretrain", None):
+        return "forward", "--teacher_pretrain: the distillation signal compares the student's forward with the " \
+                          "teacher's, on the same kernels"
     if not one_update:
         return "forward", "each batch gets several updates (--max_epochs or --train_batch_size)"
     if kl_in_reward:
