@@ -23,18 +23,6 @@ class DPOTask(ReferenceTask):
     name = "dpo"
     metric_keys = ("loss", "acc", "chosen_reward", "rejected_reward", "margin")
 
-    def validate(self, args: argparse.Namespace) -> None:
-        super().validate(args)
-        if args.loss_type not in PREFERENCE_LOSSES:
-            raise ValueError(f"--loss_type must be one of {', '.join(PREFERENCE_LOSSES)}, got {args.loss_type!r}")
-        if args.loss_type == "cdpo":
-            if not 0.0 < args.label_smoothing < 0.5:
-                raise ValueError(f"--label_smoothing must be in (0, 0.5) for --loss_type cdpo, got "
-                                 f"{args.label_smoothing}")
-        elif args.label_smoothing != 0.0:
-            raise ValueError(f"--label_smoothing {args.label_smoothing} applies to --loss_type cdpo only "
-                             f"(got --loss_type {args.loss_type})")
-
     def load_data(self, args: argparse.Namespace, tokenizer):
         from rlhf.data.preference import build_dpo_dataset
         from rlhf.trainer import load_split
@@ -80,6 +68,17 @@ class DPOPart(Part):
                        help="compatibility (OpenRLHF): the same as --loss_type ipo")
         g.add_argument("--label_smoothing", type=float, default=0.0,
                        help="cDPO: the probability that a preference label is flipped, in (0, 0.5)")
+
+    def check(self) -> None:
+        if self.loss_type not in PREFERENCE_LOSSES:
+            raise ValueError(f"--loss_type must be one of {', '.join(PREFERENCE_LOSSES)}, got {self.loss_type!r}")
+        if self.loss_type == "cdpo":
+            if not 0.0 < self.label_smoothing < 0.5:
+                raise ValueError(f"--label_smoothing must be in (0, 0.5) for --loss_type cdpo, got "
+                                 f"{self.label_smoothing}")
+        elif self.label_smoothing != 0.0:
+            raise ValueError(f"--label_smoothing {self.label_smoothing} applies to --loss_type cdpo only "
+                             f"(got --loss_type {self.loss_type})")
 
 
 TASK_PARTS = {"reference": ReferencePart, "dpo": DPOPart, "keys": KeysPart}

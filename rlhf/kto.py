@@ -28,12 +28,8 @@ class KTOTask(ReferenceTask):
     metric_keys = ("loss", "acc", "chosen_reward", "rejected_reward", "kl")
 
     def validate(self, args: argparse.Namespace) -> None:
+        """Against the batch (``KTOPart.check`` checked the labels and weights)."""
         super().validate(args)
-        if not args.label_key:
-            raise ValueError("--label_key must name the field that marks a sample desirable (true/1) or not")
-        for flag in ("desirable_loss_weight", "undesirable_loss_weight"):
-            if getattr(args, flag) <= 0:
-                raise ValueError(f"--{flag} must be > 0, got {getattr(args, flag)}")
         if args.micro_train_batch_size < 2:
             raise ValueError(f"--micro_train_batch_size must be >= 2 for KTO (its KL estimate pairs each prompt "
                              f"with another sample's completion in the micro-batch), got {args.micro_train_batch_size}")
@@ -101,6 +97,13 @@ class KTOPart(Part):
         g.add_argument("--label_key", default="label", help="boolean (or 0/1) field: is the completion desirable")
         g.add_argument("--desirable_loss_weight", type=float, default=1.0)
         g.add_argument("--undesirable_loss_weight", type=float, default=1.0)
+
+    def check(self) -> None:
+        if not self.label_key:
+            raise ValueError("--label_key must name the field that marks a sample desirable (true/1) or not")
+        for flag in ("desirable_loss_weight", "undesirable_loss_weight"):
+            if getattr(self, flag) <= 0:
+                raise ValueError(f"--{flag} must be > 0, got {getattr(self, flag)}")
 
 
 TASK_PARTS = {"reference": ReferencePart, "kto": KTOPart, "keys": KeysPart}

@@ -40,6 +40,10 @@ class ReferencePart(Part):
                        help="keep the reference's weights in host memory between its forwards")
         g.add_argument("--beta", type=float, default=0.1, help="strength of the implicit KL to the reference")
 
+    def check(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"--beta must be > 0, got {self.beta}")
+
 
 add_reference_args = ReferencePart.add_args
 
@@ -112,8 +116,7 @@ class ReferenceTask:
     output = "head"
 
     def validate(self, args: argparse.Namespace) -> None:
-        if args.beta <= 0:
-            raise ValueError(f"--beta must be > 0, got {args.beta}")
+        """Against the other parts and the models (``ReferencePart.check`` checked --beta)."""
         if args.packing_samples:
             raise ValueError(f"--packing_samples is not supported by {self.name} yet; drop the flag")
         if args.ref_pretrain:

@@ -111,9 +111,13 @@ def prepare(args: argparse.Namespace, task: Task, world_size: int, task_parts: d
     """Every check on the flags and the data before the process group and any model: the job's configuration
     (``SupervisedJob``, built here once: each part checks its own values), the tokenizer, the train and eval
     samples, the data statistics and the number of optimizer steps."""
+    import sys
+
     from rlhf.config import SupervisedJob, validate_common
 
-    job = SupervisedJob.from_args(args, task={k: t.from_args(args) for k, t in (task_parts or {}).items()})
+    if task_parts is None:  # the task's module says which parts are its own
+        task_parts = getattr(sys.modules[type(task).__module__], "TASK_PARTS", {})
+    job = SupervisedJob.from_args(args, task={k: t.from_args(args) for k, t in task_parts.items()})
     validate_common(job, world_size)
     if job.lora.lora_rank and job.lora.lora_export == "adapter" and task.value_head:
         raise ValueError(f"--lora_export adapter: {task.name} has a value head; reward models export merged")

@@ -110,12 +110,15 @@ def test_from_args_is_strict():
 
 def _bad_parts():
     from rlhf.config import DataPart, SupervisedBatch
+    from rlhf.dpo import DPOPart
+    from rlhf.kto import KTOPart
     from rlhf.parts import BatchPart, EnginePart
     from rlhf.ppo.algo_args import AlgoPart
     from rlhf.ppo.ema import EmaPart
     from rlhf.ppo.evaluation import EvalConfig
     from rlhf.ppo.parts import GenerationPart, OffloadPart, PPOBatch, PPOLogging, PPOLora, PPOOptim, RolloutPart
     from rlhf.ppo.ptx import PtxPart
+    from rlhf.reference import ReferencePart
 
     return [
         (lambda: BatchPart(micro_train_batch_size=0), "--micro_train_batch_size must be >= 1, got 0"),
@@ -138,6 +141,9 @@ def _bad_parts():
         (lambda: PPOLora(critic_lora_rank=-2), r"--critic_lora_rank must be >= 0 \(0: full fine-tuning\), got -2"),
         (lambda: EvalConfig(dataset="README.md", n_samples_per_prompt=0),
          "--eval_n_samples_per_prompt must be >= 1, got 0"),
+        (lambda: ReferencePart(beta=0.0), "--beta must be > 0, got 0.0"),
+        (lambda: DPOPart(loss_type="cdpo"), r"--label_smoothing must be in \(0, 0.5\) for --loss_type cdpo"),
+        (lambda: KTOPart(undesirable_loss_weight=0.0), "--undesirable_loss_weight must be > 0, got 0.0"),
     ]
 
 
