@@ -22,7 +22,8 @@ torch.set_num_threads(1)
 HEAVY_FIRST = ["train/test_sft_rm.py", "test_demo_pipeline.py", "ppo/test_ppo_e2e.py", "models/test_convert_cli.py",
                "models/test_smollm2.py", "train/test_lora_sft.py", "ppo/test_ppo_bf16.py", "dpo/test_dpo_kto.py",
                "ppo/test_weight_sync.py", "ppo/test_partial_ppo.py", "launch/test_launchers.py",
-               "models/test_parallel_equivalence.py", "ppo/test_rejection_sampling.py", "train/test_bf16.py", "ppo/test_rollout_logprobs.py"]
+               "models/test_parallel_equivalence.py", "ppo/test_rejection_sampling.py", "train/test_bf16.py",
+               "ppo/test_rollout_logprobs.py"]
 
 
 def pytest_collection_modifyitems(config, items):
