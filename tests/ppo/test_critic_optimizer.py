@@ -103,8 +103,12 @@ def test_an_actor_only_flag_leaves_the_critic_at_openrlhfs_default():
     (["--critic.max_norm", "-1"], "--critic_max_norm must be >= 0, got -1.0"),
     (["--critic.adam.betas", "0.9", "1.5"], "--critic_adam_betas 0.9 1.5: each must be in [0, 1)"),
 ])
-def test_bad_critic_values_name_the_flag(flags, needle):
+def test_bad_critic_values_name_the_flag(flags, needle, tmp_path):
     from rlhf.ppo.algo_args import check_algo
+    from rlhf.ppo.args import PPOJobConfig
 
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1 ="}\n')
     with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        check_algo(parse(flags))
+        # the critic's optimizer part checks its own values as the job is built (PPOOptim), then the job's checks
+        check_algo(PPOJobConfig.from_args(parse(flags + ["--prompt_data", str(tmp_path / "p.jsonl"),
+                                                         "--reward_fn", "x:y"])))
