@@ -163,14 +163,12 @@ add_lora_args = LoraPart.add_args
 
 
 def lora_config_from_args(args: argparse.Namespace, rank_flag: str = "lora_rank") -> LoraConfig | None:
-    """The LoRA config of ``--<rank_flag>`` (None when it is 0). Raises ValueError naming the flag."""
-    rank = getattr(args, rank_flag, 0)
-    if rank is None or rank == 0:
-        return None
-    if rank < 0:
-        raise ValueError(f"--{rank_flag} must be >= 0 (0: full fine-tuning), got {rank}")
-    return LoraConfig(rank=rank, alpha=args.lora_alpha, target_modules=args.target_modules,
-                      dropout=args.lora_dropout, seed=getattr(args, "seed", 42), flag=f"--{rank_flag}")
+    """The LoRA config of ``--<rank_flag>`` from a parsed command line (``LoraPart.config``; None when it is 0).
+    Raises ValueError naming the flag."""
+    from dataclasses import fields
+
+    part = LoraPart(**{f.name: getattr(args, f.name, f.default) for f in fields(LoraPart)})
+    return part.config(getattr(args, "seed", 42), getattr(args, rank_flag, 0), f"--{rank_flag}")
 
 
 # ---------------------------------------------------------------------------------------------- the layers
