@@ -121,7 +121,7 @@ def ours_advantages(args, rewards, mask, old, ref, values):
 
     est = get_estimator(args.advantage_estimator)
     exp = SimpleNamespace(batch={"action_mask": mask.bool()}, old_logprobs=old, ref_logprobs=ref, rewards=rewards,
-                          values=values if est.needs_critic else None, vllm_logprobs=old)
+                          values=values if est.needs_critic else None, vllm_logprobs=old, teacher_logprobs=None)
     compute_advantages(exp, rewards, est, KL_COEF, args, SimpleNamespace(dp=1, dp_rank=0))
     return exp, est
 
@@ -200,10 +200,11 @@ def test_negative_controls():
 
 def test_bad_values_name_the_flag():
     from rlhf.ppo.algo_args import check_algo
+    from rlhf.ppo.args import PPOJobConfig
 
-    args = ppo_args(["--reward.clip_range", "2", "-2"])
+    args = ppo_args(["--reward.clip_range", "2", "-2", "--reward_fn", "rlhf.verifiers:math_reward"])
     with pytest.raises(ValueError, match=r"--reward_clip_range 2 -2: LOW must be below HIGH"):
-        check_algo(args)
+        check_algo(PPOJobConfig.from_args(args))  # the part's own check as the job is built, then the job's
 
 
 def test_tis_threshold_is_openrlhfs_clamp():
