@@ -198,11 +198,13 @@ def test_negative_controls():
     assert (exp.returns * mask - theirs * mask).abs().max() > 1e-3
 
 
-def test_bad_values_name_the_flag():
+def test_bad_values_name_the_flag(tmp_path):
     from rlhf.ppo.algo_args import check_algo
     from rlhf.ppo.args import PPOJobConfig
 
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1 ="}\n')
     args = ppo_args(["--reward.clip_range", "2", "-2", "--reward_fn", "rlhf.verifiers:math_reward"])
+    args.prompt_data = str(tmp_path / "p.jsonl")
     with pytest.raises(ValueError, match=r"--reward_clip_range 2 -2: LOW must be below HIGH"):
         check_algo(PPOJobConfig.from_args(args))  # the part's own check as the job is built, then the job's
 
