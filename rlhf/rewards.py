@@ -230,7 +230,7 @@ def _floats(flag: str, value: str | None, n: int) -> list[float]:
 class RewardConfig(Part):
     """Which reward sources a job uses and how they combine (flags in parentheses): PPO's rewards part."""
 
-    DERIVED = ("agent",)
+    DERIVED = ("agent", "require_source")
 
     reward_pretrain: str | None = None
     """(--reward_pretrain) comma-separated reward models: HF *ForSequenceClassification folders or megatron
@@ -251,6 +251,9 @@ class RewardConfig(Part):
     """(--remote_rm_timeout) seconds per request."""
     agent: bool = False
     """(--agent_func_path) the trajectories' environment rewards (the sum of each one's step rewards), weight 1."""
+    require_source: bool = True
+    """refuse a config without any source when built; PPO builds its part without and asks ``require_any`` among
+    its checks across parts (after the agent's flags)"""
     paths: list[str] = field(init=False)
     weights: list[float] = field(init=False)
 
@@ -261,6 +264,10 @@ class RewardConfig(Part):
         if not self.paths and self.reward_weights is not None:
             raise ValueError(f"--reward_weights {self.reward_weights} needs --reward_pretrain")
         self.weights = _floats("--reward_weights", self.reward_weights, len(self.paths))
+        if self.require_source:
+            self.require_any()
+
+    def require_any(self) -> None:
         if not self.paths and not self.reward_fn and not self.remote_rm_url and not self.agent:
             raise ValueError("no reward: pass --reward_pretrain (reward models), --reward_fn module:function, "
                              "--remote_rm_url http://host:port/path and/or --agent_func_path agent.py")
@@ -270,7 +277,7 @@ class RewardConfig(Part):
         add_reward_args(g)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "RewardConfig":  # type: ignore[override]
+    def from_args(cls, args: argparse.Namespace, require_source: bool = True) -> "RewardConfig":  # type: ignore
         """From the parsed flags of PPO or rejection sampling (those without the agent's flag have no agent)."""
         return cls(reward_pretrain=args.reward_pretrain, reward_weights=getattr(args, "reward_weights", None),
                    reward_fn=getattr(args, "reward_fn", None),
@@ -279,7 +286,7 @@ class RewardConfig(Part):
                    remote_rm_url=getattr(args, "remote_rm_url", None),
                    remote_rm_weight=getattr(args, "remote_rm_weight", 1.0),
                    remote_rm_timeout=getattr(args, "remote_rm_timeout", 120.0),
-                   agent=bool(getattr(args, "agent_func_path", None)))
+                   agent=bool(getattr(args, "agent_func_path", None)), require_source=require_source)
 
     @property
     def rm_names(self) -> list[str]:

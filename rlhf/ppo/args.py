@@ -117,7 +117,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     from rlhf.distributed.mesh import validate_layout
     from rlhf.models.gpt import resolve_transformer_impl
 
-    job = PPOJobConfig.from_args(args)
+    job = PPOJobConfig.from_args(args, derived={"rewards": {"require_source": False}})  # any source: _check_models
     par = job.parallel
     resolve_transformer_impl(job.engine.transformer_impl, lora=bool(job.lora.lora_rank), cp=par.cp)  # before any model
     dp = validate_layout(world_size, par.tp, par.pp, cp=par.cp)
@@ -210,6 +210,7 @@ def _check_models(job: PPOJobConfig) -> dict[str, Any]:
 
     algo, rewards, par = job.algo, job.rewards, job.parallel
     needs_critic = get_estimator(algo.advantage_estimator).needs_critic
+    rewards.require_any()
     critic = job.models.critic_pretrain or (rewards.paths[0] if rewards.paths else None)
     if needs_critic and critic is None:
         what = f"--reward_fn {rewards.reward_fn}" if rewards.reward_fn else f"--remote_rm_url {rewards.remote_rm_url}"
