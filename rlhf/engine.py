@@ -109,7 +109,8 @@ class ModelEngine:
 
     def __init__(self, mesh: ParallelMesh, ckpt_dir: str, *, optim: OptimConfig | None = None,
                  value_head: bool | None = None, bf16: bool = False, recompute: bool = False,
-                 name: str = "model", lora: LoraConfig | None = None, transformer_impl: str | None = None):
+                 name: str = "model", lora: LoraConfig | None = None, transformer_impl: str | None = None,
+                 routing_replay: bool = False):
         from rlhf.models.checkpoint_io import load_model
         from rlhf.models.gpt import build_model, resolve_transformer_impl, te_available
 
@@ -125,7 +126,8 @@ class ModelEngine:
         model = build_model(self.spec, tp=mesh.tp, pp=mesh.pp, pp_rank=mesh.pp_rank, value_head=value_head,
                             params_dtype=torch.float32, padded_vocab=self.padded_vocab, recompute=recompute,
                             init_weights=False, use_te=self.transformer_impl == "transformer_engine", ep=ep,
-                            aux_loss_coef=optim.aux_loss_coef if optim is not None else 0.0)
+                            aux_loss_coef=optim.aux_loss_coef if optim is not None else 0.0,
+                            routing_replay=routing_replay and bool(self.spec.num_experts))
         self.value_head = model.value_head
         if value_head and not self.spec.is_seq_cls:
             _seeded_score_init(model, self.spec)

@@ -112,6 +112,7 @@ def _bad_parts():
     from rlhf.config import DataPart, SupervisedBatch
     from rlhf.dpo import DPOPart
     from rlhf.kto import KTOPart
+    from rlhf.models.routing_replay import RouterReplayPart
     from rlhf.parts import BatchPart, EnginePart
     from rlhf.ppo.algo_args import AlgoPart
     from rlhf.ppo.ema import EmaPart
@@ -144,6 +145,7 @@ def _bad_parts():
         (lambda: ReferencePart(beta=0.0), "--beta must be > 0, got 0.0"),
         (lambda: DPOPart(loss_type="cdpo"), r"--label_smoothing must be in \(0, 0.5\) for --loss_type cdpo"),
         (lambda: KTOPart(undesirable_loss_weight=0.0), "--undesirable_loss_weight must be > 0, got 0.0"),
+        (lambda: RouterReplayPart(moe_router_replay="R4"), "--moe_router_replay 'R4': expected one of off"),
     ]
 
 

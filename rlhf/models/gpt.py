@@ -106,7 +106,8 @@ def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_exper
     return local_spec_with_packed_attention(qk_layernorm=qk_layernorm, num_experts=num_experts)
 
 
-def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0, grouped_gemm: bool = False) -> dict:
+def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0, grouped_gemm: bool = False,
+               routing_replay: bool = False) -> dict:
     """megatron's MoE settings equal to HF's routing: softmax over the experts, top-k, renormalised (mixtral;
     qwen3_moe with ``norm_topk_prob``) or not. megatron's ``pre_softmax=False`` takes the top-k logits and then
     a softmax over those k, which is the renormalised HF weight; ``pre_softmax=True`` the plain softmax. Dropless
@@ -129,7 +130,7 @@ def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0, gr
                 moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
                 moe_aux_loss_coeff=float(aux_loss_coef), moe_token_dispatcher_type="alltoall",
                 moe_grouped_gemm=grouped_gemm, moe_permute_fusion=False, expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=tp)
+                expert_tensor_parallel_size=tp, moe_enable_routing_replay=routing_replay)
 
 
 def fused_swiglu(spec: ModelSpec, use_te: bool) -> bool:
@@ -142,7 +143,7 @@ def fused_swiglu(spec: ModelSpec, use_te: bool) -> bool:
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch.dtype = torch.float32,
                        bf16: bool = False, init_weights: bool = False, recompute: bool = False, ep: int = 1,
-                       aux_loss_coef: float = 0.0, use_te: bool = False):
+                       aux_loss_coef: float = 0.0, use_te: bool = False, routing_replay: bool = False):
     """The megatron ``TransformerConfig`` equivalent to an HF Llama-family config (MoE: ``moe_config``)."""
     from megatron.core.transformer import TransformerConfig
 
@@ -155,7 +156,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch
     factor = rope.attention_factor(spec.rope_scaling)
     if factor != 1.0:  # YaRN scales cos and sin, i.e. q and k: the scores by factor**2 (rlhf.models.rope)
         kwargs["softmax_scale"] = factor * factor / math.sqrt(spec.head_dim)
-    kwargs.update(moe_config(spec, tp, ep, aux_loss_coef, grouped_gemm=use_te))
+    kwargs.update(moe_config(spec, tp, ep, aux_loss_coef, grouped_gemm=use_te, routing_replay=routing_replay))
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
@@ -276,11 +277,12 @@ def mask_padded_vocab(logits: torch.Tensor, true_vocab: int) -> torch.Tensor:
 def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: bool | None = None,
                 params_dtype: torch.dtype = torch.float32, bf16: bool = False, init_weights: bool = False,
                 recompute: bool = False, padded_vocab: int | None = None, use_te: bool | None = None, ep: int = 1,
-                aux_loss_coef: float = 0.0):
+                aux_loss_coef: float = 0.0, routing_replay: bool = False):
     """One pipeline stage of the model for the current rank (megatron's parallel state must be initialised).
 
     ``init_weights=False`` leaves parameters uninitialised (they are about to be loaded from a checkpoint);
-    True gives megatron's CPU initialisation, identical for every TP size.
+    True gives megatron's CPU initialisation, identical for every TP size. ``routing_replay``: an MoE model's
+    routers get megatron's ``RouterReplay`` (``rlhf.models.routing_replay``).
     """
     value_head = spec.is_seq_cls if value_head is None else value_head
     padded_vocab = padded_vocab or padded_vocab_size(spec.vocab_size)
@@ -291,7 +293,8 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
     if use_te and cp_group_of_job() is not None:
         raise ValueError("context parallelism runs megatron's local layers (TE's CP attention is not wired yet)")
     config = transformer_config(spec, tp, pp, params_dtype=params_dtype, bf16=bf16, init_weights=init_weights,
-                                recompute=recompute, ep=ep, aux_loss_coef=aux_loss_coef, use_te=use_te)
+                                recompute=recompute, ep=ep, aux_loss_coef=aux_loss_coef, use_te=use_te,
+                                routing_replay=routing_replay)
     if spec.num_experts:
         from rlhf.compat.megatron import moe_without_te
 

@@ -30,8 +30,10 @@ def _forward_step(loss_fn: LossFn | None, output: str, device: torch.device, dat
     # Batches are right-padded, so the causal mask alone is exact for every real token; ``attention_mask`` (B, S)
     # is the padding mask the losses use, not megatron's 4-D mask.
     from rlhf.models import context_parallel as cpm
+    from rlhf.models.routing_replay import routing_for_forward
 
-    with cpm.stream_length(cp_stream):  # packed streams under CP and PP: one split length for every micro-batch
+    # MoE routing replay or recording (rlhf.models.routing_replay), when the batch carries routing or a recorder
+    with cpm.stream_length(cp_stream), routing_for_forward(model, batch):
         out = model(batch["input_ids"], batch.get("position_ids"), batch.get("megatron_attention_mask"),
                     output=output, packed_seq_params=batch.get("packed_seq_params"))
         # Under context parallelism the last stage's output holds this rank's tokens only: a loss or reader marked

@@ -12,6 +12,7 @@ from typing import Any
 from rlhf.agents.flags import AgentPart
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig
 from rlhf.migration import PlacementPart
+from rlhf.models.routing_replay import RouterReplayPart, check_router_replay
 from rlhf.part import Job
 from rlhf.rollout.partial import PartialRolloutConfig, check_partial
 from rlhf.parts import CheckpointPart, EnginePart, ParallelPart, TextPart
@@ -42,6 +43,7 @@ class PPOJobConfig(Job):
     generation: GenerationPart
     agent: AgentPart
     partial: PartialRolloutConfig
+    router_replay: RouterReplayPart
     optim: PPOOptim
     algo: AlgoPart
     correction: RolloutCorrectionConfig
@@ -72,6 +74,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     GenerationPart.add_args(g)
     AgentPart.add_args(g)
     PartialRolloutConfig.add_args(g)
+    RouterReplayPart.add_args(g)
     g = p.add_argument_group("optimisation")
     PPOOptim.add_args(g)
     add_algo_args(g)  # AlgoPart, RolloutCorrectionConfig, PtxPart, EmaPart
@@ -140,6 +143,10 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     from rlhf.models.source import check_tokenizer_folder
 
     check_agent_fit(job.agent, sources["--pretrain"]["hf_config"])
+    check_router_replay(job.router_replay, sources["--pretrain"]["spec"], pp=par.pp, cp=par.cp,
+                        recompute=job.engine.gradient_checkpointing, backend=job.rollout.rollout_backend,
+                        model=job.models.pretrain, other=(job.agent.agent_func_path and "--agent_func_path")
+                        or (job.partial.partial_rollout and "--partial_rollout"))
     check_tokenizer_folder(job.models.pretrain, "--pretrain")  # the prompts and replies are tokenized with it
     sources["--teacher_pretrain"] = check_teacher(job.distill, job.models.pretrain, par)  # its tokenizer: before loading
     why = resolve_vllm_tp(job.rollout, sources["--pretrain"]["spec"], world_size, job.engine.bf16)

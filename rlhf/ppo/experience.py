@@ -51,6 +51,10 @@ def pack_microbatch(mb: dict, pad_id: int, pad_to: int | None = None) -> dict:
                                        "num_tokens")})
     out["packed_resp_pos"] = start + torch.minimum(mb["resp_pos"], length - 1)  # (B, T)
     out["packed_last"] = (cu[1:] - 1)  # (B,)
+    if "routed_experts" in mb:  # MoE routing replay: the same tokens, packed the same way
+        from rlhf.models.routing_replay import pack_routing
+
+        out["routed_experts"] = pack_routing(mb["routed_experts"], mb["attention_mask"], out["input_ids"].shape[1])
     return out
 
 
@@ -132,6 +136,8 @@ def select_rows(batch: dict, idx: Sequence[int], trim: bool, extra: dict | None 
         S = int(mb["attention_mask"].sum(1).max())
         mb["input_ids"], mb["attention_mask"] = mb["input_ids"][:, :S], mb["attention_mask"][:, :S]
         mb["resp_pos"] = mb["resp_pos"].clamp(max=S - 1)
+        if "routed_experts" in mb:  # (B, S, layers, K), MoE routing replay
+            mb["routed_experts"] = mb["routed_experts"][:, :S]
     for name, t in (extra or {}).items():
         if t is not None:
             mb[name] = t[ix]

@@ -76,7 +76,8 @@ def rollout_config(job, spec=None, world_size: int | None = None, on_cuda: bool 
                          max_model_len=max_len, dtype=dtype, dtype_reason=why, seed=job.engine.seed,
                          enforce_eager=r.vllm_enforce_eager, backend=r.rollout_backend,
                          weight_sync_bucket_mb=r.weight_sync_bucket_mb,
-                         enable_prefix_caching=r.vllm_enable_prefix_caching)
+                         enable_prefix_caching=r.vllm_enable_prefix_caching,
+                         return_routed_experts=job.router_replay.moe_router_replay == "rollout")
 
 
 def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
@@ -104,9 +105,12 @@ def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
     sharded = eng.zero_stage >= 1  # resolved by log_compat before the roles are built
     common = dict(bf16=eng.bf16, recompute=eng.gradient_checkpointing)
     impl = dict(transformer_impl=eng.transformer_impl)
+    # MoE actors always carry megatron's RouterReplay (the routing-flip metric records with it); the reference,
+    # the same model, replays the actor's batch routing when --moe_router_replay is on (rlhf.models.routing_replay)
     actor = ModelEngine(mesh, pretrain, optim=optim.actor_config(total_updates, sharded), value_head=False,
-                        name="actor", lora=lora.config(eng.seed), **common, **impl)
-    ref = (ModelEngine(mesh, pretrain, value_head=False, name="ref", bf16=eng.bf16, **impl)
+                        name="actor", lora=lora.config(eng.seed), routing_replay=True, **common, **impl)
+    ref = (ModelEngine(mesh, pretrain, value_head=False, name="ref", bf16=eng.bf16,
+                       routing_replay=job.router_replay.moe_router_replay != "off", **impl)
            if job.algo.init_kl_coef > 0 else None)
     reward_models = {f"reward{i or ''}": ModelEngine(mesh, path, value_head=True, name=f"reward{i or ''}",
                                                      bf16=eng.bf16, **impl)

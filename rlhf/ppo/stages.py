@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf.distributed.collectives import dp_all_gather
+from rlhf.ppo import routing
 from rlhf.ppo.experience import (Experience, collate_sequences, forward_role, prepare_microbatches,
                                  select_rows)
 from rlhf.rollout.types import Sample
@@ -117,8 +118,8 @@ def generate_filtered(roles, args: argparse.Namespace, prompts: list, sampler, r
 
 
 def experience_microbatches(rollout: Rollout, args: argparse.Namespace, mesh,
-                            pad_id: int) -> tuple[dict, list, list[int]]:
-    """This rank's samples collated on the device (B rows, response width T = --generate_max_len), the
+                            pad_id: int, roles=None) -> tuple[dict, list, list[int]]:
+    """This rank's samples collated on the device (B rows, response width T = --generate_max_len; R3's routing), the
     --micro_rollout_batch_size micro-batches of the experience forwards (packed with --packing_samples; by token
     count with --use_dynamic_batch), and the rows in the order the micro-batches hold them."""
     from rlhf.distributed.device import to_device
@@ -126,6 +127,7 @@ def experience_microbatches(rollout: Rollout, args: argparse.Namespace, mesh,
     from rlhf.agents.flags import response_width
 
     batch = to_device(collate_sequences(rollout.local, pad_id, response_width(args, rollout.samples)), mesh.device)
+    routing.attach_rollout_routing(roles, args, rollout.local, batch)
     trim, mrb = mesh.pp == 1, args.micro_rollout_batch_size
     groups = [list(range(i, min(i + mrb, len(rollout.local)))) for i in range(0, len(rollout.local), mrb)]
     if args.use_dynamic_batch:  # by token count instead (packed); the outputs come back in this order
@@ -150,7 +152,7 @@ def token_budget_groups(batch: dict, rows: list[int], max_tokens: int) -> list[l
     return [[rows[i] for i in part] for part in parts if part]
 
 
-def frozen_forwards(roles, args: argparse.Namespace, mbs: list, tokens: float, timer) -> dict[str, torch.Tensor]:
+def frozen_forwards(roles, args: argparse.Namespace, mbs: list, tokens: float, timer, recorder=None) -> dict:
     """make_experience's forwards, one role after another: actor, ref and teacher log-probs (B, T) at the sampling
     temperature (no actor forward with --use_rollout_logprobs), critic values (B, T), reward scores (B,)."""
     roles.memory.enter("make_experience")
@@ -160,7 +162,8 @@ def frozen_forwards(roles, args: argparse.Namespace, mbs: list, tokens: float, t
     for role in ("actor", *order) if args.old_logprobs_source == "forward" else order:
         if role in engines:
             with timer.phase(f"{role}_fwd", tokens=tokens):
-                out[role] = forward_role(engines[role], "reward" if role in roles.reward_models else role, mbs,
+                out[role] = forward_role(engines[role], "reward" if role in roles.reward_models else role,
+                                         routing.actor_microbatches(args, mbs, recorder) if role == "actor" else mbs,
                                          args.temperature if role in ("actor", "ref", "teacher") else 1.0)
     return out
 
@@ -278,8 +281,9 @@ def make_experience(roles, args: argparse.Namespace, rollout: Rollout, rewards: 
                     timer) -> tuple[Experience, torch.Tensor, dict[str, float]]:
     """make_experience: the frozen forwards and the rewards of this rank's samples. Returns the experience,
     the raw (unnormalized) combined rewards (B,) and the reward metrics."""
-    batch, mbs, order = experience_microbatches(rollout, args, mesh, pad_id)
-    out = frozen_forwards(roles, args, mbs, rollout.tokens, timer)
+    batch, mbs, order = experience_microbatches(rollout, args, mesh, pad_id, roles)
+    recorder = routing.recorder_for(roles, args, rollout.local)
+    out = frozen_forwards(roles, args, mbs, rollout.tokens, timer, recorder)
     if order != sorted(order):  # token-budget micro-batches: back to row order
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
@@ -289,6 +293,7 @@ def make_experience(roles, args: argparse.Namespace, rollout: Rollout, rewards: 
     vllm_lp = generator_logprobs(rollout.local, response_width(args, rollout.samples))
     combined, raw, metrics = rewards.score({r: out[r] for r in roles.reward_models}, rollout)
     metrics["microbatches/forward"] = float(len(mbs))
+    metrics.update(routing.finish(roles, args, rollout, batch, mbs, order, recorder, timer))
     combined, raw = shape_rewards(combined, raw, rollout, args, mesh, metrics)
     vllm_lp = vllm_lp.to(batch["action_mask"].device)
     exp = Experience(samples=rollout.local, batch=batch,

@@ -45,13 +45,25 @@ class MegatronRollout:
     def load_weights(self, weights: Iterable, version: int) -> None:
         self.version = version  # the fallback reads the actor's parameters directly
 
+    def _recorder(self):
+        """An MoE actor's routing recorder (``rlhf.models.routing_replay``): the fallback records the experts of
+        every token it feeds forward, as vLLM's ``enable_return_routed_experts`` does; None for a dense actor."""
+        from rlhf.models.routing_replay import RoutingRecorder, replay_routers
+
+        if self.mesh.pp > 1 or not replay_routers(self.actor.module):
+            return None
+        return RoutingRecorder(self.actor.spec.num_layers, model=self.actor.module)
+
     @torch.no_grad()
-    def _next_token(self, ids: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator):
-        """ids (n, L) -> (token (n,), logprob (n,)) identical on every rank of this DP replica."""
+    def _next_token(self, ids: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator,
+                    recorder=None):
+        """ids (n, L) -> (token (n,), logprob (n,)) identical on every rank of this DP replica; ``recorder`` (a
+        ``RoutingRecorder``) gets the routing of this forward."""
         from rlhf.models.pipeline import gather_vocab_parallel
 
         mesh = self.mesh
-        outs = self.actor.forward([{"input_ids": ids}])
+        mb = {"input_ids": ids} if recorder is None else {"input_ids": ids, "routing_recorder": recorder}
+        outs = self.actor.forward([mb])
         result = torch.empty(2, ids.shape[0], dtype=torch.float64)
         if mesh.is_last_stage:
             # Sampled on the host with a CPU generator: the same tokens whatever the device.
@@ -78,8 +90,8 @@ class MegatronRollout:
         local: list[Sample] = []
         for i, prompt in enumerate(prompts[lo: lo + per]):
             gen = torch.Generator().manual_seed(seed * 1_000_003 + lo + i)
-            for row, lps, ended in self._sample(prompt, n, temperature, top_p, max_tokens, gen, ignore_eos):
-                local.append(Sample(lo + i, list(prompt), row, lps, ended))
+            for row, lps, ended, routed in self._sample(prompt, n, temperature, top_p, max_tokens, gen, ignore_eos):
+                local.append(Sample(lo + i, list(prompt), row, lps, ended, routed_experts=routed))
         keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
         return gather_samples(local if keep else [], mesh)
 
@@ -92,19 +104,25 @@ class MegatronRollout:
         local: list[Sample] = []
         for i, (prompt, max_tokens, temperature, top_p, seed) in enumerate(requests[lo:hi]):
             gen = torch.Generator().manual_seed(seed)
-            (row, lps, ended), = self._sample(prompt, 1, temperature, top_p, max_tokens, gen, False)
+            (row, lps, ended, _), = self._sample(prompt, 1, temperature, top_p, max_tokens, gen, False)
             local.append(Sample(lo + i, [], row, lps, ended))
         keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
         return [(s.response_ids, s.logprobs, s.finished) for s in gather_samples(local if keep else [], mesh)]
 
     def _sample(self, prompt, n: int, temperature: float, top_p: float, max_tokens: int, gen, ignore_eos: bool):
-        """``n`` replies to one prompt: ``(token ids, log-probs, ended by EOS)`` each, cut after EOS."""
+        """``n`` replies to one prompt: ``(token ids, log-probs, ended by EOS, routing)`` each, cut after EOS; routing
+        (an MoE actor's; else None): the experts of the prompt and response tokens fed forward, (P + R - 1, layers,
+        top_k) expert ids, each token's from the forward that first fed it."""
         eos = None if ignore_eos else self.eos
         ids = torch.tensor([list(prompt)] * n, dtype=torch.long)  # (n, P)
         tokens, lps = [], []
         done = torch.zeros(n, dtype=torch.bool)
+        recorder, routed = self._recorder(), []
         for _ in range(max_tokens):
-            tok, lp = self._next_token(ids, temperature, top_p, gen)
+            fed = ids.shape[1] - sum(r.shape[1] for r in routed)
+            tok, lp = self._next_token(ids, temperature, top_p, gen, recorder)
+            if recorder is not None:  # the positions this forward fed for the first time
+                routed.append(recorder.parts.pop()[:, -fed:])
             tokens.append(tok)
             lps.append(lp)
             done |= tok == eos if eos is not None else done
@@ -112,11 +130,13 @@ class MegatronRollout:
             if self._all_done(done):
                 break
         toks, lpt = torch.stack(tokens, 1), torch.stack(lps, 1)  # (n, R)
+        routing = (torch.cat(routed, 1).long() - 1) if routed else None  # (n, P + R - 1, layers, K) expert ids
         out = []
         for k in range(n):
             row = toks[k].tolist()
             end = row.index(eos) + 1 if eos in row else len(row)
-            out.append((row[:end], lpt[k, :end].tolist(), eos in row))
+            r = None if routing is None else routing[k, : len(prompt) + end - 1].to(torch.int16).numpy()
+            out.append((row[:end], lpt[k, :end].tolist(), eos in row, r))
         return out
 
     def _all_done(self, done: torch.Tensor) -> bool:

@@ -114,6 +114,9 @@ class RolloutConfig:
     enable_prefix_caching: bool = False
     """(--vllm_enable_prefix_caching) vLLM's automatic prefix caching; every weight sync resets the cache, so no
     KV block computed with the previous weights is reused (OpenRLHF resets it at each broadcast too)."""
+    return_routed_experts: bool = False
+    """(--moe_router_replay rollout) vLLM's ``enable_return_routed_experts``: each sample carries the experts of its
+    tokens (vLLM 0.32: its V2 model runner only, which needs Triton: GPU)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
@@ -150,3 +153,6 @@ class Sample:
     agent: object = None
     versions: list[int] | None = None
     """partial rollouts (``rlhf.rollout.partial``): the policy version that produced each response token"""
+    routed_experts: object = None
+    """an MoE generator's experts of each prompt and response token it fed forward, ``(tokens, layers, top_k)``
+    ids (vLLM's ``CompletionOutput.routed_experts``; the megatron fallback records its own); None: not recorded"""

@@ -132,6 +132,8 @@ class VLLMRollout:
                       enable_prefix_caching=cfg.enable_prefix_caching)
         if self.num_engines > 1:
             kwargs["data_parallel_size"] = self.num_engines
+        if cfg.return_routed_experts:  # MoE routing replay (rlhf.models.routing_replay)
+            kwargs["enable_return_routed_experts"] = True
         kwargs.update(vllm_memory_kwargs(cfg, on_cuda))
         t0 = time.perf_counter()
         if not on_cuda:
@@ -231,7 +233,8 @@ class VLLMRollout:
             for c in o.outputs:
                 ids = list(c.token_ids)
                 lps = [float(d[t].logprob) for d, t in zip(c.logprobs, ids)]
-                local.append(Sample(lo + i, list(o.prompt_token_ids), ids, lps, c.finish_reason == "stop"))
+                local.append(Sample(lo + i, list(o.prompt_token_ids), ids, lps, c.finish_reason == "stop",
+                                    routed_experts=getattr(c, "routed_experts", None)))
         return gather_samples(local if self.is_leader else [], self.mesh)
 
     def generate_requests(self, requests: Sequence[tuple]) -> list[tuple[list[int], list[float], bool]]:

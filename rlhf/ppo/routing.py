@@ -1,0 +1,112 @@
+"""PPO's side of MoE routing replay (``--moe_router_replay``, ``rlhf.models.routing_replay``): the batch's routing
+for the experience forwards and the update, and the routing-flip metric.
+
+- ``rollout`` (R3): the generator's routing (vLLM's ``routed_experts``, or the megatron fallback's record) goes into
+  the batch before the experience forwards, so the old log-probs, the reference (the same MoE model) and every
+  update forward and backward replay it.
+- ``train`` (R2): the routing the actor chose in its first forward of the sample (the old-log-prob forward, or a
+  routing forward when that one is skipped) goes into the batch after the experience forwards; the update replays
+  it.
+- the flip metric, for every MoE actor whose generator returned routing: the share of response tokens (and of
+  token-layer pairs) whose top-k set in the trainer's unreplayed forward differs from the generator's, logged as
+  ``moe/routing_flip_tokens`` and ``moe/routing_flip_pairs``. Replay makes the replayed forwards' flips 0 by
+  construction; this one shows what it saves.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from rlhf.models.routing_replay import RoutingRecorder, collate_routing, replay_routers, routing_flips
+
+
+def moe_actor(roles) -> bool:
+    return bool(replay_routers(roles.actor.module))
+
+
+def rollout_routing(samples: list, S: int, spec) -> torch.Tensor | None:
+    """The generator's routing of this rank's samples, (B, S, layers, K) ids + 1; None unless every sample has it."""
+    if not samples or any(s.routed_experts is None for s in samples):
+        return None
+    return collate_routing([s.routed_experts for s in samples], S, spec.num_layers, spec.moe_topk)
+
+
+def attach_rollout_routing(roles, args: argparse.Namespace, samples: list, batch: dict) -> None:
+    """``rollout`` mode: the generator's routing into the collated batch (before any micro-batch is cut from it)."""
+    if roles is None or args.moe_router_replay != "rollout" or not moe_actor(roles):
+        return
+    routed = rollout_routing(samples, batch["input_ids"].shape[1], roles.actor.spec)
+    if routed is None:
+        raise RuntimeError("--moe_router_replay rollout: the generator returned no routing for some samples (vLLM "
+                           "needs enable_return_routed_experts; the megatron fallback records it at PP 1)")
+    batch["routed_experts"] = routed.to(batch["input_ids"].device)
+
+
+def recorder_for(roles, args: argparse.Namespace, samples: list) -> RoutingRecorder | None:
+    """A recorder for the actor's unreplayed forward when the flip metric or ``train`` mode needs one."""
+    if not moe_actor(roles) or roles.actor.mesh.pp > 1:
+        return None
+    if args.moe_router_replay == "off" and any(s.routed_experts is None for s in samples):
+        return None  # nothing to compare with, nothing to replay
+    return RoutingRecorder(roles.actor.spec.num_layers, model=roles.actor.module)
+
+
+def record_in(mbs: list[dict], recorder: RoutingRecorder | None, replayed: bool) -> list[dict]:
+    """The micro-batches of an unreplayed actor forward that records: ``mbs`` with the recorder and without any
+    routing to replay."""
+    if recorder is None:
+        return mbs
+    return [{**{k: v for k, v in mb.items() if not (replayed and k == "routed_experts")},
+             "routing_recorder": recorder} for mb in mbs]
+
+
+def actor_microbatches(args: argparse.Namespace, mbs: list[dict], recorder: RoutingRecorder | None) -> list[dict]:
+    """The experience's actor forward records the routing where it is unreplayed (not with ``rollout``)."""
+    if recorder is None or args.moe_router_replay == "rollout":
+        return mbs
+    return record_in(mbs, recorder, replayed=False)
+
+
+def routing_forward(roles, mbs: list[dict], recorder: RoutingRecorder) -> None:
+    """A forward of the actor for its routing only (no LM head): when the experience's actor forward is replayed
+    (``rollout``) or skipped (old log-probs from the update or the generator)."""
+    roles.actor.forward(record_in(mbs, recorder, replayed=True), output="hidden",
+                        read=lambda batch, hidden: hidden[:, :1, :1])
+
+
+def finish(roles, args: argparse.Namespace, rollout, batch: dict, mbs: list[dict], order: list[int],
+           recorder: RoutingRecorder | None, timer) -> dict[str, float]:
+    """After the experience forwards (``rollout``: the step's ``Rollout``; ``mbs`` in ``order``): the routing
+    forward when the actor's forward did not record; ``train`` mode's routing into the batch; the flip metric."""
+    if recorder is None:
+        return {}
+    if not recorder.parts:
+        with timer.phase("routing_fwd", tokens=rollout.tokens):
+            routing_forward(roles, mbs, recorder)
+    samples = rollout.local
+    S = batch["input_ids"].shape[1]
+    trainer = recorder.result(S)
+    if order != sorted(order):  # token-budget micro-batches: back to row order
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        trainer = trainer[inverse]
+    device = batch["input_ids"].device
+    if args.moe_router_replay == "train":
+        batch["routed_experts"] = trainer.to(device)
+    out: dict[str, float] = {}
+    generated = rollout_routing(samples, S, roles.actor.spec)
+    if generated is not None:
+        pos = torch.arange(S).unsqueeze(0)
+        prompt = torch.tensor([len(s.prompt_ids) for s in samples]).unsqueeze(1)
+        mask = (pos >= prompt) & batch["attention_mask"].bool().cpu()  # response tokens (B, S)
+        counts = routing_flips(trainer, generated, mask)
+        mesh = roles.actor.mesh
+        if mesh.dp > 1:
+            counts = counts.to(mesh.device)
+            dist.all_reduce(counts, group=mesh.dp_group)
+            counts = counts.cpu()
+        out["moe/routing_flip_tokens"] = (counts[0] / counts[1]).item() if counts[1] else 0.0
+        out["moe/routing_flip_pairs"] = (counts[2] / counts[3]).item() if counts[3] else 0.0
+    return out

@@ -1,0 +1,162 @@
+"""MoE routing replay (rlhf.models.routing_replay) on a tiny Mixtral, one in-process rank: the megatron fallback
+generator records the experts of every token it feeds; with that routing in the batch, the trainer's routers use
+exactly those experts (read from what megatron's router returns), in padded and packed micro-batches, after the
+router was perturbed so that its own top-k differs (negative control: without replay it does); log-probs with replay
+equal a forward given the same routing by hand through megatron's RouterReplay; a recorded unreplayed forward reads
+back what the router chose (R2's source)."""
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    from helpers import free_port
+    from rlhf.distributed import DistEnv, initialize_mesh
+    from rlhf.distributed.mesh import destroy_mesh
+    from rlhf.engine import ModelEngine
+    from rlhf.models.tiny import make_tiny_hf
+    from rlhf.rollout.megatron_engine import MegatronRollout
+    from rlhf.rollout.types import RolloutConfig
+
+    work = tmp_path_factory.mktemp("routing_replay")
+    path = make_tiny_hf(str(work / "mixtral"), "mixtral", seed=8, num_hidden_layers=2, hidden_size=64,
+                        intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                        num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+    mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
+    actor = ModelEngine(mesh, path, value_head=False, name="actor", routing_replay=True)
+    gen = MegatronRollout(mesh, actor, RolloutConfig(backend="megatron"))
+    prompts = [[1, 40, 41, 42, 43], [1, 50, 51], [1, 60, 61, 62]]
+    samples = gen.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=3)
+    yield actor, samples
+    destroy_mesh()
+
+
+def _routers(actor):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in actor.module.modules() if isinstance(m, TopKRouter)]
+
+
+def _batch(samples):
+    from rlhf.models.routing_replay import collate_routing
+    from rlhf.ppo.experience import collate_sequences
+
+    batch = collate_sequences(samples, 0, 6)
+    batch["routed_experts"] = collate_routing([s.routed_experts for s in samples], batch["input_ids"].shape[1], 2, 2)
+    return batch
+
+
+def _mbs(batch, packed: bool):
+    from rlhf.ppo.experience import pack_microbatch, select_rows
+
+    mbs = [select_rows(batch, rows, True) for rows in ([0, 1, 2], [3, 4, 5])]
+    return [pack_microbatch(mb, 0) for mb in mbs] if packed else mbs
+
+
+def _used_experts(actor, mbs):
+    """(B, S, layers, K) expert ids + 1 the routers handed to the experts in each forward (their routing_map),
+    unpacked to the padded rows; 0 where a row has no token."""
+    from rlhf.models.routing_replay import unpack_routing
+
+    seen = []
+    hooks = [r.register_forward_hook(lambda m, i, out: seen.append(out[1].detach().clone())) for r in _routers(actor)]
+    parts = []
+    try:
+        for mb in mbs:
+            seen.clear()
+            actor.forward([mb], output="hidden", read=lambda b, h: h[:, :1, :1])
+            B, S = mb["input_ids"].shape
+            layers = [m.nonzero()[:, 1].view(S * B, 2) for m in seen]  # (S*B, K), sorted expert ids
+            r = torch.stack([x.view(S, B, 2).transpose(0, 1) for x in layers], dim=2) + 1  # (B, S, layers, K)
+            if "packed_seq_params" in mb:
+                cu = mb["cu_seqlens"]
+                r = unpack_routing(r[0], cu, int((cu[1:] - cu[:-1]).max()))
+            parts.append(r)
+    finally:
+        for h in hooks:
+            h.remove()
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, 0, 0, 0, 0, width - p.shape[1])) for p in parts])
+
+
+@pytest.fixture()
+def perturbed(moe):
+    """The routers' weights moved (as a training step or another kernel's rounding would), restored afterwards."""
+    actor, _ = moe
+    saved = [r.weight.detach().clone() for r in _routers(actor)]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for r in _routers(actor):
+            r.weight.add_(torch.randn(r.weight.shape, generator=g) * 1.5)
+    yield
+    with torch.no_grad():
+        for r, w in zip(_routers(actor), saved):
+            r.weight.copy_(w)
+
+
+def test_generator_records_every_fed_token(moe):
+    _, samples = moe
+    for s in samples:
+        assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2)
+        assert s.routed_experts.min() >= 0 and s.routed_experts.max() < 4
+        assert (s.routed_experts[..., 0] != s.routed_experts[..., 1]).all()  # top-2: two distinct experts
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_replay_uses_the_rollout_experts(moe, perturbed, packed):
+    from rlhf.models.routing_replay import routing_flips
+
+    actor, samples = moe
+    batch = _batch(samples)
+    S = batch["input_ids"].shape[1]
+    fed = batch["routed_experts"].bool().all(-1).all(-1)  # (B, S) tokens the generator fed
+    used = _used_experts(actor, _mbs(batch, packed))[:, :S]
+    flips = routing_flips(used, batch["routed_experts"], fed)
+    assert flips[1] == fed.sum() > 30 and flips[0] == 0 and flips[2] == 0, flips  # every token, every layer
+    plain = {k: v for k, v in batch.items() if k != "routed_experts"}
+    unreplayed = _used_experts(actor, _mbs(plain, packed))[:, :S]
+    flips = routing_flips(unreplayed, batch["routed_experts"], fed)
+    assert flips[0] / flips[1] > 0.2, flips  # negative control: the perturbed router's own choice differs
+
+
+def test_replayed_logprobs_equal_routing_given_by_hand(moe, perturbed):
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from rlhf.models.routing_replay import _layer_targets
+    from rlhf.ppo.experience import forward_role
+
+    actor, samples = moe
+    batch = _batch(samples)
+    mbs = _mbs(batch, False)
+    replayed = forward_role(actor, "actor", mbs, 1.0)
+    by_hand = []
+    for mb in mbs:  # megatron's own API, one RouterReplay per layer in build order
+        for layer, router in enumerate(_routers(actor)):
+            router.router_replay.set_target_indices(_layer_targets(mb["routed_experts"], layer))
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        plain = {k: v for k, v in mb.items() if k != "routed_experts"}
+        by_hand.append(forward_role(actor, "actor", [plain], 1.0))
+        for router in _routers(actor):
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+    mask = batch["action_mask"]
+    assert torch.equal(replayed[mask], torch.cat(by_hand)[mask])
+    own = forward_role(actor, "actor", [{k: v for k, v in mb.items() if k != "routed_experts"} for mb in mbs], 1.0)
+    assert (own - replayed)[mask].abs().max() > 1e-3  # negative control: the router's own experts differ
+
+
+def test_recorded_routing_is_what_the_router_chose(moe, perturbed):
+    from rlhf.models.routing_replay import RoutingRecorder, routing_flips
+
+    actor, samples = moe
+    batch = {k: v for k, v in _batch(samples).items() if k != "routed_experts"}
+    S = batch["input_ids"].shape[1]
+    for packed in (False, True):
+        mbs = _mbs(batch, packed)
+        rec = RoutingRecorder(2, model=actor.module)
+        actor.forward([{**mb, "routing_recorder": rec} for mb in mbs], output="hidden", read=lambda b, h: h[:, :1, :1])
+        recorded = rec.result(S)
+        used = _used_experts(actor, mbs)[:, :S]
+        flips = routing_flips(recorded, used, batch["attention_mask"].bool())
+        assert flips[1] == batch["attention_mask"].sum() and flips[0] == 0, flips
+    assert all(r.router_replay.router_replay_action is None for r in _routers(actor))  # nothing left switched on

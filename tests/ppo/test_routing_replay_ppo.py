@@ -1,0 +1,70 @@
+"""MoE routing replay end to end (--moe_router_replay, rlhf.ppo.routing): GRPO on a tiny Mixtral with its experts over
+2 EP ranks, the megatron fallback generator recording the experts of every token it feeds (vLLM 0.32 returns
+routed experts only from its V2 model runner, which needs Triton: not on CPU), replayed in the old-log-prob, the
+reference and both epochs' update forwards; the routing-flip metric logged each step. Bad input: a dense actor, and
+R3 with vLLM on CPU, are refused by name before any model loads."""
+import json
+import os
+
+import pytest
+from helpers import REPO, run_torchrun, tail
+from ppo_common import ppo_args
+
+PPO = os.path.join(REPO, "launch/ppo.py")
+
+
+def test_grpo_with_rollout_routing_replay_ep2(ppo_setup, family_actors, tmp_path):
+    save = str(tmp_path / "out")
+    args = ppo_args({**ppo_setup, "actor": family_actors["mixtral"]}, save,
+                    **{"--advantage_estimator": "grpo", "--ep": 2, "--rollout_backend": "megatron",
+                       "--moe_router_replay": "rollout", "--rollout_batch_size": 4, "--n_samples_per_prompt": 2,
+                       "--train_batch_size": 8, "--micro_train_batch_size": 2, "--micro_rollout_batch_size": 2,
+                       "--num_episodes": 1, "--max_samples": 4, "--init_kl_coef": 0.05,
+                       "--reward_fn": "_rule_reward:length_reward", "--reward_pretrain": None,
+                       "--generate_max_len": 4, "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None})
+    p = run_torchrun(PPO, 2, args, timeout=600, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
+    assert p.returncode == 0, tail(p)
+    hist = json.load(open(os.path.join(save, "ppo_result.json")))["history"]
+    assert len(hist) == 1
+    for m in hist:
+        # the unreplayed forward against the generator's routing: the same megatron numerics in fp32, so no flip
+        assert m["moe/routing_flip_tokens"] == 0.0 and m["moe/routing_flip_pairs"] == 0.0, m
+        assert m["rollout_logprob_drift_max"] <= 1e-4, m  # old log-probs replayed the generator's experts
+        assert m["actor/grad_norm"] > 0, m
+
+
+def _refused(ppo_setup, tmp_path, capsys, monkeypatch, actor, **flags):
+    import rlhf.engine
+    from rlhf.ppo import main
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(rlhf.engine.ModelEngine, "__init__", boom)
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+        monkeypatch.setenv(k, v)
+    argv = ppo_args({**ppo_setup, "actor": actor}, str(tmp_path / "o"),
+                    **{"--vllm_tensor_parallel_size": 1, "--rollout_batch_size": 4, "--n_samples_per_prompt": 2,
+                       "--train_batch_size": 8, "--micro_rollout_batch_size": 4, **flags})
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ({"--moe_router_replay": "R3", "--rollout_backend": "megatron"}, "is not a mixture-of-experts model"),
+    ({"--use-routing-replay": "", "--rollout_backend": "megatron"}, "--moe_router_replay train"),
+    ({"--moe_router_replay": "sometimes"}, "--moe_router_replay 'sometimes'")], ids=["dense", "slime_r2", "value"])
+def test_dense_actor_refused(ppo_setup, tmp_path, capsys, monkeypatch, flags, needle):
+    code, err = _refused(ppo_setup, tmp_path, capsys, monkeypatch, ppo_setup["actor"], **flags)
+    assert code == 2 and needle in err, err
+
+
+def test_rollout_replay_with_vllm_on_cpu_refused(ppo_setup, family_actors, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("vllm")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("vLLM returns routed experts on GPU")
+    code, err = _refused(ppo_setup, tmp_path, capsys, monkeypatch, family_actors["mixtral"],
+                         **{"--moe_router_replay": "rollout", "--rollout_backend": "vllm"})
+    assert code == 2 and "Model Runner V2" in err and "--rollout_backend megatron" in err, err
