@@ -160,3 +160,35 @@ def test_recorded_routing_is_what_the_router_chose(moe, perturbed):
         flips = routing_flips(recorded, used, batch["attention_mask"].bool())
         assert flips[1] == batch["attention_mask"].sum() and flips[0] == 0, flips
     assert all(r.router_replay.router_replay_action is None for r in _routers(actor))  # nothing left switched on
+
+
+@pytest.mark.parametrize("mode", ["off", "train"])
+def test_flip_metric_and_train_mode_routing(moe, perturbed, mode):
+    """rlhf.ppo.routing after the experience forwards: the flip metric from the actor's unreplayed forward against
+    the generator's routing (the perturbed router flips a share of the response tokens); ``train`` (R2) puts the
+    routing that forward chose into the batch for the update to replay."""
+    import argparse
+    import contextlib
+    from types import SimpleNamespace
+
+    from rlhf.models.routing_replay import routing_flips
+    from rlhf.ppo import routing
+
+    actor, samples = moe
+    roles = SimpleNamespace(actor=actor)
+    args = argparse.Namespace(moe_router_replay=mode)
+    batch = {k: v for k, v in _batch(samples).items() if k != "routed_experts"}
+    mbs = _mbs(batch, False)
+    recorder = routing.recorder_for(roles, args, samples)
+    timer = SimpleNamespace(phase=lambda *a, **k: contextlib.nullcontext())
+    metrics = routing.finish(roles, args, SimpleNamespace(local=samples, tokens=1.0), batch, mbs, [0, 1, 2, 3, 4, 5],
+                             recorder, timer)
+    assert 0.2 < metrics["moe/routing_flip_tokens"] <= 1.0, metrics
+    assert 0.0 < metrics["moe/routing_flip_pairs"] <= metrics["moe/routing_flip_tokens"], metrics
+    if mode == "off":
+        assert "routed_experts" not in batch
+        return
+    S = batch["input_ids"].shape[1]
+    used = _used_experts(actor, mbs)[:, :S]  # the perturbed router's own choice
+    flips = routing_flips(batch["routed_experts"], used, batch["attention_mask"].bool())
+    assert flips[1] == batch["attention_mask"].sum() and flips[0] == 0, flips
