@@ -11,6 +11,8 @@ Parts (``PARTS``; each has its own deadline, ``PART_BUDGET_S``):
   SFT (padded: with its checkpoint and the HF export through the converter subprocess; packed), PPO (the megatron
   generator unless vLLM imports, ``--colocate_all --ref_reward_offload --adam_offload``) and RM, in fp32;
 * ``bf16``: SFT packed, PPO with offload, an MoE SFT (Mixtral-style, 4 experts, top 2), RM and SFT padded in bf16;
+  GRPO on the MoE actor with ``--moe_router_replay rollout`` (vLLM's routed experts where vLLM imports, else the
+  megatron generator's), its routing-flip metric and log-prob drift;
 * ``resume_mfu``: a timed SFT at SmolLM2-135M's size on 2048-token packed rows: tokens/s and MFU against the
   card's bf16 peak, a PASS only at MFU >= 20% (``MFU_BAR``); and a resume on CUDA (the step-2 checkpoint of an
   uninterrupted run, resumed alone, begins at step 3 and ends bit for bit where that run ended).
@@ -48,7 +50,7 @@ sys.path.insert(0, REPO)
 
 PARTS: dict[str, tuple[str, ...]] = {
     "fp32": ("kernels", "sft_fp32", "sft_fp32_packed", "ppo_fp32", "rm_fp32"),
-    "bf16": ("sft_bf16_packed", "ppo_bf16", "moe_bf16", "rm_bf16", "sft_bf16"),
+    "bf16": ("sft_bf16_packed", "ppo_bf16", "moe_bf16", "rm_bf16", "sft_bf16", "moe_ppo_replay_bf16"),
     "resume_mfu": ("mfu", "resume"),
 }
 """Each part's checks, most telling first: the ones a deadline leaves out are the last."""
@@ -394,6 +396,33 @@ def check_ppo(c: Check, prec: str) -> None:
                  c.log(name))
 
 
+def check_moe_ppo_replay(c: Check) -> None:
+    """GRPO on the MoE actor in bf16 with rollout routing replay (docs/moe.md): the generator's experts replayed in
+    the old-log-prob, reference and both epochs' update forwards; finite reward, the flip metric of the unreplayed
+    forward logged, and the log-prob drift of the replayed one within bf16's."""
+    import importlib.util
+
+    generator = "vllm" if importlib.util.find_spec("vllm") and not c.rehearse else "megatron"
+    name, assets = "moe_ppo_replay_bf16", c.assets()
+    save = os.path.join(c.out, name)
+    shutil.rmtree(save, ignore_errors=True)
+    rc = c.torchrun("launch/ppo.py", [
+        "--pretrain", assets["moe"], "--reward_pretrain", assets["rm"], "--prompt_data", assets["prompts"],
+        "--input_key", "prompt", "--save_path", save, "--rollout_backend", generator, "--bf16",
+        "--moe_router_replay", "rollout", "--advantage_estimator", "grpo", "--init_kl_coef", "0.01",
+        "--vllm_tensor_parallel_size", "1", "--rollout_batch_size", "16", "--n_samples_per_prompt", "4",
+        "--train_batch_size", "32", "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "32",
+        "--max_epochs", "2", "--generate_max_len", "16", "--prompt_max_len", "32", "--max_samples", "48",
+        "--vllm_kv_cache_mb", "512", "--lr_warmup_ratio", "0", "--stop_after_steps", "2"], name)
+    m = last_metrics(save, "ppo")
+    flips = {k: m.get(f"moe/routing_flip_{k}", math.nan) for k in ("tokens", "pairs")}
+    drift = m.get("rollout_logprob_drift_max", math.nan)
+    ok = rc == 0 and math.isfinite(m.get("reward", math.nan)) and math.isfinite(flips["tokens"]) and drift <= 5e-2
+    c.report.add(name, ok, f"[{generator}] rc={rc} reward={m.get('reward')} routing flips (unreplayed) tokens="
+                 f"{flips['tokens']} pairs={flips['pairs']} drift_max={drift:.1e} (replayed)",
+                 dict(rc=rc, generator=generator, reward=m.get("reward"), flips=flips, drift_max=drift), c.log(name))
+
+
 def check_resume(c: Check) -> None:
     """An uninterrupted fp32 SFT run saves at step 2 and 4; its step-2 checkpoint alone, in a fresh folder, is
     resumed to step 4: both HF exports must be equal bit for bit (weights, optimizer, sampler and RNG states all
@@ -515,6 +544,7 @@ CHECKS: dict[str, Callable[[Check], None]] = {
     "sft_bf16": lambda c: check_sft(c, "bf16", False), "sft_bf16_packed": lambda c: check_sft(c, "bf16", True),
     "rm_bf16": lambda c: check_rm(c, "bf16"), "ppo_bf16": lambda c: check_ppo(c, "bf16"),
     "moe_bf16": lambda c: check_sft(c, "bf16", True, model="moe", name="moe_bf16"),
+    "moe_ppo_replay_bf16": check_moe_ppo_replay,
     "resume": check_resume, "mfu": check_mfu,
 }
 

@@ -3,7 +3,8 @@
 # (tools/gpu_check.py's docstring lists what each part checks):
 #   fp32        kernels at real shapes against fp64 references; SFT (padded, with its checkpoint and HF export; packed),
 #               PPO with offload and RM, in fp32                                      deadline 170 s
-#   bf16        SFT packed, PPO with offload, an MoE SFT, RM, SFT padded, in bf16    deadline 170 s
+#   bf16        SFT packed, PPO with offload, an MoE SFT, RM, SFT padded, MoE GRPO with routing replay, in bf16
+#                                                                                      deadline 170 s
 #   resume_mfu  SmolLM2-135M-size SFT on 2048-token packed rows: MFU, PASS only at >= 20% of the card's bf16
 #               peak; a resume on CUDA (bit for bit)                                deadline 170 s
 # One PASS/FAIL/NOT RUN line per check (a FAIL line carries the failing log's traceback and last lines), then
