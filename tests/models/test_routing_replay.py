@@ -1,15 +1,17 @@
-"""MoE routing replay (rlhf.models.routing_replay) on a tiny Mixtral, one in-process rank: the megatron fallback
+"""MoE routing replay (rlhf.models.routing_replay) on a tiny Mixtral and a tiny Qwen3-MoE, one in-process rank: the megatron fallback
 generator records the experts of every token it feeds; with that routing in the batch, the trainer's routers use
 exactly those experts (read from what megatron's router returns), in padded and packed micro-batches, after the
 router was perturbed so that its own top-k differs (negative control: without replay it does); log-probs with replay
 equal a forward given the same routing by hand through megatron's RouterReplay; a recorded unreplayed forward reads
 back what the router chose (R2's source)."""
+import os
+
 import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def moe(tmp_path_factory, request):
     from helpers import free_port
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.mesh import destroy_mesh
@@ -19,9 +21,19 @@ def moe(tmp_path_factory):
     from rlhf.rollout.types import RolloutConfig
 
     work = tmp_path_factory.mktemp("routing_replay")
-    path = make_tiny_hf(str(work / "mixtral"), "mixtral", seed=8, num_hidden_layers=2, hidden_size=64,
-                        intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
-                        num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+    dims = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=64, tie_word_embeddings=False, num_experts_per_tok=2)
+    tok = str(tmp_path_factory.getbasetemp() / "routing_replay_tokenizer")
+    if not os.path.exists(tok):
+        from rlhf.models.tiny import make_tokenizer
+
+        make_tokenizer(tok, texts=["one two three four five six seven eight nine ten"] * 50)
+    if request.param == "mixtral":  # top-2 renormalised: megatron's pre_softmax=False routing
+        path = make_tiny_hf(str(work / "mixtral"), "mixtral", seed=8, tokenizer_dir=tok, intermediate_size=64,
+                            num_local_experts=4, **dims)
+    else:  # the plain softmax's top 2 (norm_topk_prob=False): pre_softmax=True, the replay gathers probabilities
+        path = make_tiny_hf(str(work / "qwen3_moe"), "qwen3_moe", seed=9, tokenizer_dir=tok, num_experts=4,
+                            moe_intermediate_size=64, norm_topk_prob=False, head_dim=32, **dims)
     mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
     actor = ModelEngine(mesh, path, value_head=False, name="actor", routing_replay=True)
     gen = MegatronRollout(mesh, actor, RolloutConfig(backend="megatron"))
