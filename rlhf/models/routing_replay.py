@@ -62,8 +62,8 @@ class RouterReplayPart(Part):
         self.moe_router_replay = _mode(self.moe_router_replay)
 
 
-def check_router_replay(part: RouterReplayPart, spec, *, pp: int, cp: int, recompute: bool, backend: str,
-                        model: str, other: str | None = None) -> None:
+def check_router_replay(part: RouterReplayPart, spec, *, pp: int, cp: int, backend: str, model: str,
+                        other: str | None = None) -> None:
     """The mode against the actor (``spec``: its ``ModelSpec``), the layout and the generator (``backend``:
     --rollout_backend), before any model loads; ``other``: a flag whose generation keeps no routing yet."""
     mode = part.moe_router_replay
@@ -73,11 +73,11 @@ def check_router_replay(part: RouterReplayPart, spec, *, pp: int, cp: int, recom
         raise ValueError(f"--moe_router_replay {mode}: the actor {model} ({spec.model_type}) is not a "
                          "mixture-of-experts model; routing replay is for MoE actors (mixtral, qwen3_moe)")
     for bad, what in ((pp > 1, f"--pipeline_model_parallel_size {pp}"), (cp > 1, f"--context_parallel_size {cp}"),
-                      (recompute, "--gradient_checkpointing"), (mode == "rollout" and bool(other), other)):
+                      (mode == "rollout" and bool(other), other)):
         if bad:
             raise ValueError(f"--moe_router_replay {mode} with {what} is not supported yet (replay covers padded, "
-                             "packed and token-budget micro-batches and expert parallelism at PP 1 and CP 1, without "
-                             "recompute; rollout: single-turn generation without partial rollouts)")
+                             "packed and token-budget micro-batches, expert parallelism and --gradient_checkpointing "
+                             "at PP 1 and CP 1; rollout: single-turn generation without partial rollouts)")
     import importlib.util
 
     vllm = backend == "vllm" or (backend == "auto" and importlib.util.find_spec("vllm") is not None)
@@ -94,10 +94,10 @@ def replay_routers(model: torch.nn.Module) -> list[tuple[int, Any]]:
         return cached
     from megatron.core.transformer.moe.router import TopKRouter
 
-    found = [(int(m.layer_number) - 1, m.router_replay) for m in model.modules()
-             if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None]
-    model._rlhf_replay_routers = found
-    return found
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter) and getattr(m, "router_replay", None)]
+    model._rlhf_replay_routers = [(int(m.layer_number) - 1, m.router_replay) for m in routers]
+    model._rlhf_replay_recompute = any(m.config.recompute_granularity == "full" for m in routers)
+    return model._rlhf_replay_routers
 
 
 def _layer_targets(routed: torch.Tensor, layer: int) -> torch.Tensor:
@@ -108,15 +108,30 @@ def _layer_targets(routed: torch.Tensor, layer: int) -> torch.Tensor:
     return torch.where(unknown, torch.arange(idx.shape[1], device=idx.device).expand_as(idx), idx)
 
 
+def _reset(routers: list) -> None:
+    for _, rr in routers:
+        rr.clear_indices()
+        rr.clear_router_replay_action()
+
+
 @contextlib.contextmanager
 def routing_for_forward(model: torch.nn.Module, batch: dict) -> Iterator[None]:
     """Around one micro-batch's ``model(...)``: replay ``batch["routed_experts"]`` when the batch carries it; record
-    when the batch carries a ``RoutingRecorder`` (``routing_recorder``); else megatron's own top-k."""
+    when the batch carries a ``RoutingRecorder`` (``routing_recorder``); else megatron's own top-k.
+
+    With full recompute (``--gradient_checkpointing``) the backward runs each layer's forward again: a replayed
+    forward with gradients leaves its indices in ``RouterReplay``'s backward list and the action at
+    ``replay_backward``, whose recompute takes them (megatron's own mechanism); the schedule runs that backward
+    before the next micro-batch's forward (no pipeline), which starts from a clean state."""
+    routers = replay_routers(model)
+    if not routers:
+        yield
+        return
+    _reset(routers)  # what a previous micro-batch left for its backward has been used by now
     routed, recorder = batch.get("routed_experts"), batch.get("routing_recorder")
     if recorder is not None and recorder.model is not model:  # another role's forward of the same micro-batches
         recorder = None
-    routers = replay_routers(model) if (routed is not None or recorder is not None) else []
-    if not routers:
+    if routed is None and recorder is None:
         yield
         return
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -127,14 +142,19 @@ def routing_for_forward(model: torch.nn.Module, batch: dict) -> Iterator[None]:
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         else:
             rr.set_router_replay_action(RouterReplayAction.RECORD)
+    for_backward = routed is not None and torch.is_grad_enabled() and model._rlhf_replay_recompute
     try:
         yield
         if recorder is not None and routed is None:
             recorder.take(batch, routers)
-    finally:
-        for _, rr in routers:  # no recompute: the backward never routes again, so nothing is kept for it
-            rr.clear_indices()
-            rr.clear_router_replay_action()
+    except BaseException:
+        _reset(routers)
+        raise
+    if for_backward:
+        for _, rr in routers:
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+    else:  # the backward never routes again: nothing is kept for it
+        _reset(routers)
 
 
 class RoutingRecorder:

@@ -39,7 +39,7 @@ def moe(tmp_path_factory, request):
     gen = MegatronRollout(mesh, actor, RolloutConfig(backend="megatron"))
     prompts = [[1, 40, 41, 42, 43], [1, 50, 51], [1, 60, 61, 62]]
     samples = gen.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=3)
-    yield actor, samples
+    yield actor, samples, path
     destroy_mesh()
 
 
@@ -94,7 +94,7 @@ def _used_experts(actor, mbs):
 @pytest.fixture()
 def perturbed(moe):
     """The routers' weights moved (as a training step or another kernel's rounding would), restored afterwards."""
-    actor, _ = moe
+    actor, _, _ = moe
     saved = [r.weight.detach().clone() for r in _routers(actor)]
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -107,7 +107,7 @@ def perturbed(moe):
 
 
 def test_generator_records_every_fed_token(moe):
-    _, samples = moe
+    _, samples, _ = moe
     for s in samples:
         assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2)
         assert s.routed_experts.min() >= 0 and s.routed_experts.max() < 4
@@ -118,7 +118,7 @@ def test_generator_records_every_fed_token(moe):
 def test_replay_uses_the_rollout_experts(moe, perturbed, packed):
     from rlhf.models.routing_replay import routing_flips
 
-    actor, samples = moe
+    actor, samples, _ = moe
     batch = _batch(samples)
     S = batch["input_ids"].shape[1]
     fed = batch["routed_experts"].bool().all(-1).all(-1)  # (B, S) tokens the generator fed
@@ -134,20 +134,22 @@ def test_replay_uses_the_rollout_experts(moe, perturbed, packed):
 def test_replayed_logprobs_equal_routing_given_by_hand(moe, perturbed):
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+    from rlhf.models.outputs import response_logprobs
     from rlhf.models.routing_replay import _layer_targets
     from rlhf.ppo.experience import forward_role
 
-    actor, samples = moe
+    actor, samples, _ = moe
     batch = _batch(samples)
     mbs = _mbs(batch, False)
     replayed = forward_role(actor, "actor", mbs, 1.0)
     by_hand = []
-    for mb in mbs:  # megatron's own API, one RouterReplay per layer in build order
+    for mb in mbs:  # megatron's own API, one RouterReplay per layer in build order, and the bare model
         for layer, router in enumerate(_routers(actor)):
             router.router_replay.set_target_indices(_layer_targets(mb["routed_experts"], layer))
             router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        plain = {k: v for k, v in mb.items() if k != "routed_experts"}
-        by_hand.append(forward_role(actor, "actor", [plain], 1.0))
+        with torch.no_grad():
+            hidden = actor.module(mb["input_ids"], output="hidden")  # (B, S, H)
+            by_hand.append(response_logprobs(actor, mb, hidden, 1.0))
         for router in _routers(actor):
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
@@ -160,7 +162,7 @@ def test_replayed_logprobs_equal_routing_given_by_hand(moe, perturbed):
 def test_recorded_routing_is_what_the_router_chose(moe, perturbed):
     from rlhf.models.routing_replay import RoutingRecorder, routing_flips
 
-    actor, samples = moe
+    actor, samples, _ = moe
     batch = {k: v for k, v in _batch(samples).items() if k != "routed_experts"}
     S = batch["input_ids"].shape[1]
     for packed in (False, True):
@@ -186,7 +188,7 @@ def test_flip_metric_and_train_mode_routing(moe, perturbed, mode):
     from rlhf.models.routing_replay import routing_flips
     from rlhf.ppo import routing
 
-    actor, samples = moe
+    actor, samples, _ = moe
     roles = SimpleNamespace(actor=actor)
     args = argparse.Namespace(moe_router_replay=mode)
     batch = {k: v for k, v in _batch(samples).items() if k != "routed_experts"}
@@ -204,3 +206,42 @@ def test_flip_metric_and_train_mode_routing(moe, perturbed, mode):
     used = _used_experts(actor, mbs)[:, :S]  # the perturbed router's own choice
     flips = routing_flips(batch["routed_experts"], used, batch["attention_mask"].bool())
     assert flips[1] == batch["attention_mask"].sum() and flips[0] == 0, flips
+
+
+def test_recompute_replays_in_the_backward(moe, perturbed):
+    """--gradient_checkpointing: megatron recomputes each layer's forward in the backward; the replayed routing
+    reaches that recompute through RouterReplay's backward list, so the update's loss and gradient equal those
+    without recompute (negative control: with the indices dropped after the forward, the recompute routes by itself
+    and the gradient differs)."""
+    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.models.outputs import response_logprobs
+
+    actor, samples, path = moe
+    mbs = _mbs(_batch(samples), False)
+    results = []
+    for recompute, backward_replay in ((False, True), (True, True), (True, False)):
+        eng = ModelEngine(actor.mesh, path, optim=OptimConfig(lr=1e-6, total_steps=1, warmup_ratio=0.0),
+                          value_head=False, name="actor", recompute=recompute, routing_replay=True)
+        with torch.no_grad():  # the same perturbed routers as the fixture's actor
+            for mine, theirs in zip(_routers(eng), _routers(actor)):
+                mine.weight.copy_(theirs.weight)
+        eng.module._rlhf_replay_routers = None
+        from rlhf.models.routing_replay import replay_routers
+
+        replay_routers(eng.module)
+        eng.module._rlhf_replay_recompute &= backward_replay
+
+        def loss_fn(batch, hidden, eng=eng):
+            mask = batch["action_mask"]
+            loss = -(response_logprobs(eng, batch, hidden, 1.0) * mask).sum()
+            return loss, mask.sum(), {"loss": [loss.detach(), mask.sum()]}
+
+        m = eng.train_step(mbs, loss_fn, ["loss"], output="hidden")
+        grads = {n: (getattr(q, "main_grad", None) if getattr(q, "main_grad", None) is not None else q.grad).clone()
+                 for n, q in eng.module.named_parameters()}  # the step's gradients (kept until the next step)
+        results.append((m, grads))
+    (plain, g0), (recomputed, g1), (dropped, g2) = results
+    assert recomputed["loss"] == plain["loss"] and dropped["loss"] == plain["loss"]  # every forward replayed
+    assert all(torch.equal(g0[n], g1[n]) for n in g0)  # the recompute routed as the forward did
+    worst = max(((g2[n] - g0[n]).abs().max() / g0[n].abs().max().clamp(min=1e-12)).item() for n in g0)
+    assert worst > 0.05, worst  # negative control: the recompute's own routing changes the gradient
