@@ -62,7 +62,7 @@ class RouterReplayPart(Part):
         self.moe_router_replay = _mode(self.moe_router_replay)
 
 
-def check_router_replay(part: RouterReplayPart, spec, *, pp: int, cp: int, backend: str, model: str,
+def check_router_replay(part: RouterReplayPart, spec, *, pp: int, cp: int, recompute: bool, backend: str, model: str,
                         other: str | None = None) -> None:
     """The mode against the actor (``spec``: its ``ModelSpec``), the layout and the generator (``backend``:
     --rollout_backend), before any model loads; ``other``: a flag whose generation keeps no routing yet."""
@@ -72,12 +72,13 @@ def check_router_replay(part: RouterReplayPart, spec, *, pp: int, cp: int, backe
     if not spec.num_experts:
         raise ValueError(f"--moe_router_replay {mode}: the actor {model} ({spec.model_type}) is not a "
                          "mixture-of-experts model; routing replay is for MoE actors (mixtral, qwen3_moe)")
-    for bad, what in ((pp > 1, f"--pipeline_model_parallel_size {pp}"), (cp > 1, f"--context_parallel_size {cp}"),
-                      (mode == "rollout" and bool(other), other)):
+    for bad, what in ((pp > 1 and recompute, f"--pipeline_model_parallel_size {pp} and --gradient_checkpointing"),
+                      (cp > 1, f"--context_parallel_size {cp}"), (mode == "rollout" and bool(other), other)):
         if bad:
             raise ValueError(f"--moe_router_replay {mode} with {what} is not supported yet (replay covers padded, "
-                             "packed and token-budget micro-batches, expert parallelism and --gradient_checkpointing "
-                             "at PP 1 and CP 1; rollout: single-turn generation without partial rollouts)")
+                             "packed and token-budget micro-batches, expert and pipeline parallelism, and "
+                             "--gradient_checkpointing at PP 1, at CP 1; rollout: single-turn generation without "
+                             "partial rollouts)")
     import importlib.util
 
     vllm = backend == "vllm" or (backend == "auto" and importlib.util.find_spec("vllm") is not None)
@@ -195,6 +196,18 @@ def collate_routing(routings: list, S: int, num_layers: int, top_k: int) -> torc
                              f"top-{top_k})")
         out[b, : t.shape[0]] = t + 1
     return out
+
+
+def merge_stages(routed: torch.Tensor, mesh) -> torch.Tensor:
+    """Under pipeline parallelism each stage records its own layers (zeros in the others'): the whole routing on
+    every stage of the pipeline. Collective over the PP group."""
+    if mesh.pp == 1:
+        return routed
+    import torch.distributed as dist
+
+    t = routed.to(device=mesh.device, dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.pp_group)
+    return t.to(device=routed.device, dtype=routed.dtype)
 
 
 def pack_routing(routed: torch.Tensor, attention_mask: torch.Tensor, total: int) -> torch.Tensor:

@@ -19,7 +19,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from rlhf.models.routing_replay import RoutingRecorder, collate_routing, replay_routers, routing_flips
+from rlhf.models.routing_replay import (RoutingRecorder, collate_routing, merge_stages, replay_routers,
+                                       routing_flips)
 
 
 def moe_actor(roles) -> bool:
@@ -46,7 +47,7 @@ def attach_rollout_routing(roles, args: argparse.Namespace, samples: list, batch
 
 def recorder_for(roles, args: argparse.Namespace, samples: list) -> RoutingRecorder | None:
     """A recorder for the actor's unreplayed forward when the flip metric or ``train`` mode needs one."""
-    if not moe_actor(roles) or roles.actor.mesh.pp > 1:
+    if not moe_actor(roles):
         return None
     if args.moe_router_replay == "off" and any(s.routed_experts is None for s in samples):
         return None  # nothing to compare with, nothing to replay
@@ -87,7 +88,7 @@ def finish(roles, args: argparse.Namespace, rollout, batch: dict, mbs: list[dict
             routing_forward(roles, mbs, recorder)
     samples = rollout.local
     S = batch["input_ids"].shape[1]
-    trainer = recorder.result(S)
+    trainer = merge_stages(recorder.result(S), roles.actor.mesh)  # each pipeline stage recorded its own layers
     if order != sorted(order):  # token-budget micro-batches: back to row order
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))

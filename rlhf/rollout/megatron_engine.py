@@ -50,7 +50,7 @@ class MegatronRollout:
         every token it feeds forward, as vLLM's ``enable_return_routed_experts`` does; None for a dense actor."""
         from rlhf.models.routing_replay import RoutingRecorder, replay_routers
 
-        if self.mesh.pp > 1 or not replay_routers(self.actor.module):
+        if not replay_routers(self.actor.module):
             return None
         return RoutingRecorder(self.actor.spec.num_layers, model=self.actor.module)
 
@@ -122,7 +122,9 @@ class MegatronRollout:
             fed = ids.shape[1] - sum(r.shape[1] for r in routed)
             tok, lp = self._next_token(ids, temperature, top_p, gen, recorder)
             if recorder is not None:  # the positions this forward fed for the first time
-                routed.append(recorder.parts.pop()[:, -fed:])
+                from rlhf.models.routing_replay import merge_stages
+
+                routed.append(merge_stages(recorder.parts.pop()[:, -fed:], self.mesh))  # PP: every stage's layers
             tokens.append(tok)
             lps.append(lp)
             done |= tok == eos if eos is not None else done

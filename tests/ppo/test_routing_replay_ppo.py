@@ -1,7 +1,9 @@
-"""MoE routing replay end to end (--moe_router_replay, rlhf.ppo.routing): GRPO on a tiny Mixtral with its experts over
-2 EP ranks, the megatron fallback generator recording the experts of every token it feeds (vLLM 0.32 returns
-routed experts only from its V2 model runner, which needs Triton: not on CPU), replayed in the old-log-prob, the
-reference and both epochs' update forwards; the routing-flip metric logged each step. Bad input: a dense actor, and
+"""MoE routing replay end to end (--moe_router_replay, rlhf.ppo.routing): GRPO on a tiny Mixtral, the megatron fallback
+generator recording the experts of every token it feeds (vLLM 0.32 returns routed experts only from its V2 model
+runner, which needs Triton: not on CPU). R3 with the experts over 2 EP ranks: the generator's routing replayed in the
+old-log-prob, the reference and both epochs' update forwards; R2 over 2 pipeline stages with packed micro-batches:
+each stage records its own layers in the old-log-prob forward, merged, replayed in the updates. The routing-flip
+metric logged each step. Bad input: a dense actor, and
 R3 with vLLM on CPU, are refused by name before any model loads."""
 import json
 import os
@@ -13,11 +15,14 @@ from ppo_common import ppo_args
 PPO = os.path.join(REPO, "launch/ppo.py")
 
 
-def test_grpo_with_rollout_routing_replay_ep2(ppo_setup, family_actors, tmp_path):
+@pytest.mark.parametrize("layout", [{"--ep": 2, "--moe_router_replay": "rollout"},
+                                    {"--pp": 2, "--packing_samples": "", "--moe_router_replay": "train"}],
+                         ids=["ep2_rollout", "pp2_packed_train"])
+def test_grpo_with_routing_replay(ppo_setup, family_actors, tmp_path, layout):
     save = str(tmp_path / "out")
     args = ppo_args({**ppo_setup, "actor": family_actors["mixtral"]}, save,
-                    **{"--advantage_estimator": "grpo", "--ep": 2, "--rollout_backend": "megatron",
-                       "--moe_router_replay": "rollout", "--rollout_batch_size": 4, "--n_samples_per_prompt": 2,
+                    **{"--advantage_estimator": "grpo", **layout, "--rollout_backend": "megatron",
+                       "--rollout_batch_size": 4, "--n_samples_per_prompt": 2,
                        "--train_batch_size": 8, "--micro_train_batch_size": 2, "--micro_rollout_batch_size": 2,
                        "--num_episodes": 1, "--max_samples": 4, "--init_kl_coef": 0.05,
                        "--reward_fn": "_rule_reward:length_reward", "--reward_pretrain": None,
@@ -29,7 +34,7 @@ def test_grpo_with_rollout_routing_replay_ep2(ppo_setup, family_actors, tmp_path
     for m in hist:
         # the unreplayed forward against the generator's routing: the same megatron numerics in fp32, so no flip
         assert m["moe/routing_flip_tokens"] == 0.0 and m["moe/routing_flip_pairs"] == 0.0, m
-        assert m["rollout_logprob_drift_max"] <= 1e-4, m  # old log-probs replayed the generator's experts
+        assert m["rollout_logprob_drift_max"] <= 1e-4, m  # old log-probs replayed (R3) or as generated (R2)
         assert m["actor/grad_norm"] > 0, m
 
 
