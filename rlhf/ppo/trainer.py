@@ -88,6 +88,9 @@ class PPOTrainer:
                                 remote_rm_url=r.remote_rm_url, remote_rm_weight=r.remote_rm_weight,
                                 remote_rm_timeout=r.remote_rm_timeout)
             self.evaluator = Evaluator(job.eval, job, tokenizer, rule, mesh)
+        from rlhf.ppo.partial_step import build_partial
+
+        self.partial = build_partial(job.partial, args)
         self.step = 0
         state = None
         if job.checkpoint.load_checkpoint:
@@ -99,6 +102,8 @@ class PPOTrainer:
             self.kl_ctl.load_state_dict(state["extra"]["kl_ctl"])
             if self.ptx is not None:
                 self.ptx.sampler.load_state_dict(state["extra"]["ptx_sampler"])
+            if self.partial is not None:
+                self.partial.load_state_dict(state["extra"]["partial"])
         self.actor_changed = True  # vLLM starts from dummy weights
 
     # ----------------------------------------------------------------------------------------------- one step
@@ -109,11 +114,18 @@ class PPOTrainer:
         if self.actor_changed or roles.rollout.needs_sync:  # a sleeping engine discarded its weights
             metrics.update(sync_weights(roles, timer))
             self.actor_changed = False
-        rollout, filtered = generate_filtered(roles, args, self.prompts, self.sampler, self.rewards, self.step, mesh,
-                                              timer)
+        if self.partial is not None:  # --partial_rollout (rlhf.ppo.partial_step)
+            from rlhf.ppo.partial_step import generate_partial_step
+
+            rollout, filtered = generate_partial_step(roles, args, self.partial, self.prompts, self.sampler,
+                                                      self.step, mesh, timer)
+        else:
+            rollout, filtered = generate_filtered(roles, args, self.prompts, self.sampler, self.rewards, self.step,
+                                                  mesh, timer)
         metrics.update(filtered)
         metrics.update(self.gold_metrics(rollout))
-        generated = filtered.get("dynamic_filtering/generated_tokens", rollout.generated_tokens)
+        generated = filtered.get("dynamic_filtering/generated_tokens",
+                                 filtered.get("partial/generated_tokens", rollout.generated_tokens))
         timer.metrics["tokens_per_s/rollout"] = generated / timer.metrics["time/rollout"]
         exp, raw_rewards, reward_metrics = make_experience(roles, args, rollout, self.rewards, mesh, self.pad_id,
                                                            timer)
@@ -161,6 +173,8 @@ class PPOTrainer:
         extra = {"sampler": self.sampler.state_dict(), "kl_ctl": self.kl_ctl.state_dict()}
         if self.ptx is not None:
             extra["ptx_sampler"] = self.ptx.sampler.state_dict()
+        if self.partial is not None:  # the carried samples: a resumed job continues them exactly
+            extra["partial"] = self.partial.state_dict()
         self.ckpt.save(self.step, self.checkpointed(), extra)
 
     def fit(self) -> dict[str, Any]:
