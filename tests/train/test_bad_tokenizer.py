@@ -3,7 +3,6 @@ config.json alone for some families (Qwen2: one token, every text becomes nothin
 its first update on 'non-finite loss=nan', advising a lower learning rate. Now the folder is refused before
 anything loads, a tokenizer that still turns text into nothing is refused when loaded, and samples that
 tokenize to no trainable token are refused with a count by the data layer itself."""
-import json
 import os
 
 import pytest

@@ -5,7 +5,6 @@ and name, and a resumed job continues the same run. The run file is read back he
 from __future__ import annotations
 
 import glob
-import os
 import struct
 
 import pytest
