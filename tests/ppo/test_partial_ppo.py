@@ -1,7 +1,8 @@
 """``--partial_rollout`` in a real PPO job (launch/ppo.py, one rank, vLLM in-process, GRPO with a rule reward).
-The tiny actor's generation_config.json names 25 end-of-sequence tokens (as Llama 3 names several), so its random
+Packed micro-batches formed by token count (``--use_dynamic_batch``) in every job. The tiny actor's
+generation_config.json names 25 end-of-sequence tokens (as Llama 3 names several), so its random
 replies end at very different lengths and a step's groups finish long before its longest reply:
-- ``--max_staleness 0`` is the synchronous trainer, bit for bit (the same weights after 2 steps; negative control:
+- ``--max_staleness 0`` is the synchronous trainer, bit for bit (the same weights after 3 steps; negative control:
   ``--max_staleness 1``, which carries samples across updates, ends elsewhere);
 - ``--max_staleness 1``: vLLM is stopped early (samples aborted and carried), carried tokens are trained one update
   old and never older, and every trained group is whole;
@@ -19,6 +20,8 @@ from ppo_common import TINY_GRPO, ppo_args
 require("vllm")
 PPO = os.path.join(REPO, "launch", "ppo.py")
 STEPS = ["--num_episodes", "1", "--max_samples", "12"]  # 12 prompts / 4 per step: 3 steps
+# Every job forms its micro-batches by token count, packed (the carried replies reach the update as any others)
+DYNAMIC = ["--use_dynamic_batch", "--max_tokens_per_gpu", "96"]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,7 @@ def eos_actor(ppo_setup, tmp_path_factory):
 def _run(ppo_setup, actor, save, *extra, timeout=600):
     args = ppo_args({**ppo_setup, "actor": actor}, str(save), **{
         **TINY_GRPO, "--reward_fn": "_rule_reward:char_code_reward", "--generate_max_len": "16",
-        "--save_steps": "1", "--actor_learning_rate": "1e-3"}) + STEPS + list(extra)
+        "--save_steps": "1", "--actor_learning_rate": "1e-3"}) + STEPS + DYNAMIC + list(extra)
     p = run_torchrun(PPO, 1, args, timeout=timeout, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
     assert p.returncode == 0, tail(p)
     from rlhf.metrics import read_metrics_jsonl
