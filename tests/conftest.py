@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 
 # The heaviest test files, in falling order of their seconds on 2 CPU cores (CI, one process: sft_rm 243, demo
 # 187, ppo_e2e 158, convert_cli 136, smollm2 133, lora_sft 120, ppo_bf16 ~115, dpo_kto 111, weight_sync 86,
-# partial_ppo ~80 (4 short jobs; 175 s on a loaded AMD EPYC), launchers 72,
+# partial_ppo ~160 (5 short jobs, AMD EPYC with AVX2 only), launchers 72,
 # parallel_equivalence 70, rejection_sampling 54, train/bf16 ~42, rollout_logprobs 40). pytest.ini
 # runs the suite on 2 xdist workers a file at a time (--dist loadfile --no-loadscope-reorder), in collection order:
 # the heaviest go first, so that the two workers end together instead of one running the demo alone at the end.

@@ -175,13 +175,20 @@ def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_n
             engine.add_request(rid, {"prompt_token_ids": list(s.prompt_ids) + list(s.response_ids)}, params)
             by_id[rid] = (gi, s)
     aborted = generated = 0
-    while engine.has_unfinished_requests():
-        if whole >= need:  # vLLM's own abort: the engine frees the requests' KV blocks, nothing more is sampled
+    stopped = False
+    # Every iteration is one has_unfinished_requests() and one step() on every rank: with several engines (vLLM
+    # data parallel) both are collective (the first asks every engine; an engine with nothing left runs vLLM's dummy
+    # batch in the second while the others work), so the abort, local to this engine, comes before them.
+    while True:
+        if whole >= need and not stopped:  # vLLM's own abort: the engine frees the requests' KV blocks
             pending = [rid for rid, (_, s) in by_id.items() if not s.done]
-            aborted = len(pending)
+            aborted, stopped = len(pending), True
             engine.abort_request(pending)
+        if not engine.has_unfinished_requests():
             break
         for o in engine.step():
+            if stopped:  # nothing of an aborted request comes back; no other request was added
+                continue
             gi, s = by_id[o.request_id]
             c = o.outputs[0]
             ids = list(c.token_ids)

@@ -6,8 +6,9 @@ replies end at very different lengths and a step's groups finish long before its
   ``--max_staleness 1``, which carries samples across updates, ends elsewhere);
 - ``--max_staleness 1``: vLLM is stopped early (samples aborted and carried), carried tokens are trained one update
   old and never older, and every trained group is whole;
-- a job resumed from the checkpoint after step 2, with samples carried, ends with the straight run's weights.
-Three steps each, four jobs, about 20-40 s a job on a 2-core machine."""
+- a job resumed from the checkpoint after step 2, with samples carried, ends with the straight run's weights;
+- two vLLM engines (data parallel) stop and step together.
+Three steps each, five jobs, about 20-40 s a job on a 2-core machine."""
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ require("vllm")
 PPO = os.path.join(REPO, "launch", "ppo.py")
 STEPS = ["--num_episodes", "1", "--max_samples", "12"]  # 12 prompts / 4 per step: 3 steps
 # Every job forms its micro-batches by token count, packed (the carried replies reach the update as any others)
-DYNAMIC = ["--use_dynamic_batch", "--max_tokens_per_gpu", "96"]
+DYNAMIC = ["--use_dynamic_batch", "--packing_samples", "--max_tokens_per_gpu", "96"]
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +35,11 @@ def eos_actor(ppo_setup, tmp_path_factory):
     return d
 
 
-def _run(ppo_setup, actor, save, *extra, timeout=600):
+def _run(ppo_setup, actor, save, *extra, timeout=600, nproc=1):
     args = ppo_args({**ppo_setup, "actor": actor}, str(save), **{
         **TINY_GRPO, "--reward_fn": "_rule_reward:char_code_reward", "--generate_max_len": "16",
         "--save_steps": "1", "--actor_learning_rate": "1e-3"}) + STEPS + DYNAMIC + list(extra)
-    p = run_torchrun(PPO, 1, args, timeout=timeout, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
+    p = run_torchrun(PPO, nproc, args, timeout=timeout, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
     assert p.returncode == 0, tail(p)
     from rlhf.metrics import read_metrics_jsonl
 
@@ -100,3 +101,15 @@ def test_resume_with_samples_carried_is_exact(ppo_setup, eos_actor, k1, tmp_path
                       "--partial_rollout_oversample", "1", "--load_checkpoint")
     assert "resumed from" in p.stdout + p.stderr, tail(p)
     assert _same(_weights(tmp_path / "r"), _weights(save))
+
+
+def test_two_engines_stop_and_step_together(ppo_setup, eos_actor, tmp_path):
+    """Two ranks, one vLLM engine each (vLLM data parallel, --vllm_tensor_parallel_size 1): every engine step is
+    collective there, so an engine that has its share of whole groups aborts the rest and keeps stepping (vLLM's
+    dummy batches) until the other is done. Before that fix the first engine to stop left the loop and the job hung
+    in its first step (a gloo timeout, then 'lost a peer in phase rollout')."""
+    hist, p = _run(ppo_setup, eos_actor, tmp_path / "dp", "--partial_rollout", "--max_staleness", "1",
+                   "--partial_rollout_oversample", "1", "--dist_timeout_s", "60", nproc=2)
+    assert "2 engine(s) x TP 1" in p.stdout + p.stderr, tail(p)
+    assert len(hist) == 3 and sum(h["partial/aborted_samples"] for h in hist) > 0, hist
+    assert any(h.get("partial/tokens_age_1", 0) > 0 for h in hist[1:]), hist
