@@ -34,13 +34,14 @@ def _args(**kw):
 def _job(**kw):
     """The parts of ``PPOJobConfig`` that ``rollout_config`` reads, from ``_args``'s flags."""
     from rlhf.agents.flags import AgentPart
+    from rlhf.models.routing_replay import RouterReplayPart
     from rlhf.parts import EnginePart
     from rlhf.ppo.parts import GenerationPart, PPOBatch, RolloutPart
 
     a = vars(_args(**kw))
     pick = lambda cls: cls(**{k: v for k, v in a.items() if k in cls.flag_dests()})  # noqa: E731
     return argparse.Namespace(rollout=pick(RolloutPart), engine=pick(EnginePart), batch=pick(PPOBatch),
-                              generation=pick(GenerationPart), agent=AgentPart())
+                              generation=pick(GenerationPart), agent=AgentPart(), router_replay=RouterReplayPart())
 
 
 def test_rollout_config_sizes_the_cpu_cache_unless_the_flag_is_given():
