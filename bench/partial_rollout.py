@@ -82,10 +82,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     p.add_argument("--work", default="/tmp/partial_rollout")
     args = p.parse_args(argv)
-    from run_rlvr_example import ppo_flags, run, smollm2_or
+    from run_rlvr_example import ppo_command, ppo_flags, run, smollm2_or
 
     from rlhf.demo.arith_task import write
-    from rlhf.distributed.env import free_port
 
     os.makedirs(args.out, exist_ok=True)
     model = smollm2_or(None, args.work)
@@ -97,10 +96,9 @@ def main(argv=None) -> int:
             run_dir = os.path.join(args.work, name)
             os.makedirs(run_dir, exist_ok=True)
             t0 = time.time()
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(free_port()), os.path.join(REPO, "launch", "ppo.py"),
-                   *ppo_flags(model, data, run_dir, seed, args.steps,
-                              ["--generate_max_len", str(args.max_len), "--prompt_max_len", "64"] + CONFIGS[config])]
+            cmd = ppo_command(ppo_flags(model, data, run_dir, seed, args.steps,
+                                        ["--generate_max_len", str(args.max_len), "--prompt_max_len", "64"]
+                                        + CONFIGS[config]))
             run(cmd, os.path.join(run_dir, "train.log"))
             r = summarize(run_dir)
             r["seconds"] = time.time() - t0

@@ -40,13 +40,10 @@ def env(threads: int) -> dict:
 
 
 def run_ours(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool, lr: str) -> dict:
-    from rlhf.distributed.env import free_port
     from rlhf.metrics import read_metrics_jsonl
-    from run_rlvr_example import ppo_flags
+    from run_rlvr_example import ppo_command, ppo_flags
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(REPO, "launch", "ppo.py"), *ppo_flags(model, data, out, seed, steps,
-                                                               ["--bf16"] if bf16 else [], lr)]
+    cmd = ppo_command(ppo_flags(model, data, out, seed, steps, ["--bf16"] if bf16 else [], lr))
     with open(os.path.join(out, "train.log"), "w") as log:
         if subprocess.run(cmd, cwd=REPO, env=env(1), stdout=log, stderr=subprocess.STDOUT).returncode:
             raise SystemExit(f"error: our run failed; see {out}/train.log")

@@ -43,14 +43,10 @@ def first_reaching(curve: dict[int, float], target: float) -> int | None:
 
 
 def launch(flags: list[str], run_dir: str, nproc: int) -> None:
-    from run_rlvr_example import run
-
-    from rlhf.distributed.env import free_port
+    from run_rlvr_example import ppo_command, run
 
     os.makedirs(run_dir, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), os.path.join(REPO, "launch", "ppo.py"), *flags]
-    run(cmd, os.path.join(run_dir, "train.log"))
+    run(ppo_command(flags, nproc), os.path.join(run_dir, "train.log"))
 
 
 def plot(curves: dict[str, dict[int, float]], path: str) -> None:

@@ -55,6 +55,15 @@ def ppo_flags(model: str, data: dict, out: str, seed: int, steps: int, extra: li
             "--save_path", out, "--tensorboard", os.path.join(out, "tb"), "--save_steps", "-1", *extra]
 
 
+def ppo_command(flags: list[str], nproc: int = 2) -> list[str]:
+    """``torchrun --nproc_per_node nproc launch/ppo.py flags`` on a free port (this example, the distillation
+    example and the benches)."""
+    from rlhf.distributed.env import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+            str(free_port()), os.path.join(REPO, "launch", "ppo.py"), *flags]
+
+
 def smollm2_or(model: str | None, out: str) -> str:
     """``model``, or SmolLM2-135M-Instruct prepared once under ``out`` (tools/prepare_smollm2.py)."""
     model = model or os.path.join(out, "smollm2-135m-instruct")
@@ -132,7 +141,6 @@ def main(argv=None) -> int:
     from rlhf.demo.arith_task import write
 
     data = write(os.path.join(out, "data"), seed=0)
-    from rlhf.distributed.env import free_port
 
     results = {}
     for config in configs:
@@ -142,10 +150,8 @@ def main(argv=None) -> int:
             os.makedirs(run_dir, exist_ok=True)
             print(f"== {name}", flush=True)
             t0 = time.time()
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-                   "--master_port", str(free_port()), os.path.join(REPO, "launch", "ppo.py"),
-                   *ppo_flags(model, data, run_dir, seed, args.steps,
-                              CONFIGS[config] + (["--bf16"] if args.bf16 else []), args.lr)]
+            cmd = ppo_command(ppo_flags(model, data, run_dir, seed, args.steps,
+                                        CONFIGS[config] + (["--bf16"] if args.bf16 else []), args.lr), args.nproc)
             run(cmd, os.path.join(run_dir, "train.log"))
             r = summarize(run_dir)
             r["seconds"] = time.time() - t0
