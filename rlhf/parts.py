@@ -98,6 +98,10 @@ class EnginePart(Part):
     def check(self) -> None:
         if self.zero_stage not in (None, 0, 1, 2, 3):
             raise ValueError(f"--zero_stage must be 0..3, got {self.zero_stage}")
+        if self.transformer_impl == "transformer_engine":  # what this machine allows, before any file is read
+            from rlhf.models.gpt import resolve_transformer_impl
+
+            resolve_transformer_impl(self.transformer_impl)  # the checks against LoRA and CP are the job's
 
 
 @dataclass

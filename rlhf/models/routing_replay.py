@@ -124,7 +124,7 @@ def routing_for_forward(model: torch.nn.Module, batch: dict) -> Iterator[None]:
     forward with gradients leaves its indices in ``RouterReplay``'s backward list and the action at
     ``replay_backward``, whose recompute takes them (megatron's own mechanism); the schedule runs that backward
     before the next micro-batch's forward (no pipeline), which starts from a clean state."""
-    routers = replay_routers(model)
+    routers = replay_routers(model) if isinstance(model, torch.nn.Module) else []
     if not routers:
         yield
         return
