@@ -57,7 +57,7 @@ def timed(fn) -> float:
 
 def drift(engine, actor, mesh) -> float:
     """max |vLLM - trainer| log-prob over vLLM's own samples of 4 prompts (a correctness check, fp32)."""
-    from rlhf.ppo.stages import sampled_logprob_drift
+    from rlhf.ppo.experience import sampled_logprob_drift
 
     prompts = [[1, 20 + i, 30 + i, 40 + i] for i in range(4)]
     return sampled_logprob_drift(engine, actor, mesh, prompts, n=2, max_tokens=8, temperature=1.0, seed=1)

@@ -153,7 +153,7 @@ def cpu_name() -> str:
 def drift(engine, actor, mesh, prompts, max_tokens: int) -> dict:
     """PPO's rollout_logprob_drift on the engine's own samples (temperature 1): mean and max |vLLM - trainer|."""
     from rlhf.ppo.experience import collate_sequences, forward_role, select_rows
-    from rlhf.ppo.stages import generator_logprobs
+    from rlhf.ppo.experience import generator_logprobs
 
     samples = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=1)
     batch = collate_sequences(samples, 0, max_tokens)

@@ -1,7 +1,6 @@
 """``launch/ppo.py``'s agent flags (OpenRLHF's dotted names beside ours) and their checks, before any model."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from rlhf.part import Part
@@ -97,12 +96,12 @@ def check_agent_fit(agent: AgentPart, hf_config: dict) -> None:
                          "a trajectory cannot be longer than the model's context")
 
 
-def response_width(args: argparse.Namespace, samples: list) -> int:
-    """The experience batch's response columns: --generate_max_len, or with an agent the longest trajectory's
-    tokens after its prompt if longer (``samples``: the step's, the same on every rank)."""
-    if not getattr(args, "agent_func_path", None):
-        return args.generate_max_len
-    return max([args.generate_max_len] + [len(s.response_ids) for s in samples])
+def response_width(generation, agent: AgentPart, samples: list) -> int:
+    """The experience batch's response columns: --generate_max_len (``generation``), or with an agent the longest
+    trajectory's tokens after its prompt if longer (``samples``: the step's, the same on every rank)."""
+    if not agent.agent_func_path:
+        return generation.generate_max_len
+    return max([generation.generate_max_len] + [len(s.response_ids) for s in samples])
 
 
 def generator_max_model_len(generation, agent: AgentPart) -> int:

@@ -268,17 +268,22 @@ class ActorLossConfig:
             raise ValueError(f"--entropy_coef must be >= 0 (an entropy bonus), got {self.entropy_coef}")
 
     @classmethod
-    def from_args(cls, args, estimator) -> "ActorLossConfig":
+    def from_parts(cls, algo, correction: RolloutCorrectionConfig, estimator) -> "ActorLossConfig":
+        """From the PPO job's algorithm part (the clip, loss and KL flags) and its rollout correction part."""
         from rlhf.algo.kl import kl_in_loss
 
-        low, high = args.eps_clip_low_high if args.eps_clip_low_high is not None else (args.eps_clip, args.eps_clip)
-        mode = args.loss_agg_mode or ("seq_mean_token_mean" if args.policy_loss_type == "gspo" else "token_mean")
-        return cls(eps_clip_low=low, eps_clip_high=high, dual_clip=args.dual_clip,
-                   policy_loss_type=args.policy_loss_type, loss_agg_mode=mode, entropy_coef=args.entropy_coef or 0.0,
-                   kl_in_loss=kl_in_loss(estimator, getattr(args, "use_kl_loss", None)),
-                   kl_estimator=args.kl_estimator,
-                   correction=RolloutCorrectionConfig.from_namespace(args),
-                   old_from_update=getattr(args, "old_logprobs_source", "forward") == "update")
+        low, high = algo.eps_clip_low_high if algo.eps_clip_low_high is not None else (algo.eps_clip, algo.eps_clip)
+        mode = algo.loss_agg_mode or ("seq_mean_token_mean" if algo.policy_loss_type == "gspo" else "token_mean")
+        return cls(eps_clip_low=low, eps_clip_high=high, dual_clip=algo.dual_clip,
+                   policy_loss_type=algo.policy_loss_type, loss_agg_mode=mode, entropy_coef=algo.entropy_coef or 0.0,
+                   kl_in_loss=kl_in_loss(estimator, getattr(algo, "use_kl_loss", None)),
+                   kl_estimator=algo.kl_estimator, correction=correction,
+                   old_from_update=getattr(algo, "old_logprobs_source", "forward") == "update")
+
+    @classmethod
+    def from_args(cls, args, estimator) -> "ActorLossConfig":
+        """From a parsed command line (its flat Namespace; a flag missing from a hand-built one takes its default)."""
+        return cls.from_parts(args, RolloutCorrectionConfig.from_namespace(args), estimator)
 
 
 def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):

@@ -39,10 +39,16 @@ class ShapingConfig:
         return self.overlong_buffer_len is not None or self.stop_properly_penalty_coef is not None
 
     @classmethod
+    def from_parts(cls, generation, algo) -> "ShapingConfig":
+        """From the PPO job's generation part (--generate_max_len) and algorithm part (the penalties' flags)."""
+        return cls(generate_max_len=generation.generate_max_len, overlong_buffer_len=algo.overlong_buffer_len,
+                   overlong_penalty_factor=algo.overlong_penalty_factor,
+                   stop_properly_penalty_coef=algo.stop_properly_penalty_coef)
+
+    @classmethod
     def from_args(cls, args) -> "ShapingConfig":
-        return cls(generate_max_len=args.generate_max_len, overlong_buffer_len=args.overlong_buffer_len,
-                   overlong_penalty_factor=args.overlong_penalty_factor,
-                   stop_properly_penalty_coef=args.stop_properly_penalty_coef)
+        """From a parsed command line (its flat Namespace)."""
+        return cls.from_parts(args, args)
 
 
 def overlong_penalty(lengths: torch.Tensor, generate_max_len: int, buffer_len: float,

@@ -7,7 +7,6 @@ sampling temperature) and offloaded between its forwards (``--teacher_offload``)
 ``rlhf.algo.distill``; docs/distillation.md."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from rlhf.part import Part
@@ -106,7 +105,7 @@ def check_teacher(cfg: DistillConfig, student_path: str, par) -> dict | None:
     return src
 
 
-def add_distill_advantages(exp, args: argparse.Namespace, mesh) -> dict[str, float]:
+def add_distill_advantages(exp, cfg: DistillConfig, mesh) -> dict[str, float]:
     """``exp.advantages`` (B, T) <- ``--task_reward_coef`` x the task's - ``--distill_coef`` x (the old
     log-probs - the teacher's), on this rank's rows; returns ``distill/reverse_kl``, the signal's mean over the
     global batch's response tokens."""
@@ -116,5 +115,5 @@ def add_distill_advantages(exp, args: argparse.Namespace, mesh) -> dict[str, flo
 
     mask = exp.batch["action_mask"]
     exp.advantages, signal = distill_advantages(exp.advantages, exp.old_logprobs, exp.teacher_logprobs, mask,
-                                                args.distill_coef, args.task_reward_coef)
+                                                cfg.distill_coef, cfg.task_reward_coef)
     return {"distill/reverse_kl": masked_mean(dp_all_gather(signal, mesh), dp_all_gather(mask, mesh)).item()}

@@ -142,3 +142,27 @@ def select_rows(batch: dict, idx: Sequence[int], trim: bool, extra: dict | None 
         if t is not None:
             mb[name] = t[ix]
     return mb
+
+
+def generator_logprobs(local: list[Sample], T: int) -> torch.Tensor:
+    """The generator's log-probs of the sampled tokens, right-padded to (B, T) with zeros."""
+    lp = torch.zeros(len(local), T)
+    for b, s in enumerate(local):
+        lp[b, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    return lp
+
+
+def sampled_logprob_drift(engine, actor, mesh, prompts: list[list[int]], *, n: int, max_tokens: int,
+                          temperature: float, seed: int) -> float:
+    """Generate from ``engine``, then the largest |generator - trainer (``actor``)| log-prob over the sampled
+    tokens of the whole batch: a check that the engine serves the trainer's weights. Collective."""
+    samples = engine.generate(prompts, n=n, temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=seed)
+    per = len(samples) // mesh.dp
+    local = samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
+    seq_len = None if mesh.pp == 1 else max(len(p) for p in prompts) + max_tokens  # PP: one shape per stage
+    batch = collate_sequences(local, 0, max_tokens, seq_len=seq_len)
+    lp = forward_role(actor, "actor", [select_rows(batch, range(len(local)), trim=mesh.pp == 1)], temperature)
+    gen = generator_logprobs(local, lp.shape[1]).to(lp.device)  # host lists -> the trainer's device
+    d = ((lp - gen).abs() * batch["action_mask"].to(lp.device)).max()
+    torch.distributed.all_reduce(d, op=torch.distributed.ReduceOp.MAX)
+    return d.item()

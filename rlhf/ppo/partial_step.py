@@ -5,26 +5,26 @@ generator's per-token log-probs, which may span several policy versions, are the
 corrections (``--use_tis`` and ``--is_correction_type``)."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 from rlhf.ppo.stages import Rollout, make_rollout, sync_weights
-from rlhf.rollout.partial import PartialRolloutConfig, PartialRollouts, generate_partial
+from rlhf.rollout.partial import PartialRollouts, generate_partial
 
 
-def build_partial(cfg: PartialRolloutConfig, args: argparse.Namespace) -> PartialRollouts | None:
+def build_partial(job) -> PartialRollouts | None:
+    cfg, batch = job.partial, job.batch
     if not cfg.partial_rollout:
         return None
-    return PartialRollouts(n=args.n_samples_per_prompt, batch_groups=args.rollout_batch_size,
-                           oversample_groups=cfg.extra_groups(args.rollout_batch_size),
+    return PartialRollouts(n=batch.n_samples_per_prompt, batch_groups=batch.rollout_batch_size,
+                           oversample_groups=cfg.extra_groups(batch.rollout_batch_size),
                            max_staleness=cfg.max_staleness)
 
 
-def generate_partial_step(roles, args: argparse.Namespace, partial: PartialRollouts, prompts: list, sampler,
+def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, sampler,
                           step: int, mesh, timer) -> tuple[Rollout, dict[str, float]]:
     """The step's rollout. ``step`` is the policy version: the weight updates applied so far."""
     roles.memory.enter("rollout")
-    seed = args.seed * 100_003 + step  # the synchronous step's seed (rlhf.ppo.stages.generate, round 0)
+    seed, gen = job.engine.seed * 100_003 + step, job.generation  # the synchronous step's seed (rlhf.ppo.stages.generate, round 0)
     metrics = partial.drop_stale(step)
     if roles.rollout.needs_sync:  # a CPU engine released its weights after the last rollout
         sync_weights(roles, timer)
@@ -34,9 +34,8 @@ def generate_partial_step(roles, args: argparse.Namespace, partial: PartialRollo
     with timer.phase("rollout"):
         roles.rollout.wake_up(["kv_cache"])
         groups, counts = generate_partial(roles.rollout, groups, groups_needed=partial.groups_needed(groups),
-                                          temperature=args.temperature, top_p=args.top_p,
-                                          max_tokens=args.generate_max_len, version=step,
-                                          ignore_eos=args.ignore_eos)
+                                          temperature=gen.temperature, top_p=gen.top_p,
+                                          max_tokens=gen.generate_max_len, version=step, ignore_eos=gen.ignore_eos)
         roles.rollout.sleep()
     train, m = partial.settle(groups, step)
     if len(train) < partial.batch_groups:

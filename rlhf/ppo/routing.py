@@ -14,7 +14,6 @@ for the experience forwards and the update, and the routing-flip metric.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -34,9 +33,10 @@ def rollout_routing(samples: list, S: int, spec) -> torch.Tensor | None:
     return collate_routing([s.routed_experts for s in samples], S, spec.num_layers, spec.moe_topk)
 
 
-def attach_rollout_routing(roles, args: argparse.Namespace, samples: list, batch: dict) -> None:
-    """``rollout`` mode: the generator's routing into the collated batch (before any micro-batch is cut from it)."""
-    if roles is None or args.moe_router_replay != "rollout" or not moe_actor(roles):
+def attach_rollout_routing(roles, mode: str, samples: list, batch: dict) -> None:
+    """``rollout`` mode (``mode``: --moe_router_replay): the generator's routing into the collated batch (before any
+    micro-batch is cut from it)."""
+    if roles is None or mode != "rollout" or not moe_actor(roles):
         return
     routed = rollout_routing(samples, batch["input_ids"].shape[1], roles.actor.spec)
     if routed is None:
@@ -45,11 +45,11 @@ def attach_rollout_routing(roles, args: argparse.Namespace, samples: list, batch
     batch["routed_experts"] = routed.to(batch["input_ids"].device)
 
 
-def recorder_for(roles, args: argparse.Namespace, samples: list) -> RoutingRecorder | None:
+def recorder_for(roles, mode: str, samples: list) -> RoutingRecorder | None:
     """A recorder for the actor's unreplayed forward when the flip metric or ``train`` mode needs one."""
     if not moe_actor(roles):
         return None
-    if args.moe_router_replay == "off" and any(s.routed_experts is None for s in samples):
+    if mode == "off" and any(s.routed_experts is None for s in samples):
         return None  # nothing to compare with, nothing to replay
     return RoutingRecorder(roles.actor.spec.num_layers, model=roles.actor.module)
 
@@ -63,9 +63,9 @@ def record_in(mbs: list[dict], recorder: RoutingRecorder | None, replayed: bool)
              "routing_recorder": recorder} for mb in mbs]
 
 
-def actor_microbatches(args: argparse.Namespace, mbs: list[dict], recorder: RoutingRecorder | None) -> list[dict]:
+def actor_microbatches(mode: str, mbs: list[dict], recorder: RoutingRecorder | None) -> list[dict]:
     """The experience's actor forward records the routing where it is unreplayed (not with ``rollout``)."""
-    if recorder is None or args.moe_router_replay == "rollout":
+    if recorder is None or mode == "rollout":
         return mbs
     return record_in(mbs, recorder, replayed=False)
 
@@ -77,7 +77,7 @@ def routing_forward(roles, mbs: list[dict], recorder: RoutingRecorder) -> None:
                         read=lambda batch, hidden: hidden[:, :1, :1])
 
 
-def finish(roles, args: argparse.Namespace, rollout, batch: dict, mbs: list[dict], order: list[int],
+def finish(roles, mode: str, rollout, batch: dict, mbs: list[dict], order: list[int],
            recorder: RoutingRecorder | None, timer) -> dict[str, float]:
     """After the experience forwards (``rollout``: the step's ``Rollout``; ``mbs`` in ``order``): the routing
     forward when the actor's forward did not record; ``train`` mode's routing into the batch; the flip metric."""
@@ -94,7 +94,7 @@ def finish(roles, args: argparse.Namespace, rollout, batch: dict, mbs: list[dict
         inverse[torch.tensor(order)] = torch.arange(len(order))
         trainer = trainer[inverse]
     device = batch["input_ids"].device
-    if args.moe_router_replay == "train":
+    if mode == "train":
         batch["routed_experts"] = trainer.to(device)
     out: dict[str, float] = {}
     generated = rollout_routing(samples, S, roles.actor.spec)

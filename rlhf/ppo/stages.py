@@ -1,18 +1,18 @@
 """The stages of one PPO step, in order: sync -> generate -> make_experience -> compute_advantages -> update.
 
-Each stage is a function of the roles (``rlhf.ppo.roles.PPORoles``), the flags and the previous stage's record,
-timed by phase name, and enters its memory phase (``rlhf.offload``) before it runs."""
+Each stage is a function of the roles (``rlhf.ppo.roles.PPORoles``), ``job`` (``rlhf.ppo.args.PPOJobConfig``, of
+which each stage reads the parts it needs) and the previous stage's record, timed by phase name, and enters its memory
+phase (``rlhf.offload``) before it runs."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 
 import torch
 
 from rlhf.distributed.collectives import dp_all_gather
 from rlhf.ppo import routing
-from rlhf.ppo.experience import (Experience, collate_sequences, forward_role, prepare_microbatches,
-                                 select_rows)
+from rlhf.ppo.experience import (Experience, collate_sequences, forward_role, generator_logprobs,
+                                 prepare_microbatches, select_rows)
 from rlhf.rollout.types import Sample
 
 
@@ -47,27 +47,26 @@ class Rollout:
         return sum(len(s.response_ids) for s in self.samples)
 
 
-def generate(roles, args: argparse.Namespace, prompts: list, prompt_idx: list[int], step: int, mesh,
+def generate(roles, job, prompts: list, prompt_idx: list[int], step: int, mesh,
              timer, round_: int = 0) -> Rollout:
     """rollout: ``--n_samples_per_prompt`` samples per prompt; ``prompts`` are the dataset's PromptSamples.
     ``round_``: the rollout's number within the step (dynamic filtering generates again), in its seed."""
     # The fallback generator runs the actor itself, so its parameters stay resident (weight_sync's residency).
     roles.memory.enter("weight_sync" if roles.rollout.reads_actor_params else "rollout")
-    seed, metrics = args.seed * 100_003 + step + 1_000_003 * round_, {}
+    gen, n = job.generation, job.batch.n_samples_per_prompt
+    seed, metrics = job.engine.seed * 100_003 + step + 1_000_003 * round_, {}
     if roles.rollout.needs_sync:  # a CPU engine released its weights after this step's previous rollout round
         sync_weights(roles, timer)
         roles.memory.enter("weight_sync" if roles.rollout.reads_actor_params else "rollout")
     with timer.phase("rollout"):
         roles.rollout.wake_up(["kv_cache"])
         if roles.agent is not None:  # multi-turn trajectories (rlhf.agents.rollout)
-            samples, metrics = roles.agent.run(roles.rollout, prompts, prompt_idx, n=args.n_samples_per_prompt,
-                                               temperature=args.temperature, top_p=args.top_p,
-                                               max_tokens=args.generate_max_len, seed=seed)
+            samples, metrics = roles.agent.run(roles.rollout, prompts, prompt_idx, n=n, temperature=gen.temperature,
+                                               top_p=gen.top_p, max_tokens=gen.generate_max_len, seed=seed)
         else:
             samples = roles.rollout.generate([prompts[i].prompt_ids.tolist() for i in prompt_idx],
-                                             n=args.n_samples_per_prompt, temperature=args.temperature,
-                                             top_p=args.top_p, max_tokens=args.generate_max_len, seed=seed,
-                                             ignore_eos=args.ignore_eos)
+                                             n=n, temperature=gen.temperature, top_p=gen.top_p,
+                                             max_tokens=gen.generate_max_len, seed=seed, ignore_eos=gen.ignore_eos)
         roles.rollout.sleep()
     return make_rollout(prompt_idx, samples, mesh, metrics)
 
@@ -78,7 +77,7 @@ def make_rollout(prompt_idx: list[int], samples: list[Sample], mesh, metrics: di
                    metrics=metrics or {})
 
 
-def generate_filtered(roles, args: argparse.Namespace, prompts: list, sampler, rewards: "RewardSources", step: int,
+def generate_filtered(roles, job, prompts: list, sampler, rewards: "RewardSources", step: int,
                       mesh, timer) -> tuple[Rollout, dict[str, float]]:
     """rollout with DAPO's dynamic sampling (``--dynamic_filtering``): generate for a batch of prompts, keep the
     groups ``rlhf.algo.shaping.keep_groups`` passes (on the rule reward's scores), and generate for the sampler's
@@ -89,10 +88,11 @@ def generate_filtered(roles, args: argparse.Namespace, prompts: list, sampler, r
 
     from rlhf.algo.shaping import keep_groups
 
-    rollout = generate(roles, args, prompts, sampler.next_step()[0], step, mesh, timer)
-    if not args.dynamic_filtering:
+    rollout = generate(roles, job, prompts, sampler.next_step()[0], step, mesh, timer)
+    algo = job.algo
+    if not algo.dynamic_filtering:
         return rollout, rollout.metrics
-    n, want, (lo, hi) = args.n_samples_per_prompt, args.rollout_batch_size, args.dynamic_filtering_range
+    n, want, (lo, hi) = job.batch.n_samples_per_prompt, job.batch.rollout_batch_size, algo.dynamic_filtering_range
     kept: list[tuple[int, list[Sample]]] = []
     dropped: list[tuple[int, list[Sample]]] = []
     rounds, seen, generated = 0, 0, 0
@@ -105,9 +105,9 @@ def generate_filtered(roles, args: argparse.Namespace, prompts: list, sampler, r
         for g, p in enumerate(rollout.prompt_idx):
             (kept if ok[g] else dropped).append((p, rollout.samples[g * n:(g + 1) * n]))
         seen += len(rollout.prompt_idx)
-        if len(kept) >= want or rounds >= args.dynamic_filtering_max_rounds:
+        if len(kept) >= want or rounds >= algo.dynamic_filtering_max_rounds:
             break
-        rollout = generate(roles, args, prompts, sampler.next_step()[0], step, mesh, timer, round_=rounds)
+        rollout = generate(roles, job, prompts, sampler.next_step()[0], step, mesh, timer, round_=rounds)
     passed = len(kept)
     groups = (kept + dropped[::-1])[:want]  # short: the groups filtered out last fill the batch
     samples = [dataclasses.replace(s, prompt_index=g) for g, (_, grp) in enumerate(groups) for s in grp]
@@ -117,7 +117,7 @@ def generate_filtered(roles, args: argparse.Namespace, prompts: list, sampler, r
     return make_rollout([p for p, _ in groups], samples, mesh), {**rollout.metrics, **metrics}
 
 
-def experience_microbatches(rollout: Rollout, args: argparse.Namespace, mesh,
+def experience_microbatches(rollout: Rollout, job, mesh,
                             pad_id: int, roles=None) -> tuple[dict, list, list[int]]:
     """This rank's samples collated on the device (B rows, response width T = --generate_max_len; R3's routing), the
     --micro_rollout_batch_size micro-batches of the experience forwards (packed with --packing_samples; by token
@@ -126,13 +126,14 @@ def experience_microbatches(rollout: Rollout, args: argparse.Namespace, mesh,
 
     from rlhf.agents.flags import response_width
 
-    batch = to_device(collate_sequences(rollout.local, pad_id, response_width(args, rollout.samples)), mesh.device)
-    routing.attach_rollout_routing(roles, args, rollout.local, batch)
-    trim, mrb = mesh.pp == 1, args.micro_rollout_batch_size
+    width = response_width(job.generation, job.agent, rollout.samples)
+    batch = to_device(collate_sequences(rollout.local, pad_id, width), mesh.device)
+    routing.attach_rollout_routing(roles, job.router_replay.moe_router_replay, rollout.local, batch)
+    trim, mrb = mesh.pp == 1, job.batch.micro_rollout_batch_size
     groups = [list(range(i, min(i + mrb, len(rollout.local)))) for i in range(0, len(rollout.local), mrb)]
-    if args.use_dynamic_batch:  # by token count instead (packed); the outputs come back in this order
-        groups = token_budget_groups(batch, list(range(len(rollout.local))), args.max_tokens_per_gpu)
-    mbs = prepare_microbatches([select_rows(batch, g, trim) for g in groups], packing=args.packing_samples,
+    if job.batch.use_dynamic_batch:  # by token count instead (packed); the outputs come back in this order
+        groups = token_budget_groups(batch, list(range(len(rollout.local))), job.batch.max_tokens_per_gpu)
+    mbs = prepare_microbatches([select_rows(batch, g, trim) for g in groups], packing=job.engine.packing_samples,
                                pp=mesh.pp, pad_id=pad_id)
     return batch, mbs, [i for g in groups for i in g]
 
@@ -152,44 +153,21 @@ def token_budget_groups(batch: dict, rows: list[int], max_tokens: int) -> list[l
     return [[rows[i] for i in part] for part in parts if part]
 
 
-def frozen_forwards(roles, args: argparse.Namespace, mbs: list, tokens: float, timer, recorder=None) -> dict:
+def frozen_forwards(roles, job, mbs: list, tokens: float, timer, recorder=None) -> dict:
     """make_experience's forwards, one role after another: actor, ref and teacher log-probs (B, T) at the sampling
     temperature (no actor forward with --use_rollout_logprobs), critic values (B, T), reward scores (B,)."""
     roles.memory.enter("make_experience")
     out = {}
     engines = roles.engines
     order = ("ref", "teacher", *roles.reward_models, "critic")
-    for role in ("actor", *order) if args.old_logprobs_source == "forward" else order:
+    replay, temperature = job.router_replay.moe_router_replay, job.generation.temperature
+    for role in ("actor", *order) if job.algo.old_logprobs_source == "forward" else order:
         if role in engines:
             with timer.phase(f"{role}_fwd", tokens=tokens):
                 out[role] = forward_role(engines[role], "reward" if role in roles.reward_models else role,
-                                         routing.actor_microbatches(args, mbs, recorder) if role == "actor" else mbs,
-                                         args.temperature if role in ("actor", "ref", "teacher") else 1.0)
+                                         routing.actor_microbatches(replay, mbs, recorder) if role == "actor" else mbs,
+                                         temperature if role in ("actor", "ref", "teacher") else 1.0)
     return out
-
-
-def generator_logprobs(local: list[Sample], T: int) -> torch.Tensor:
-    """The generator's log-probs of the sampled tokens, right-padded to (B, T) with zeros."""
-    lp = torch.zeros(len(local), T)
-    for b, s in enumerate(local):
-        lp[b, : len(s.logprobs)] = torch.tensor(s.logprobs)
-    return lp
-
-
-def sampled_logprob_drift(engine, actor, mesh, prompts: list[list[int]], *, n: int, max_tokens: int,
-                          temperature: float, seed: int) -> float:
-    """Generate from ``engine``, then the largest |generator - trainer (``actor``)| log-prob over the sampled
-    tokens of the whole batch: a check that the engine serves the trainer's weights. Collective."""
-    samples = engine.generate(prompts, n=n, temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=seed)
-    per = len(samples) // mesh.dp
-    local = samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
-    seq_len = None if mesh.pp == 1 else max(len(p) for p in prompts) + max_tokens  # PP: one shape per stage
-    batch = collate_sequences(local, 0, max_tokens, seq_len=seq_len)
-    lp = forward_role(actor, "actor", [select_rows(batch, range(len(local)), trim=mesh.pp == 1)], temperature)
-    gen = generator_logprobs(local, lp.shape[1]).to(lp.device)  # host lists -> the trainer's device
-    d = ((lp - gen).abs() * batch["action_mask"].to(lp.device)).max()
-    torch.distributed.all_reduce(d, op=torch.distributed.ReduceOp.MAX)
-    return d.item()
 
 
 class RewardSources:
@@ -277,40 +255,41 @@ def extra_log_metrics(extra_logs: dict, n: int, mesh) -> dict[str, float]:
     return {f"reward_extra/{k}": (tot[2 * i] / tot[2 * i + 1]).item() for i, k in enumerate(names)}
 
 
-def make_experience(roles, args: argparse.Namespace, rollout: Rollout, rewards: RewardSources, mesh, pad_id: int,
+def make_experience(roles, job, rollout: Rollout, rewards: RewardSources, mesh, pad_id: int,
                     timer) -> tuple[Experience, torch.Tensor, dict[str, float]]:
     """make_experience: the frozen forwards and the rewards of this rank's samples. Returns the experience,
     the raw (unnormalized) combined rewards (B,) and the reward metrics."""
-    batch, mbs, order = experience_microbatches(rollout, args, mesh, pad_id, roles)
-    recorder = routing.recorder_for(roles, args, rollout.local)
-    out = frozen_forwards(roles, args, mbs, rollout.tokens, timer, recorder)
+    replay = job.router_replay.moe_router_replay
+    batch, mbs, order = experience_microbatches(rollout, job, mesh, pad_id, roles)
+    recorder = routing.recorder_for(roles, replay, rollout.local)
+    out = frozen_forwards(roles, job, mbs, rollout.tokens, timer, recorder)
     if order != sorted(order):  # token-budget micro-batches: back to row order
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         out = {k: v[inverse.to(v.device)] for k, v in out.items()}
     from rlhf.agents.flags import response_width
 
-    vllm_lp = generator_logprobs(rollout.local, response_width(args, rollout.samples))
+    vllm_lp = generator_logprobs(rollout.local, response_width(job.generation, job.agent, rollout.samples))
     combined, raw, metrics = rewards.score({r: out[r] for r in roles.reward_models}, rollout)
     metrics["microbatches/forward"] = float(len(mbs))
-    metrics.update(routing.finish(roles, args, rollout, batch, mbs, order, recorder, timer))
-    combined, raw = shape_rewards(combined, raw, rollout, args, mesh, metrics)
+    metrics.update(routing.finish(roles, replay, rollout, batch, mbs, order, recorder, timer))
+    combined, raw = shape_rewards(combined, raw, rollout, job, mesh, metrics)
     vllm_lp = vllm_lp.to(batch["action_mask"].device)
     exp = Experience(samples=rollout.local, batch=batch,
-                     old_logprobs=out["actor"] if args.old_logprobs_source == "forward" else vllm_lp,
+                     old_logprobs=out["actor"] if job.algo.old_logprobs_source == "forward" else vllm_lp,
                      vllm_logprobs=vllm_lp,
                      rewards=combined, ref_logprobs=out.get("ref"), values=out.get("critic"),
                      teacher_logprobs=out.get("teacher"))
     return exp, raw, metrics
 
 
-def shape_rewards(combined: torch.Tensor, raw: torch.Tensor, rollout: Rollout, args: argparse.Namespace, mesh,
+def shape_rewards(combined: torch.Tensor, raw: torch.Tensor, rollout: Rollout, job, mesh,
                   metrics: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The length penalties (``rlhf.algo.shaping``) on this rank's rewards, optimized and raw alike (the logged
     reward includes them, as OpenRLHF's); their global counts join ``metrics``."""
     from rlhf.algo.shaping import ShapingConfig, apply_length_penalties
 
-    cfg = ShapingConfig.from_args(args)
+    cfg = ShapingConfig.from_parts(job.generation, job.algo)
     if not cfg.active:
         return combined, raw
     lengths = torch.tensor([len(s.response_ids) for s in rollout.local], device=combined.device)
@@ -323,7 +302,7 @@ def shape_rewards(combined: torch.Tensor, raw: torch.Tensor, rollout: Rollout, a
 
 
 def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl_coef: float,
-                       args: argparse.Namespace, mesh) -> dict[str, float]:
+                       job, mesh) -> dict[str, float]:
     """advantages: the per-token KL estimate, then the estimator over the global batch (gathered over DP, so
     GRPO groups and whitening see every sample); fills ``exp.kl``, ``exp.advantages``, ``exp.returns``.
     Returns the global reward, KL and advantage statistics (and the generator-vs-trainer log-prob drift)."""
@@ -331,32 +310,32 @@ def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl
     from rlhf.algo.kl import kl_in_loss
     from rlhf.algo.ppo_losses import kl_estimate, masked_mean, masked_whiten
 
-    mask = exp.batch["action_mask"]
-    exp.kl = (kl_estimate(exp.old_logprobs, exp.ref_logprobs, args.kl_estimator, mask)
+    algo, mask = job.algo, exp.batch["action_mask"]
+    exp.kl = (kl_estimate(exp.old_logprobs, exp.ref_logprobs, algo.kl_estimator, mask)
               if exp.ref_logprobs is not None else torch.zeros_like(exp.old_logprobs))
     g = lambda t: dp_all_gather(t, mesh) if t is not None else None  # noqa: E731
     gmask, gkl = g(mask), g(exp.kl)
-    in_loss = kl_in_loss(estimator, args.use_kl_loss)  # where the KL goes: --use_kl_loss, else the estimator's place
+    in_loss = kl_in_loss(estimator, algo.use_kl_loss)  # where the KL goes: --use_kl_loss, else the estimator's place
     res = estimator(rewards=g(exp.rewards), kl=gkl, values=g(exp.values), action_mask=gmask,
-                    kl_coef=0.0 if in_loss else kl_coef, gamma=args.gamma, lambd=args.lambd,
-                    n_samples_per_prompt=args.n_samples_per_prompt, std_norm=not args.no_std_norm,
-                    reward_clip=tuple(args.reward_clip_range) if args.reward_clip_range is not None else None)
+                    kl_coef=0.0 if in_loss else kl_coef, gamma=algo.gamma, lambd=algo.lambd,
+                    n_samples_per_prompt=job.batch.n_samples_per_prompt, std_norm=not algo.no_std_norm,
+                    reward_clip=tuple(algo.reward_clip_range) if algo.reward_clip_range is not None else None)
     if estimator.kl_in_loss and not in_loss:  # a group estimator with its KL in the reward (--no-use_kl_loss)
         res = add_reward_kl(res, gkl, gmask, kl_coef)
     adv = res["advantages"]
     if estimator.whiten:  # GAE: over the global batch; --no_std_norm subtracts the mean only (OpenRLHF)
-        adv = masked_whiten(adv, gmask) if not args.no_std_norm else whiten_openrlhf(adv, gmask, std_norm=False)
+        adv = masked_whiten(adv, gmask) if not algo.no_std_norm else whiten_openrlhf(adv, gmask, std_norm=False)
     lo, B = mesh.dp_rank * mask.shape[0], mask.shape[0]
     exp.advantages, exp.returns = adv[lo:lo + B], res["returns"][lo:lo + B]
     graw = g(raw_rewards)
     out = {"reward": graw.mean().item(), "reward_std": graw.std().item() if graw.numel() > 1 else 0.0,
            "kl": masked_mean(gkl, gmask).item(), "advantages_abs": masked_mean(adv.abs(), gmask).item()}
-    if args.old_logprobs_source == "forward":  # otherwise the update measures it (or there is nothing to compare)
+    if algo.old_logprobs_source == "forward":  # otherwise the update measures it (or there is nothing to compare)
         out.update(logprob_drift(exp, mesh))
     if exp.teacher_logprobs is not None:  # on-policy distillation's per-token term (rlhf.ppo.distill)
         from rlhf.ppo.distill import add_distill_advantages
 
-        out.update(add_distill_advantages(exp, args, mesh))
+        out.update(add_distill_advantages(exp, job.distill, mesh))
     return out
 
 
@@ -371,21 +350,22 @@ def logprob_drift(exp: Experience, mesh) -> dict[str, float]:
             "rollout_logprob_drift_max": gdiff.masked_fill(~gmask, 0).max().item()}
 
 
-def update_plans(B: int, args: argparse.Namespace, dp: int, step: int) -> list[list[list[int]]]:
+def update_plans(B: int, batch, seed: int, dp: int, step: int) -> list[list[list[int]]]:
     """Each optimizer step's micro-batches (row indices into this rank's B samples): --max_epochs shuffled
-    passes, --train_batch_size samples (global) per step, --micro_train_batch_size per micro-batch."""
-    per_update = args.train_batch_size // dp // args.micro_train_batch_size
-    m = args.micro_train_batch_size
+    passes, --train_batch_size samples (global) per step, --micro_train_batch_size per micro-batch (``batch``: the
+    job's batch part; ``seed``: --seed)."""
+    per_update = batch.train_batch_size // dp // batch.micro_train_batch_size
+    m = batch.micro_train_batch_size
     plans = []
-    for epoch in range(args.max_epochs):
-        gen = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + epoch)
+    for epoch in range(batch.max_epochs):
+        gen = torch.Generator().manual_seed(seed * 7919 + step * 31 + epoch)
         perm = torch.randperm(B, generator=gen).tolist()
         micro = [perm[i:i + m] for i in range(0, B, m)]
         plans += [micro[i:i + per_update] for i in range(0, len(micro), per_update)]
     return plans
 
 
-def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef: float, step: int, mesh,
+def update(roles, exp: Experience, job, estimator, kl_coef: float, step: int, mesh,
            pad_id: int, tokens: float, timer, after_actor_step=None, ptx=None) -> dict[str, float]:
     """critic_update then actor_update over the same plans; metrics averaged over the optimizer steps.
     ``after_actor_step()`` runs after each actor optimizer step (--enable_ema); ``ptx`` (``rlhf.ppo.ptx.PtxData``)
@@ -395,27 +375,28 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
     from rlhf.models.context_parallel import reads_local_tokens
     from rlhf.models.outputs import response_logprobs, response_values
 
-    plans = update_plans(exp.old_logprobs.shape[0], args, mesh.dp, step)
-    if args.use_dynamic_batch:  # each optimizer step's rows regrouped by token count
-        plans = [token_budget_groups(exp.batch, [i for mb in plan for i in mb], args.max_tokens_per_gpu)
+    bat, algo, epochs = job.batch, job.algo, job.batch.max_epochs
+    plans = update_plans(exp.old_logprobs.shape[0], bat, job.engine.seed, mesh.dp, step)
+    if bat.use_dynamic_batch:  # each optimizer step's rows regrouped by token count
+        plans = [token_budget_groups(exp.batch, [i for mb in plan for i in mb], bat.max_tokens_per_gpu)
                  for plan in plans]
     trim = mesh.pp == 1
 
     def microbatches(plan: list[list[int]]) -> list[dict]:
-        return prepare_microbatches([exp.select(ix, trim) for ix in plan], packing=args.packing_samples,
+        return prepare_microbatches([exp.select(ix, trim) for ix in plan], packing=job.engine.packing_samples,
                                     pp=mesh.pp, pad_id=pad_id)
 
     sums: dict[str, float] = {}
     if roles.critic is not None:
-        critic_loss = reads_local_tokens(make_critic_loss(response_values, value_clip=args.value_clip))
+        critic_loss = reads_local_tokens(make_critic_loss(response_values, value_clip=algo.value_clip))
         _train_role(roles, "critic", plans, lambda plan: (microbatches(plan), critic_loss), CRITIC_METRICS, "head",
-                    sums, tokens * args.max_epochs, timer)
-    loss_cfg = ActorLossConfig.from_args(args, estimator)
+                    sums, tokens * epochs, timer)
+    loss_cfg = ActorLossConfig.from_parts(algo, job.correction, estimator)
     actor_loss = reads_local_tokens(make_actor_loss(  # rlhf.models.outputs' readers take a CP rank's own tokens
-        lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, args.temperature, entropy=True),
+        lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, job.generation.temperature, entropy=True),
         loss_cfg, kl_coef=kl_coef))
     keys = ACTOR_METRICS + (("kl_loss",) if loss_cfg.kl_in_loss else ()) + (
-        ("rollout_logprob_drift", "rollout_logprob_drift_max") if args.old_logprobs_source == "update" else ()
+        ("rollout_logprob_drift", "rollout_logprob_drift_max") if algo.old_logprobs_source == "update" else ()
     ) + loss_cfg.correction.metric_keys()  # rlhf.algo.rollout_correction.METRICS
 
     def actor_batches(plan: list[list[int]]) -> tuple[list[dict], object]:
@@ -426,7 +407,7 @@ def update(roles, exp: Experience, args: argparse.Namespace, estimator, kl_coef:
         return mbs + extra, ptx.combined_loss(actor_loss, mbs, extra, keys)
 
     _train_role(roles, "actor", plans, actor_batches, keys + (("ptx_loss",) if ptx else ()), "hidden", sums,
-                tokens * args.max_epochs, timer, after_step=after_actor_step)
+                tokens * epochs, timer, after_step=after_actor_step)
     out = {k: v / len(plans) for k, v in sums.items()}
     out["entropy"] = out.pop("actor/entropy")
     out["microbatches/update"] = sum(len(p) for p in plans) / len(plans)  # per optimizer step

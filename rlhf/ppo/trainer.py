@@ -29,7 +29,8 @@ def load_gold_fn(spec: str):
 class PPOTrainer:
     def __init__(self, setup, prompts: list, tokenizer, ptx_samples: list | None = None):
         """``setup.job``: the configuration (``PPOJobConfig``); each component below takes its part. ``self.args``:
-        the job's flat view (``Job.namespace``) for the stages, the evaluator and ptx, which read flags by name."""
+        the job's flat view (``Job.namespace``) for what takes every flag by name: the ranks' consistency check, the
+        logged configuration and the HF export."""
         from rlhf.algo.advantages import get_estimator
         from rlhf.algo.kl import make_kl_controller
         from rlhf.checkpoint import Checkpointer
@@ -90,7 +91,7 @@ class PPOTrainer:
             self.evaluator = Evaluator(job.eval, job, tokenizer, rule, mesh)
         from rlhf.ppo.partial_step import build_partial
 
-        self.partial = build_partial(job.partial, args)
+        self.partial = build_partial(job)
         self.step = 0
         state = None
         if job.checkpoint.load_checkpoint:
@@ -109,7 +110,7 @@ class PPOTrainer:
     # ----------------------------------------------------------------------------------------------- one step
     def train_step(self, timer) -> dict[str, float]:
         """One PPO step: sync -> generate -> make_experience -> compute_advantages -> update."""
-        args, roles, mesh = self.args, self.roles, self.mesh
+        job, roles, mesh = self.job, self.roles, self.mesh
         metrics: dict[str, float] = {}
         if self.actor_changed or roles.rollout.needs_sync:  # a sleeping engine discarded its weights
             metrics.update(sync_weights(roles, timer))
@@ -117,21 +118,21 @@ class PPOTrainer:
         if self.partial is not None:  # --partial_rollout (rlhf.ppo.partial_step)
             from rlhf.ppo.partial_step import generate_partial_step
 
-            rollout, filtered = generate_partial_step(roles, args, self.partial, self.prompts, self.sampler,
+            rollout, filtered = generate_partial_step(roles, job, self.partial, self.prompts, self.sampler,
                                                       self.step, mesh, timer)
         else:
-            rollout, filtered = generate_filtered(roles, args, self.prompts, self.sampler, self.rewards, self.step,
+            rollout, filtered = generate_filtered(roles, job, self.prompts, self.sampler, self.rewards, self.step,
                                                   mesh, timer)
         metrics.update(filtered)
         metrics.update(self.gold_metrics(rollout))
         generated = filtered.get("dynamic_filtering/generated_tokens",
                                  filtered.get("partial/generated_tokens", rollout.generated_tokens))
         timer.metrics["tokens_per_s/rollout"] = generated / timer.metrics["time/rollout"]
-        exp, raw_rewards, reward_metrics = make_experience(roles, args, rollout, self.rewards, mesh, self.pad_id,
+        exp, raw_rewards, reward_metrics = make_experience(roles, job, rollout, self.rewards, mesh, self.pad_id,
                                                            timer)
         metrics.update(reward_metrics)
         with timer.phase("advantages"):
-            metrics.update(compute_advantages(exp, raw_rewards, self.estimator, self.kl_ctl.value, args, mesh))
+            metrics.update(compute_advantages(exp, raw_rewards, self.estimator, self.kl_ctl.value, job, mesh))
         # Global means (the same on every rank): a non-finite reward or advantage skips this step's updates.
         bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
         if bad:
@@ -139,7 +140,7 @@ class PPOTrainer:
                 eng.skip(f"non-finite {bad}")  # counted per trainable role; --max_skipped_steps in a row stop the job
             metrics["skipped_steps"] = float(roles.actor.skipped_steps)
         else:
-            metrics.update(update(roles, exp, args, self.estimator, self.kl_ctl.value, self.step, mesh,
+            metrics.update(update(roles, exp, job, self.estimator, self.kl_ctl.value, self.step, mesh,
                                   self.pad_id, rollout.tokens, timer,
                                   after_actor_step=self.ema.update if self.ema else None, ptx=self.ptx))
             self.actor_changed = True
@@ -194,7 +195,7 @@ class PPOTrainer:
             log.info("advantage estimator: %s (%s%s)", next(k for k, v in ADVANTAGE_ESTIMATORS.items() if v is est),
                      "a critic's values" if est.needs_critic else "no critic",
                      f", groups of {job.batch.n_samples_per_prompt} samples per prompt" if est.needs_groups else "")
-            c = ActorLossConfig.from_args(args, self.estimator)  # the flat view: the loss reads flags of 2 parts
+            c = ActorLossConfig.from_parts(job.algo, job.correction, self.estimator)
             log.info("actor loss: %s, ratio clipped to [%g, %g]%s, %s%s%s", c.policy_loss_type, 1 - c.eps_clip_low,
                      1 + c.eps_clip_high, f", dual-clip {c.dual_clip:g}" if c.dual_clip else "", c.loss_agg_mode,
                      f", entropy_coef {c.entropy_coef:g}" if c.entropy_coef else "",

@@ -122,7 +122,8 @@ def ours_advantages(args, rewards, mask, old, ref, values):
     est = get_estimator(args.advantage_estimator)
     exp = SimpleNamespace(batch={"action_mask": mask.bool()}, old_logprobs=old, ref_logprobs=ref, rewards=rewards,
                           values=values if est.needs_critic else None, vllm_logprobs=old, teacher_logprobs=None)
-    compute_advantages(exp, rewards, est, KL_COEF, args, SimpleNamespace(dp=1, dp_rank=0))
+    job = SimpleNamespace(algo=args, batch=args)  # the job's parts compute_advantages reads, as the parsed flags
+    compute_advantages(exp, rewards, est, KL_COEF, job, SimpleNamespace(dp=1, dp_rank=0))
     return exp, est
 
 

@@ -181,7 +181,6 @@ def test_flip_metric_and_train_mode_routing(moe, perturbed, mode):
     """rlhf.ppo.routing after the experience forwards (token-budget groups, packed): the flip metric from the actor's
     unreplayed forward against the generator's routing (the perturbed router flips a share of the response tokens); ``train`` (R2) puts the
     routing that forward chose into the batch for the update to replay."""
-    import argparse
     import contextlib
     from types import SimpleNamespace
 
@@ -190,15 +189,14 @@ def test_flip_metric_and_train_mode_routing(moe, perturbed, mode):
 
     actor, samples, _ = moe
     roles = SimpleNamespace(actor=actor)
-    args = argparse.Namespace(moe_router_replay=mode)
     from rlhf.ppo.experience import pack_microbatch, select_rows
 
     batch = {k: v for k, v in _batch(samples).items() if k != "routed_experts"}
     groups = [[0, 3], [1, 4, 5], [2]]  # as --use_dynamic_batch groups rows, packed (--packing_samples)
     mbs = [pack_microbatch(select_rows(batch, g, True), 0) for g in groups]
-    recorder = routing.recorder_for(roles, args, samples)
+    recorder = routing.recorder_for(roles, mode, samples)
     timer = SimpleNamespace(phase=lambda *a, **k: contextlib.nullcontext())
-    metrics = routing.finish(roles, args, SimpleNamespace(local=samples, tokens=1.0), batch, mbs,
+    metrics = routing.finish(roles, mode, SimpleNamespace(local=samples, tokens=1.0), batch, mbs,
                              [i for g in groups for i in g], recorder, timer)
     assert 0.2 < metrics["moe/routing_flip_tokens"] <= 1.0, metrics
     assert 0.0 < metrics["moe/routing_flip_pairs"] <= metrics["moe/routing_flip_tokens"], metrics

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from rlhf.algo.losses import sft_loss  # noqa: E402
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
 from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
-from rlhf.ppo.stages import sampled_logprob_drift  # noqa: E402
+from rlhf.ppo.experience import sampled_logprob_drift  # noqa: E402
 from rlhf.rollout import RolloutConfig, build_rollout, shutdown  # noqa: E402
 from rlhf.rollout.weight_sync import WeightSync  # noqa: E402
 

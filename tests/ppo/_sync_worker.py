@@ -28,7 +28,7 @@ a = p.parse_args()
 
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
 from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
-from rlhf.ppo.stages import sampled_logprob_drift  # noqa: E402
+from rlhf.ppo.experience import sampled_logprob_drift  # noqa: E402
 from rlhf.rollout import RolloutConfig, build_rollout  # noqa: E402
 from rlhf.rollout.weight_sync import WeightSync  # noqa: E402
 

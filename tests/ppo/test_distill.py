@@ -50,8 +50,8 @@ def _run(setup, out, teacher, monkeypatch, *extra, capture=None):
     if capture is not None:  # each step's experience as the distillation term sees it
         orig = distill.add_distill_advantages
 
-        def spy(exp, args, mesh):
-            m = orig(exp, args, mesh)
+        def spy(exp, cfg, mesh):
+            m = orig(exp, cfg, mesh)
             capture.append({"batch": {k: v.cpu().clone() for k, v in exp.batch.items()},
                             "advantages": exp.advantages.cpu().clone(), "metrics": m})
             return m
