@@ -195,7 +195,7 @@ def check_algo(job) -> None:
                          "undiscounted (OpenRLHF sets gamma to 1 for it); drop --gamma")
     from rlhf.algo.ppo_losses import ActorLossConfig
 
-    loss_cfg = ActorLossConfig.from_args(job.namespace(), estimator)  # the loss flags' own checks
+    loss_cfg = ActorLossConfig.from_parts(algo, job.correction, estimator)  # the loss flags' own checks
     if algo.policy_loss_type == "gspo" and estimator.needs_critic:
         raise ValueError(f"--policy_loss_type gspo with --advantage_estimator {algo.advantage_estimator}: GSPO's "
                          "sequence-level ratio needs sequence-level advantages; use a critic-free estimator (grpo, "
@@ -226,7 +226,7 @@ def _check_batching_and_rewards(job) -> None:
         if batch.max_tokens_per_gpu < gen.prompt_max_len + gen.generate_max_len:
             raise ValueError(f"--max_tokens_per_gpu {batch.max_tokens_per_gpu} is below --prompt_max_len "
                              f"{gen.prompt_max_len} + --generate_max_len {gen.generate_max_len}: a sample may not fit")
-    ShapingConfig.from_args(job.namespace())
+    ShapingConfig.from_parts(gen, algo)  # the penalties' own checks
     if job.eval.dataset and not (rewards.reward_fn or rewards.remote_rm_url):
         raise ValueError("--eval_dataset scores the held-out replies with the run's rule reward (--reward_fn or "
                          "--remote_rm_url); this run has none")
