@@ -60,41 +60,43 @@ class ConditionalPart(Part):
         g.add_argument("--conditional_template", default=DEFAULT_TEMPLATE,
                        help="--conditional: prefix put in front of the prompt; {bucket} is the bucket (0 = worst)")
 
+    def check(self) -> None:
+        used = [f for f, v in (("--reward_pretrain", self.reward_pretrain), ("--score_key", self.score_key),
+                               ("--reward_buckets", self.reward_buckets != 5),
+                               ("--conditional_template", self.conditional_template != DEFAULT_TEMPLATE)) if v]
+        if not self.conditional:
+            if used:
+                raise ValueError(f"{used[0]} is a --conditional flag; pass --conditional too")
+            return
+        if bool(self.reward_pretrain) == bool(self.score_key):
+            raise ValueError("--conditional needs exactly one score source: --reward_pretrain <reward model> or "
+                             f"--score_key <field>; got --reward_pretrain {self.reward_pretrain!r} and --score_key "
+                             f"{self.score_key!r}")
+        if self.reward_buckets < 2:
+            raise ValueError(f"--reward_buckets must be >= 2, got {self.reward_buckets}")
+        try:
+            self.conditional_template.format(bucket=0)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"--conditional_template {self.conditional_template!r}: only {{bucket}} may be used "
+                             f"({type(e).__name__}: {e})") from None
+        if "{bucket}" not in self.conditional_template:
+            raise ValueError(f"--conditional_template {self.conditional_template!r} must contain {{bucket}}")
+        if self.reward_pretrain and "," in self.reward_pretrain:
+            raise ValueError(f"--reward_pretrain {self.reward_pretrain}: --conditional takes one reward model")
+
 
 add_args = ConditionalPart.add_args
 
 
-def validate(args: argparse.Namespace) -> None:
-    """Flag checks, before any heavy work."""
-    if not hasattr(args, "conditional"):  # a parser without the conditional flags
-        return
-    used = [f for f, v in (("--reward_pretrain", args.reward_pretrain), ("--score_key", args.score_key),
-                           ("--reward_buckets", args.reward_buckets != 5),
-                           ("--conditional_template", args.conditional_template != DEFAULT_TEMPLATE)) if v]
-    if not args.conditional:
-        if used:
-            raise ValueError(f"{used[0]} is a --conditional flag; pass --conditional too")
-        return
-    if bool(args.reward_pretrain) == bool(args.score_key):
-        raise ValueError("--conditional needs exactly one score source: --reward_pretrain <reward model> or "
-                         f"--score_key <field>; got --reward_pretrain {args.reward_pretrain!r} and --score_key "
-                         f"{args.score_key!r}")
-    if args.reward_buckets < 2:
-        raise ValueError(f"--reward_buckets must be >= 2, got {args.reward_buckets}")
-    try:
-        args.conditional_template.format(bucket=0)
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"--conditional_template {args.conditional_template!r}: only {{bucket}} may be used "
-                         f"({type(e).__name__}: {e})") from None
-    if "{bucket}" not in args.conditional_template:
-        raise ValueError(f"--conditional_template {args.conditional_template!r} must contain {{bucket}}")
-    if args.reward_pretrain:
+def validate(job) -> None:
+    """Against the parallel layout, before any heavy work: the reward model that scores the data
+    (``ConditionalPart.check`` checked the flags' own values)."""
+    c = job.task["conditional"]
+    if c.conditional and c.reward_pretrain:
         from rlhf.rewards import RewardConfig
 
-        if "," in args.reward_pretrain:
-            raise ValueError(f"--reward_pretrain {args.reward_pretrain}: --conditional takes one reward model")
-        RewardConfig(reward_pretrain=args.reward_pretrain).validate_models(args.tensor_model_parallel_size,
-                                                                           args.pipeline_model_parallel_size)
+        RewardConfig(reward_pretrain=c.reward_pretrain).validate_models(job.parallel.tensor_model_parallel_size,
+                                                                        job.parallel.pipeline_model_parallel_size)
 
 
 def quantile_edges(scores: Sequence[float], k: int) -> list[float]:
@@ -132,7 +134,7 @@ def _record_scores(records: list, key: str) -> list[float]:
     return out
 
 
-def _rm_scores(args: argparse.Namespace, cfg, records: list) -> list[float]:
+def _rm_scores(job, cfg, records: list) -> list[float]:
     """The reward model's score of each record's (prompt, response), on the training layout. Builds the process
     group and megatron's groups (the trainer rebuilds the latter); the reward model is freed before returning."""
     import gc
@@ -144,54 +146,55 @@ def _rm_scores(args: argparse.Namespace, cfg, records: list) -> list[float]:
     from rlhf.engine import ModelEngine
     from rlhf.rewards import score_sequences
 
-    tok = load_tokenizer(args.reward_pretrain, "--reward_pretrain")
+    path, par, eng = job.task["conditional"].reward_pretrain, job.parallel, job.engine
+    tok = load_tokenizer(path, "--reward_pretrain")
     seqs = [sft_sample(r, cfg, tok)[0].input_ids[:cfg.max_len].tolist() for r in records]
-    mesh = initialize_mesh(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, DistEnv.from_environ(),
-                           seed=args.seed, ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s,
-                           cp=getattr(args, "context_parallel_size", 1))
-    rm = ModelEngine(mesh, args.reward_pretrain, value_head=True, name="reward", bf16=args.bf16,
-                     transformer_impl=getattr(args, "transformer_impl", None))
-    scores = score_sequences(rm, seqs, pad_token_id(tok), args.micro_train_batch_size).tolist()
+    mesh = initialize_mesh(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, DistEnv.from_environ(),
+                           seed=eng.seed, ep=par.expert_model_parallel_size, timeout_s=par.dist_timeout_s,
+                           cp=par.context_parallel_size)
+    rm = ModelEngine(mesh, path, value_head=True, name="reward", bf16=eng.bf16, transformer_impl=eng.transformer_impl)
+    scores = score_sequences(rm, seqs, pad_token_id(tok), job.batch.micro_train_batch_size).tolist()
     del rm
     gc.collect()
     return scores
 
 
-def load_conditional_split(args: argparse.Namespace, tokenizer) -> tuple[list, list, dict[str, float], dict]:
+def load_conditional_split(job, tokenizer) -> tuple[list, list, dict[str, float], dict]:
     """Like ``rlhf.trainer.load_split`` for SFT, with bucket prefixes. Returns (train, evals, data stats, the
     ``rlhf.conditional`` entry of the exported config)."""
     from rlhf.data import DataConfig, build_sft_dataset
     from rlhf.data.build import load_records
 
-    cfg = DataConfig.from_args(args)
+    ns, data, c = job.namespace(), job.data, job.task["conditional"]  # the data config spans several parts
+    cfg = DataConfig.from_args(ns)
     train_rec, stats = load_records(cfg, "sft")
-    if args.eval_dataset:
-        eval_rec, _ = load_records(DataConfig.from_args(args, dataset=args.eval_dataset, dataset_probs=None,
+    if data.eval_dataset:
+        eval_rec, _ = load_records(DataConfig.from_args(ns, dataset=data.eval_dataset, dataset_probs=None,
                                                         max_samples=None), "sft")
     else:
-        n = int(len(train_rec) * args.eval_split)
+        n = int(len(train_rec) * data.eval_split)
         train_rec, eval_rec = train_rec[:len(train_rec) - n], train_rec[len(train_rec) - n:]
-    if args.score_key:
-        scores = _record_scores(train_rec + eval_rec, args.score_key)
-        source = f"--score_key {args.score_key}"
+    if c.score_key:
+        scores = _record_scores(train_rec + eval_rec, c.score_key)
+        source = f"--score_key {c.score_key}"
     else:
-        scores = _rm_scores(args, cfg, train_rec + eval_rec)
-        source = f"--reward_pretrain {args.reward_pretrain}"
-    edges = quantile_edges(scores[:len(train_rec)], args.reward_buckets)
+        scores = _rm_scores(job, cfg, train_rec + eval_rec)
+        source = f"--reward_pretrain {c.reward_pretrain}"
+    edges = quantile_edges(scores[:len(train_rec)], c.reward_buckets)
     buckets = [bucket_of(s, edges) for s in scores]
 
     def prefixed(recs: list, bks: list[int]) -> list:
         return [dataclasses.replace(r, data={**r.data, cfg.input_key: prefix_prompt(
-            r.data[cfg.input_key], args.conditional_template.format(bucket=b))}) for r, b in zip(recs, bks)]
+            r.data[cfg.input_key], c.conditional_template.format(bucket=b))}) for r, b in zip(recs, bks)]
 
     train, st = build_sft_dataset(cfg, tokenizer, preloaded=(prefixed(train_rec, buckets), stats))
     evals = (build_sft_dataset(cfg, tokenizer, preloaded=(prefixed(eval_rec, buckets[len(train_rec):]),
                                                           type(stats)()))[0] if eval_rec else [])
-    top = args.reward_buckets - 1
-    counts = [buckets[:len(train_rec)].count(b) for b in range(args.reward_buckets)]
-    info = {"template": args.conditional_template, "buckets": args.reward_buckets, "edges": edges,
-            "top_bucket": top, "top_prefix": args.conditional_template.format(bucket=top), "score_source": source,
+    top = c.reward_buckets - 1
+    counts = [buckets[:len(train_rec)].count(b) for b in range(c.reward_buckets)]
+    info = {"template": c.conditional_template, "buckets": c.reward_buckets, "edges": edges,
+            "top_bucket": top, "top_prefix": c.conditional_template.format(bucket=top), "score_source": source,
             "train_bucket_counts": counts}
     log.info("--conditional: %s; %d buckets, edges %s, train counts %s; prompt with %r at inference", source,
-             args.reward_buckets, [round(e, 4) for e in edges], counts, info["top_prefix"])
+             c.reward_buckets, [round(e, 4) for e in edges], counts, info["top_prefix"])
     return train, evals, {k.split("/", 1)[1]: v for k, v in st.as_metrics().items() if "/mixed/" not in k}, info

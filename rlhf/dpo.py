@@ -23,11 +23,11 @@ class DPOTask(ReferenceTask):
     name = "dpo"
     metric_keys = ("loss", "acc", "chosen_reward", "rejected_reward", "margin")
 
-    def load_data(self, args: argparse.Namespace, tokenizer):
+    def load_data(self, job, tokenizer):
         from rlhf.data.preference import build_dpo_dataset
         from rlhf.trainer import load_split
 
-        return load_split(args, tokenizer, build_dpo_dataset)
+        return load_split(job, tokenizer, build_dpo_dataset)
 
     def collate(self, samples: list, tokenizer) -> dict[str, torch.Tensor]:
         from rlhf.data import pad_token_id
@@ -38,7 +38,8 @@ class DPOTask(ReferenceTask):
     def loss_fn(self, engine):
         from rlhf.models.context_parallel import reads_local_tokens
 
-        loss, beta, eps = PREFERENCE_LOSSES[self.args.loss_type], self.args.beta, self.args.label_smoothing
+        cfg, beta = self.job.task["dpo"], self.job.task["reference"].beta
+        loss, eps = PREFERENCE_LOSSES[cfg.loss_type], cfg.label_smoothing
 
         # The logits are read by this loss only, so their storage takes their gradient (see rlhf/sft.py).
         @reads_local_tokens  # sequence_logprobs reads the logits of a CP rank's own tokens

@@ -27,19 +27,20 @@ class KTOTask(ReferenceTask):
     name = "kto"
     metric_keys = ("loss", "acc", "chosen_reward", "rejected_reward", "kl")
 
-    def validate(self, args: argparse.Namespace) -> None:
+    def validate(self, job) -> None:
         """Against the batch (``KTOPart.check`` checked the labels and weights)."""
-        super().validate(args)
-        if args.micro_train_batch_size < 2:
+        super().validate(job)
+        mbs = job.batch.micro_train_batch_size
+        if mbs < 2:
             raise ValueError(f"--micro_train_batch_size must be >= 2 for KTO (its KL estimate pairs each prompt "
-                             f"with another sample's completion in the micro-batch), got {args.micro_train_batch_size}")
+                             f"with another sample's completion in the micro-batch), got {mbs}")
 
-    def load_data(self, args: argparse.Namespace, tokenizer):
+    def load_data(self, job, tokenizer):
         from rlhf.data.preference import build_kto_dataset
         from rlhf.trainer import load_split
 
-        self.max_len = args.max_len
-        return load_split(args, tokenizer, partial(build_kto_dataset, label_key=args.label_key))
+        self.max_len = job.batch.max_len
+        return load_split(job, tokenizer, partial(build_kto_dataset, label_key=job.task["kto"].label_key))
 
     def collate(self, samples: list, tokenizer) -> dict[str, torch.Tensor]:
         from rlhf.data import pad_token_id
@@ -50,8 +51,9 @@ class KTOTask(ReferenceTask):
     def loss_fn(self, engine):
         from rlhf.models.context_parallel import reads_local_tokens
 
-        a = self.args
-        kw = dict(beta=a.beta, desirable_weight=a.desirable_loss_weight, undesirable_weight=a.undesirable_loss_weight)
+        a = self.job.task["kto"]
+        kw = dict(beta=self.job.task["reference"].beta, desirable_weight=a.desirable_loss_weight,
+                  undesirable_weight=a.undesirable_loss_weight)
 
         @reads_local_tokens  # sequence_logprobs reads the logits of a CP rank's own tokens
         def fn(batch: dict, logits: torch.Tensor):

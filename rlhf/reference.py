@@ -65,14 +65,16 @@ class Reference:
     """The frozen reference engine and its log-probs. ``--ref_offload``: its weights live in host memory between
     its forwards (``rlhf.offload.OffloadManager``; on a CPU device only with ``RLHF_OFFLOAD_ON_CPU=1``)."""
 
-    def __init__(self, args: argparse.Namespace, mesh) -> None:
+    def __init__(self, job, mesh) -> None:
+        """``job``: the ``SupervisedJob``, whose ``task["reference"]`` is the ``ReferencePart``."""
         from rlhf.engine import ModelEngine
 
-        path = args.ref_pretrain or args.pretrain
-        self.engine = ModelEngine(mesh, path, value_head=False, bf16=args.bf16, name="ref",
-                                  transformer_impl=getattr(args, "transformer_impl", None))
+        ref = job.task["reference"]
+        path = ref.ref_pretrain or job.model.pretrain
+        self.engine = ModelEngine(mesh, path, value_head=False, bf16=job.engine.bf16, name="ref",
+                                  transformer_impl=job.engine.transformer_impl)
         self.offload = None
-        if args.ref_offload:
+        if ref.ref_offload:
             from rlhf.offload import OffloadManager, cpu_offload_moves
 
             # As PPO does: on a CPU device the host is the device, so a copy cannot lower peak memory and nothing
@@ -115,24 +117,25 @@ class ReferenceTask:
     value_head = False
     output = "head"
 
-    def validate(self, args: argparse.Namespace) -> None:
+    def validate(self, job) -> None:
         """Against the other parts and the models (``ReferencePart.check`` checked --beta)."""
-        if args.packing_samples:
+        if job.engine.packing_samples:
             raise ValueError(f"--packing_samples is not supported by {self.name} yet; drop the flag")
-        if args.ref_pretrain:
+        path, pretrain = job.task["reference"].ref_pretrain, job.model.pretrain
+        if path:
             from rlhf.models.source import describe_source
 
             try:
-                ref, pol = describe_source(args.ref_pretrain)["spec"], describe_source(args.pretrain)["spec"]
+                ref, pol = describe_source(path)["spec"], describe_source(pretrain)["spec"]
             except ValueError as e:
-                raise ValueError(f"--ref_pretrain {args.ref_pretrain}: {e}") from None
+                raise ValueError(f"--ref_pretrain {path}: {e}") from None
             if ref.vocab_size != pol.vocab_size:
-                raise ValueError(f"--ref_pretrain {args.ref_pretrain} has vocab size {ref.vocab_size}, --pretrain "
-                                 f"{args.pretrain} has {pol.vocab_size}: they must share a tokenizer")
+                raise ValueError(f"--ref_pretrain {path} has vocab size {ref.vocab_size}, --pretrain "
+                                 f"{pretrain} has {pol.vocab_size}: they must share a tokenizer")
 
-    def setup(self, args: argparse.Namespace, mesh, engine) -> None:
-        self.args = args
-        self.ref = Reference(args, mesh)
+    def setup(self, job, mesh, engine) -> None:
+        self.job = job
+        self.ref = Reference(job, mesh)
 
     def before_step(self, engine, microbatches: list[dict]) -> dict[str, float]:
         return {"time/ref_fwd": self.ref.attach(microbatches)}

@@ -27,11 +27,11 @@ class RMTask:
     metric_keys = ("loss", "acc", "reward_gap", "chosen_reward", "rejected_reward")
     output = "head"  # a value-head model's head returns (B, S) values
 
-    def load_data(self, args: argparse.Namespace, tokenizer):
+    def load_data(self, job, tokenizer):
         from rlhf.data import build_rm_dataset
         from rlhf.trainer import load_split
 
-        return load_split(args, tokenizer, build_rm_dataset)
+        return load_split(job, tokenizer, build_rm_dataset)
 
     def collate(self, samples: list, tokenizer) -> dict[str, torch.Tensor]:
         from rlhf.data import collate_rm, pad_token_id
@@ -49,12 +49,12 @@ class RMTask:
         m = engine.reduce_metrics(outs, self.metric_keys)
         return {"acc": m["acc"], "reward_gap": m["reward_gap"], "loss": m["loss"]}
 
-    def after_export(self, args: argparse.Namespace, mesh) -> None:
+    def after_export(self, job, mesh) -> None:
         """--export_format openrlhf: the exported folder rewritten in OpenRLHF's format (rank 0)."""
-        if args.export_format == "openrlhf" and mesh.is_rank0:
+        if job.task["rm"].export_format == "openrlhf" and mesh.is_rank0:
             from rlhf.models.reward_format import to_openrlhf
 
-            to_openrlhf(args.save_path)
+            to_openrlhf(job.checkpoint.save_path)
         dist.barrier()
 
     def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]:

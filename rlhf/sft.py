@@ -21,20 +21,20 @@ class SFTTask:
 
     conditional: dict | None = None  # --conditional: bucket edges etc., exported under config.json "rlhf"
 
-    def validate(self, args: argparse.Namespace) -> None:
+    def validate(self, job) -> None:
         from rlhf.conditional import validate
 
-        validate(args)
+        validate(job)
 
-    def load_data(self, args: argparse.Namespace, tokenizer):
+    def load_data(self, job, tokenizer):
         from rlhf.conditional import load_conditional_split
         from rlhf.data import build_sft_dataset
         from rlhf.trainer import load_split
 
-        if getattr(args, "conditional", False):
-            train, evals, stats, self.conditional = load_conditional_split(args, tokenizer)
+        if job.task["conditional"].conditional:
+            train, evals, stats, self.conditional = load_conditional_split(job, tokenizer)
             return train, evals, stats
-        return load_split(args, tokenizer, build_sft_dataset)
+        return load_split(job, tokenizer, build_sft_dataset)
 
     def collate(self, samples: list, tokenizer) -> dict[str, torch.Tensor]:
         from rlhf.data import collate_sft, pad_token_id

@@ -24,7 +24,7 @@ class Task(Protocol):
     metric_keys: Sequence[str]
     output: str
 
-    def load_data(self, args: argparse.Namespace, tokenizer) -> tuple[list, list, dict[str, int]]: ...
+    def load_data(self, job, tokenizer) -> tuple[list, list, dict[str, int]]: ...
 
     def collate(self, samples: list, tokenizer) -> dict[str, torch.Tensor]: ...
 
@@ -34,30 +34,33 @@ class Task(Protocol):
 
     def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]: ...
 
+    # ``job``: the ``SupervisedJob`` (rlhf.config): the shared parts, and the task's own in ``job.task``.
     # Optional hooks (DPO/KTO use them; SFT/RM do not define them):
-    #   validate(args)                      task flag checks, before the process group and any model
-    #   setup(args, mesh, engine)           after the trained engine is built, e.g. a frozen reference engine
+    #   validate(job)                       task flag checks, before the process group and any model
+    #   setup(job, mesh, engine)            after the trained engine is built, e.g. a frozen reference engine
     #   before_step(engine, microbatches)   before each train step, e.g. attach reference log-probs to the
     #                                       micro-batches; returns extra metrics (phase timings)
-    #   after_export(args, mesh)            after the HF export, e.g. rewrite it in another format
+    #   after_export(job, mesh)             after the HF export, e.g. rewrite it in another format
 
 
-def load_split(args: argparse.Namespace, tokenizer, build) -> tuple[list, list, dict[str, float]]:
-    """Train samples from --dataset; eval samples from --eval_dataset, or the last --eval_split of --dataset."""
+def load_split(job, tokenizer, build) -> tuple[list, list, dict[str, float]]:
+    """Train samples from --dataset; eval samples from --eval_dataset, or the last --eval_split of --dataset.
+    The data config spans several parts (data, keys, text, --max_len): it is read from the job's flat view."""
     from rlhf.data import DataConfig
 
-    train, stats = build(DataConfig.from_args(args), tokenizer)
+    ns, data = job.namespace(), job.data
+    train, stats = build(DataConfig.from_args(ns), tokenizer)
     if stats.num_truncated:
         import logging
 
         logging.getLogger("rlhf").info("%d samples truncated to --max_len %d (%d dropped: no response token left)",
-                                       stats.num_truncated, args.max_len, stats.num_dropped)
+                                       stats.num_truncated, job.batch.max_len, stats.num_dropped)
     evals: list = []
-    if args.eval_dataset:
-        evals, _ = build(DataConfig.from_args(args, dataset=args.eval_dataset, dataset_probs=None,
+    if data.eval_dataset:
+        evals, _ = build(DataConfig.from_args(ns, dataset=data.eval_dataset, dataset_probs=None,
                                               max_samples=None), tokenizer)
-    elif args.eval_split > 0:
-        n = int(len(train) * args.eval_split)
+    elif data.eval_split > 0:
+        n = int(len(train) * data.eval_split)
         train, evals = train[: len(train) - n], train[len(train) - n:]
     return train, evals, {k.split("/", 1)[1]: v for k, v in stats.as_metrics().items() if "/mixed/" not in k}
 
@@ -111,22 +114,18 @@ def prepare(args: argparse.Namespace, task: Task, world_size: int, task_parts: d
     """Every check on the flags and the data before the process group and any model: the job's configuration
     (``SupervisedJob``, built here once: each part checks its own values), the tokenizer, the train and eval
     samples, the data statistics and the number of optimizer steps."""
-    import sys
+    from rlhf.config import validate_common
 
-    from rlhf.config import SupervisedJob, validate_common
-
-    if task_parts is None:  # the task's module says which parts are its own
-        task_parts = getattr(sys.modules[type(task).__module__], "TASK_PARTS", {})
-    job = SupervisedJob.from_args(args, task={k: t.from_args(args) for k, t in task_parts.items()})
+    job = build_job(args, task, task_parts)
     validate_common(job, world_size)
     if job.lora.lora_rank and job.lora.lora_export == "adapter" and task.value_head:
         raise ValueError(f"--lora_export adapter: {task.name} has a value head; reward models export merged")
     if hasattr(task, "validate"):
-        task.validate(args)
+        task.validate(job)
     from rlhf.models.source import load_tokenizer  # after the flag checks: importing transformers takes seconds
 
     tokenizer = load_tokenizer(job.model.pretrain)
-    train, evals, stats = task.load_data(args, tokenizer)
+    train, evals, stats = task.load_data(job, tokenizer)
     if not train:
         raise ValueError(f"--dataset {job.data.dataset}: no training samples after filtering")
     batch = job.batch
@@ -137,9 +136,22 @@ def prepare(args: argparse.Namespace, task: Task, world_size: int, task_parts: d
     return job, tokenizer, train, evals, stats, steps_per_epoch * batch.max_epochs
 
 
+def build_job(args: argparse.Namespace, task: Task, task_parts: dict | None = None):
+    """The ``SupervisedJob`` of parsed flags: the shared parts and the task's own (``task_parts``, by default the
+    ``TASK_PARTS`` of the task's module), each checking its own values as it is built."""
+    import sys
+
+    from rlhf.config import SupervisedJob
+
+    if task_parts is None:  # the task's module says which parts are its own
+        task_parts = getattr(sys.modules[type(task).__module__], "TASK_PARTS", {})
+    return SupervisedJob.from_args(args, task={k: t.from_args(args) for k, t in task_parts.items()})
+
+
 def run(args: argparse.Namespace, task: Task, task_parts: dict | None = None) -> dict[str, Any]:
     """The job from the flags (``prepare``), then the mesh, the engine, the sampler and the checkpoints from its
-    parts. The task's hooks and data loading still read ``args``."""
+    parts; the task's hooks take the job. ``args`` (the parsed flags) remain for the ranks' consistency check, the
+    logged configuration and the HF export, which take every flag by name."""
     from rlhf.checkpoint import Checkpointer
     from rlhf.config import log_compat_mappings
     from rlhf.data import BatchConfig, DistributedBatchSampler
@@ -165,7 +177,7 @@ def run(args: argparse.Namespace, task: Task, task_parts: dict | None = None) ->
                          value_head=task.value_head, bf16=eng.bf16, transformer_impl=eng.transformer_impl,
                          recompute=eng.gradient_checkpointing, name=task.name, lora=job.lora.config(eng.seed))
     if hasattr(task, "setup"):
-        task.setup(args, mesh, engine)
+        task.setup(job, mesh, engine)
     sampler = DistributedBatchSampler(len(train), BatchConfig(batch.train_batch_size, batch.micro_train_batch_size,
                                                               mesh.dp, mesh.dp_rank), seed=eng.seed)
     ckpt = Checkpointer(mesh, job.checkpoint.dir, job.checkpoint.max_ckpt_num)
@@ -191,8 +203,8 @@ class SupervisedLoop:
 
     def __init__(self, job, args: argparse.Namespace, task: Task, tokenizer, engine, sampler, ckpt,
                  total_steps: int):
-        """``job``: the ``SupervisedJob`` (batching, checkpoints, logging); ``args``: the parsed flags, for the
-        task's hooks, the HF export and the run's logged config."""
+        """``job``: the ``SupervisedJob`` (batching, checkpoints, logging; the task's hooks take it); ``args``: the
+        parsed flags, for the HF export and the run's logged config."""
         from rlhf.metrics import MetricsLogger
 
         self.job, self.args, self.task, self.tokenizer, self.engine = job, args, task, tokenizer, engine
@@ -266,7 +278,7 @@ class SupervisedLoop:
         result.update(extra)
         export_hf(args, self.engine, mesh, extra)
         if hasattr(self.task, "after_export"):
-            self.task.after_export(args, mesh)
+            self.task.after_export(self.job, mesh)
         self.metrics_log.close()
         if mesh.is_rank0:
             with open(os.path.join(self.job.checkpoint.save_path, "train_result.json"), "w") as f:

@@ -136,7 +136,10 @@ def worker(args: argparse.Namespace) -> None:
     sft.add_args(p)
     data_args = p.parse_args(["--pretrain", str(work / "model"), "--dataset", str(work / "sft.jsonl"),
                               "--save_path", str(work / "unused"), "--max_len", str(args.max_len)])
-    samples, _, _ = sft.TASK().load_data(data_args, tokenizer)
+    from rlhf.trainer import build_job
+
+    task = sft.TASK()
+    samples, _, _ = task.load_data(build_job(data_args, task), tokenizer)
     # Every rank must get its share of every step: a rank with no micro-batch would skip the DP all-reduces.
     assert len(samples) >= args.global_batch * (args.warmup + args.steps), (len(samples), "samples dropped")
     if args.global_batch % (2 * args.micro_batch):

@@ -33,7 +33,10 @@ def load_samples(task_mod, model: str, data: str, tokenizer) -> list:
     p = argparse.ArgumentParser()
     task_mod.add_args(p)
     args = p.parse_args(["--pretrain", model, "--dataset", data, "--save_path", "unused", "--max_len", "64"])
-    train, _, _ = task_mod.TASK().load_data(args, tokenizer)
+    from rlhf.trainer import build_job
+
+    task = task_mod.TASK()
+    train, _, _ = task.load_data(build_job(args, task), tokenizer)
     return train
 
 

@@ -43,9 +43,12 @@ def test_prefix_in_prompt_not_in_loss_and_eval_on_train_edges(train_setup, tmp_p
                                                   {"input": "repeat: lo =", "output": " lo", "score": -5.0}])
     args = sft_args(["--pretrain", train_setup["model"], "--dataset", data, "--eval_dataset", evals, "--save_path",
                      str(tmp_path / "o"), "--conditional", "--score_key", "score", "--reward_buckets", "4"])
-    SFTTask().validate(args)
+    from rlhf.trainer import build_job
+
+    job = build_job(args, SFTTask())  # the flags' own checks
+    SFTTask().validate(job)
     tok = AutoTokenizer.from_pretrained(train_setup["model"])
-    train, ev, stats, info = load_conditional_split(args, tok)
+    train, ev, stats, info = load_conditional_split(job, tok)
     assert info["edges"] == pytest.approx(EDGES) and info["train_bucket_counts"] == [2, 2, 2, 2]
     assert info["top_prefix"] == "<rm_score>: 3 " and stats["num_samples"] == 8
     for s in train:
