@@ -67,9 +67,28 @@ def reuse_ours(run_dir: str) -> dict:
             "reused": run_dir}
 
 
+def prompts_in_our_order(train: str, out: str, seed: int, steps: int, per_step: int = 8) -> str:
+    """``train``'s records in the order our run draws them (``--max_samples`` of them mixed and shuffled with
+    ``--seed``, rlhf.data.mixing, then the step sampler's permutation, rlhf.data.sampler), written to
+    ``out/train_in_our_order.jsonl`` for TRL, which reads its file in order (``shuffle_dataset=False``): both systems
+    then train on the same prompts at every step, so their training rewards compare step by step."""
+    from rlhf.data import BatchConfig, DistributedBatchSampler
+    from rlhf.data.mixing import mix
+
+    lines = [ln for ln in open(train) if ln.strip()]
+    pairs = mix([len(lines)], None, per_step * steps, seed)  # one source: (0, record index)
+    sampler = DistributedBatchSampler(len(pairs), BatchConfig(per_step, per_step), seed=seed)
+    order = [pairs[k][1] for step in range(steps) for mb in sampler.batch_at(0, step) for k in mb]
+    path = os.path.join(out, "train_in_our_order.jsonl")
+    with open(path, "w") as f:
+        f.writelines(lines[i] for i in order)
+    return path
+
+
 def run_trl(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool, lr: str) -> dict:
     res = os.path.join(out, "trl_result.json")
-    cmd = [TRL_PY, os.path.join(REPO, "bench", "_trl_grpo.py"), "--model", model, "--train", data["train"],
+    train = prompts_in_our_order(data["train"], out, seed, steps)
+    cmd = [TRL_PY, os.path.join(REPO, "bench", "_trl_grpo.py"), "--model", model, "--train", train,
            "--steps", str(steps), "--seed", str(seed), "--lr", lr, "--save", os.path.join(out, "model"), "--out", res]
     with open(os.path.join(out, "train.log"), "w") as log:
         if subprocess.run(cmd + (["--bf16"] if bf16 else []), cwd=REPO, env=env(2), stdout=log,
