@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlhf.ppo.stages import Rollout, make_rollout, sync_weights
+from rlhf.ppo.stages import Rollout, make_rollout, rollout_phase
 from rlhf.rollout.partial import PartialRollouts, generate_partial
 
 
@@ -23,20 +23,15 @@ def build_partial(job) -> PartialRollouts | None:
 def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, sampler,
                           step: int, mesh, timer) -> tuple[Rollout, dict[str, float]]:
     """The step's rollout. ``step`` is the policy version: the weight updates applied so far."""
-    roles.memory.enter("rollout")
-    seed, gen = job.engine.seed * 100_003 + step, job.generation  # the synchronous step's seed (rlhf.ppo.stages.generate, round 0)
+    seed = job.engine.seed * 100_003 + step  # the synchronous step's seed (rlhf.ppo.stages.generate, round 0)
+    gen = job.generation
     metrics = partial.drop_stale(step)
-    if roles.rollout.needs_sync:  # a CPU engine released its weights after the last rollout
-        sync_weights(roles, timer)
-        roles.memory.enter("rollout")
     new = partial.take_prompts(partial.new_prompts_needed(), lambda: sampler.next_step()[0])
     groups = partial.round_groups([(i, prompts[i].prompt_ids.tolist()) for i in new], step_seed=seed)
-    with timer.phase("rollout"):
-        roles.rollout.wake_up(["kv_cache"])
+    with rollout_phase(roles, timer):  # the synchronous step's memory phase, sync and engine wake-up
         groups, counts = generate_partial(roles.rollout, groups, groups_needed=partial.groups_needed(groups),
                                           temperature=gen.temperature, top_p=gen.top_p,
                                           max_tokens=gen.generate_max_len, version=step, ignore_eos=gen.ignore_eos)
-        roles.rollout.sleep()
     train, m = partial.settle(groups, step)
     if len(train) < partial.batch_groups:
         raise RuntimeError(f"partial rollout: {len(train)} whole groups after the round, {partial.batch_groups} "

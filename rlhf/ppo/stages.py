@@ -5,7 +5,9 @@ which each stage reads the parts it needs) and the previous stage's record, time
 phase (``rlhf.offload``) before it runs."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -47,19 +49,29 @@ class Rollout:
         return sum(len(s.response_ids) for s in self.samples)
 
 
+@contextlib.contextmanager
+def rollout_phase(roles, timer) -> Iterator[None]:
+    """Around a rollout: its memory phase, a weight sync if a CPU engine released its weights after the previous
+    rollout, then the engine awake with its KV cache, timed as ``rollout``, and asleep again after."""
+    # The fallback generator runs the actor itself, so its parameters stay resident (weight_sync's residency).
+    phase = "weight_sync" if roles.rollout.reads_actor_params else "rollout"
+    roles.memory.enter(phase)
+    if roles.rollout.needs_sync:
+        sync_weights(roles, timer)
+        roles.memory.enter(phase)
+    with timer.phase("rollout"):
+        roles.rollout.wake_up(["kv_cache"])
+        yield
+        roles.rollout.sleep()
+
+
 def generate(roles, job, prompts: list, prompt_idx: list[int], step: int, mesh,
              timer, round_: int = 0) -> Rollout:
     """rollout: ``--n_samples_per_prompt`` samples per prompt; ``prompts`` are the dataset's PromptSamples.
     ``round_``: the rollout's number within the step (dynamic filtering generates again), in its seed."""
-    # The fallback generator runs the actor itself, so its parameters stay resident (weight_sync's residency).
-    roles.memory.enter("weight_sync" if roles.rollout.reads_actor_params else "rollout")
     gen, n = job.generation, job.batch.n_samples_per_prompt
     seed, metrics = job.engine.seed * 100_003 + step + 1_000_003 * round_, {}
-    if roles.rollout.needs_sync:  # a CPU engine released its weights after this step's previous rollout round
-        sync_weights(roles, timer)
-        roles.memory.enter("weight_sync" if roles.rollout.reads_actor_params else "rollout")
-    with timer.phase("rollout"):
-        roles.rollout.wake_up(["kv_cache"])
+    with rollout_phase(roles, timer):
         if roles.agent is not None:  # multi-turn trajectories (rlhf.agents.rollout)
             samples, metrics = roles.agent.run(roles.rollout, prompts, prompt_idx, n=n, temperature=gen.temperature,
                                                top_p=gen.top_p, max_tokens=gen.generate_max_len, seed=seed)
@@ -67,7 +79,6 @@ def generate(roles, job, prompts: list, prompt_idx: list[int], step: int, mesh,
             samples = roles.rollout.generate([prompts[i].prompt_ids.tolist() for i in prompt_idx],
                                              n=n, temperature=gen.temperature, top_p=gen.top_p,
                                              max_tokens=gen.generate_max_len, seed=seed, ignore_eos=gen.ignore_eos)
-        roles.rollout.sleep()
     return make_rollout(prompt_idx, samples, mesh, metrics)
 
 
