@@ -162,18 +162,17 @@ def _rm_scores(job, cfg, records: list) -> list[float]:
 def load_conditional_split(job, tokenizer) -> tuple[list, list, dict[str, float], dict]:
     """Like ``rlhf.trainer.load_split`` for SFT, with bucket prefixes. Returns (train, evals, data stats, the
     ``rlhf.conditional`` entry of the exported config)."""
-    from rlhf.data import DataConfig, build_sft_dataset
+    from rlhf.config import data_configs, hold_out
+    from rlhf.data import build_sft_dataset
     from rlhf.data.build import load_records
 
-    ns, data, c = job.namespace(), job.data, job.task["conditional"]  # the data config spans several parts
-    cfg = DataConfig.from_args(ns)
+    c = job.task["conditional"]
+    cfg, eval_cfg = data_configs(job)
     train_rec, stats = load_records(cfg, "sft")
-    if data.eval_dataset:
-        eval_rec, _ = load_records(DataConfig.from_args(ns, dataset=data.eval_dataset, dataset_probs=None,
-                                                        max_samples=None), "sft")
+    if eval_cfg is not None:
+        eval_rec, _ = load_records(eval_cfg, "sft")
     else:
-        n = int(len(train_rec) * data.eval_split)
-        train_rec, eval_rec = train_rec[:len(train_rec) - n], train_rec[len(train_rec) - n:]
+        train_rec, eval_rec = hold_out(train_rec, job.data.eval_split)
     if c.score_key:
         scores = _record_scores(train_rec + eval_rec, c.score_key)
         source = f"--score_key {c.score_key}"

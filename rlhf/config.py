@@ -199,6 +199,23 @@ def optim_config(args: argparse.Namespace, lr: float, total_steps: int):
     return part.config(lr, total_steps, zero_stage(args) >= 1)
 
 
+def data_configs(job: SupervisedJob):
+    """``(train, eval)`` data configs of a supervised job: --dataset's, and --eval_dataset's (uncapped, unmixed) or
+    None. A data config spans several parts (data, keys, text, --max_len): it is read from the job's flat view."""
+    from rlhf.data import DataConfig
+
+    ns, data = job.namespace(), job.data
+    evals = (DataConfig.from_args(ns, dataset=data.eval_dataset, dataset_probs=None, max_samples=None)
+             if data.eval_dataset else None)
+    return DataConfig.from_args(ns), evals
+
+
+def hold_out(items: list, fraction: float) -> tuple[list, list]:
+    """``(kept, held)``: the last ``fraction`` of ``items`` held out (--eval_split)."""
+    n = int(len(items) * fraction)
+    return items[:len(items) - n], items[len(items) - n:]
+
+
 def check_paths_exist(flag: str, value: str | None) -> None:
     """Each entry of a comma-separated data flag (``path``, ``path@split``, or a Hub name in the local HF cache)
     must exist."""

@@ -44,24 +44,21 @@ class Task(Protocol):
 
 
 def load_split(job, tokenizer, build) -> tuple[list, list, dict[str, float]]:
-    """Train samples from --dataset; eval samples from --eval_dataset, or the last --eval_split of --dataset.
-    The data config spans several parts (data, keys, text, --max_len): it is read from the job's flat view."""
-    from rlhf.data import DataConfig
+    """Train samples from --dataset; eval samples from --eval_dataset, or the last --eval_split of --dataset."""
+    from rlhf.config import data_configs, hold_out
 
-    ns, data = job.namespace(), job.data
-    train, stats = build(DataConfig.from_args(ns), tokenizer)
+    cfg, eval_cfg = data_configs(job)
+    train, stats = build(cfg, tokenizer)
     if stats.num_truncated:
         import logging
 
         logging.getLogger("rlhf").info("%d samples truncated to --max_len %d (%d dropped: no response token left)",
                                        stats.num_truncated, job.batch.max_len, stats.num_dropped)
     evals: list = []
-    if data.eval_dataset:
-        evals, _ = build(DataConfig.from_args(ns, dataset=data.eval_dataset, dataset_probs=None,
-                                              max_samples=None), tokenizer)
-    elif data.eval_split > 0:
-        n = int(len(train) * data.eval_split)
-        train, evals = train[: len(train) - n], train[len(train) - n:]
+    if eval_cfg is not None:
+        evals, _ = build(eval_cfg, tokenizer)
+    elif job.data.eval_split > 0:
+        train, evals = hold_out(train, job.data.eval_split)
     return train, evals, {k.split("/", 1)[1]: v for k, v in stats.as_metrics().items() if "/mixed/" not in k}
 
 

@@ -14,7 +14,6 @@ for the experience forwards and the update, and the routing-flip metric.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 

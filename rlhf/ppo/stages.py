@@ -278,9 +278,7 @@ def make_experience(roles, job, rollout: Rollout, rewards: RewardSources, mesh, 
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         out = {k: v[inverse.to(v.device)] for k, v in out.items()}
-    from rlhf.agents.flags import response_width
-
-    vllm_lp = generator_logprobs(rollout.local, response_width(job.generation, job.agent, rollout.samples))
+    vllm_lp = generator_logprobs(rollout.local, batch["action_mask"].shape[1])  # the collated response width
     combined, raw, metrics = rewards.score({r: out[r] for r in roles.reward_models}, rollout)
     metrics["microbatches/forward"] = float(len(mbs))
     metrics.update(routing.finish(roles, replay, rollout, batch, mbs, order, recorder, timer))
