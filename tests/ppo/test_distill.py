@@ -102,6 +102,20 @@ def test_signal_equals_transformers_and_a_teacher_moves_the_student(ppo_setup, t
     assert any(not torch.equal(weights[k], initial[k]) for k in initial)  # control: another teacher moves them
 
 
+def test_signal_with_packed_dynamic_micro_batches_and_lora(ppo_setup, teachers, tmp_path, monkeypatch):
+    """The teacher reads the student's packed micro-batches formed by token count, and the student trains LoRA
+    adapters (zero at step 1, so the student is still the initial model): the same signal as transformers'."""
+    steps: list = []
+    hist, _ = _run(ppo_setup, tmp_path / "o", teachers["big"], monkeypatch, "--packing_samples", "--use_dynamic_batch",
+                   "--prompt_max_len", "16", "--max_tokens_per_gpu", "24", "--lora_rank", "4",
+                   capture=steps)
+    b, mask = steps[0]["batch"], steps[0]["batch"]["action_mask"]
+    want = (_hf_logprobs(ppo_setup["actor"], b, 0.9) - _hf_logprobs(teachers["big"], b, 0.9)) * mask
+    assert mask.sum() > 4 and want[mask].abs().min() > 1e-3, want
+    torch.testing.assert_close(-steps[0]["advantages"], want, atol=2e-5, rtol=0)
+    assert hist[1]["distill/reverse_kl"] != hist[0]["distill/reverse_kl"]  # the adapters moved the student
+
+
 def test_teacher_equal_to_the_student_gives_zero_and_moves_nothing(ppo_setup, tmp_path, monkeypatch):
     steps: list = []
     hist, weights = _run(ppo_setup, tmp_path / "o", ppo_setup["actor"], monkeypatch, capture=steps)
