@@ -125,20 +125,21 @@ def test_teacher_equal_to_the_student_gives_zero_and_moves_nothing(ppo_setup, tm
     assert weights.keys() == initial.keys() and all(torch.equal(weights[k], initial[k]) for k in initial)
 
 
-def test_teacher_equal_to_the_student_at_tp2_gives_zero(ppo_setup, tmp_path):
-    """Both models split over TP 2 (2 ranks, launch/ppo.py): the teacher's shards are the student's, so the signal
+@pytest.mark.parametrize("split", ["--tp", "--pp"])
+def test_teacher_equal_to_the_student_at_tp2_or_pp2_gives_zero(ppo_setup, tmp_path, split):
+    """Both models split over TP 2 or PP 2 (2 ranks, launch/ppo.py): the teacher's shards are the student's, so the signal
     is exactly zero and pure distillation leaves the weights as they were; a teacher loaded or sharded unlike the
     student fails it (the one-rank control above shows another teacher moves them)."""
     from helpers import REPO, run_torchrun, tail
 
     from rlhf.metrics import read_metrics_jsonl
 
-    out = tmp_path / "tp2"
-    argv = ppo_args(ppo_setup, str(out), **{**PURE, "--teacher_pretrain": ppo_setup["actor"], "--tp": "2"})
+    out = tmp_path / "split"
+    argv = ppo_args(ppo_setup, str(out), **{**PURE, "--teacher_pretrain": ppo_setup["actor"], split: "2"})
     p = run_torchrun(os.path.join(REPO, "launch/ppo.py"), 2, argv, timeout=600,
                      PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]))  # the rule reward's module
     assert p.returncode == 0, tail(p)
-    assert "tp=2" in p.stdout + p.stderr
+    assert f"{split[2:]}=2" in p.stdout + p.stderr  # the mesh line
     hist = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "ppo")
     assert sorted(hist) == [1, 2] and all(h["distill/reverse_kl"] == 0.0 for h in hist.values()), hist
     initial, weights = load_file(f"{ppo_setup['actor']}/model.safetensors"), load_file(out / "model.safetensors")
