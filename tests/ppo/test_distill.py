@@ -127,9 +127,9 @@ def test_teacher_equal_to_the_student_gives_zero_and_moves_nothing(ppo_setup, tm
 
 @pytest.mark.parametrize("split", ["--tp", "--pp"])
 def test_teacher_equal_to_the_student_at_tp2_or_pp2_gives_zero(ppo_setup, tmp_path, split):
-    """Both models split over TP 2 or PP 2 (2 ranks, launch/ppo.py): the teacher's shards are the student's, so the signal
-    is exactly zero and pure distillation leaves the weights as they were; a teacher loaded or sharded unlike the
-    student fails it (the one-rank control above shows another teacher moves them)."""
+    """Both models split over TP 2 or PP 2 (2 ranks, launch/ppo.py): the teacher's shards are the student's, so the
+    signal is exactly zero and pure distillation leaves the weights as they were; a teacher loaded or sharded unlike
+    the student fails it (the one-rank control above shows another teacher moves them)."""
     from helpers import REPO, run_torchrun, tail
 
     from rlhf.metrics import read_metrics_jsonl
