@@ -62,7 +62,7 @@ class RouterReplayPart(Part):
         self.moe_router_replay = _mode(self.moe_router_replay)
 
 
-def check_router_replay(part: RouterReplayPart, spec, *, pp: int, cp: int, recompute: bool, backend: str, model: str,
+def check_router_replay(part: RouterReplayPart, spec, *, pp: int, recompute: bool, backend: str, model: str,
                         other: str | None = None) -> None:
     """The mode against the actor (``spec``: its ``ModelSpec``), the layout and the generator (``backend``:
     --rollout_backend), before any model loads; ``other``: a flag whose generation keeps no routing yet."""
@@ -73,12 +73,12 @@ def check_router_replay(part: RouterReplayPart, spec, *, pp: int, cp: int, recom
         raise ValueError(f"--moe_router_replay {mode}: the actor {model} ({spec.model_type}) is not a "
                          "mixture-of-experts model; routing replay is for MoE actors (mixtral, qwen3_moe)")
     for bad, what in ((pp > 1 and recompute, f"--pipeline_model_parallel_size {pp} and --gradient_checkpointing"),
-                      (cp > 1, f"--context_parallel_size {cp}"), (mode == "rollout" and bool(other), other)):
+                      (mode == "rollout" and bool(other), other)):
         if bad:
             raise ValueError(f"--moe_router_replay {mode} with {what} is not supported yet (replay covers padded, "
-                             "packed and token-budget micro-batches, expert and pipeline parallelism, and "
-                             "--gradient_checkpointing at PP 1, at CP 1; rollout: single-turn generation without "
-                             "partial rollouts)")
+                             "packed and token-budget micro-batches, expert, pipeline and context parallelism, and "
+                             "--gradient_checkpointing at PP 1; rollout: single-turn generation without partial "
+                             "rollouts)")
     import importlib.util
 
     vllm = backend == "vllm" or (backend == "auto" and importlib.util.find_spec("vllm") is not None)
@@ -109,6 +109,15 @@ def _layer_targets(routed: torch.Tensor, layer: int) -> torch.Tensor:
     return torch.where(unknown, torch.arange(idx.shape[1], device=idx.device).expand_as(idx), idx)
 
 
+def _cp_layout(batch: dict):
+    """The micro-batch's context-parallel split (``rlhf.models.context_parallel``), or None without CP: the decoder
+    routes this rank's tokens only, so the routing replayed is split the same way and the routing recorded is
+    gathered back."""
+    from rlhf.models import context_parallel as cpm
+
+    return cpm.layout_for_batch(batch["input_ids"], batch.get("packed_seq_params"))
+
+
 def _reset(routers: list) -> None:
     for _, rr in routers:
         rr.clear_indices()
@@ -137,6 +146,11 @@ def routing_for_forward(model: torch.nn.Module, batch: dict) -> Iterator[None]:
         return
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+    layout = _cp_layout(batch)
+    if routed is not None and layout is not None:
+        from rlhf.models.context_parallel import split_input
+
+        routed = split_input(routed, layout, dim=1)  # (B, S_local, layers, K): this rank's tokens, 0 at padding
     for layer, rr in routers:
         if routed is not None:
             rr.set_target_indices(_layer_targets(routed, layer))
@@ -147,7 +161,7 @@ def routing_for_forward(model: torch.nn.Module, batch: dict) -> Iterator[None]:
     try:
         yield
         if recorder is not None and routed is None:
-            recorder.take(batch, routers)
+            recorder.take(batch, routers, layout)
     except BaseException:
         _reset(routers)
         raise
@@ -166,13 +180,22 @@ class RoutingRecorder:
         self.num_layers, self.model = num_layers, model  # the model whose forwards it records
         self.parts: list[torch.Tensor] = []
 
-    def take(self, batch: dict, routers: list) -> None:
+    def take(self, batch: dict, routers: list, layout=None) -> None:
+        """``layout``: the micro-batch's CP split; the routers then hold this rank's tokens only, gathered here over
+        the CP group (a collective: every CP rank records the same micro-batch)."""
         ids = batch["input_ids"]
         B, S = ids.shape
         K = routers[0][1].recorded_topk_idx.shape[-1]
-        out = torch.zeros(B, S, self.num_layers, K, dtype=torch.int16)
+        n = S if layout is None else layout.local.numel()  # the tokens this rank's routers saw
+        out = torch.zeros(B, n, self.num_layers, K, dtype=torch.int32)
         for layer, rr in routers:
-            out[:, :, layer] = (rr.recorded_topk_idx.detach().to("cpu").view(S, B, K).transpose(0, 1) + 1).short()
+            out[:, :, layer] = rr.recorded_topk_idx.detach().view(n, B, K).transpose(0, 1).to("cpu", torch.int32) + 1
+        if layout is not None:
+            from rlhf.models.context_parallel import gather_tokens
+
+            device = rr.recorded_topk_idx.device
+            out = gather_tokens(out.to(device), layout).cpu()  # (B, S, layers, K) in the batch's layout
+        out = out.short()
         if "packed_seq_params" in batch:  # one packed row -> the rows of the padded micro-batch
             cu = batch["cu_seqlens"].cpu()
             out = unpack_routing(out[0], cu, int((cu[1:] - cu[:-1]).max()))

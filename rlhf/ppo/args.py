@@ -143,7 +143,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     from rlhf.models.source import check_tokenizer_folder
 
     check_agent_fit(job.agent, sources["--pretrain"]["hf_config"])
-    check_router_replay(job.router_replay, sources["--pretrain"]["spec"], pp=par.pp, cp=par.cp,
+    check_router_replay(job.router_replay, sources["--pretrain"]["spec"], pp=par.pp,
                         recompute=job.engine.gradient_checkpointing, backend=job.rollout.rollout_backend,
                         model=job.models.pretrain, other=(job.agent.agent_func_path and "--agent_func_path")
                         or (job.partial.partial_rollout and "--partial_rollout"))

@@ -10,6 +10,7 @@ path). Padded batches train through a loss that reads whole sequences (the all-g
 through one that reads each rank's own tokens (``reads_local_tokens``). MoE's load-balancing loss: every gradient
 of a mixtral step with it at each LAYOUT against CP1 (``aux_grads``). Rank 0 writes WORKDIR/cp_result_N.json.
 """
+import functools
 import json
 import os
 import sys
@@ -171,6 +172,88 @@ def aux_grads(work, layout, aux):
     return full_grads(ddp, mesh, plan.spec)
 
 
+def hf_routing(hf_dir, rows):
+    """transformers' top-k experts of every token of each (1, L) row: (L, layers, K) ids + 1 each."""
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    k = m.config.num_experts_per_tok
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            logits = m(input_ids=r, output_router_logits=True).router_logits  # per layer (L, E)
+            out.append(torch.stack([lg.topk(k, dim=-1).indices for lg in logits], dim=1).short() + 1)
+            top = torch.stack([lg.topk(k + 1, dim=-1).values for lg in logits])  # (layers, L, K + 1)
+            hf_routing.min_gap = min(getattr(hf_routing, "min_gap", 1.0), (top[..., k - 1] - top[..., k]).min().item())
+    return out
+
+
+def routing_rows(vocab):
+    """The routing check's inputs: a padded (2, SEQ) batch, and one packed stream of LENGTHS[0]'s sequences."""
+    ids = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    return ids, [ids[j % 2, :n].unsqueeze(0) for j, n in enumerate(LENGTHS[0])]
+
+
+def routing_batches(ids, seqs, routed=None, recorder=None):
+    """The padded and the packed micro-batch, each with the routing to replay or the recorder."""
+    from rlhf.models.routing_replay import pack_routing
+
+    padded = {"input_ids": ids}
+    packed = make_packed_batch([s[0] for s in seqs])
+    if routed is not None:
+        padded["routed_experts"] = routed[0]
+        mask = torch.zeros(len(seqs), max(s.shape[1] for s in seqs), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            mask[i, : s.shape[1]] = 1
+        packed["routed_experts"] = pack_routing(routed[1], mask, packed["input_ids"].shape[1])
+    if recorder is not None:
+        padded["routing_recorder"] = packed["routing_recorder"] = recorder
+    return padded, packed
+
+
+def routing_check(work, layout, ref=None):
+    """Megatron's RouterReplay under CP (rlhf.models.routing_replay): the routing recorded in an unreplayed forward,
+    gathered over the CP ranks, equals transformers' top-k for every token, padded and packed; a replayed routing
+    (every token sent to the next experts: not what the router would choose) changes the logits and equals CP1's
+    replay of it (``ref``: this function's logits at CP1), padded and packed. Returns (figures, replayed logits)."""
+    from rlhf.models.routing_replay import RoutingRecorder, merge_stages
+
+    tp, pp, cp, ep = layout
+    hf_dir = os.path.join(work, "hf", "mixtral")
+    plan = plan_hf_to_megatron(hf_dir, os.path.join(work, "mg", "mixtral") + "-unused", 1, 1, overwrite=True)
+    mesh = initialize_mesh(tp, pp, cp=cp, ep=ep)
+    model = build_model(plan.spec, tp=tp, pp=pp, pp_rank=mesh.pp_rank, padded_vocab=plan.padded_vocab, ep=ep,
+                        routing_replay=True)
+    load_model(model, os.path.join(work, "mg", "mixtral", "model"))
+    model.eval()
+    ids, seqs = routing_rows(plan.spec.vocab_size)
+    pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True)
+    want = torch.stack(hf_routing(hf_dir, [ids[i:i + 1] for i in range(2)])), pad(hf_routing(hf_dir, seqs))
+    rec = RoutingRecorder(plan.spec.num_layers, model=model)
+    E = plan.spec.num_experts
+    shifted = [w % E + 1 for w in want]  # expert e -> e + 1 mod E, for every token and layer
+    def forward(mbs):  # one call per micro-batch: a pipeline's micro-batches of one call share a shape
+        return [(run_microbatches(model, [mb], forward_only=True) or [None])[0] for mb in mbs]  # None: not last
+
+    with torch.no_grad():
+        forward(routing_batches(ids, seqs, recorder=rec))
+        plain = forward(routing_batches(ids, seqs))
+        replayed = forward(routing_batches(ids, seqs, routed=shifted))
+    got = [merge_stages(p, mesh) for p in rec.parts]  # padded (2, SEQ, ...); packed, unpacked (3, longest, ...)
+    wrong = sum(int((g.sort(-1).values != w.sort(-1).values).any(-1).any(-1).sum()) for g, w in zip(got, want))
+    diff, logits = torch.zeros(2, dtype=torch.float64), None
+    if mesh.is_last_stage:
+        logits = [gather_vocab_parallel(o["output"])[..., : plan.spec.vocab_size].double() for o in replayed]
+        unreplayed = [gather_vocab_parallel(o["output"])[..., : plan.spec.vocab_size].double() for o in plain]
+        diff[0] = max((x - y).abs().max() for x, y in zip(logits, ref)) if ref is not None else 0.0
+        diff[1] = min((x - y).abs().max() for x, y in zip(logits, unreplayed))
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    del model
+    return {"tokens_routed_unlike_transformers": wrong, "tokens": int(sum(s.shape[1] for s in seqs)) + ids.numel(),
+            "replayed_vs_cp1": diff[0].item(), "replayed_vs_unreplayed": diff[1].item(),
+            "smallest_topk_gap": hf_routing.min_gap}, logits
+
+
 def rel_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() / (b[k].abs().max().item() + 1e-12) for k in b)
 
@@ -199,11 +282,14 @@ def main():
     aux_ref = aux_grads(work, (1, 1, 1, 1), AUX)  # CP1: 4 DP ranks
     # how much the load-balancing loss moves the gradients (the check below must see far less than this)
     results["aux/effect"] = rel_diff(aux_grads(work, (1, 1, 1, 1), 0.0), aux_ref)
+    results["routing/cp1"], routing_ref = routing_check(work, (1, 1, 1, 1))
     for layout in layouts:
         for name in MODELS:
             check(work, name, layout, results, refs)
         if layout[0] > 1:
             continue  # MoE trains at TP 1 (as in check)
+        tag = f"routing/tp{layout[0]}pp{layout[1]}cp{layout[2]}" + (f"ep{layout[3]}" if layout[3] > 1 else "")
+        results[tag] = routing_check(work, layout, routing_ref)[0]
         g = aux_grads(work, layout, AUX)
         results[f"aux/tp{layout[0]}pp{layout[1]}cp{layout[2]}" + (f"ep{layout[3]}" if layout[3] > 1 else "")] = {"max_rel_grad_diff": rel_diff(g, aux_ref),
                                                                    "mismatched_names": sorted(set(g) ^ set(aux_ref))}

@@ -80,3 +80,18 @@ def test_only_unmarked_losses_read_whole_sequences(result):
     """The padded runs' loss is not marked ``reads_local_tokens``: it got the all-gathered logits, logged once
     (rlhf.models.context_parallel.whole_sequences); the packed runs' marked loss read local chunks."""
     assert result["whole_sequence_readers_logged"] == ["token_loss"]
+
+
+@pytest.mark.parametrize("layout", [v for v in LAYOUTS.values() if v.startswith("tp1")])
+def test_cp_routing_replay_records_and_replays_every_token(result, layout):
+    """MoE routing replay under CP (mixtral, padded and packed): the routing recorded by megatron's RouterReplay,
+    gathered over the CP ranks, is transformers' top-k for every token and layer (the smallest gap between the k-th
+    and the next router logit is printed: fp32 differences of 1e-7 cannot reorder it); replaying another routing
+    (each token's experts moved to the next ids) equals CP1's replay of it within the logits bound, and differs from
+    the unreplayed forward (the control: a replay that was ignored or misaligned fails one of the two)."""
+    r = result["routing/" + layout.replace("dp1", "").replace("dp2", "")]
+    print(layout, r)
+    assert r["tokens_routed_unlike_transformers"] == 0 and r["tokens"] > 40, r
+    assert r["replayed_vs_cp1"] <= 1e-4, r
+    assert r["replayed_vs_unreplayed"] > 1e-2, r
+
