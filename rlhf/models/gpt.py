@@ -302,9 +302,11 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
     cls = _gpt_model_class()
     model = cls(spec, config, padded_vocab, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                 value_head=value_head, use_te=use_te)
-    from rlhf.compat.megatron import ensure_tp_attributes, rotary_half_rope, swiglu_function
+    from rlhf.compat.megatron import (ensure_tp_attributes, recompute_in_forward_context, rotary_half_rope,
+                                      swiglu_function)
 
     ensure_tp_attributes(model, te_available())
+    recompute_in_forward_context()
     rotary_half_rope()
     swiglu_function()
     return model

@@ -33,9 +33,10 @@ def _forward_step(loss_fn: LossFn | None, output: str, device: torch.device, dat
     from rlhf.models.routing_replay import routing_for_forward
 
     # MoE routing replay or recording (rlhf.models.routing_replay), when the batch carries routing or a recorder
-    with cpm.stream_length(cp_stream), routing_for_forward(model, batch):
+    with cpm.stream_length(cp_stream), routing_for_forward(model, batch) as watch_backward:
         out = model(batch["input_ids"], batch.get("position_ids"), batch.get("megatron_attention_mask"),
                     output=output, packed_seq_params=batch.get("packed_seq_params"))
+        watch_backward(out)  # full recompute: its backward's routing (rlhf.models.routing_replay)
         # Under context parallelism the last stage's output holds this rank's tokens only: a loss or reader marked
         # ``reads_local_tokens`` reads them in place (the split in the context), any other gets whole sequences.
         layout = cpm.layout_for_batch(batch["input_ids"], batch.get("packed_seq_params"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -62,8 +62,7 @@ class RouterReplayPart(Part):
         self.moe_router_replay = _mode(self.moe_router_replay)
 
 
-def check_router_replay(part: RouterReplayPart, spec, *, pp: int, recompute: bool, backend: str, model: str,
-                        other: str | None = None) -> None:
+def check_router_replay(part: RouterReplayPart, spec, *, backend: str, model: str, other: str | None = None) -> None:
     """The mode against the actor (``spec``: its ``ModelSpec``), the layout and the generator (``backend``:
     --rollout_backend), before any model loads; ``other``: a flag whose generation keeps no routing yet."""
     mode = part.moe_router_replay
@@ -72,13 +71,11 @@ def check_router_replay(part: RouterReplayPart, spec, *, pp: int, recompute: boo
     if not spec.num_experts:
         raise ValueError(f"--moe_router_replay {mode}: the actor {model} ({spec.model_type}) is not a "
                          "mixture-of-experts model; routing replay is for MoE actors (mixtral, qwen3_moe)")
-    for bad, what in ((pp > 1 and recompute, f"--pipeline_model_parallel_size {pp} and --gradient_checkpointing"),
-                      (mode == "rollout" and bool(other), other)):
-        if bad:
-            raise ValueError(f"--moe_router_replay {mode} with {what} is not supported yet (replay covers padded, "
-                             "packed and token-budget micro-batches, expert, pipeline and context parallelism, and "
-                             "--gradient_checkpointing at PP 1; rollout: single-turn generation without partial "
-                             "rollouts)")
+    if mode == "rollout" and other:
+        raise ValueError(f"--moe_router_replay {mode} with {other} is not supported yet (its generation keeps no "
+                         "routing; replay covers padded, packed and token-budget micro-batches, expert, pipeline and "
+                         "context parallelism and --gradient_checkpointing; rollout: single-turn generation without "
+                         "partial rollouts)")
     import importlib.util
 
     vllm = backend == "vllm" or (backend == "auto" and importlib.util.find_spec("vllm") is not None)
@@ -124,25 +121,55 @@ def _reset(routers: list) -> None:
         rr.clear_router_replay_action()
 
 
-@contextlib.contextmanager
-def routing_for_forward(model: torch.nn.Module, batch: dict) -> Iterator[None]:
-    """Around one micro-batch's ``model(...)``: replay ``batch["routed_experts"]`` when the batch carries it; record
-    when the batch carries a ``RoutingRecorder`` (``routing_recorder``); else megatron's own top-k.
+def _start(routers: list) -> None:
+    """A micro-batch's forward starts: no action or indices from another forward. The backward list keeps what
+    forwards still in flight (pipeline parallelism with recompute) left for their backwards."""
+    for _, rr in routers:
+        rr.target_topk_idx = rr.recorded_topk_idx = None
+        rr.clear_router_replay_action()
 
-    With full recompute (``--gradient_checkpointing``) the backward runs each layer's forward again: a replayed
-    forward with gradients leaves its indices in ``RouterReplay``'s backward list and the action at
-    ``replay_backward``, whose recompute takes them (megatron's own mechanism); the schedule runs that backward
-    before the next micro-batch's forward (no pipeline), which starts from a clean state."""
+
+def _action_for_backward(routers: list, replayed: bool):
+    """A gradient hook on a micro-batch's output: when its backward reaches this stage, the recompute of its layers
+    (full recompute) routes as its forward did: ``replay_backward`` pops this micro-batch's indices (megatron's
+    list is first in, first out, as the schedule runs the backwards in the forwards' order), else the router's own
+    top-k."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    def hook(grad):
+        for _, rr in routers:
+            if replayed:
+                rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            else:
+                rr.clear_router_replay_action()
+        return grad
+    return hook
+
+
+@contextlib.contextmanager
+def routing_for_forward(model: torch.nn.Module, batch: dict) -> Iterator[Callable[[torch.Tensor], None]]:
+    """Around one micro-batch's ``model(...)``: replay ``batch["routed_experts"]`` when the batch carries it; record
+    when the batch carries a ``RoutingRecorder`` (``routing_recorder``); else megatron's own top-k. Yields
+    ``watch(output)``, to be called with the forward's output.
+
+    With full recompute (``--gradient_checkpointing``) the backward runs each layer's forward again. A forward with
+    gradients leaves its replayed indices in ``RouterReplay``'s backward list (megatron's own mechanism) and puts a
+    hook on its output that sets the action its recompute needs when the backward reaches it: with pipeline
+    parallelism other micro-batches' forwards run between a forward and its backward (1F1B), each with its own
+    action, and the list holds one entry per micro-batch in flight. A forward without gradients takes its entry
+    back."""
     routers = replay_routers(model) if isinstance(model, torch.nn.Module) else []
     if not routers:
-        yield
+        yield _no_watch
         return
-    _reset(routers)  # what a previous micro-batch left for its backward has been used by now
+    _start(routers)
     routed, recorder = batch.get("routed_experts"), batch.get("routing_recorder")
     if recorder is not None and recorder.model is not model:  # another role's forward of the same micro-batches
         recorder = None
+    recompute = torch.is_grad_enabled() and model._rlhf_replay_recompute
+    watch = _watcher(routers, replayed=routed is not None) if recompute else _no_watch
     if routed is None and recorder is None:
-        yield
+        yield watch
         return
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -157,19 +184,28 @@ def routing_for_forward(model: torch.nn.Module, batch: dict) -> Iterator[None]:
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         else:
             rr.set_router_replay_action(RouterReplayAction.RECORD)
-    for_backward = routed is not None and torch.is_grad_enabled() and model._rlhf_replay_recompute
     try:
-        yield
+        yield watch
         if recorder is not None and routed is None:
             recorder.take(batch, routers, layout)
     except BaseException:
         _reset(routers)
         raise
-    if for_backward:
-        for _, rr in routers:
-            rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
-    else:  # the backward never routes again: nothing is kept for it
-        _reset(routers)
+    for _, rr in routers:
+        if routed is not None and not recompute:  # no backward routes again: the entry is not for a backward
+            rr.replay_backward_list.pop()
+        rr.clear_router_replay_action()
+
+
+def _no_watch(out: torch.Tensor) -> None:
+    return None
+
+
+def _watcher(routers: list, replayed: bool) -> Callable[[torch.Tensor], None]:
+    def watch(out: torch.Tensor) -> None:
+        if out.requires_grad:
+            out.register_hook(_action_for_backward(routers, replayed))
+    return watch
 
 
 class RoutingRecorder:

@@ -143,8 +143,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     from rlhf.models.source import check_tokenizer_folder
 
     check_agent_fit(job.agent, sources["--pretrain"]["hf_config"])
-    check_router_replay(job.router_replay, sources["--pretrain"]["spec"], pp=par.pp,
-                        recompute=job.engine.gradient_checkpointing, backend=job.rollout.rollout_backend,
+    check_router_replay(job.router_replay, sources["--pretrain"]["spec"], backend=job.rollout.rollout_backend,
                         model=job.models.pretrain, other=(job.agent.agent_func_path and "--agent_func_path")
                         or (job.partial.partial_rollout and "--partial_rollout"))
     check_tokenizer_folder(job.models.pretrain, "--pretrain")  # the prompts and replies are tokenized with it

@@ -8,7 +8,8 @@ the engine's per-token loss contract, 4 micro-batches over the DP ranks) against
 whole batch in this process without any collective. Sequence lengths are not multiples of 2 x CP (the padding
 path). Padded batches train through a loss that reads whole sequences (the all-gathered fallback), packed ones
 through one that reads each rank's own tokens (``reads_local_tokens``). MoE's load-balancing loss: every gradient
-of a mixtral step with it at each LAYOUT against CP1 (``aux_grads``). Rank 0 writes WORKDIR/cp_result_N.json.
+of a mixtral step with it at each LAYOUT against CP1 (``aux_grads``). At TP 1 layouts: MoE routing replay
+(``routing_check``) and full recompute (``recompute_checks``) against CP1. Rank 0 writes WORKDIR/cp_result_N.json.
 """
 import functools
 import json
@@ -248,10 +249,64 @@ def routing_check(work, layout, ref=None):
         diff[0] = max((x - y).abs().max() for x, y in zip(logits, ref)) if ref is not None else 0.0
         diff[1] = min((x - y).abs().max() for x, y in zip(logits, unreplayed))
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    del model
     return {"tokens_routed_unlike_transformers": wrong, "tokens": int(sum(s.shape[1] for s in seqs)) + ids.numel(),
             "replayed_vs_cp1": diff[0].item(), "replayed_vs_unreplayed": diff[1].item(),
             "smallest_topk_gap": hf_routing.min_gap}, logits
+
+
+def recompute_grads(work, name, layout, recompute, backward_replay=True, context=True):
+    """Every gradient of one DDP step (4 micro-batches of one padded row: several in flight at PP 2) of ``name``
+    with full recompute (--gradient_checkpointing) or without. mixtral's routing is replayed: each token's
+    transformers top-k moved to the next expert ids, which its recompute must route as its forward did;
+    ``backward_replay=False`` withholds the replayed indices from the recompute, ``context=False`` runs megatron's
+    checkpoint without the forward's context (``recompute_in_forward_context``): the negative controls."""
+    from megatron.core import tensor_parallel
+
+    from rlhf.models.ddp import wrap_ddp
+    from rlhf.models.routing_replay import replay_routers
+
+    tp, pp, cp, ep = layout
+    hf_dir = os.path.join(work, "hf", name)
+    plan = plan_hf_to_megatron(hf_dir, os.path.join(work, "mg", name) + "-unused", 1, 1, overwrite=True)
+    moe = bool(plan.spec.num_experts)
+    mesh = initialize_mesh(tp, pp, cp=cp, ep=ep)
+    model = build_model(plan.spec, tp=tp, pp=pp, pp_rank=mesh.pp_rank, padded_vocab=plan.padded_vocab, ep=ep,
+                        routing_replay=moe, recompute=recompute)
+    load_model(model, os.path.join(work, "mg", name, "model"))
+    model.config.calculate_per_token_loss = True
+    ddp = wrap_ddp(model)
+    replay_routers(ddp)
+    ddp._rlhf_replay_recompute &= backward_replay
+    rows = torch.randint(0, plan.spec.vocab_size, (4, 1, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    micro = [{"input_ids": r[:, :-1], "labels": r[:, 1:], "loss_mask": torch.ones_like(r[:, 1:])} for r in rows]
+    if moe:
+        for mb, w in zip(micro, hf_routing(hf_dir, [r[:, :-1] for r in rows])):
+            mb["routed_experts"] = (w % plan.spec.num_experts + 1).unsqueeze(0)
+    patched = tensor_parallel.checkpoint
+    if not context:
+        tensor_parallel.checkpoint = patched.rlhf_original
+    try:
+        run_microbatches(ddp, micro, loss_fn=token_loss)
+    finally:
+        tensor_parallel.checkpoint = patched
+    grads = full_grads(ddp, mesh, plan.spec)
+    del ddp, model
+    return grads
+
+
+RECOMPUTE_MODELS = ["llama-llama3", "mixtral"]
+
+
+def recompute_checks(work, layout, refs):
+    """CP (and PP) with --gradient_checkpointing against CP 1 without: every gradient, and the two controls."""
+    names = RECOMPUTE_MODELS if layout[3] == 1 else ["mixtral"]  # expert parallelism: MoE only
+    out = {name: rel_diff(recompute_grads(work, name, layout, True), refs[name]) for name in names}
+    out["control_recompute_without_forward_context"] = rel_diff(
+        recompute_grads(work, names[0], layout, True, context=False), refs[names[0]])
+    if layout[1] > 1:  # micro-batches in flight: the recompute routes by itself
+        out["control_recompute_without_replay"] = rel_diff(
+            recompute_grads(work, "mixtral", layout, True, backward_replay=False), refs["mixtral"])
+    return out
 
 
 def rel_diff(a, b):
@@ -283,6 +338,7 @@ def main():
     # how much the load-balancing loss moves the gradients (the check below must see far less than this)
     results["aux/effect"] = rel_diff(aux_grads(work, (1, 1, 1, 1), 0.0), aux_ref)
     results["routing/cp1"], routing_ref = routing_check(work, (1, 1, 1, 1))
+    recompute_refs = {name: recompute_grads(work, name, (1, 1, 1, 1), False) for name in RECOMPUTE_MODELS}
     for layout in layouts:
         for name in MODELS:
             check(work, name, layout, results, refs)
@@ -290,6 +346,7 @@ def main():
             continue  # MoE trains at TP 1 (as in check)
         tag = f"routing/tp{layout[0]}pp{layout[1]}cp{layout[2]}" + (f"ep{layout[3]}" if layout[3] > 1 else "")
         results[tag] = routing_check(work, layout, routing_ref)[0]
+        results[tag.replace("routing/", "recompute/")] = recompute_checks(work, layout, recompute_refs)
         g = aux_grads(work, layout, AUX)
         results[f"aux/tp{layout[0]}pp{layout[1]}cp{layout[2]}" + (f"ep{layout[3]}" if layout[3] > 1 else "")] = {"max_rel_grad_diff": rel_diff(g, aux_ref),
                                                                    "mismatched_names": sorted(set(g) ^ set(aux_ref))}

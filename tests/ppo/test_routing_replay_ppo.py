@@ -1,10 +1,10 @@
-"""MoE routing replay end to end (--moe_router_replay, rlhf.ppo.routing): GRPO on a tiny Mixtral, the megatron fallback
-generator recording the experts of every token it feeds (vLLM 0.32 returns routed experts only from its V2 model
-runner, which needs Triton: not on CPU). R3 with the experts over 2 EP ranks: the generator's routing replayed in the
-old-log-prob, the reference and both epochs' update forwards; R2 over 2 pipeline stages with packed micro-batches:
-each stage records its own layers in the old-log-prob forward, merged, replayed in the updates. The routing-flip
-metric logged each step. Bad input: a dense actor, and
-R3 with vLLM on CPU, are refused by name before any model loads."""
+"""MoE routing replay end to end (--moe_router_replay, rlhf.ppo.routing): GRPO on a tiny Mixtral, the megatron
+fallback generator recording the experts of every token it feeds (vLLM 0.32 returns routed experts only from its V2
+model runner, which needs Triton: not on CPU). R3 with the experts over 2 EP ranks: the generator's routing replayed
+in the old-log-prob, the reference and both epochs' update forwards; R2 over 2 pipeline stages with packed
+micro-batches and --gradient_checkpointing: each stage records its own layers in the old-log-prob forward, merged,
+replayed in the updates and their recomputes. The routing-flip metric logged each step. Bad input: a dense actor,
+and R3 with vLLM on CPU, are refused by name before any model loads."""
 import json
 import os
 
@@ -16,8 +16,9 @@ PPO = os.path.join(REPO, "launch/ppo.py")
 
 
 @pytest.mark.parametrize("layout", [{"--ep": 2, "--moe_router_replay": "rollout"},
-                                    {"--pp": 2, "--packing_samples": "", "--moe_router_replay": "train"}],
-                         ids=["ep2_rollout", "pp2_packed_train"])
+                                    {"--pp": 2, "--packing_samples": "", "--moe_router_replay": "train",
+                                     "--gradient_checkpointing": ""}],
+                         ids=["ep2_rollout", "pp2_packed_recompute_train"])
 def test_grpo_with_routing_replay(ppo_setup, family_actors, tmp_path, layout):
     save = str(tmp_path / "out")
     args = ppo_args({**ppo_setup, "actor": family_actors["mixtral"]}, save,
