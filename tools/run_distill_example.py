@@ -13,9 +13,9 @@ evaluation of each run, beside the GRPO run's own curve.
    set but weighs nothing in the update), one run per seed, evaluated every ``--eval_every`` steps.
 
 Writes under --out: data/, teacher/, distill_s<seed>/ (metrics.jsonl, logs), summary.json (held-out accuracy per
-evaluated step of every run; the first step at which each student reaches 90% of the teacher's final held-out
-accuracy, and the GRPO run's) and distill_curves.png. Not run in this project's sessions yet (see
-docs/distillation.md).
+evaluated step of every run; the first step at which each run reaches 70%, 80% and 90% of the teacher's final
+held-out accuracy, the GRPO run's included) and distill_curves.png. ``--report_only`` rewrites summary.json and the
+plot from the runs already under --out. Figures: docs/distillation.md.
 """
 from __future__ import annotations
 
@@ -40,6 +40,24 @@ def heldout_curve(run_dir: str) -> dict[int, float]:
 
 def first_reaching(curve: dict[int, float], target: float) -> int | None:
     return next((s for s in sorted(curve) if curve[s] >= target), None)
+
+
+FRACTIONS = (0.7, 0.8, 0.9)
+"""of the teacher's final held-out accuracy: the first step at which each run reaches each"""
+
+
+def report(out: str, curves: dict[str, dict[int, float]], summary: dict) -> None:
+    """summary.json (every curve, and per run the first step reaching each fraction) and distill_curves.png."""
+    grpo = curves.get("GRPO (the teacher's run)")
+    if grpo:
+        teacher_acc = grpo[max(grpo)]
+        summary.update(teacher_acc=teacher_acc, target=0.9 * teacher_acc,
+                       grpo_step_at_target=first_reaching(grpo, 0.9 * teacher_acc),
+                       first_step_at_fraction={name: {str(f): first_reaching(c, f * teacher_acc) for f in FRACTIONS}
+                                               for name, c in curves.items()})
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({**summary, "curves": curves}, f, indent=1)
+    plot(curves, os.path.join(out, "distill_curves.png"))
 
 
 def launch(flags: list[str], run_dir: str, nproc: int) -> None:
@@ -78,9 +96,19 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="the student (default: SmolLM2-135M-Instruct, prepared once)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--lr", default=LR, help="Adam's constant learning rate (both runs)")
+    p.add_argument("--report_only", action="store_true", help="summary.json and the plot from the runs under --out")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
+    if args.report_only:
+        curves = {"GRPO (the teacher's run)": heldout_curve(args.teacher or os.path.join(out, "teacher"))}
+        for seed in [int(s) for s in args.seeds.split(",") if s]:
+            if os.path.exists(os.path.join(out, f"distill_s{seed}", "metrics.jsonl")):
+                curves[f"distill_s{seed}"] = heldout_curve(os.path.join(out, f"distill_s{seed}"))
+        previous = json.load(open(os.path.join(out, "summary.json"))) if os.path.exists(
+            os.path.join(out, "summary.json")) else {}
+        report(out, curves, {k: v for k, v in previous.items() if k not in ("curves", "first_step_at_fraction")})
+        return 0
     model = smollm2_or(args.model, out)
     from rlhf.demo.arith_task import write
 
@@ -111,9 +139,8 @@ def main(argv=None) -> int:
         summary["runs"][name] = {"heldout": c, "seconds": time.time() - t1,
                                  "step_at_target": first_reaching(c, target) if target is not None else None}
         print(f"   {name}: held-out accuracy " + ", ".join(f"step {s}: {a:.3f}" for s, a in c.items()), flush=True)
-        with open(os.path.join(out, "summary.json"), "w") as f:
-            json.dump({**summary, "curves": curves}, f, indent=1)
-    plot(curves, os.path.join(out, "distill_curves.png"))
+        report(out, curves, summary)
+    report(out, curves, summary)
     return 0
 
 
