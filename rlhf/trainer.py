@@ -225,6 +225,9 @@ class SupervisedLoop:
         result: dict[str, Any] = {}
         loss_fn = task.loss_fn(engine)
         start_step = step
+        from rlhf.profiling import StepProfiler
+
+        profiler = StepProfiler(self.job.checkpoint.save_path, mesh.is_rank0)
         set_phase("train")  # between the named phases below
         while step < self.total_steps:
             if 0 <= ckpt.stop_after_steps <= step - start_step:
@@ -232,7 +235,7 @@ class SupervisedLoop:
                 self.metrics_log.close()
                 return result
             set_step(step + 1)
-            with phase("update"):
+            with phase("update"), profiler.step(step + 1):
                 result["train"] = self.train_step(train, loss_fn, step + 1)
             step += 1
             if eval_steps > 0 and step % eval_steps == 0 and step < self.total_steps:

@@ -54,10 +54,11 @@ PARTS: dict[str, tuple[str, ...]] = {
     "resume_mfu": ("mfu", "resume"),
 }
 """Each part's checks, most telling first: the ones a deadline leaves out are the last."""
-PART_BUDGET_S = {"fp32": 170, "bf16": 170, "resume_mfu": 170}
-"""Estimates (about 25 s a launch, 15 s more for an HF export, 40 s for the kernels, 60 s for the MFU step), not
-yet measured on the GPU: 3 parts of <= 3.5 min (with the wheels' install) plus the machine's start (~3 min) leave
-about 2 min of the 15 to rerun what failed or was not reached."""
+PART_BUDGET_S = {"fp32": 200, "bf16": 220, "resume_mfu": 170}
+"""Measured on an H200 (2026-11-27, bench/results/gpu_*_figures.json): fp32 162 s (kernels 24, SFT padded with its
+export 48, packed 35, PPO 33, RM 22), bf16 178 s (SFT packed 30, PPO 30, MoE SFT 29, RM 28, SFT padded 22, MoE GRPO
+with replay 39), resume_mfu 125 s (MFU 62, resume 63); each budget is that plus about 20%. The machine's start took
+41-49 s, the wheels' install about 10 s."""
 MIN_START_S = 30.0
 STEP_TIMEOUT_S = int(os.environ.get("RLHF_GPU_STEP_TIMEOUT_S", "110"))
 """Each launch's own limit: a hung launch ends as its check's FAIL (rc 124) with its log, the others still run."""

@@ -18,20 +18,19 @@
 # on the CPU at small shapes instead (to catch a wrong flag before machine time is spent).
 #
 # On the lent machine (the device tool's `run`): first fetch the wheels here (below) and check the carry with
-# `python tools/gpu_carry.py` (17.5 MiB measured, of 64). Then one call per part, each with
-# carry ["tools/gpu_wheels"] (estimates, not yet measured: the machine's start takes a few minutes of the 15, the
-# three parts about 10; what is left reruns, by name, the checks a part failed or did not reach):
+# `python tools/gpu_carry.py` (18.5 MiB measured, of 64). A machine stays warm only 30 s after a call and its start
+# takes 41-49 s, so the three parts go in ONE call (measured on an H200, 2026-11-27: 452 s, 501 s held with the
+# start), each part's 3 result files packed into <part>.tgz as it ends (at most 8 files come back from $OUT):
 #
-#   run(timeout_s=240, carry=["tools/gpu_wheels"], command=
-#       "set -o pipefail; bash tools/gpu_check.sh --only fp32 --results $OUT 2>&1 | tee $OUT/check.log")
-#   run(timeout_s=240, carry=["tools/gpu_wheels"], command=
-#       "set -o pipefail; bash tools/gpu_check.sh --only bf16 --results $OUT 2>&1 | tee $OUT/check.log")
-#   run(timeout_s=240, carry=["tools/gpu_wheels"], command=
-#       "set -o pipefail; bash tools/gpu_check.sh --only resume_mfu --results $OUT 2>&1 | tee $OUT/check.log")
+#   run(timeout_s=600, carry=["tools/gpu_wheels"], command=
+#       "set -o pipefail; for p in resume_mfu fp32 bf16; do bash tools/gpu_check.sh --only $p --results $OUT/cur
+#        2>&1 | tee -a $OUT/check.log; tar czf $OUT/$p.tgz -C $OUT cur; rm -rf $OUT/cur; done")
 #
-# (the tee keeps the lines coming if the call's limit kills the check; the reply's output_tail has them too). Copy
-# each call's 4 files to bench/results/gpu_<part>_<file> (files directly under bench/results are tracked, its
-# folders are ignored) and give the machine back after the last call.
+# (the tee keeps the lines coming if the call's limit kills the check; the reply's output_tail has them too). The
+# about 6 minutes left then rerun, in a second call, by name what failed or was not reached, with --deadline_s.
+# Copy each part's files to bench/results/gpu_<part>_<file> (files directly under bench/results are tracked, its
+# folders are ignored) and give the machine back after the last call. RLHF_PROFILE_STEPS=4-6 RLHF_PROFILE_DIR=$OUT
+# before `--only mfu` writes a torch profile of the MFU run's steps 4-6 (rlhf/profiling.py).
 #
 # For a machine with Python 3.12 and torch preinstalled but no package registry: what it lacks comes as wheels in
 # ${RLHF_WHEELS:-tools/gpu_wheels} (ignored by git; about 20 MB), installed with --no-index --no-deps into a

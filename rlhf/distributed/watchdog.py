@@ -176,4 +176,22 @@ def long_barrier(hours: float = 6.0) -> None:
     at once, and one that stalls is caught by the heartbeats, so the long timeout bounds only a livelock."""
     import torch.distributed as dist
 
-    dist.monitored_barrier(timeout=datetime.timedelta(hours=hours), wait_all_ranks=True)
+    timeout = datetime.timedelta(hours=hours)
+    dist.monitored_barrier(group=_gloo_group(), timeout=timeout, wait_all_ranks=True)
+
+
+_GLOO_GROUP: list = []
+
+
+def _gloo_group():
+    """The group ``monitored_barrier`` runs on: the default group where it is gloo alone (a CPU job), else a gloo group
+    of every rank made once (a CUDA job's default group is ``cpu:gloo,cuda:nccl``, which torch's
+    ``monitored_barrier`` refuses: "only implemented for GLOO backend", first seen on an H200). Every rank reaches
+    ``long_barrier`` at the same point, so the ``new_group`` collective is entered by all of them."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return None
+    if not _GLOO_GROUP or _GLOO_GROUP[0][0] is not dist.group.WORLD:
+        _GLOO_GROUP[:] = [(dist.group.WORLD, dist.new_group(backend="gloo"))]
+    return _GLOO_GROUP[0][1]

@@ -295,3 +295,53 @@ def test_a_forked_writer_dies_of_sigterm_alone(hooked):
         proc.wait()
         if child is not None and child.is_running():  # the control's writer may outlive its rank
             child.kill()
+
+
+_LONG_BARRIER = textwrap.dedent("""
+    import os, sys, time, datetime
+    sys.path.insert(0, {repo!r})
+    import torch.distributed as dist
+    from rlhf.distributed import watchdog
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    # a CUDA job's default group names two backends (cpu:gloo,cuda:nccl); gloo stands in for NCCL on a CPU build
+    dist.init_process_group("cpu:gloo,cuda:gloo", store=store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+        print("torch: passed")
+    except ValueError as e:
+        print("torch:", e)
+    for i in range(2):
+        t0 = time.monotonic()
+        if rank == 0:
+            time.sleep(1.0)  # rank 0 converts; rank 1 waits for it
+        watchdog.long_barrier()
+        print(f"barrier {{i}} waited {{time.monotonic() - t0:.1f}}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_long_barrier_runs_on_a_two_backend_default_group():
+    """The HF export's long barrier on a CUDA job: its default group is ``cpu:gloo,cuda:nccl``, on which torch's
+    ``monitored_barrier`` raises (first seen on an H200: every SFT run with an export ended rc=1 after exporting).
+    ``long_barrier`` runs it on a gloo group of its own; rank 1 waits there for rank 0's second."""
+    from helpers import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _LONG_BARRIER.format(repo=REPO)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=test_env(RANK=str(r), MASTER_PORT=port, WORLD_SIZE="2")) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        # the control: torch's own barrier refuses this group, as it did on the GPU
+        assert "torch: monitored_barrier is only implemented for GLOO backend" in out, out
+    waits = [float(w) for w in re.findall(r"barrier \d waited ([\d.]+)", outs[1][0])]
+    assert len(waits) == 2 and min(waits) >= 0.8, outs[1][0]
