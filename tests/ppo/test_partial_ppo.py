@@ -6,7 +6,8 @@ replies end at very different lengths and a step's groups finish long before its
   ``--max_staleness 1``, which carries samples across updates, ends elsewhere);
 - ``--max_staleness 1``: vLLM is stopped early (samples aborted and carried), carried tokens are trained one update
   old and never older, and every trained group is whole;
-- a job resumed from the checkpoint after step 2, with samples carried, ends with the straight run's weights;
+- a job resumed from the checkpoint after step 1, with samples carried, ends with the straight run's weights, and
+  so does one SIGKILLed at the crash harness's kill points (mid-save, between steps, mid-export);
 - two vLLM engines (data parallel) stop and step together.
 Three steps each, five jobs, about 20-40 s a job on a 2-core machine."""
 import json
@@ -35,10 +36,14 @@ def eos_actor(ppo_setup, tmp_path_factory):
     return d
 
 
-def _run(ppo_setup, actor, save, *extra, timeout=600, nproc=1):
-    args = ppo_args({**ppo_setup, "actor": actor}, str(save), **{
+def _args(ppo_setup, actor, save, *extra):
+    return ppo_args({**ppo_setup, "actor": actor}, str(save), **{
         **TINY_GRPO, "--reward_fn": "_rule_reward:char_code_reward", "--generate_max_len": "16",
         "--save_steps": "1", "--actor_learning_rate": "1e-3"}) + STEPS + DYNAMIC + list(extra)
+
+
+def _run(ppo_setup, actor, save, *extra, timeout=600, nproc=1):
+    args = _args(ppo_setup, actor, save, *extra)
     p = run_torchrun(PPO, nproc, args, timeout=timeout, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
     assert p.returncode == 0, tail(p)
     from rlhf.metrics import read_metrics_jsonl
@@ -57,11 +62,13 @@ def _same(a, b):
     return a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
+K1 = ["--partial_rollout", "--max_staleness", "1", "--partial_rollout_oversample", "1"]
+
+
 @pytest.fixture(scope="module")
 def k1(ppo_setup, eos_actor, tmp_path_factory):
     save = tmp_path_factory.mktemp("k1")
-    hist, p = _run(ppo_setup, eos_actor, save, "--partial_rollout", "--max_staleness", "1",
-                   "--partial_rollout_oversample", "1")
+    hist, p = _run(ppo_setup, eos_actor, save, *K1)
     return save, hist, p
 
 
@@ -86,21 +93,39 @@ def test_k1_stops_early_carries_and_bounds_the_age(k1):
     assert all(abs(h["rollout_logprob_drift"]) < 1 for h in hist if "rollout_logprob_drift" in h)
 
 
+def _from_step_1(save, dst, drop_carried=False):
+    """A copy of the straight run standing where a job stopped after step 1 would stand (later checkpoints and the
+    export removed, ``latest`` naming step 1); ``drop_carried`` empties that checkpoint's carried samples (its
+    manifest rewritten), for the negative control."""
+    from rlhf.checkpoint import write_ckpt_manifest
+
+    shutil.copytree(save, dst)
+    ckpt = dst / "checkpoints"
+    for it in ("iter_0000002", "iter_0000003"):
+        shutil.rmtree(ckpt / it)
+    os.remove(dst / "model.safetensors")
+    (ckpt / "latest").write_text("iter_0000001")
+    state_path = ckpt / "iter_0000001" / "trainer.json"
+    state = json.loads(state_path.read_text())
+    carried = state["extra"]["partial"]["carried"]
+    assert sum(len(s["response_ids"]) for g in carried for s in g) > 0, "step 1's checkpoint must carry generated tokens"
+    if drop_carried:
+        state["extra"]["partial"]["carried"] = []
+        state_path.write_text(json.dumps(state))
+        write_ckpt_manifest(str(ckpt / "iter_0000001"))
+
+
 def test_resume_with_samples_carried_is_exact(ppo_setup, eos_actor, k1, tmp_path):
+    """Step 1 carries 4 whole groups with their tokens (trained at step 2, one update old). Resumed from step 1's
+    checkpoint, steps 2-3 end with the straight run's weights bit for bit; negative control: the same checkpoint
+    with its carried samples emptied resumes too, but step 2 then trains other groups and ends elsewhere."""
     save, hist, _ = k1
-    assert hist[1]["partial/carried_samples"] > 0, hist  # the checkpoint after step 2 holds carried samples
-    # The straight run's checkpoint after step 2 (--save_steps 1) is where a job stopped after step 2 would stand:
-    # resume from it (the step-3 checkpoint and the final export removed, `latest` naming step 2).
-    r = tmp_path / "r"
-    shutil.copytree(save, r)
-    ckpt = r / "checkpoints"
-    shutil.rmtree(ckpt / "iter_0000003")
-    os.remove(r / "model.safetensors")
-    (ckpt / "latest").write_text("iter_0000002")
-    resumed, p = _run(ppo_setup, eos_actor, tmp_path / "r", "--partial_rollout", "--max_staleness", "1",
-                      "--partial_rollout_oversample", "1", "--load_checkpoint")
-    assert "resumed from" in p.stdout + p.stderr, tail(p)
-    assert _same(_weights(tmp_path / "r"), _weights(save))
+    assert hist[0]["partial/carried_samples"] > 0 and hist[1]["partial/tokens_age_1"] > 0, hist
+    for name, drop in (("r", False), ("c", True)):
+        _from_step_1(save, tmp_path / name, drop_carried=drop)
+        _, p = _run(ppo_setup, eos_actor, tmp_path / name, *K1, "--load_checkpoint")
+        assert "resumed from" in p.stdout + p.stderr, tail(p)
+        assert _same(_weights(tmp_path / name), _weights(save)) is not drop, name
 
 
 def test_two_engines_stop_and_step_together(ppo_setup, eos_actor, tmp_path):
@@ -113,3 +138,21 @@ def test_two_engines_stop_and_step_together(ppo_setup, eos_actor, tmp_path):
     assert "2 engine(s) x TP 1" in p.stdout + p.stderr, tail(p)
     assert len(hist) == 3 and sum(h["partial/aborted_samples"] for h in hist) > 0, hist
     assert any(h.get("partial/tokens_age_1", 0) > 0 for h in hist[1:]), hist
+
+
+def test_sigkill_anywhere_with_samples_carried_then_resume_is_exact(ppo_setup, eos_actor, k1, tmp_path, monkeypatch):
+    """The crash harness's kill points with samples carried: the whole job SIGKILLed mid-save of step 1 (a
+    checkpoint that holds carried samples), after step 2 (in its save or in step 3's round, which continues the
+    carried replies) and mid-export; each relaunch (``--load_checkpoint``) resumes from what was published, and the
+    final weights equal the uninterrupted K = 1 run's bit for bit."""
+    from crash_harness import crash_and_resume
+
+    save, hist, _ = k1
+    assert hist[0]["partial/carried_samples"] > 0 and hist[1]["partial/carried_samples"] > 0, hist
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "out"
+    records = crash_and_resume(PPO, 1, _args(ppo_setup, eos_actor, out, *K1), "ppo", str(out / "checkpoints"),
+                               [("save", 1), ("step", 2), ("export", 0)], seed=7, total=3)
+    assert all(r["killed"] for r in records[:-1]), [(r["point"], r["log"][-1500:]) for r in records]
+    assert any(r.get("resumed_step") for r in records), [r["point"] for r in records]
+    assert _same(_weights(out), _weights(save))
