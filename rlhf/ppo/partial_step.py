@@ -2,13 +2,20 @@
 the engine (``rlhf.rollout.partial``), the first ``--rollout_batch_size`` whole groups (oldest first) are trained,
 the rest is carried. What follows (experience, advantages, update) is the synchronous step's, on those groups; the
 generator's per-token log-probs, which may span several policy versions, are the behaviour policy of the rollout
-corrections (``--use_tis`` and ``--is_correction_type``)."""
+corrections (``--use_tis`` and ``--is_correction_type``).
+
+With ``--dynamic_filtering`` (DAPO's dynamic sampling, as slime filters its partial rollouts) the whole groups a
+round yields are scored, the ones ``rlhf.algo.shaping.keep_groups`` passes are kept and the rest dropped (their
+prompts are not started again, as in the synchronous step), and further rounds at the same weights ask the engine
+for the groups still missing, up to ``--dynamic_filtering_max_rounds``; a batch still short is filled with the
+groups filtered out last. With ``--max_staleness 0`` each round is a whole batch of new prompts run to its end: the
+synchronous step's dynamic filtering (``rlhf.ppo.stages.generate_filtered``) exactly."""
 from __future__ import annotations
 
 import dataclasses
 
 from rlhf.ppo.stages import Rollout, make_rollout, rollout_phase
-from rlhf.rollout.partial import PartialRollouts, generate_partial
+from rlhf.rollout.partial import PartialRollouts, PartialSample, generate_partial
 
 
 def build_partial(job) -> PartialRollouts | None:
@@ -20,25 +27,68 @@ def build_partial(job) -> PartialRollouts | None:
                            max_staleness=cfg.max_staleness)
 
 
-def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, sampler,
-                          step: int, mesh, timer) -> tuple[Rollout, dict[str, float]]:
-    """The step's rollout. ``step`` is the policy version: the weight updates applied so far."""
-    seed = job.engine.seed * 100_003 + step  # the synchronous step's seed (rlhf.ppo.stages.generate, round 0)
-    gen = job.generation
+def _samples(groups: list[list[PartialSample]]) -> list:
+    return [dataclasses.replace(s.to_sample(), prompt_index=g) for g, grp in enumerate(groups) for s in grp]
+
+
+def _passing(groups: list[list[PartialSample]], rewards, job) -> list[bool]:
+    """Dynamic filtering's verdict on whole groups. Every rank scores every sample (the rule reward is cheap, and
+    the verdict must be the same everywhere): the scores the synchronous step all-gathers from the ranks' shares."""
+    from rlhf.algo.shaping import keep_groups
+
+    samples = _samples(groups)
+    rollout = Rollout(prompt_idx=[g[0].prompt_index for g in groups], samples=samples, local=samples)
+    rewards.score({}, rollout)  # the reward's "scores" when it gives them (OpenRLHF), else its rewards
+    lo, hi = job.algo.dynamic_filtering_range
+    return keep_groups(rewards.filter_scores.float().cpu(), job.batch.n_samples_per_prompt, lo, hi).tolist()
+
+
+def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, sampler, step: int, mesh, timer,
+                          rewards=None) -> tuple[Rollout, dict[str, float]]:
+    """The step's rollout. ``step`` is the policy version: the weight updates applied so far. ``rewards``
+    (``RewardSources``) scores the groups under ``--dynamic_filtering``."""
+    gen, algo, want = job.generation, job.algo, partial.batch_groups
+    filtering = algo.dynamic_filtering
     metrics = partial.drop_stale(step)
-    new = partial.take_prompts(partial.new_prompts_needed(), lambda: sampler.next_step()[0])
-    groups = partial.round_groups([(i, prompts[i].prompt_ids.tolist()) for i in new], step_seed=seed)
-    with rollout_phase(roles, timer):  # the synchronous step's memory phase, sync and engine wake-up
-        groups, counts = generate_partial(roles.rollout, groups, groups_needed=partial.groups_needed(groups),
-                                          temperature=gen.temperature, top_p=gen.top_p,
-                                          max_tokens=gen.generate_max_len, version=step, ignore_eos=gen.ignore_eos)
-    train, m = partial.settle(groups, step)
-    if len(train) < partial.batch_groups:
-        raise RuntimeError(f"partial rollout: {len(train)} whole groups after the round, {partial.batch_groups} "
-                           "needed (the engine stopped early)")
-    samples = [dataclasses.replace(s.to_sample(), prompt_index=g) for g, grp in enumerate(train) for s in grp]
+    kept: list[list[PartialSample]] = []
+    dropped: list[list[PartialSample]] = []
+    rounds = seen = aborted = generated = new_groups = 0
+    while True:
+        # a round asks for the groups still missing; at K = 0 for a whole batch, as the synchronous step does
+        ask = want if partial.max_staleness == 0 else want - len(kept)
+        new = partial.take_prompts(partial.new_prompts_needed(ask), lambda: sampler.next_step()[0])
+        # the synchronous step's seed (rlhf.ppo.stages.generate, round ``rounds``)
+        seed = job.engine.seed * 100_003 + step + 1_000_003 * rounds
+        groups = partial.round_groups([(i, prompts[i].prompt_ids.tolist()) for i in new], step_seed=seed)
+        with rollout_phase(roles, timer):  # the synchronous step's memory phase, sync and engine wake-up
+            groups, counts = generate_partial(roles.rollout, groups, groups_needed=partial.groups_needed(groups, ask),
+                                              temperature=gen.temperature, top_p=gen.top_p,
+                                              max_tokens=gen.generate_max_len, version=step,
+                                              ignore_eos=gen.ignore_eos)
+        train, m = partial.settle(groups, step, ask)
+        rounds += 1
+        aborted, generated, new_groups = aborted + counts["aborted"], generated + counts["generated"], \
+            new_groups + len(new)
+        if not filtering:
+            kept = train
+            break
+        seen += len(train)
+        for g, ok in zip(train, _passing(train, rewards, job)):
+            (kept if ok else dropped).append(g)
+        if len(kept) >= want or rounds >= algo.dynamic_filtering_max_rounds:
+            break
+    passed = len(kept)
+    train = (kept + dropped[::-1])[:want]  # short: the groups filtered out last fill the batch
+    if len(train) < want:
+        raise RuntimeError(f"partial rollout: {len(train)} whole groups after the round, {want} needed (the "
+                           "engine stopped early)")
     metrics.update(m)
-    metrics.update({"partial/aborted_samples": float(counts["aborted"]),
-                    "partial/generated_tokens": float(counts["generated"]),
-                    "partial/new_groups": float(len(new))})
-    return make_rollout([grp[0].prompt_index for grp in train], samples, mesh), metrics
+    metrics.update(partial.trained_metrics(train, step))
+    metrics.update({"partial/aborted_samples": float(aborted), "partial/generated_tokens": float(generated),
+                    "partial/new_groups": float(new_groups)})
+    if filtering:
+        metrics.update({"dynamic_filtering/pass_rate": passed / max(seen, 1), "dynamic_filtering/rounds": float(rounds),
+                        "dynamic_filtering/prompts": float(seen),
+                        "dynamic_filtering/filled": float(max(0, want - passed)),
+                        "dynamic_filtering/generated_tokens": float(generated)})
+    return make_rollout([grp[0].prompt_index for grp in train], _samples(train), mesh), metrics

@@ -339,6 +339,10 @@ def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl
     graw = g(raw_rewards)
     out = {"reward": graw.mean().item(), "reward_std": graw.std().item() if graw.numel() > 1 else 0.0,
            "kl": masked_mean(gkl, gmask).item(), "advantages_abs": masked_mean(adv.abs(), gmask).item()}
+    n = job.batch.n_samples_per_prompt
+    if n > 1 and graw.numel() % n == 0:  # groups whose replies all scored the same (what dynamic filtering drops)
+        grp = graw.reshape(-1, n)
+        out["reward_equal_groups_frac"] = (grp.max(dim=1).values == grp.min(dim=1).values).float().mean().item()
     if algo.old_logprobs_source == "forward":  # otherwise the update measures it (or there is nothing to compare)
         out.update(logprob_drift(exp, mesh))
     if exp.teacher_logprobs is not None:  # on-policy distillation's per-token term (rlhf.ppo.distill)

@@ -119,7 +119,7 @@ class PPOTrainer:
             from rlhf.ppo.partial_step import generate_partial_step
 
             rollout, filtered = generate_partial_step(roles, job, self.partial, self.prompts, self.sampler,
-                                                      self.step, mesh, timer)
+                                                      self.step, mesh, timer, self.rewards)
         else:
             rollout, filtered = generate_filtered(roles, job, self.prompts, self.sampler, self.rewards, self.step,
                                                   mesh, timer)

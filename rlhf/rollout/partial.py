@@ -81,9 +81,6 @@ def check_partial(job) -> None:
     if p.vllm_generate_batch_size is not None and p.vllm_generate_batch_size < job.batch.rollout_batch_size:
         raise ValueError(f"--vllm_generate_batch_size {p.vllm_generate_batch_size} must be at least "
                          f"--rollout_batch_size {job.batch.rollout_batch_size}")
-    if job.algo.dynamic_filtering:
-        raise ValueError("--partial_rollout with --dynamic_filtering is not supported yet: dynamic sampling "
-                         "generates again within a step, partial rollouts carry replies across steps; use one")
     if job.agent.agent_func_path:
         raise ValueError("--partial_rollout with --agent_func_path is not supported yet: a multi-turn trajectory "
                          "cannot be carried between turns of the environment yet")
@@ -270,10 +267,12 @@ class PartialRollouts:
         self.carried = keep
         return {"partial/dropped_samples": float(dropped)}
 
-    def new_prompts_needed(self) -> int:
-        """How many prompts the sampler gives this step: the round holds ``batch_groups + oversample_groups``
-        groups, carried and requeued ones included."""
-        return max(0, self.batch_groups + self.oversample_groups - len(self.carried) - len(self.requeue))
+    def new_prompts_needed(self, want: int | None = None) -> int:
+        """How many prompts the sampler gives this round: the round holds ``want`` (default ``batch_groups``; a
+        dynamic-filtering round asks for the groups still missing) ``+ oversample_groups`` groups, carried and
+        requeued ones included."""
+        want = self.batch_groups if want is None else want
+        return max(0, want + self.oversample_groups - len(self.carried) - len(self.requeue))
 
     def round_groups(self, new: Sequence[tuple[int, list[int]]], *, step_seed: int) -> list[list[PartialSample]]:
         """Carried groups (oldest first), then requeued and ``new`` prompts (dataset index, prompt ids) as new
@@ -286,29 +285,35 @@ class PartialRollouts:
             self.next_group += 1
         return groups
 
-    def groups_needed(self, groups: Sequence[list[PartialSample]]) -> int:
-        """The engine may stop once this many groups are whole: ``batch_groups``, or every group when
-        ``max_staleness`` is 0 (nothing is carried)."""
-        return self.batch_groups if self.max_staleness > 0 else len(groups)
+    def groups_needed(self, groups: Sequence[list[PartialSample]], want: int | None = None) -> int:
+        """The engine may stop once this many groups are whole: ``want`` (default ``batch_groups``), or every
+        group when ``max_staleness`` is 0 (nothing is carried)."""
+        return (self.batch_groups if want is None else want) if self.max_staleness > 0 else len(groups)
 
-    def settle(self, groups: list[list[PartialSample]], version: int) -> tuple[list[list[PartialSample]], dict]:
-        """The groups to train (the first ``batch_groups`` whole ones, in round order: oldest first) and the
-        metrics of the round; the rest is carried."""
+    def settle(self, groups: list[list[PartialSample]], version: int,
+               want: int | None = None) -> tuple[list[list[PartialSample]], dict]:
+        """The groups to train (the first ``want`` whole ones, default ``batch_groups``, in round order: oldest
+        first) and the metrics of the round; the rest is carried."""
+        want = self.batch_groups if want is None else want
         train, carry = [], []
         for g in groups:
-            (train if len(train) < self.batch_groups and all(s.done for s in g) else carry).append(g)
+            (train if len(train) < want and all(s.done for s in g) else carry).append(g)
         self.carried = carry
+        m = {"partial/carried_samples": float(sum(len(g) for g in carry)),
+             "partial/carried_unfinished": float(sum(not s.done for g in carry for s in g))}
+        return train, {**m, **self.trained_metrics(train, version)}
+
+    def trained_metrics(self, train: Sequence[list[PartialSample]], version: int) -> dict[str, float]:
+        """The trained groups' count and their tokens by age (updates since the version that produced them)."""
         ages: dict[int, int] = {}
         for g in train:
             for s in g:
                 for v in s.versions:
                     ages[version - v] = ages.get(version - v, 0) + 1
-        m = {"partial/carried_samples": float(sum(len(g) for g in carry)),
-             "partial/carried_unfinished": float(sum(not s.done for g in carry for s in g)),
-             "partial/trained_groups": float(len(train))}
+        m = {"partial/trained_groups": float(len(train))}
         for a in range(self.max_staleness + 1):
             m[f"partial/tokens_age_{a}"] = float(ages.get(a, 0))
-        return train, m
+        return m
 
     # ----------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:

@@ -75,7 +75,6 @@ def test_bad_values_name_the_flag(flags, msg):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--dynamic_filtering"], "--partial_rollout with --dynamic_filtering is not supported yet"),
     (["--agent_func_path", "x.py"], "--partial_rollout with --agent_func_path is not supported yet"),
     (["--rollout_backend", "megatron"], "--partial_rollout with --rollout_backend megatron"),
     (["--vllm_generate_batch_size", "2"], "--vllm_generate_batch_size 2 must be at least --rollout_batch_size 4"),

@@ -128,6 +128,35 @@ def test_resume_with_samples_carried_is_exact(ppo_setup, eos_actor, k1, tmp_path
         assert _same(_weights(tmp_path / name), _weights(save)) is not drop, name
 
 
+FILTER = ["--reward_fn", "_rule_reward:parity_reward", "--dynamic_filtering", "--dynamic_filtering_max_rounds", "4"]
+
+
+def test_dynamic_filtering_k0_is_the_synchronous_filter_and_k1_fills_with_passing_groups(ppo_setup, eos_actor,
+                                                                                         tmp_path):
+    """--dynamic_filtering with --partial_rollout (a binary verifier, reply length parity, on groups of 2: about
+    half the groups agree and are dropped). K = 0: each round is a whole batch run to its end, the synchronous
+    step's filtering bit for bit (the same rounds, prompts and final weights). K = 1: rounds stop early and carry,
+    further rounds at the same weights ask for the groups still missing, and the batch is filled with groups that
+    pass (negative control: the same K = 1 job without the filter trains groups the filter would drop)."""
+    sync, _ = _run(ppo_setup, eos_actor, tmp_path / "sync", *FILTER)
+    k0, _ = _run(ppo_setup, eos_actor, tmp_path / "k0", *FILTER, "--partial_rollout", "--max_staleness", "0")
+    keys = ("dynamic_filtering/rounds", "dynamic_filtering/prompts", "dynamic_filtering/pass_rate", "reward")
+    assert [[h[k] for k in keys] for h in k0] == [[h[k] for k in keys] for h in sync]
+    assert max(h["dynamic_filtering/rounds"] for h in sync) >= 2, sync  # the filter did drop groups
+    assert _same(_weights(tmp_path / "k0"), _weights(tmp_path / "sync"))
+    k1, _ = _run(ppo_setup, eos_actor, tmp_path / "k1f", *FILTER, *K1)
+    assert sum(h["partial/aborted_samples"] for h in k1) > 0, k1
+    carried = [json.loads((tmp_path / "k1f" / "checkpoints" / f"iter_000000{i}" / "trainer.json").read_text())
+               ["extra"]["partial"]["carried"] for i in (1, 2)]
+    assert any(s["response_ids"] for c in carried for g in c for s in g), carried  # replies carried mid-way
+    assert any(h["dynamic_filtering/pass_rate"] < 1 for h in k1), k1
+    # every trained group passed (none filled in), so no group has equal rewards: GRPO's advantages never vanish
+    assert all(h["dynamic_filtering/filled"] == 0 and h["partial/trained_groups"] == 4 for h in k1), k1
+    assert all(h["reward_equal_groups_frac"] == 0 for h in k1), k1
+    unfiltered, _ = _run(ppo_setup, eos_actor, tmp_path / "k1u", *FILTER[:2], *K1)
+    assert any(h["reward_equal_groups_frac"] > 0 for h in unfiltered), unfiltered
+
+
 def test_two_engines_stop_and_step_together(ppo_setup, eos_actor, tmp_path):
     """Two ranks, one vLLM engine each (vLLM data parallel, --vllm_tensor_parallel_size 1): every engine step is
     collective there, so an engine that has its share of whole groups aborts the rest and keeps stepping (vLLM's
