@@ -185,3 +185,22 @@ def test_sigkill_anywhere_with_samples_carried_then_resume_is_exact(ppo_setup, e
     assert all(r["killed"] for r in records[:-1]), [(r["point"], r["log"][-1500:]) for r in records]
     assert any(r.get("resumed_step") for r in records), [r["point"] for r in records]
     assert _same(_weights(out), _weights(save))
+
+
+def test_lora_actor_and_vllm_tp2(ppo_setup, eos_actor, tmp_path):
+    """Two ranks, one vLLM engine over both (TP 2: every rank steps the same engine and sees the same outputs, so
+    both stop and abort alike), a LoRA actor (the sync sends merged weights): the round stops early and carries,
+    and the log-prob drift tells fresh tokens (vLLM has this step's merged weights: 1e-7) from carried ones (one
+    update old: 0.06 measured, the adapters moved)."""
+    hist, p = _run(ppo_setup, eos_actor, tmp_path / "tp2", *K1, "--vllm_tensor_parallel_size", "2",
+                   "--lora_rank", "4", "--dist_timeout_s", "60", nproc=2)
+    assert "1 engine(s) x TP 2" in p.stdout + p.stderr, tail(p)
+    assert len(hist) == 3 and sum(h["partial/aborted_samples"] for h in hist) > 0, hist
+    assert all(h["partial/trained_groups"] == 4 for h in hist), hist
+    # tokens of this step's weights: vLLM (synced merged weights) and the trainer agree; tokens one update old: the
+    # trainer's weights have moved since (the adapters learn), so the generator's log-probs are off-policy
+    fresh = [h for h in hist if h["partial/tokens_age_1"] == 0]
+    stale = [h for h in hist if h["partial/tokens_age_0"] == 0]
+    assert len(fresh) >= 2 and stale, hist
+    assert all(h["rollout_logprob_drift"] < 1e-5 for h in fresh) and all(h["rollout_logprob_drift"] > 1e-3
+                                                                            for h in stale), hist
