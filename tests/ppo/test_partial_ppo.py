@@ -1,4 +1,4 @@
-"""``--partial_rollout`` in a real PPO job (launch/ppo.py, one rank, vLLM in-process, GRPO with a rule reward).
+"""``--partial_rollout`` in a real PPO job (launch/ppo.py, one or two ranks, vLLM in-process, GRPO with a rule reward).
 Packed micro-batches formed by token count (``--use_dynamic_batch``) in every job. The tiny actor's
 generation_config.json names 25 end-of-sequence tokens (as Llama 3 names several), so its random
 replies end at very different lengths and a step's groups finish long before its longest reply:
@@ -8,8 +8,10 @@ replies end at very different lengths and a step's groups finish long before its
   old and never older, and every trained group is whole;
 - a job resumed from the checkpoint after step 1, with samples carried, ends with the straight run's weights, and
   so does one SIGKILLed at the crash harness's kill points (mid-save, between steps, mid-export);
-- two vLLM engines (data parallel) stop and step together.
-Three steps each, five jobs, about 20-40 s a job on a 2-core machine."""
+- two vLLM engines (data parallel) stop and step together, and CP 2 (the same two engines) matches them;
+- one engine at TP 2 over two ranks with a LoRA actor;
+- with dynamic filtering: K = 0 is the synchronous filtered step, K = 1 trains only groups that pass.
+Three steps each, 17 jobs (5 of them the crash harness's launches), about 20-45 s a job on a 2-core machine."""
 import json
 import os
 import shutil
@@ -157,13 +159,17 @@ def test_dynamic_filtering_k0_is_the_synchronous_filter_and_k1_fills_with_passin
     assert any(h["reward_equal_groups_frac"] > 0 for h in unfiltered), unfiltered
 
 
-def test_two_engines_stop_and_step_together(ppo_setup, eos_actor, tmp_path):
+@pytest.fixture(scope="module")
+def dp2(ppo_setup, eos_actor, tmp_path_factory):
+    return _run(ppo_setup, eos_actor, tmp_path_factory.mktemp("dp2"), *K1, "--dist_timeout_s", "60", nproc=2)
+
+
+def test_two_engines_stop_and_step_together(dp2):
     """Two ranks, one vLLM engine each (vLLM data parallel, --vllm_tensor_parallel_size 1): every engine step is
     collective there, so an engine that has its share of whole groups aborts the rest and keeps stepping (vLLM's
     dummy batches) until the other is done. Before that fix the first engine to stop left the loop and the job hung
     in its first step (a gloo timeout, then 'lost a peer in phase rollout')."""
-    hist, p = _run(ppo_setup, eos_actor, tmp_path / "dp", "--partial_rollout", "--max_staleness", "1",
-                   "--partial_rollout_oversample", "1", "--dist_timeout_s", "60", nproc=2)
+    hist, p = dp2
     assert "2 engine(s) x TP 1" in p.stdout + p.stderr, tail(p)
     assert len(hist) == 3 and sum(h["partial/aborted_samples"] for h in hist) > 0, hist
     assert any(h.get("partial/tokens_age_1", 0) > 0 for h in hist[1:]), hist
@@ -204,3 +210,22 @@ def test_lora_actor_and_vllm_tp2(ppo_setup, eos_actor, tmp_path):
     assert len(fresh) >= 2 and stale, hist
     assert all(h["rollout_logprob_drift"] < 1e-5 for h in fresh) and all(h["rollout_logprob_drift"] > 1e-3
                                                                             for h in stale), hist
+
+
+def test_context_parallel_2_matches_data_parallel_2(ppo_setup, eos_actor, dp2, tmp_path):
+    """CP 2 on two ranks has the same two vLLM engines as DP 2, so the same rounds stop at the same tokens and carry
+    the same replies (rewards, lengths and partial counts equal); the updates, CP's split sequences against DP's
+    split batch, agree to fp32 rounding."""
+    want, _ = dp2
+    got, p = _run(ppo_setup, eos_actor, tmp_path / "cp2", *K1, "--context_parallel_size", "2",
+                  "--dist_timeout_s", "60", nproc=2)
+    out = p.stdout + p.stderr
+    assert "cp=2" in out and "2 engine(s) x TP 1" in out, tail(p)
+    exact = ("reward", "response_length", "partial/aborted_samples", "partial/carried_samples",
+             "partial/tokens_age_0", "partial/tokens_age_1")
+    assert [[h[k] for k in exact] for h in got] == [[h[k] for k in exact] for h in want]
+    # AMD EPYC (family 25, AVX2 only), 2026-11-27: grad norms 1.7e-7 relative apart at most, policy loss 3.3e-7,
+    # drift 2.4e-7 (its fresh steps' drift is itself ~2e-7, hence abs): the bound leaves 300x for other kinds
+    for a, b in zip(got, want):
+        for k in ("actor/grad_norm", "actor/policy_loss", "rollout_logprob_drift"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (k, a[k], b[k])
