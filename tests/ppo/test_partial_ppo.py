@@ -11,7 +11,7 @@ replies end at very different lengths and a step's groups finish long before its
 - two vLLM engines (data parallel) stop and step together, and CP 2 (the same two engines) matches them;
 - one engine at TP 2 over two ranks with a LoRA actor;
 - with dynamic filtering: K = 0 is the synchronous filtered step, K = 1 trains only groups that pass.
-Three steps each, 17 jobs (5 of them the crash harness's launches), about 20-45 s a job on a 2-core machine."""
+Three steps each, 16 jobs (5 of them the crash harness's launches), about 20-45 s a job on a 2-core machine."""
 import json
 import os
 import shutil
@@ -139,7 +139,7 @@ def test_dynamic_filtering_k0_is_the_synchronous_filter_and_k1_fills_with_passin
     half the groups agree and are dropped). K = 0: each round is a whole batch run to its end, the synchronous
     step's filtering bit for bit (the same rounds, prompts and final weights). K = 1: rounds stop early and carry,
     further rounds at the same weights ask for the groups still missing, and the batch is filled with groups that
-    pass (negative control: the same K = 1 job without the filter trains groups the filter would drop)."""
+    pass: groups whose replies all scored alike were generated (pass rate < 1) and none was trained."""
     sync, _ = _run(ppo_setup, eos_actor, tmp_path / "sync", *FILTER)
     k0, _ = _run(ppo_setup, eos_actor, tmp_path / "k0", *FILTER, "--partial_rollout", "--max_staleness", "0")
     keys = ("dynamic_filtering/rounds", "dynamic_filtering/prompts", "dynamic_filtering/pass_rate", "reward")
@@ -155,8 +155,6 @@ def test_dynamic_filtering_k0_is_the_synchronous_filter_and_k1_fills_with_passin
     # every trained group passed (none filled in), so no group has equal rewards: GRPO's advantages never vanish
     assert all(h["dynamic_filtering/filled"] == 0 and h["partial/trained_groups"] == 4 for h in k1), k1
     assert all(h["reward_equal_groups_frac"] == 0 for h in k1), k1
-    unfiltered, _ = _run(ppo_setup, eos_actor, tmp_path / "k1u", *FILTER[:2], *K1)
-    assert any(h["reward_equal_groups_frac"] > 0 for h in unfiltered), unfiltered
 
 
 @pytest.fixture(scope="module")
