@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlhf.ppo.stages import Rollout, make_rollout, rollout_phase
+from rlhf.ppo.stages import Rollout, fill_filtered, make_rollout, rollout_phase
 from rlhf.rollout.partial import PartialRollouts, PartialSample, generate_partial
 
 
@@ -77,8 +77,8 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
             (kept if ok else dropped).append(g)
         if len(kept) >= want or rounds >= algo.dynamic_filtering_max_rounds:
             break
-    passed = len(kept)
-    train = (kept + dropped[::-1])[:want]  # short: the groups filtered out last fill the batch
+    train, filter_metrics = (fill_filtered(kept, dropped, want, seen=seen, rounds=rounds, generated=generated)
+                             if filtering else (kept, {}))
     if len(train) < want:
         raise RuntimeError(f"partial rollout: {len(train)} whole groups after the round, {want} needed (the "
                            "engine stopped early)")
@@ -86,9 +86,5 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
     metrics.update(partial.trained_metrics(train, step))
     metrics.update({"partial/aborted_samples": float(aborted), "partial/generated_tokens": float(generated),
                     "partial/new_groups": float(new_groups)})
-    if filtering:
-        metrics.update({"dynamic_filtering/pass_rate": passed / max(seen, 1), "dynamic_filtering/rounds": float(rounds),
-                        "dynamic_filtering/prompts": float(seen),
-                        "dynamic_filtering/filled": float(max(0, want - passed)),
-                        "dynamic_filtering/generated_tokens": float(generated)})
+    metrics.update(filter_metrics)
     return make_rollout([grp[0].prompt_index for grp in train], _samples(train), mesh), metrics

@@ -119,13 +119,19 @@ def generate_filtered(roles, job, prompts: list, sampler, rewards: "RewardSource
         if len(kept) >= want or rounds >= algo.dynamic_filtering_max_rounds:
             break
         rollout = generate(roles, job, prompts, sampler.next_step()[0], step, mesh, timer, round_=rounds)
-    passed = len(kept)
-    groups = (kept + dropped[::-1])[:want]  # short: the groups filtered out last fill the batch
+    groups, metrics = fill_filtered(kept, dropped, want, seen=seen, rounds=rounds, generated=generated)
     samples = [dataclasses.replace(s, prompt_index=g) for g, (_, grp) in enumerate(groups) for s in grp]
-    metrics = {"dynamic_filtering/pass_rate": passed / seen, "dynamic_filtering/rounds": float(rounds),
-               "dynamic_filtering/prompts": float(seen), "dynamic_filtering/filled": float(max(0, want - passed)),
-               "dynamic_filtering/generated_tokens": float(generated)}
     return make_rollout([p for p, _ in groups], samples, mesh), {**rollout.metrics, **metrics}
+
+
+def fill_filtered(kept: list, dropped: list, want: int, *, seen: int, rounds: int, generated: int) -> tuple[list, dict]:
+    """Dynamic filtering's batch (the first ``want`` kept groups; short, the groups filtered out last fill it) and
+    its metrics; ``seen`` groups were scored in ``rounds`` rollouts of ``generated`` tokens."""
+    passed = len(kept)
+    return (kept + dropped[::-1])[:want], {
+        "dynamic_filtering/pass_rate": passed / seen, "dynamic_filtering/rounds": float(rounds),
+        "dynamic_filtering/prompts": float(seen), "dynamic_filtering/filled": float(max(0, want - passed)),
+        "dynamic_filtering/generated_tokens": float(generated)}
 
 
 def experience_microbatches(rollout: Rollout, job, mesh,
