@@ -13,7 +13,9 @@ temperature 0.6: accuracy and pass@4). Samples/s: 64 over the median step time, 
 
 Writes rlvr_results_<fp32|bf16>.json and rlvr_curves_<fp32|bf16>.png (training reward per step, mean over seeds,
 both systems) under --out and prints held-out accuracy before -> after per system and seed, samples/s, and the
-ratio ours/TRL.
+ratio ours/TRL. Seeds already in rlvr_results_<fp32|bf16>.json with the same --steps and --lr stay (a seed run again
+is replaced), so the comparison can be run one seed per sitting (a bf16 seed takes about 85 minutes on a 2-core AMD
+EPYC); the summary covers every seed in the file.
 """
 from __future__ import annotations
 
@@ -107,6 +109,11 @@ def held_out(model: str, heldout: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
 def samples_per_s(step_seconds: list[float], samples: int = 64) -> float:
     return samples / statistics.median(step_seconds[1:])
 
@@ -156,8 +163,15 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_smollm2.py"), "--out", model], check=True)
     data = write(os.path.join(args.work, "data"), seed=0)
     tag = "bf16" if args.bf16 else "fp32"
-    results = {"precision": tag, "steps": args.steps, "lr": lr, "ours_from": args.ours_from,
-               "base": held_out(model, data["heldout"]), "seeds": {}}
+    path = os.path.join(args.out, f"rlvr_results_{tag}.json")
+    results = {"precision": tag, "steps": args.steps, "lr": lr, "ours_from": args.ours_from, "seeds": {}}
+    earlier = json.load(open(path)) if os.path.exists(path) else None
+    if earlier and all(earlier.get(k) == results[k] for k in ("precision", "steps", "lr")) and "base" in earlier:
+        # seeds run before (another sitting) with the same settings stay: a long comparison can be run seed by seed
+        results["seeds"], results["base"] = earlier["seeds"], earlier["base"]
+        print(f"keeping seeds {sorted(earlier['seeds'])} of {path}", flush=True)
+    else:
+        results["base"] = held_out(model, data["heldout"])
     print(f"base model: {results['base']}", flush=True)
     for seed in [int(s) for s in args.seeds.split(",")]:
         row = {}
@@ -177,8 +191,9 @@ def main(argv=None) -> int:
                   f"{r['held_out']['accuracy']:.3f} (pass@4 {r['held_out']['pass@4']:.3f}); training reward "
                   f"{sum(r['reward'][:5]) / 5:.3f} -> {sum(r['reward'][-5:]) / 5:.3f}; "
                   f"{r['samples_per_s']:.2f} samples/s", flush=True)
-        results["seeds"][seed] = row
-        with open(os.path.join(args.out, f"rlvr_results_{tag}.json"), "w") as f:
+        row["commit"] = _commit()
+        results["seeds"][str(seed)] = row
+        with open(path, "w") as f:
             json.dump(results, f, indent=1)
     plot(results, os.path.join(args.out, f"rlvr_curves_{tag}.png"))
     ours = statistics.median(r["ours"]["samples_per_s"] for r in results["seeds"].values())

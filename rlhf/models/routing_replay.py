@@ -74,8 +74,8 @@ def check_router_replay(part: RouterReplayPart, spec, *, backend: str, model: st
     if mode == "rollout" and other:
         raise ValueError(f"--moe_router_replay {mode} with {other} is not supported yet (its generation keeps no "
                          "routing; replay covers padded, packed and token-budget micro-batches, expert, pipeline and "
-                         "context parallelism and --gradient_checkpointing; rollout: single-turn generation without "
-                         "partial rollouts)")
+                         "context parallelism and --gradient_checkpointing; rollout: single-turn generation, partial "
+                         "rollouts included)")
     import importlib.util
 
     vllm = backend == "vllm" or (backend == "auto" and importlib.util.find_spec("vllm") is not None)

@@ -27,9 +27,9 @@ class MegatronRollout:
     def __init__(self, mesh, actor, cfg: RolloutConfig):
         self.mesh, self.actor, self.cfg = mesh, actor, cfg
         self.version = 0
-        self.eos = actor.source["hf_config"].get("eos_token_id")
-        if isinstance(self.eos, list):
-            self.eos = self.eos[0]
+        eos = actor.source["hf_config"].get("eos_token_id")
+        self.eos_ids = {int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None}
+        """every end-of-sequence token the config names (Llama 3 names several), as vLLM stops on each"""
         if mesh.is_rank0:
             log.warning("=" * 100)
             log.warning("ROLLOUT FALLBACK: vLLM is not available (or --rollout_backend megatron); generating with "
@@ -55,10 +55,12 @@ class MegatronRollout:
         return RoutingRecorder(self.actor.spec.num_layers, model=self.actor.module)
 
     @torch.no_grad()
-    def _next_token(self, ids: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator,
-                    recorder=None):
+    def _next_token(self, ids: torch.Tensor, temperature: float, top_p: float, gen, recorder=None,
+                    last: torch.Tensor | None = None):
         """ids (n, L) -> (token (n,), logprob (n,)) identical on every rank of this DP replica; ``recorder`` (a
-        ``RoutingRecorder``) gets the routing of this forward."""
+        ``RoutingRecorder``) gets the routing of this forward. ``gen``: one ``torch.Generator`` for every row, or a
+        list of one per row; ``last``: each row's last real position (rows right-padded: the causal mask keeps the
+        padding out of every real position), default the last column."""
         from rlhf.models.pipeline import gather_vocab_parallel
 
         mesh = self.mesh
@@ -66,8 +68,13 @@ class MegatronRollout:
         outs = self.actor.forward([mb])
         result = torch.empty(2, ids.shape[0], dtype=torch.float64)
         if mesh.is_last_stage:
+            out = outs[0]["output"]
+            if last is None:
+                rows = out[:, -1]
+            else:
+                rows = out[torch.arange(out.shape[0], device=out.device), last.to(out.device)]
             # Sampled on the host with a CPU generator: the same tokens whatever the device.
-            logits = gather_vocab_parallel(outs[0]["output"][:, -1]).cpu()[:, : self.actor.spec.vocab_size].double()
+            logits = gather_vocab_parallel(rows).cpu()[:, : self.actor.spec.vocab_size].double()
             logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)  # (n, V)
             probs = logp.exp()
             if top_p < 1.0:
@@ -75,7 +82,12 @@ class MegatronRollout:
                 drop = sorted_p.cumsum(-1) - sorted_p > top_p
                 sorted_p[drop] = 0
                 probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-            tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1) if temperature > 0 else probs.argmax(-1)
+            if temperature <= 0:
+                tok = probs.argmax(-1)
+            elif isinstance(gen, torch.Generator):
+                tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            else:
+                tok = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, gen)])
             result[0] = tok.double()
             result[1] = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         if mesh.pp > 1:
@@ -113,7 +125,7 @@ class MegatronRollout:
         """``n`` replies to one prompt: ``(token ids, log-probs, ended by EOS, routing)`` each, cut after EOS; routing
         (an MoE actor's; else None): the experts of the prompt and response tokens fed forward, (P + R - 1, layers,
         top_k) expert ids, each token's from the forward that first fed it."""
-        eos = None if ignore_eos else self.eos
+        eos = set() if ignore_eos else self.eos_ids
         ids = torch.tensor([list(prompt)] * n, dtype=torch.long)  # (n, P)
         tokens, lps = [], []
         done = torch.zeros(n, dtype=torch.bool)
@@ -127,7 +139,7 @@ class MegatronRollout:
                 routed.append(merge_stages(recorder.parts.pop()[:, -fed:], self.mesh))  # PP: every stage's layers
             tokens.append(tok)
             lps.append(lp)
-            done |= tok == eos if eos is not None else done
+            done |= torch.tensor([int(t) in eos for t in tok.tolist()], dtype=torch.bool)
             ids = torch.cat([ids, tok.unsqueeze(1)], dim=1)
             if self._all_done(done):
                 break
@@ -136,10 +148,62 @@ class MegatronRollout:
         out = []
         for k in range(n):
             row = toks[k].tolist()
-            end = row.index(eos) + 1 if eos in row else len(row)
-            r = None if routing is None else routing[k, : len(prompt) + end - 1].to(torch.int16).numpy()
-            out.append((row[:end], lpt[k, :end].tolist(), eos in row, r))
+            end = next((i + 1 for i, t in enumerate(row) if t in eos), None)
+            cut = end or len(row)
+            r = None if routing is None else routing[k, : len(prompt) + cut - 1].to(torch.int16).numpy()
+            out.append((row[:cut], lpt[k, :cut].tolist(), end is not None, r))
         return out
+
+    @torch.no_grad()
+    def partial_round(self, mine: list, need: int, *, temperature: float, top_p: float, max_tokens: int,
+                      version: int, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> tuple[int, int]:
+        """One partial-rollout round (``rlhf.rollout.partial.generate_partial``) over this DP replica's groups
+        ``mine`` (lists of ``PartialSample``, updated in place): every unfinished sample gains one token per
+        forward, the replica's unfinished samples right-padded into one batch, until ``need`` of its groups are
+        whole (the rest is left unfinished: vLLM's abort) or nothing is left. A carried sample continues from
+        prompt + prefix with a fresh stream (``PartialSample.round_seed``); a new one draws with its own seed. An MoE
+        actor's samples that finish get the routing of this round's forwards, each position's from the forward that
+        first fed it (the prefix re-fed at this version, as vLLM's prefill of a continued request). Returns
+        (aborted samples, generated tokens)."""
+        stops = (set() if ignore_eos else set(self.eos_ids)) | {int(t) for t in stop_token_ids}
+        left = [sum(not s.done for s in g) for g in mine]
+        whole = sum(x == 0 for x in left)
+        active = [(gi, s, torch.Generator().manual_seed(s.round_seed(version)), [])
+                  for gi, g in enumerate(mine) for s in g if not s.done]
+        recorder, generated = self._recorder(), 0
+        while True:
+            idle = whole >= need or not active
+            if self._all_done(torch.tensor(idle)):  # with expert parallelism the EP ranks stop together
+                break
+            if idle:  # this replica is done, an EP peer is not: its forwards are collectives, so feed one token
+                self.actor.forward([{"input_ids": torch.zeros(1, 1, dtype=torch.long)}])
+                continue
+            rows = [list(s.prompt_ids) + list(s.response_ids) for _, s, _, _ in active]
+            lens = torch.tensor([len(r) for r in rows])
+            ids = torch.zeros(len(rows), int(lens.max()), dtype=torch.long)
+            for j, r in enumerate(rows):
+                ids[j, : len(r)] = torch.tensor(r)
+            tok, lp = self._next_token(ids, temperature, top_p, [a[2] for a in active], recorder, last=lens - 1)
+            if recorder is not None:
+                from rlhf.models.routing_replay import merge_stages
+
+                fed = merge_stages(recorder.parts.pop(), self.mesh)  # (n, L, layers, K) ids + 1
+            for j, (gi, s, _, routed) in enumerate(active):
+                if recorder is not None:  # a sample's first forward of the round feeds all of it, later ones a token
+                    routed.append(fed[j, (int(lens[j]) - 1 if routed else 0): int(lens[j])])
+                t = int(tok[j])
+                s.response_ids.append(t)
+                s.logprobs.append(float(lp[j]))
+                s.versions.append(version)
+                generated += 1
+                if t in stops or len(s.response_ids) >= max_tokens:
+                    s.done, s.finished = True, t in stops
+                    if routed:
+                        s.routed_experts = (torch.cat(routed).long() - 1).to(torch.int16).numpy()
+                    left[gi] -= 1
+                    whole += left[gi] == 0
+            active = [a for a in active if not a[1].done]
+        return len(active), generated
 
     def _all_done(self, done: torch.Tensor) -> bool:
         """Every sample ended. With expert parallelism each forward is a collective over the EP group, so its

@@ -1,7 +1,8 @@
-"""Partial rollouts in the colocated vLLM engine (issue 44): generate for more groups than a step trains, stop the
-engine with vLLM's own abort once enough whole groups have finished, and carry the unfinished samples, with the
-tokens, per-token log-probs and per-token policy versions they already have, into the next step, where they
-continue from prompt + prefix under the newly synced weights (verl's ``colocate_async``, slime's
+"""Partial rollouts in the colocated vLLM engine, or the megatron fallback generator (issue 44): generate for more
+groups than a step trains, stop the engine with vLLM's own abort once enough whole groups have finished (the
+fallback simply stops feeding them), and carry the unfinished samples, with the tokens, per-token log-probs and
+per-token policy versions they already have, into the next step, where they continue from prompt + prefix under
+the newly synced weights (verl's ``colocate_async``, slime's
 ``--partial-rollout``, Kimi k1.5's partial rollouts).
 
 ``PartialSample`` is one sample of a group in flight; ``generate_partial`` runs one engine round over a list of
@@ -84,16 +85,6 @@ def check_partial(job) -> None:
     if job.agent.agent_func_path:
         raise ValueError("--partial_rollout with --agent_func_path is not supported yet: a multi-turn trajectory "
                          "cannot be carried between turns of the environment yet")
-    backend = job.rollout.rollout_backend
-    if backend == "megatron":
-        raise ValueError("--partial_rollout with --rollout_backend megatron: the fallback generator cannot stop "
-                         "and resume a request; partial rollouts use vLLM's abort")
-    if backend == "auto":
-        from rlhf.rollout.vllm_engine import vllm_available
-
-        if not vllm_available():
-            raise ValueError("--partial_rollout needs vLLM (not installed: the megatron fallback cannot stop and "
-                             "resume a request)")
 
 
 @dataclass
@@ -116,10 +107,19 @@ class PartialSample:
     """no more tokens: ended with EOS (``finished``) or at the length limit"""
     finished: bool = False
     """ended with EOS"""
+    routed_experts: object = None
+    """an MoE generator's routing of a finished sample, ``(tokens, layers, top_k)`` expert ids (``Sample``'s), from
+    the round it finished in (that round fed the prefix again: vLLM's prefill of the continued request, the megatron
+    fallback's first forward of the round); None otherwise"""
 
     def to_sample(self) -> Sample:
         return Sample(self.prompt_index, list(self.prompt_ids), list(self.response_ids), list(self.logprobs),
-                      self.finished, versions=list(self.versions))
+                      self.finished, versions=list(self.versions), routed_experts=self.routed_experts)
+
+    def round_seed(self, version: int) -> int:
+        """The seed this sample draws with in a round at ``version``: its own for its first tokens, then a fresh
+        stream per continuation (``continuation_seed``)."""
+        return self.seed if not self.response_ids else continuation_seed(self.seed, version)
 
 
 def continuation_seed(seed: int, version: int) -> int:
@@ -142,18 +142,35 @@ def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_n
     ``groups_needed`` >= the number of groups: nothing is aborted, every sample runs to its end (K = 0).
     New samples (no tokens yet) draw with their ``seed``, as ``VLLMRollout.generate`` seeds sample k of a prompt,
     so a round with nothing carried and nothing aborted generates exactly what ``generate`` would.
+    The megatron fallback (``MegatronRollout.partial_round``) runs one such engine per DP replica; it stops
+    generating where vLLM aborts, and seeds each sample apart (its ``generate`` draws a prompt's samples from one
+    generator, so its rounds are not its ``generate``'s samples).
     ``stop_token_ids``: vLLM's own, ending a sample as EOS does (``finished``)."""
-    import torch.distributed as dist
+    if getattr(rollout, "cpu_released", False):
+        raise RuntimeError("vLLM's weights were freed after the last rollout (CPU sleep) and not synced since")
+    mesh = rollout.mesh
+    megatron = hasattr(rollout, "partial_round")  # the fallback: one engine per DP replica, no abort to call
+    E, e = (mesh.dp, mesh.dp_rank) if megatron else (rollout.num_engines, rollout.engine_index)
+    lo, hi = _engine_share(len(groups), E, e)
+    n_lo, n_hi = _engine_share(groups_needed, E, e)
+    mine = [[_copy(s) for s in g] for g in groups[lo:hi]]
+    kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, version=version,
+              stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos)
+    if megatron:
+        aborted, generated = rollout.partial_round(mine, n_hi - n_lo, **kw)
+        leader = mesh.tp_rank == 0 and mesh.pp_rank == 0
+    else:
+        aborted, generated = _vllm_round(rollout, mine, n_hi - n_lo, **kw)
+        leader = rollout.is_leader
+    return _gather(mesh, groups, (lo, mine, aborted, generated) if leader else None)
+
+
+def _vllm_round(rollout, mine: list[list[PartialSample]], need: int, *, temperature: float, top_p: float,
+                max_tokens: int, version: int, stop_token_ids: list[int], ignore_eos: bool) -> tuple[int, int]:
+    """This engine's share of a round (``generate_partial``), ``mine`` updated in place: (aborted, generated)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    if getattr(rollout, "cpu_released", False):
-        raise RuntimeError("vLLM's weights were freed after the last rollout (CPU sleep) and not synced since")
-    E, e = rollout.num_engines, rollout.engine_index
-    lo, hi = _engine_share(len(groups), E, e)
-    n_lo, n_hi = _engine_share(groups_needed, E, e)
-    need = n_hi - n_lo
-    mine = [[_copy(s) for s in g] for g in groups[lo:hi]]
     engine = rollout.llm.llm_engine
     by_id: dict[str, tuple[int, PartialSample]] = {}
     left = [sum(not s.done for s in g) for g in mine]
@@ -163,9 +180,8 @@ def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_n
             if s.done:
                 continue
             remaining = max_tokens - len(s.response_ids)
-            seed = s.seed if not s.response_ids else continuation_seed(s.seed, version)
             params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=remaining, logprobs=0,
-                                    seed=seed, detokenize=False, stop_token_ids=list(stop_token_ids or []),
+                                    seed=s.round_seed(version), detokenize=False, stop_token_ids=stop_token_ids,
                                     ignore_eos=ignore_eos)
             params.output_kind = RequestOutputKind.DELTA
             rid = f"partial-{version}-{s.group}-{s.k}"
@@ -193,12 +209,20 @@ def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_n
             s.logprobs += [float(d[t].logprob) for d, t in zip(c.logprobs or [], ids)]
             s.versions += [version] * len(ids)
             generated += len(ids)
-            if o.finished:
+            if o.finished:  # vLLM hands a request's routing (enable_return_routed_experts) with its last output
                 s.done, s.finished = True, c.finish_reason == "stop"
+                s.routed_experts = getattr(c, "routed_experts", None)
                 left[gi] -= 1
                 whole += left[gi] == 0
-    parts: list = [None] * rollout.mesh.world_size
-    dist.all_gather_object(parts, (lo, mine, aborted, generated) if rollout.is_leader else None)
+    return aborted, generated
+
+
+def _gather(mesh, groups, mine) -> tuple[list[list[PartialSample]], dict]:
+    """Every engine's groups, on every rank, in the order given, and the round's counts."""
+    import torch.distributed as dist
+
+    parts: list = [None] * mesh.world_size
+    dist.all_gather_object(parts, mine)
     out: list[list[PartialSample]] = [[] for _ in groups]
     counts = {"aborted": 0, "generated": 0}
     for p in parts:
@@ -214,7 +238,23 @@ def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_n
 
 def _copy(s: PartialSample) -> PartialSample:
     return PartialSample(s.group, s.k, s.prompt_index, list(s.prompt_ids), s.seed, list(s.response_ids),
-                         list(s.logprobs), list(s.versions), s.done, s.finished)
+                         list(s.logprobs), list(s.versions), s.done, s.finished, s.routed_experts)
+
+
+def _state(s: PartialSample) -> dict:
+    d = dict(_copy(s).__dict__)
+    if d["routed_experts"] is not None:  # the checkpoint's trainer.json: lists of ints
+        d["routed_experts"] = d["routed_experts"].tolist()
+    return d
+
+
+def _from_state(d: dict) -> PartialSample:
+    import numpy as np
+
+    s = PartialSample(**d)
+    if s.routed_experts is not None:
+        s.routed_experts = np.asarray(s.routed_experts, dtype=np.int16)
+    return s
 
 
 def new_group(group: int, prompt_index: int, prompt_ids: list[int], *, n: int, step_seed: int,
@@ -317,12 +357,12 @@ class PartialRollouts:
 
     # ----------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
-        return {"carried": [[_copy(s).__dict__ for s in g] for g in self.carried],
+        return {"carried": [[_state(s) for s in g] for g in self.carried],
                 "requeue": [(i, list(p)) for i, p in self.requeue], "pending": list(self.pending),
                 "next_group": self.next_group}
 
     def load_state_dict(self, state: dict) -> None:
-        self.carried = [[PartialSample(**d) for d in g] for g in state["carried"]]
+        self.carried = [[_from_state(d) for d in g] for g in state["carried"]]
         self.requeue = [(i, list(p)) for i, p in state["requeue"]]
         self.pending = list(state["pending"])
         self.next_group = state["next_group"]

@@ -4,6 +4,7 @@ trainer, the prompt queue, and the checkpointed state."""
 import argparse
 import json
 
+import numpy as np
 import pytest
 
 from rlhf.rollout.partial import PartialRolloutConfig, PartialRollouts, PartialSample, new_group
@@ -55,10 +56,18 @@ def test_prompt_queue_and_state_round_trip():
     assert p.take_prompts(2, lambda: next(batches)) == [1, 2]
     assert p.take_prompts(2, lambda: next(batches)) == [3, 4] and p.pending == [5, 6]
     p.carried = [group(0, [1, 2], done=False)] + [new_group(1, 3, [7], n=2, step_seed=1, position=0)]
+    p.carried[0][1].done = True  # a finished sample of an MoE generator carries its routing (tokens, layers, top_k)
+    p.carried[0][1].routed_experts = np.arange(3 * 2 * 2, dtype=np.int16).reshape(3, 2, 2)
     p.requeue = [(9, [8])]
     state = json.loads(json.dumps(p.state_dict()))  # plain data
     q = PartialRollouts(n=2, batch_groups=2, oversample_groups=1, max_staleness=1)
     q.load_state_dict(state)
+    routed = [s.routed_experts for g in q.carried for s in g]
+    assert routed[1].dtype == np.int16 and (routed[1] == p.carried[0][1].routed_experts).all()
+    assert [r is None for r in routed] == [True, False, True, True]
+    for g in q.carried + p.carried:
+        for s in g:
+            s.routed_experts = None
     assert q.carried == p.carried and q.requeue == p.requeue and q.pending == p.pending
     assert q.next_group == p.next_group
 
@@ -76,7 +85,6 @@ def test_bad_values_name_the_flag(flags, msg):
 
 @pytest.mark.parametrize("flags,needle", [
     (["--agent_func_path", "x.py"], "--partial_rollout with --agent_func_path is not supported yet"),
-    (["--rollout_backend", "megatron"], "--partial_rollout with --rollout_backend megatron"),
     (["--vllm_generate_batch_size", "2"], "--vllm_generate_batch_size 2 must be at least --rollout_batch_size 4"),
 ])
 def test_combinations_not_built_are_refused_by_name(flags, needle, tmp_path):
@@ -108,3 +116,77 @@ def test_combinations_not_built_are_refused_by_name(flags, needle, tmp_path):
     j = job(["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "2",
              "--rollout.vllm_generate_batch_size", "6"])
     assert (j.partial.partial_rollout, j.partial.max_staleness, j.partial.extra_groups(4)) == (True, 2, 2)
+
+
+def _fake_megatron_rollout(monkeypatch, vocab=13, eos=(3, 7)):
+    """``MegatronRollout`` over a causal stand-in for the actor: position t's logits depend on tokens 0..t only (a
+    running mean of embeddings), so right padding must not reach a real position."""
+    import types
+
+    import torch
+
+    import rlhf.models.pipeline
+    from rlhf.rollout.megatron_engine import MegatronRollout
+
+    monkeypatch.setattr(rlhf.models.pipeline, "gather_vocab_parallel", lambda x: x)  # TP 1, no megatron groups
+    emb = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def logits(ids):  # (n, L) -> (n, L, V)
+        e = emb[ids]
+        return e + 2.0 * e.cumsum(1) / torch.arange(1, ids.shape[1] + 1, dtype=torch.float64)[None, :, None]
+
+    r = MegatronRollout.__new__(MegatronRollout)
+    r.mesh = types.SimpleNamespace(pp=1, ep=1, dp=1, dp_rank=0, tp_rank=0, pp_rank=0, is_last_stage=True)
+    r.actor = types.SimpleNamespace(forward=lambda mbs: [{"output": logits(mbs[0]["input_ids"])}],
+                                    spec=types.SimpleNamespace(vocab_size=vocab, num_experts=0),
+                                    module=torch.nn.Module())
+    r.eos_ids = set(eos)
+    return r, logits
+
+
+def _alone(logits, s, version, temperature, max_tokens, stops):
+    """The plain reference: one sample on its own, a forward of exactly its tokens per new token."""
+    import torch
+
+    gen, ids, toks, lps = torch.Generator().manual_seed(s.round_seed(version)), list(s.prompt_ids + s.response_ids), [], []
+    while len(s.response_ids) + len(toks) < max_tokens:
+        logp = torch.log_softmax(logits(torch.tensor([ids]))[0, -1] / temperature, dim=-1)
+        t = int(torch.multinomial(logp.exp(), 1, generator=gen))
+        toks.append(t)
+        lps.append(float(logp[t].float()))  # the generator hands fp32 log-probs, as vLLM does
+        ids.append(t)
+        if t in stops:
+            break
+    return toks, lps
+
+
+@pytest.mark.parametrize("need", [1, 3])
+def test_megatron_fallback_round_matches_samples_generated_alone(monkeypatch, need):
+    """``MegatronRollout.partial_round`` (the fallback's partial rollouts): every unfinished sample of the replica in
+    one right-padded batch, one token per forward, stopped once ``need`` groups are whole. Each sample's tokens and
+    log-probs are a prefix of what the sample generates alone (its own seed; a carried one continues from its
+    prefix with the continuation seed), the whole of it for finished ones; with every group needed (K = 0) every
+    sample runs to its end; both end-of-sequence ids stop a sample."""
+    import copy
+
+    from rlhf.rollout.partial import PartialSample
+
+    r, logits = _fake_megatron_rollout(monkeypatch)
+    groups = [[PartialSample(0, k, 0, [1, 2, 4], 11 + k) for k in range(2)],
+              [PartialSample(1, k, 1, [5], 21 + k, [6, 8], [-1.0, -2.0], [0, 0]) for k in range(2)],  # carried
+              [PartialSample(2, k, 2, [9, 10, 11, 12, 2], 31 + k) for k in range(2)]]
+    before = copy.deepcopy(groups)
+    aborted, generated = r.partial_round(groups, need, temperature=0.7, top_p=1.0, max_tokens=9, version=1)
+    assert sum(all(s.done for s in g) for g in groups) >= min(need, 3)
+    assert aborted == sum(not s.done for g in groups for s in g) and (aborted == 0) == (need == 3), aborted
+    assert generated == sum(len(s.response_ids) - len(b.response_ids) for g, gb in zip(groups, before)
+                            for s, b in zip(g, gb))
+    for g, gb in zip(groups, before):
+        for s, b in zip(g, gb):
+            toks, lps = _alone(logits, b, 1, 0.7, 9, {3, 7})
+            new = s.response_ids[len(b.response_ids):]
+            assert new == toks[:len(new)] and s.logprobs[len(b.logprobs):] == lps[:len(new)], (s, toks)
+            assert s.versions == b.versions + [1] * len(new)
+            assert s.done == (new == toks) and s.finished == (s.done and new[-1] in (3, 7))
+    assert any(s.finished and s.response_ids[-1] == 3 for g in groups for s in g) or \
+        any(s.finished and s.response_ids[-1] == 7 for g in groups for s in g)

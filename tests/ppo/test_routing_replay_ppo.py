@@ -74,3 +74,48 @@ def test_rollout_replay_with_vllm_on_cpu_refused(ppo_setup, family_actors, tmp_p
     code, err = _refused(ppo_setup, tmp_path, capsys, monkeypatch, family_actors["mixtral"],
                          **{"--moe_router_replay": "rollout", "--rollout_backend": "vllm"})
     assert code == 2 and "Model Runner V2" in err and "--rollout_backend megatron" in err, err
+
+
+@pytest.fixture(scope="module")
+def eos_mixtral(family_actors, tmp_path_factory):
+    """The tiny Mixtral whose config names 25 end-of-sequence tokens (as Llama 3's names several; the megatron
+    fallback stops on each): its random replies end at very different lengths, so a partial round stops with
+    samples unfinished."""
+    import shutil
+
+    d = str(tmp_path_factory.mktemp("eos_mixtral") / "actor")
+    shutil.copytree(family_actors["mixtral"], d)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["eos_token_id"] = [cfg["eos_token_id"]] + list(range(100, 124))
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    return d
+
+
+def test_rollout_replay_with_partial_rollouts(ppo_setup, eos_mixtral, tmp_path):
+    """R3 with --partial_rollout (K = 1), the megatron fallback generating over 2 ranks with the experts over EP 2
+    (each rank its share of the groups; a rank whose share is whole keeps feeding the EP collectives): samples are
+    stopped unfinished and continued a step later. A finished sample carries the routing of the round it finished
+    in, every position's (the prefix fed again at that version, as vLLM's prefill of a continued request). Where the
+    step's tokens are all of its own weights, the replayed old-log-prob forward gives the generator's log-probs
+    (drift <= 1e-4: the routing lines up with every token); carried prefixes reach the update one update old, and
+    the trainer's own routing of every trained token equals the generator's (no flip)."""
+    save = str(tmp_path / "out")
+    args = ppo_args({**ppo_setup, "actor": eos_mixtral}, save,
+                    **{"--advantage_estimator": "grpo", "--ep": 2, "--moe_router_replay": "rollout",
+                       "--rollout_backend": "megatron", "--partial_rollout": "", "--max_staleness": 1,
+                       "--partial_rollout_oversample": 1, "--rollout_batch_size": 2, "--n_samples_per_prompt": 2,
+                       "--train_batch_size": 4, "--micro_train_batch_size": 2, "--micro_rollout_batch_size": 2,
+                       "--num_episodes": 1, "--max_samples": 8, "--actor_learning_rate": "1e-3",
+                       "--reward_fn": "_rule_reward:char_code_reward", "--reward_pretrain": None,
+                       "--generate_max_len": 12, "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None})
+    p = run_torchrun(PPO, 2, args, timeout=600, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
+    assert p.returncode == 0, tail(p)
+    hist = json.load(open(os.path.join(save, "ppo_result.json")))["history"]
+    assert len(hist) == 4, hist
+    assert sum(h["partial/aborted_samples"] for h in hist) > 0, hist  # rounds stopped with samples unfinished
+    assert all(h["partial/trained_groups"] == 2 for h in hist), hist
+    fresh = [h for h in hist if h["partial/tokens_age_1"] == 0]
+    stale = [h for h in hist if h["partial/tokens_age_1"] > 0]
+    assert fresh and stale, hist
+    assert all(h["rollout_logprob_drift_max"] <= 1e-4 for h in fresh), hist
+    assert all(h["moe/routing_flip_tokens"] == 0.0 for h in hist), hist
