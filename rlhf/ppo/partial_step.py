@@ -88,3 +88,29 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
                     "partial/new_groups": float(new_groups)})
     metrics.update(filter_metrics)
     return make_rollout([grp[0].prompt_index for grp in train], _samples(train), mesh), metrics
+
+
+def drift_by_age(exp, version: int, mesh) -> dict[str, float]:
+    """The generator-vs-trainer log-prob drift (``rollout_logprob_drift``) split by token age, over the global
+    batch: ``partial/logprob_drift_fresh`` (and ``_max``) over the tokens this step's weights generated, the weights
+    the trainer's old log-probs come from, so only a sync or kernel mismatch shows there, as in a synchronous step;
+    ``partial/logprob_drift_carried`` over tokens of earlier versions, which the updates since have moved (what the
+    rollout corrections weigh). Only where the old log-probs are the trainer's own forward."""
+    import torch
+
+    from rlhf.algo.ppo_losses import masked_mean
+    from rlhf.distributed.collectives import dp_all_gather
+
+    mask = exp.batch["action_mask"]
+    fresh = torch.zeros_like(mask, dtype=torch.bool)
+    for i, s in enumerate(exp.samples):
+        v = torch.as_tensor(s.versions or [], dtype=torch.long)[: mask.shape[1]]
+        fresh[i, : v.numel()] = (v == version).to(mask.device)
+    diff = dp_all_gather((exp.vllm_logprobs - exp.old_logprobs).abs(), mesh)
+    gmask, gfresh = dp_all_gather(mask, mesh).bool(), dp_all_gather(fresh, mesh)
+    out = {}
+    for name, m in (("fresh", gmask & gfresh), ("carried", gmask & ~gfresh)):
+        if m.any():
+            out[f"partial/logprob_drift_{name}"] = masked_mean(diff, m).item()
+            out[f"partial/logprob_drift_{name}_max"] = diff.masked_fill(~m, 0).max().item()
+    return out

@@ -133,6 +133,10 @@ class PPOTrainer:
         metrics.update(reward_metrics)
         with timer.phase("advantages"):
             metrics.update(compute_advantages(exp, raw_rewards, self.estimator, self.kl_ctl.value, job, mesh))
+            if self.partial is not None and job.algo.old_logprobs_source == "forward":
+                from rlhf.ppo.partial_step import drift_by_age
+
+                metrics.update(drift_by_age(exp, self.step, mesh))  # fresh tokens vs carried ones
         # Global means (the same on every rank): a non-finite reward or advantage skips this step's updates.
         bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
         if bad:

@@ -95,10 +95,10 @@ def test_rollout_replay_with_partial_rollouts(ppo_setup, eos_mixtral, tmp_path):
     """R3 with --partial_rollout (K = 1), the megatron fallback generating over 2 ranks with the experts over EP 2
     (each rank its share of the groups; a rank whose share is whole keeps feeding the EP collectives): samples are
     stopped unfinished and continued a step later. A finished sample carries the routing of the round it finished
-    in, every position's (the prefix fed again at that version, as vLLM's prefill of a continued request). Where the
-    step's tokens are all of its own weights, the replayed old-log-prob forward gives the generator's log-probs
-    (drift <= 1e-4: the routing lines up with every token); carried prefixes reach the update one update old, and
-    the trainer's own routing of every trained token equals the generator's (no flip)."""
+    in, every position's (the prefix fed again at that version, as vLLM's prefill of a continued request). For every
+    token of a step's own weights, continued samples' included, the replayed old-log-prob forward gives the
+    generator's log-prob (drift <= 1e-4: the routing lines up with every token); carried tokens reach the update one
+    update old, and the trainer's own routing of every trained token equals the generator's (no flip)."""
     save = str(tmp_path / "out")
     args = ppo_args({**ppo_setup, "actor": eos_mixtral}, save,
                     **{"--advantage_estimator": "grpo", "--ep": 2, "--moe_router_replay": "rollout",
@@ -118,4 +118,8 @@ def test_rollout_replay_with_partial_rollouts(ppo_setup, eos_mixtral, tmp_path):
     stale = [h for h in hist if h["partial/tokens_age_1"] > 0]
     assert fresh and stale, hist
     assert all(h["rollout_logprob_drift_max"] <= 1e-4 for h in fresh), hist
+    # every token of this step's weights, continued samples' included (their prefixes fed again and routed anew):
+    # the replayed old-log-prob forward gives the generator's log-probs; carried tokens' moved with the update
+    assert all(h["partial/logprob_drift_fresh_max"] <= 1e-4 for h in hist), hist
+    assert all(h["partial/logprob_drift_carried"] > 1e-3 for h in stale), hist
     assert all(h["moe/routing_flip_tokens"] == 0.0 for h in hist), hist
