@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from rlhf.ppo.partial_step import drift_by_age, generate_partial_step
 from rlhf.ppo.prompts import load_prompts
 from rlhf.ppo.stages import (RewardSources, Rollout, compute_advantages, generate_filtered, make_experience,
                              sync_weights, update)
@@ -116,8 +117,6 @@ class PPOTrainer:
             metrics.update(sync_weights(roles, timer))
             self.actor_changed = False
         if self.partial is not None:  # --partial_rollout (rlhf.ppo.partial_step)
-            from rlhf.ppo.partial_step import generate_partial_step
-
             rollout, filtered = generate_partial_step(roles, job, self.partial, self.prompts, self.sampler,
                                                       self.step, mesh, timer, self.rewards)
         else:
@@ -133,10 +132,8 @@ class PPOTrainer:
         metrics.update(reward_metrics)
         with timer.phase("advantages"):
             metrics.update(compute_advantages(exp, raw_rewards, self.estimator, self.kl_ctl.value, job, mesh))
-            if self.partial is not None and job.algo.old_logprobs_source == "forward":
-                from rlhf.ppo.partial_step import drift_by_age
-
-                metrics.update(drift_by_age(exp, self.step, mesh))  # fresh tokens vs carried ones
+            if self.partial is not None and job.algo.old_logprobs_source == "forward":  # fresh tokens vs carried
+                metrics.update(drift_by_age(exp, self.step, mesh))
         # Global means (the same on every rank): a non-finite reward or advantage skips this step's updates.
         bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
         if bad:

@@ -93,10 +93,6 @@ def test_k1_stops_early_carries_and_bounds_the_age(k1):
                for h in hist)
     assert all(h["partial/trained_groups"] == 4 for h in hist)
     assert all(abs(h["rollout_logprob_drift"]) < 1 for h in hist if "rollout_logprob_drift" in h)
-    # the drift by age: tokens of this step's weights (continued replies' included) are the engine's own log-probs
-    # within fp32 rounding; tokens one update old are not (lr 1e-3 moved the weights)
-    assert all(h["partial/logprob_drift_fresh_max"] < 1e-4 for h in hist), hist
-    assert all(h["partial/logprob_drift_carried"] > 1e-3 for h in hist if h["partial/tokens_age_1"]), hist
 
 
 def _from_step_1(save, dst, drop_carried=False):

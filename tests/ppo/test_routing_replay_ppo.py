@@ -97,8 +97,9 @@ def test_rollout_replay_with_partial_rollouts(ppo_setup, eos_mixtral, tmp_path):
     stopped unfinished and continued a step later. A finished sample carries the routing of the round it finished
     in, every position's (the prefix fed again at that version, as vLLM's prefill of a continued request). For every
     token of a step's own weights, continued samples' included, the replayed old-log-prob forward gives the
-    generator's log-prob (drift <= 1e-4: the routing lines up with every token); carried tokens reach the update one
-    update old, and the trainer's own routing of every trained token equals the generator's (no flip)."""
+    generator's log-prob (drift <= 1e-4: the routing lines up with every token), and where all of a step's tokens
+    are fresh the trainer's own routing equals the generator's (no flip); carried tokens reach the update one update
+    old."""
     save = str(tmp_path / "out")
     args = ppo_args({**ppo_setup, "actor": eos_mixtral}, save,
                     **{"--advantage_estimator": "grpo", "--ep": 2, "--moe_router_replay": "rollout",
@@ -122,4 +123,7 @@ def test_rollout_replay_with_partial_rollouts(ppo_setup, eos_mixtral, tmp_path):
     # the replayed old-log-prob forward gives the generator's log-probs; carried tokens' moved with the update
     assert all(h["partial/logprob_drift_fresh_max"] <= 1e-4 for h in hist), hist
     assert all(h["partial/logprob_drift_carried"] > 1e-3 for h in stale), hist
-    assert all(h["moe/routing_flip_tokens"] == 0.0 for h in hist), hist
+    # the trainer's own routing equals the generator's for every token of this step's weights; a sample that finished
+    # a step earlier carries that step's routing, which the update may have moved (measured: 31% and 11% of tokens
+    # flipped at the two steps with carried tokens, AMD EPYC): what replay keeps from the trainer
+    assert all(h["moe/routing_flip_tokens"] == 0.0 for h in fresh), hist
