@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rlhf.ppo.partial_step import drift_by_age, generate_partial_step
+from rlhf.ppo.partial_step import build_partial, drift_by_age, generate_partial_step
 from rlhf.ppo.prompts import load_prompts
 from rlhf.ppo.stages import (RewardSources, Rollout, compute_advantages, generate_filtered, make_experience,
                              sync_weights, update)
@@ -90,8 +90,6 @@ class PPOTrainer:
                                 remote_rm_url=r.remote_rm_url, remote_rm_weight=r.remote_rm_weight,
                                 remote_rm_timeout=r.remote_rm_timeout)
             self.evaluator = Evaluator(job.eval, job, tokenizer, rule, mesh)
-        from rlhf.ppo.partial_step import build_partial
-
         self.partial = build_partial(job)
         self.step = 0
         state = None
