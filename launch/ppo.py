@@ -17,4 +17,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from rlhf.ppo import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf.distributed.failures import exit_process
+
+    exit_process(main())  # without the interpreter's teardown (its last full garbage collection)

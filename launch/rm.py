@@ -19,4 +19,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf.distributed.failures import exit_process
+
+    exit_process(main())  # without the interpreter's teardown (its last full garbage collection)

@@ -70,6 +70,29 @@ def end_rank(code: int) -> int:
         os._exit(code)
 
 
+def exit_process(code: int | None) -> None:
+    """The end of a launched process (a ``launch/*.py`` job or a converter tool run as a script), without the
+    interpreter's teardown: its last full garbage collection walks every object that torch, megatron-core and vLLM
+    created, 2.6-2.9 s a process at the end of a job (measured on a 2-core AMD EPYC, a one-rank tiny PPO job of 27-31 s
+    in all), and frees nothing that a process about to end needs freed. What a normal exit does that matters runs
+    first, in the same order: the non-daemon threads are joined, the ``atexit`` handlers run (logging's flush, the
+    watchdog's "done", weakref finalizers such as temporary folders, W&B), stdout and stderr are flushed. Files the
+    program left open unflushed would lose their buffers (ours are closed by their owners: metrics, checkpoints).
+    ``gc.freeze()`` would skip the collection too, but extension modules then report every object as leaked on
+    stderr at exit (nanobind, through Triton)."""
+    import atexit
+
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(0 if code is None else code if isinstance(code, int) else 1)
+
+
 def watch_sigterm(rank: int) -> None:
     """A launcher that stops the job (torchrun after a peer's failure, Slurm's scancel) sends SIGTERM, which by
     default ends a rank without a word. Python runs a signal handler only when the main thread next executes
