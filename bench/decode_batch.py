@@ -17,21 +17,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tools"))
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-    flags = next((ln for ln in out.splitlines() if ln.startswith("Flags")), "")
-    units = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return f"{name}, {os.cpu_count()} cores, {'/'.join(units) or 'AVX2 only'}"
+sys.path.insert(0, os.path.join(REPO, "bench"))
 
 
 def main(argv=None) -> int:
@@ -46,6 +38,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
+    from _machine import commit, cpu_model
     from run_rlvr_example import smollm2_or
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -87,9 +80,7 @@ def main(argv=None) -> int:
         r["step_vs_batch1"] = r["decode_s_per_step"] / base
         if at64:
             r["step_vs_batch64"] = r["decode_s_per_step"] / at64
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    result = {"machine": cpu_model(), "date": time.strftime("%Y-%m-%d"), "commit": commit, "threads": args.threads,
+    result = {"machine": cpu_model(), "date": time.strftime("%Y-%m-%d"), "commit": commit(), "threads": args.threads,
               "tokens": args.tokens, "engine": "vLLM in-process, eager, fp32, SmolLM2-135M-Instruct",
               "batches": {str(b): r for b, r in rows.items()}}
     os.makedirs(args.out, exist_ok=True)

@@ -9,8 +9,8 @@ synchronous step waits for them. Runs, per seed: synchronous, ``--partial_rollou
 ``--max_staleness 2`` (``--partial_rollout_oversample`` 0.5). Per run: samples/s (64 over the median wall time of a
 step, the first step excluded), generation seconds per step (median), trained reply length, training reward per
 step and per wall-clock second, held-out accuracy before -> after (the trainer's own evaluation, 64 questions x 4
-at temperature 0.6). Writes partial_rollout.json and partial_rollout.png under --out; runs already in partial_rollout.json with the same
-``--steps`` and ``--max_len`` are kept (run one config or seed per sitting).
+at temperature 0.6). Writes partial_rollout.json and partial_rollout.png under --out; runs already in
+partial_rollout.json with the same ``--steps`` and ``--max_len`` are kept (run one config or seed per sitting).
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -87,7 +86,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from run_rlvr_example import ppo_command, ppo_flags, run, smollm2_or
 
-    from decode_batch import cpu_model
+    from _machine import commit, cpu_model
 
     from rlhf.demo.arith_task import write
 
@@ -99,8 +98,7 @@ def main(argv=None) -> int:
     old = json.load(open(out_json)) if os.path.exists(out_json) else {}
     results: dict = {k: r for k, r in old.get("runs", {}).items()
                      if len(r["reward"]) == args.steps and r.get("max_len", args.max_len) == args.max_len}
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    here = {"commit": commit(), "machine": cpu_model()}
     for seed in [int(s) for s in args.seeds.split(",")]:
         for config in args.configs.split(","):
             name = f"{config}_s{seed}"
@@ -112,14 +110,13 @@ def main(argv=None) -> int:
                                         + CONFIGS[config]))
             run(cmd, os.path.join(run_dir, "train.log"))
             r = summarize(run_dir)
-            r.update(seconds=time.time() - t0, commit=commit, max_len=args.max_len, machine=cpu_model(),
-                     date=time.strftime("%Y-%m-%d"))
+            r.update(seconds=time.time() - t0, max_len=args.max_len, date=time.strftime("%Y-%m-%d"), **here)
             results[name] = r
             print(f"{name}: {r['samples_per_s']:.2f} samples/s, generation {r['gen_s_per_step']:.1f} s/step, "
                   f"reply {r['response_length']:.1f} tokens, held-out {r['acc_before']:.3f} -> {r['acc_after']:.3f}, "
                   f"aborted {r['aborted']:.0f}, dropped {r['dropped']:.0f}", flush=True)
             with open(out_json, "w") as f:
-                json.dump({"machine": cpu_model(), "date": time.strftime("%Y-%m-%d"), **old, "runs": results}, f,
+                json.dump({"machine": here["machine"], "date": time.strftime("%Y-%m-%d"), **old, "runs": results}, f,
                           indent=1)
     plot(results, os.path.join(args.out, "partial_rollout.png"))
     return 0

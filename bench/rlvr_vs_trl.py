@@ -30,6 +30,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tools"))
+sys.path.insert(0, os.path.join(REPO, "bench"))
 TRL_PY = os.path.join(REPO, "bench", ".venv-trl", "bin", "python")
 
 
@@ -109,11 +110,6 @@ def held_out(model: str, heldout: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return out.stdout.strip()
-
-
 def samples_per_s(step_seconds: list[float], samples: int = 64) -> float:
     return samples / statistics.median(step_seconds[1:])
 
@@ -150,6 +146,7 @@ def main(argv=None) -> int:
                    help="the --out of a finished `tools/run_rlvr_example.py --configs grpo` with the same --steps, "
                         "--lr and precision: its grpo_s<seed> runs stand for ours instead of training again")
     args = p.parse_args(argv)
+    from _machine import commit
     from run_rlvr_example import LR
 
     lr = args.lr or LR
@@ -191,7 +188,7 @@ def main(argv=None) -> int:
                   f"{r['held_out']['accuracy']:.3f} (pass@4 {r['held_out']['pass@4']:.3f}); training reward "
                   f"{sum(r['reward'][:5]) / 5:.3f} -> {sum(r['reward'][-5:]) / 5:.3f}; "
                   f"{r['samples_per_s']:.2f} samples/s", flush=True)
-        row["commit"] = _commit()
+        row["commit"] = commit()
         results["seeds"][str(seed)] = row
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
