@@ -70,27 +70,78 @@ def end_rank(code: int) -> int:
         os._exit(code)
 
 
-def exit_process(code: int | None) -> None:
+EXIT_JOIN_S = 30.0
+"""At a launched process's end (``exit_process``), the longest it waits for non-daemon threads to finish
+(``RLHF_EXIT_JOIN_S`` overrides); the ``atexit`` handlers then get ``EXIT_ATEXIT_S`` more. Past both the process
+ends anyway, naming what it did not wait for: a job whose work is done must not burn its allocation waiting on a
+thread some library left idle."""
+EXIT_ATEXIT_S = 60.0
+"""``RLHF_EXIT_ATEXIT_S`` overrides."""
+
+
+def _threading_exit_hooks() -> list:
+    """The hooks a normal interpreter exit runs before it joins non-daemon threads (``threading._shutdown`` runs
+    ``threading._threading_atexits``, CPython 3.9-3.14): ``concurrent.futures`` registers one that wakes every idle
+    pool worker, so that a ``ThreadPoolExecutor`` dropped without ``shutdown()`` ends. Without them such a worker
+    waits on its queue for ever (only the executor's finalizer, run by the garbage collection that
+    ``exit_process`` skips, would wake it). Logged once where this Python has no such list."""
+    hooks = getattr(threading, "_threading_atexits", None)
+    if hooks is None:
+        log.warning("exit: this Python has no threading._threading_atexits; idle thread pools are not woken at exit")
+        return []
+    return list(reversed(hooks))
+
+
+def exit_process(code: int | None, join_s: float | None = None, atexit_s: float | None = None) -> None:
     """The end of a launched process (a ``launch/*.py`` job or a converter tool run as a script), without the
     interpreter's teardown: its last full garbage collection walks every object that torch, megatron-core and vLLM
     created, 2.6-2.9 s a process at the end of a job (measured on a 2-core AMD EPYC, a one-rank tiny PPO job of 27-31 s
     in all), and frees nothing that a process about to end needs freed. What a normal exit does that matters runs
-    first, in the same order: the non-daemon threads are joined, the ``atexit`` handlers run (logging's flush, the
-    watchdog's "done", weakref finalizers such as temporary folders, W&B), stdout and stderr are flushed. Files the
-    program left open unflushed would lose their buffers (ours are closed by their owners: metrics, checkpoints).
-    ``gc.freeze()`` would skip the collection too, but extension modules then report every object as leaked on
-    stderr at exit (nanobind, through Triton)."""
+    first, in the same order: threading's own exit hooks (which wake idle thread pools), the non-daemon threads
+    joined, the ``atexit`` handlers (logging's flush, the watchdog's "done", weakref finalizers such as temporary
+    folders, W&B), stdout and stderr flushed. Unlike a normal exit every wait is bounded: the joins by ``join_s``
+    (``EXIT_JOIN_S``), the hooks and handlers by a backstop thread that ends the process ``atexit_s`` later; the
+    threads not waited for are named in one warning. Files the program left open unflushed would lose their buffers
+    (ours are closed by their owners: metrics, checkpoints). ``gc.freeze()`` would skip the collection too, but
+    extension modules then report every object as leaked on stderr at exit (nanobind, through Triton)."""
     import atexit
 
+    code = 0 if code is None else code if isinstance(code, int) else 1
+    join_s = float(os.environ.get("RLHF_EXIT_JOIN_S", EXIT_JOIN_S)) if join_s is None else join_s
+    atexit_s = float(os.environ.get("RLHF_EXIT_ATEXIT_S", EXIT_ATEXIT_S)) if atexit_s is None else atexit_s
+    deadline = time.monotonic() + join_s
+    me = threading.current_thread()
+
+    def backstop() -> None:  # whatever a hook, a join or a handler waits on, the process ends
+        time.sleep(join_s + atexit_s)
+        left = [t.name for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
+        rank_state.emit(f"exit: gave up after {join_s + atexit_s:.0f} s in the exit hooks or atexit handlers; "
+                        f"non-daemon threads still alive: {left or 'none'}")
+        os._exit(code)
+
+    threading.Thread(target=backstop, name="rlhf-exit-backstop", daemon=True).start()
+    for hook in _threading_exit_hooks():  # concurrent.futures' joins its woken workers without a bound: a thread
+        t = threading.Thread(target=hook, name="rlhf-exit-hook", daemon=True)  # of ours waits for it, bounded
+        t.start()
+        t.join(max(0.0, deadline - time.monotonic()))
+    left = []
     for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join()
-    atexit._run_exitfuncs()
+        if t is me or t.daemon:
+            continue
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            left.append(t.name)
+    if left:
+        rank_state.emit(f"exit: did not wait for non-daemon thread(s) still running after {join_s:.0f} s: "
+                        f"{', '.join(left)}")
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        atexit._run_exitfuncs()
     finally:
-        os._exit(0 if code is None else code if isinstance(code, int) else 1)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 def watch_sigterm(rank: int) -> None:
