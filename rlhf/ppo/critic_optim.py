@@ -1,5 +1,6 @@
 """The critic's own optimizer flags (OpenRLHF's ``--critic.adam.*``, ``--critic.lr_scheduler``, ...): each replaces,
-for the critic alone, the shared flag it names; its config and its check."""
+for the critic alone, the shared flag it names (``rlhf.ppo.parts.PPOOptim.critic_config`` applies them); the flags
+and their check."""
 from __future__ import annotations
 
 import argparse
@@ -19,18 +20,6 @@ def add_critic_optim_args(g) -> None:
                    help="the critic's warmup ratio (default: --lr_warmup_ratio)")
     g.add_argument("--critic_max_norm", type=float, default=None,
                    help="the critic's gradient clipping (default: --max_norm)")
-
-
-def critic_optim_config(args: argparse.Namespace, total_steps: int):
-    """The critic's optimizer: the shared optimisation flags, each replaced by its ``--critic_*`` flag where given
-    (``CRITIC_OPTIM_FLAGS``)."""
-    from rlhf.config import optim_config
-
-    shared = argparse.Namespace(**vars(args))
-    for own, common in CRITIC_OPTIM_FLAGS.items():
-        if getattr(args, own, None) is not None:
-            setattr(shared, common, getattr(args, own))
-    return optim_config(shared, args.critic_learning_rate, total_steps)
 
 
 def check_critic_optim(args: argparse.Namespace) -> None:
