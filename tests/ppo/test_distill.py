@@ -1,11 +1,13 @@
 """On-policy distillation (--teacher_pretrain; launch/ppo.py's body in this process, one rank, the megatron
 generator, GRPO, pure distillation with --task_reward_coef 0): the per-token signal against transformers' own
-forwards of the student and the teacher on the same tokens; a teacher equal to the student gives zero signal and
-leaves the weights as they were (control: another teacher moves them); resume with a teacher is exact; a teacher
-with another tokenizer is refused by name before any model is loaded."""
+forwards of the student and the teacher on the same tokens (at one rank, packed with LoRA and --distill_coef 0.5, and
+at TP 2 and PP 2); a teacher equal to the student gives zero signal and leaves the weights as they were (control:
+another teacher moves them); resume with a teacher is exact, told from a fresh start by its log line and first step;
+a teacher with another tokenizer is refused by name before any model is loaded."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -21,14 +23,14 @@ PURE = {**TINY_GRPO, "--reward_fn": "_rule_reward:char_code_reward", "--rollout_
 
 @pytest.fixture(scope="module")
 def teachers(ppo_setup):
-    """A larger teacher (3 layers, another seed) with the student's tokenizer, and two with other tokenizers."""
+    """A larger teacher (4 layers, another seed) with the student's tokenizer, and two with other tokenizers."""
     from transformers import AutoTokenizer
 
     from rlhf.models.tiny import make_tiny_hf, make_tokenizer
 
     work, actor = ppo_setup["work"], ppo_setup["actor"]
     big = make_tiny_hf(os.path.join(work, "teacher"), "llama", seed=11, tokenizer_dir=actor,
-                       **{**DIMS, "num_hidden_layers": 3})
+                       **{**DIMS, "num_hidden_layers": 4})
     make_tokenizer(os.path.join(work, "tok300"), vocab_size=300)
     vocab = make_tiny_hf(os.path.join(work, "teacher_vocab"), "llama", seed=12,
                          tokenizer_dir=os.path.join(work, "tok300"), **DIMS)
@@ -94,7 +96,7 @@ def test_signal_equals_transformers_and_a_teacher_moves_the_student(ppo_setup, t
     b, mask = first["batch"], first["batch"]["action_mask"]
     want = (_hf_logprobs(ppo_setup["actor"], b, 0.9) - _hf_logprobs(teachers["big"], b, 0.9)) * mask
     got = -first["advantages"]  # --task_reward_coef 0, --distill_coef 1: the advantage is minus the signal
-    assert mask.sum() > 4 and want[mask].abs().min() > 1e-3, want  # a signal worth comparing
+    assert mask.sum() > 4 and want[mask].abs().median() > 1e-2, want  # a signal worth comparing
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
     assert hist[0]["distill/reverse_kl"] == pytest.approx((want.sum() / mask.sum()).item(), abs=2e-5)
     assert "reward" in hist[0]  # the task reward is still logged
@@ -102,17 +104,19 @@ def test_signal_equals_transformers_and_a_teacher_moves_the_student(ppo_setup, t
     assert any(not torch.equal(weights[k], initial[k]) for k in initial)  # control: another teacher moves them
 
 
-def test_signal_with_packed_dynamic_micro_batches_and_lora(ppo_setup, teachers, tmp_path, monkeypatch):
-    """The teacher reads the student's packed micro-batches formed by token count, and the student trains LoRA
-    adapters (zero at step 1, so the student is still the initial model): the same signal as transformers'."""
+def test_signal_with_packed_dynamic_micro_batches_lora_and_half_the_weight(ppo_setup, teachers, tmp_path,
+                                                                            monkeypatch):
+    """The teacher reads the student's packed micro-batches formed by token count, the student trains LoRA
+    adapters (zero at step 1, so the student is still the initial model), and ``--distill_coef 0.5`` weighs the
+    term: half of transformers' signal (the straight run above checks 1.0, so a weight read as 1 fails here)."""
     steps: list = []
     hist, _ = _run(ppo_setup, tmp_path / "o", teachers["big"], monkeypatch, "--packing_samples", "--use_dynamic_batch",
                    "--prompt_max_len", "16", "--max_tokens_per_gpu", "24", "--lora_rank", "4",
-                   capture=steps)
+                   "--distill_coef", "0.5", capture=steps)
     b, mask = steps[0]["batch"], steps[0]["batch"]["action_mask"]
     want = (_hf_logprobs(ppo_setup["actor"], b, 0.9) - _hf_logprobs(teachers["big"], b, 0.9)) * mask
-    assert mask.sum() > 4 and want[mask].abs().min() > 1e-3, want
-    torch.testing.assert_close(-steps[0]["advantages"], want, atol=2e-5, rtol=0)
+    assert mask.sum() > 4 and want[mask].abs().median() > 1e-2, want
+    torch.testing.assert_close(-steps[0]["advantages"], 0.5 * want, atol=2e-5, rtol=0)
     assert hist[1]["distill/reverse_kl"] != hist[0]["distill/reverse_kl"]  # the adapters moved the student
 
 
@@ -126,37 +130,60 @@ def test_teacher_equal_to_the_student_gives_zero_and_moves_nothing(ppo_setup, tm
 
 
 @pytest.mark.parametrize("split", ["--tp", "--pp"])
-def test_teacher_equal_to_the_student_at_tp2_or_pp2_gives_zero(ppo_setup, tmp_path, split):
-    """Both models split over TP 2 or PP 2 (2 ranks, launch/ppo.py): the teacher's shards are the student's, so the
-    signal is exactly zero and pure distillation leaves the weights as they were; a teacher loaded or sharded unlike
-    the student fails it (the one-rank control above shows another teacher moves them)."""
+def test_teacher_at_tp2_or_pp2_gives_the_one_rank_signal(ppo_setup, teachers, tmp_path, split):
+    """Student and a teacher unlike it (4 layers, another seed) split over TP 2 or PP 2 (2 ranks, launch/ppo.py
+    through tests/ppo/_distill_worker.py, which saves each rank's first step): every rank's advantages equal
+    -(student - teacher) log-probs from transformers' one-process forwards on the same tokens, as at one rank;
+    a teacher loaded or sharded unlike the student, or ignored, fails it."""
     from helpers import REPO, run_torchrun, tail
 
-    from rlhf.metrics import read_metrics_jsonl
-
-    out = tmp_path / "split"
-    argv = ppo_args(ppo_setup, str(out), **{**PURE, "--teacher_pretrain": ppo_setup["actor"], split: "2"})
-    p = run_torchrun(os.path.join(REPO, "launch/ppo.py"), 2, argv, timeout=600,
-                     PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]))  # the rule reward's module
+    out, dump = tmp_path / "split", tmp_path / "dump"
+    dump.mkdir()
+    argv = ppo_args(ppo_setup, str(out), **{**PURE, "--teacher_pretrain": teachers["big"], split: "2"})
+    p = run_torchrun(os.path.join(os.path.dirname(__file__), "_distill_worker.py"), 2, argv, timeout=600,
+                     PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]), DISTILL_DUMP=str(dump))
     assert p.returncode == 0, tail(p)
     assert f"{split[2:]}=2" in p.stdout + p.stderr  # the mesh line
-    hist = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "ppo")
-    assert sorted(hist) == [1, 2] and all(h["distill/reverse_kl"] == 0.0 for h in hist.values()), hist
-    initial, weights = load_file(f"{ppo_setup['actor']}/model.safetensors"), load_file(out / "model.safetensors")
-    assert weights.keys() == initial.keys() and all(torch.equal(weights[k], initial[k]) for k in initial)
+    for r in (0, 1):
+        step = torch.load(dump / f"rank{r}.pt")
+        b, mask = step["batch"], step["batch"]["action_mask"]
+        want = (_hf_logprobs(ppo_setup["actor"], b, 0.9) - _hf_logprobs(teachers["big"], b, 0.9)) * mask
+        assert mask.sum() > 4 and want[mask].abs().median() > 1e-2, want
+        torch.testing.assert_close(-step["advantages"], want, atol=2e-5, rtol=0)
 
 
-def test_resume_with_a_teacher_is_exact(ppo_setup, teachers, straight, tmp_path, monkeypatch):
-    save, hist, weights, _ = straight
-    # The straight run's checkpoint after step 1 (--save_steps 1) is where a job stopped after step 1 stands.
-    r = tmp_path / "r"
-    shutil.copytree(save, r)
-    shutil.rmtree(r / "checkpoints" / "iter_0000002")
-    os.remove(r / "model.safetensors")
-    (r / "checkpoints" / "latest").write_text("iter_0000001")
-    resumed, w = _run(ppo_setup, r, teachers["big"], monkeypatch, "--load_checkpoint")
+def _from_step_1(save, dst):
+    """The straight run's checkpoint after step 1 (--save_steps 1): where a job stopped after step 1 stands."""
+    shutil.copytree(save, dst)
+    shutil.rmtree(dst / "checkpoints" / "iter_0000002")
+    os.remove(dst / "model.safetensors")
+    (dst / "checkpoints" / "latest").write_text("iter_0000001")
+
+
+def test_resume_with_a_teacher_is_exact(ppo_setup, teachers, straight, tmp_path, monkeypatch, capfd):
+    """Resumed from step 1, the job says so, computes step 2 alone (its advantages equal the straight run's step 2,
+    teacher signal included) and ends with the straight run's weights. Control: a job that ignores
+    ``--load_checkpoint`` (the load a no-op) ends with the same weights too (the straight run is deterministic), so
+    only the log line and the first step tell the two apart: it computes 2 steps and says nothing."""
+    from rlhf.checkpoint import Checkpointer
+
+    save, hist, weights, straight_steps = straight
+    capfd.readouterr()
+    _from_step_1(save, tmp_path / "r")
+    steps: list = []
+    resumed, w = _run(ppo_setup, tmp_path / "r", teachers["big"], monkeypatch, "--load_checkpoint", capture=steps)
+    assert re.search(r"resumed from \S*iter_0000001 \(step 1\)", capfd.readouterr().err)  # the log line
+    assert len(steps) == 1, len(steps)  # the first step computed is step 2
+    torch.testing.assert_close(steps[0]["advantages"], straight_steps[1]["advantages"], atol=0, rtol=0)
     assert resumed[-1]["distill/reverse_kl"] == hist[-1]["distill/reverse_kl"]
     assert w.keys() == weights.keys() and all(torch.equal(w[k], weights[k]) for k in weights)
+    # control: --load_checkpoint ignored
+    _from_step_1(save, tmp_path / "c")
+    monkeypatch.setattr(Checkpointer, "load_if_any", lambda self, *a, **k: None)
+    ctl: list = []
+    _, w = _run(ppo_setup, tmp_path / "c", teachers["big"], monkeypatch, "--load_checkpoint", capture=ctl)
+    assert "resumed from" not in capfd.readouterr().err and len(ctl) == 2
+    assert all(torch.equal(w[k], weights[k]) for k in weights)  # why the weights alone cannot tell
 
 
 @pytest.mark.parametrize("which,needle", [("vocab", "vocabulary size: student"),
