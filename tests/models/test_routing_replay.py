@@ -246,3 +246,36 @@ def test_recompute_replays_in_the_backward(moe, perturbed):
     assert all(torch.equal(g0[n], g1[n]) for n in g0)  # the recompute routed as the forward did
     worst = max(((g2[n] - g0[n]).abs().max() / g0[n].abs().max().clamp(min=1e-12)).item() for n in g0)
     assert worst > 0.05, worst  # negative control: the recompute's own routing changes the gradient
+
+
+def test_partial_round_records_a_continued_samples_prompt_and_prefix(moe):
+    """``MegatronRollout.partial_round`` (partial rollouts' fallback generator): a carried sample continued in a new
+    round finishes with the routing of every position it fed, prompt and prefix included (re-fed at this round's
+    weights, as vLLM's prefill of a continued request), equal to the trainer's own unreplayed routing of the whole
+    sequence at the same weights. Control (what R3 + partial rollouts replayed wrongly until the prompt rows were
+    recorded): the same routing without the prompt positions is told apart."""
+    from rlhf.models.routing_replay import collate_routing, routing_flips
+    from rlhf.ppo.experience import collate_sequences
+    from rlhf.rollout.megatron_engine import MegatronRollout
+    from rlhf.rollout.partial import PartialSample
+    from rlhf.rollout.types import RolloutConfig
+
+    actor, samples, _ = moe
+    gen = MegatronRollout(actor.mesh, actor, RolloutConfig(backend="megatron"))
+    group = [PartialSample(0, k, k, list(s.prompt_ids), 5 + k, list(s.response_ids[:2]), list(s.logprobs[:2]), [0, 0])
+             for k, s in enumerate(samples[:2])]  # carried: two tokens generated a version earlier
+    gen.partial_round([group], 1, temperature=1.0, top_p=1.0, max_tokens=6, version=1, ignore_eos=True)
+    done = [s.to_sample() for s in group]
+    assert all(s.done and len(s.response_ids) == 6 for s in group)
+    for s in done:
+        assert s.routed_experts.shape == (len(s.prompt_ids) + 5, 2, 2)  # every fed position: P + R - 1
+    batch = collate_sequences(done, 0, 6)
+    S = batch["input_ids"].shape[1]
+    recorded = collate_routing([s.routed_experts for s in done], S, 2, 2)
+    fed = recorded.bool().all(-1).all(-1)
+    trainer = _used_experts(actor, [batch])[:, :S]
+    flips = routing_flips(trainer, recorded, fed)
+    assert flips[1] == fed.sum() == sum(len(s.prompt_ids) + 5 for s in done) and flips[0] == 0, flips
+    shifted = collate_routing([s.routed_experts[len(s.prompt_ids):] for s in done], S, 2, 2)
+    flips = routing_flips(trainer, shifted, shifted.bool().all(-1).all(-1))
+    assert flips[0] / flips[1] > 0.2, flips  # control: without the prompt rows the routing no longer lines up

@@ -3,13 +3,16 @@ fallback generator recording the experts of every token it feeds (vLLM 0.32 retu
 model runner, which needs Triton: not on CPU). R3 with the experts over 2 EP ranks: the generator's routing replayed
 in the old-log-prob, the reference and both epochs' update forwards; R2 over 2 pipeline stages with packed
 micro-batches and --gradient_checkpointing: each stage records its own layers in the old-log-prob forward, merged,
-replayed in the updates and their recomputes. The routing-flip metric logged each step. Bad input: a dense actor,
+replayed in the updates and their recomputes. The routing-flip metric logged each step. Both jobs run through
+tests/ppo/_routing_worker.py, which watches the actor's routers in every replaying forward: the experts used are the
+replayed ones on every token (replayed flips 0), while the router's own choice differs on some (unreplayed flips > 0:
+the second epoch's weights moved it), so replay is shown to act, not only to be harmless. Bad input: a dense actor,
 and R3 with vLLM on CPU, are refused by name before any model loads."""
 import json
 import os
 
 import pytest
-from helpers import REPO, run_torchrun, tail
+from helpers import REPO, require, run_torchrun, tail
 from ppo_common import ppo_args
 
 PPO = os.path.join(REPO, "launch/ppo.py")
@@ -20,7 +23,8 @@ PPO = os.path.join(REPO, "launch/ppo.py")
                                      "--gradient_checkpointing": ""}],
                          ids=["ep2_rollout", "pp2_packed_recompute_train"])
 def test_grpo_with_routing_replay(ppo_setup, family_actors, tmp_path, layout):
-    save = str(tmp_path / "out")
+    save, dump = str(tmp_path / "out"), tmp_path / "dump"
+    dump.mkdir()
     args = ppo_args({**ppo_setup, "actor": family_actors["mixtral"]}, save,
                     **{"--advantage_estimator": "grpo", **layout, "--rollout_backend": "megatron",
                        "--rollout_batch_size": 4, "--n_samples_per_prompt": 2,
@@ -28,10 +32,18 @@ def test_grpo_with_routing_replay(ppo_setup, family_actors, tmp_path, layout):
                        "--num_episodes": 1, "--max_samples": 4, "--init_kl_coef": 0.05,
                        "--reward_fn": "_rule_reward:length_reward", "--reward_pretrain": None,
                        "--generate_max_len": 4, "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None})
-    p = run_torchrun(PPO, 2, args, timeout=600, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
+    p = run_torchrun(os.path.join(os.path.dirname(__file__), "_routing_worker.py"), 2, args, timeout=600,
+                     PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}", ROUTING_DUMP=str(dump))
     assert p.returncode == 0, tail(p)
     hist = json.load(open(os.path.join(save, "ppo_result.json")))["history"]
     assert len(hist) == 1
+    counts = [json.load(open(dump / f"rank{r}.json")) for r in (0, 1)]
+    assert all(c["replay_forward"] > 0 and c["replayed_flips"] == 0 for c in counts), counts  # replay used every time
+    if "--gradient_checkpointing" in layout:  # the recomputes in the backwards replay too
+        assert all(c["replay_backward"] > 0 for c in counts), counts
+    # ... where the router would have chosen others: 0 in the forwards at the generator's weights, then nearly every
+    # token in the second epoch (one Adam step at lr 1e-2 moves the tiny router's weights by about half their std)
+    assert sum(c["unreplayed_flips"] for c in counts) > 0, counts
     for m in hist:
         # the unreplayed forward against the generator's routing: the same megatron numerics in fp32, so no flip
         assert m["moe/routing_flip_tokens"] == 0.0 and m["moe/routing_flip_pairs"] == 0.0, m
@@ -66,8 +78,9 @@ def test_dense_actor_refused(ppo_setup, tmp_path, capsys, monkeypatch, flags, ne
 
 
 def test_rollout_replay_with_vllm_on_cpu_refused(ppo_setup, family_actors, tmp_path, capsys, monkeypatch):
-    pytest.importorskip("vllm")
     import torch
+
+    require("vllm", "the refusal names vLLM's own limitation")
 
     if torch.cuda.is_available():
         pytest.skip("vLLM returns routed experts on GPU")
