@@ -1,7 +1,8 @@
 """The typed configuration parts (issue 43 item 1): every flag of each training entry point belongs to exactly one
-part of its job or to the launchers' part that ``cli_main`` applies first (no flag outside a part, none in two), each part built from the parsed defaults holds the
-parser's defaults, and a part's own check raises ``ValueError`` naming the flag. Cheap: parsers and dataclasses
-only, no model."""
+part of its job or to the launchers' part that ``cli_main`` applies first (no flag outside a part, none in two), each
+part built from the parsed defaults holds the parser's defaults, every field holds a non-default value of the flag its
+docstring names (so a field wired to another flag with an equal default fails), ``Job.namespace()`` is the parts'
+values flat, and a part's own check raises ``ValueError`` naming the flag. Cheap: parsers and dataclasses only."""
 from __future__ import annotations
 
 import argparse
@@ -157,3 +158,115 @@ def test_a_part_check_names_its_flag(case, monkeypatch):
     make, message = _bad_parts()[case]
     with pytest.raises(ValueError, match=message):
         make().check()
+
+
+# ------------------------------------------------------------------------------------------------- every field read
+def _field_flags(part_cls: type[Part]) -> dict[str, str]:
+    """field -> the option string its docstring names (``\"\"\"(--flag) ...`` or ``\"\"\"--flag ...``), read from the source: the flag a
+    reader of the part takes the field for, independent of the wiring (``DESTS``, argparse's ``dest=``)."""
+    import inspect
+    import re
+
+    out: dict[str, str] = {}
+    for klass in reversed(part_cls.__mro__):
+        if not (isinstance(klass, type) and issubclass(klass, Part)) or klass is Part:
+            continue
+        try:
+            src = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for m in re.finditer(r"^    (\w+): [^\n=]+(?:= [^\n]+)?\n    [rR]?\"\"\"\(?(--[\w.-]+)", src, re.M):
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def _nondefault(action: argparse.Action, options: list[str]) -> list[list[str]]:
+    """Command lines that set ``action``'s flag to a value other than its default (tried in order)."""
+    flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+    d = action.default
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return [[f"--no-{flag[2:]}"] if d else [flag]]
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction)):
+        return [[flag]]
+    n = action.nargs if isinstance(action.nargs, int) else 2 if action.nargs in ("+", "*") else 1
+    if action.choices:
+        return [[flag, *[str(c)] * n] for c in action.choices if c != d and [c] * n != d]
+    if action.type is int:
+        return [[flag, *[str((d if isinstance(d, int) else 0) + 3 + i) for i in range(n)]]]
+    if action.type is float:
+        return [[flag, *[repr(0.37 + 0.11 * i) for i in range(n)]]]
+    return [[flag, *[v] * n] for v in ("nondefault_value", "x:y", "3", "0.37", "a,b")]
+
+
+CONTEXT = {"--reward_weights": ["--reward_pretrain", "rm"]}
+"""flags whose non-default value needs another flag set (checked where the part is built)"""
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_every_part_field_reads_its_own_flag(job, tmp_path, monkeypatch):
+    """Each field of each part, with its flag (the one its docstring names, else ``--<field>``) set to a value other
+    than the default and every other flag left alone, holds that value: a field wired to another flag (a wrong
+    ``DESTS`` entry or ``dest=``) keeps the other flag's default and fails, even where the two defaults are equal.
+    The parts' own checks are off here (a value only has to differ); they have their own tests below."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").write_text("{}\n")
+    add_args, parts, required = JOBS[job]()
+    p = _parser(add_args)
+    by_option = {o: a for a in p._actions for o in a.option_strings}
+    unread, wrong = [], []
+    for part_cls in parts:
+        monkeypatch.setattr(part_cls, "check", lambda self: None)
+        named = _field_flags(part_cls)
+        for f in fields(part_cls):
+            if not f.init or f.name in part_cls.DERIVED:
+                continue
+            action = by_option.get(named.get(f.name, f"--{f.name}"))
+            if action is None:
+                unread.append(f"{part_cls.__name__}.{f.name} (no flag {named.get(f.name, '--' + f.name)})")
+                continue
+            got, why = None, "no non-default value found"
+            for argv in _nondefault(action, list(action.option_strings)):
+                argv = CONTEXT.get(action.option_strings[0], []) + argv
+                try:
+                    ns = p.parse_args(required + argv)
+                except SystemExit:
+                    continue
+                if getattr(ns, action.dest) == action.default:
+                    continue
+                try:
+                    got = getattr(part_cls.from_args(ns), f.name)
+                    break
+                except ValueError as e:  # a check outside ``check`` (``__post_init__``): the next value
+                    why = str(e)
+            else:
+                unread.append(f"{part_cls.__name__}.{f.name} ({action.option_strings}): {why}")
+                continue
+            if got != getattr(ns, action.dest):
+                wrong.append(f"{part_cls.__name__}.{f.name} = {got!r} with {' '.join(argv)}")
+    assert not wrong, f"{job}: fields that do not read their flag: {wrong}"
+    assert not unread, f"{job}: fields not checked: {unread}"
+
+
+def test_job_namespace_is_the_parts_flat(tmp_path, monkeypatch):
+    """``Job.namespace()`` (what the ranks' consistency check, the logged configuration and the HF export read): one
+    entry per flag any part owns, holding the part's value, plus the values the checks resolve (``RESOLVED``).
+    Non-default values in several parts, two of them behind ``DESTS`` (--eval_temperature, --eval_steps)."""
+    from rlhf.ppo.args import PPOJobConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").write_text("{}\n")
+    add_args, _, required = JOBS["ppo"]()
+    ns = _parser(add_args).parse_args(required + [
+        "--actor_learning_rate", "3e-6", "--temperature", "0.7", "--eval_temperature", "0.9", "--eval_steps", "5",
+        "--critic_l2", "0.01", "--n_samples_per_prompt", "4", "--max_staleness", "2", "--tp", "2",
+        "--moe_router_replay", "R3"])
+    job = PPOJobConfig.from_args(ns)
+    out = vars(job.namespace())
+    owned = set().union(*(t.flag_dests() for t in PPOJobConfig.part_types().values()))
+    resolved = {r for part in job.parts() for r in part.RESOLVED}
+    assert set(out) == owned | resolved, (set(out) ^ (owned | resolved))
+    assert {d: out[d] for d in owned if out[d] != getattr(ns, d)} == {"moe_router_replay": "rollout"}  # R3's name
+    assert (out["eval_temperature"], out["eval_steps"], out["temperature"], out["tensor_model_parallel_size"]) == \
+        (0.9, 5, 0.7, 2)
+    for name in resolved:
+        assert out[name] == next(getattr(p, name) for p in job.parts() if name in p.RESOLVED)
