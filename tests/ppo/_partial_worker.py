@@ -55,7 +55,7 @@ stopped, c_stop = generate_partial(rollout, groups(), groups_needed=1, version=0
 unfinished_after_abort = llm.llm_engine.get_num_unfinished_requests()
 resumed, c_res = generate_partial(rollout, stopped, groups_needed=4, version=1, **kw)
 print("RESULT " + json.dumps({"full": dump(full), "ref": ref, "stopped": dump(stopped), "resumed": dump(resumed),
-                              "shifted": dump(shifted),
+                              "shifted": dump(shifted), "prompts": prompts,
                               "counts": [c_full, c_stop, c_res], "unfinished_after_abort": unfinished_after_abort}),
       flush=True)
 del llm

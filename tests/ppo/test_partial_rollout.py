@@ -55,3 +55,25 @@ def test_stopped_round_carries_the_sampled_prefix_and_continues(result):
             assert r["v"] == s["v"] + [1] * (len(r["ids"]) - len(s["ids"]))
             assert len(r["ids"]) == len(r["lps"]) <= 24
     assert any(1 in r["v"] for g in resumed for r in g)
+
+
+def test_continuation_is_conditioned_on_the_prefix(result, ppo_setup):
+    """Every token of every resumed sample, carried prefix and continuation, has the log-prob transformers gives it
+    after the prompt and all the tokens before it (fp32: vLLM and transformers agree to a few 1e-6): a continuation
+    that restarted from the prompt alone (the prefix dropped from the request) would keep the prefix and its
+    log-probs, but its new tokens' log-probs would be those of another context."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ppo_setup["actor"], dtype=torch.float32).eval()
+    worst, continued = 0.0, 0
+    for prompt, gs, gr in zip(result["prompts"], result["stopped"], result["resumed"]):
+        for s, r in zip(gs, gr):
+            ids = torch.tensor([prompt + r["ids"]])
+            with torch.no_grad():
+                lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)  # (S, V), temperature 1
+            want = lp[len(prompt) - 1: -1].gather(1, ids[0, len(prompt):, None]).squeeze(1)
+            worst = max(worst, (want - torch.tensor(r["lps"])).abs().max().item())
+            continued += len(r["ids"]) > len(s["ids"]) > 0
+    assert continued >= 1, "no sample was continued from a prefix"
+    assert worst < 1e-4, worst
