@@ -128,6 +128,47 @@ def run_tagged(cmd: list[str], timeout: float, env: dict | None = None, *, full_
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def readline_within(proc: subprocess.Popen, timeout: float) -> str:
+    """``proc.stdout``'s next line, read with a bound: a child that never prints it is killed and the test fails
+    with ``TimeoutError`` after ``timeout`` seconds instead of waiting for ever (a bare ``readline()`` blocks until
+    the suite's per-test limit, and then leaves the child)."""
+    import threading
+
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    if not box:
+        proc.kill()
+        raise TimeoutError(f"no line from {proc.args!r:.120} in {timeout:g} s (killed)")
+    return box[0]
+
+
+def spawn_within(fn, args: tuple, nprocs: int, timeout: float = 300) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with a bound: a rank that raises fails the test with its
+    traceback (the others are terminated, as ``spawn`` does); ranks still running after ``timeout`` seconds are
+    killed and the test fails with ``TimeoutError``. On any way out no rank is left alive."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"spawned ranks of {getattr(fn, '__name__', fn)} still running after {timeout:g} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def sleep_forever(rank: int, pid_dir: str) -> None:
+    """A spawned rank that never ends (``spawn_within``'s own test): writes its pid, then sleeps."""
+    open(os.path.join(pid_dir, str(rank)), "w").write(str(os.getpid()))
+    time.sleep(3600)
+
+
 def torchrun_cmd(script: str, nproc: int, args: list[str], max_restarts: int = 0) -> list[str]:
     """``torchrun --nproc_per_node nproc [--max-restarts N] script args`` on a free port."""
     restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []

@@ -101,10 +101,10 @@ def _kl_over_dp(rank: int, world: int, init: str, out: str) -> None:
 
 
 def test_kto_kl_is_averaged_over_the_dp_group(tmp_path):
-    import torch.multiprocessing as mp
+    from helpers import spawn_within
 
     out = str(tmp_path / "kl")
-    mp.spawn(_kl_over_dp, args=(2, f"file://{tmp_path / 'store'}", out), nprocs=2)
+    spawn_within(_kl_over_dp, (2, f"file://{tmp_path / 'store'}", out), nprocs=2, timeout=300)
     for rank, local in ((0, 0.2), (1, 0.0)):
         r = torch.load(f"{out}.{rank}")
         assert r["z"].item() == pytest.approx(0.1, abs=1e-12)

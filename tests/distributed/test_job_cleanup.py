@@ -94,3 +94,21 @@ def test_a_launched_single_rank_dies_with_its_launcher(tmp_path, watchdog):
             assert _alive(pid), "control: without the parent-death signal the rank should have lived on"
     finally:
         kill_job(job.tag, job.proc.pid)
+
+
+def test_spawned_ranks_and_a_silent_child_are_bounded(tmp_path):
+    """The suite's bounds on what it starts without torchrun: ``spawn_within`` kills ranks that never end after its
+    timeout (none alive afterwards) and ``readline_within`` kills a child that never prints its line."""
+    import sys
+
+    from helpers import readline_within, sleep_forever, spawn_within
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="still running after 3 s"):
+        spawn_within(sleep_forever, (str(tmp_path),), nprocs=2, timeout=3)
+    pids = [int((tmp_path / str(r)).read_text()) for r in (0, 1)]
+    assert not any(_alive(p) for p in pids) and time.monotonic() - t0 < 60, pids
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    with pytest.raises(TimeoutError):
+        readline_within(proc, 1)
+    assert proc.wait(timeout=10) == -9

@@ -15,7 +15,7 @@ import time
 
 import psutil
 import pytest
-from helpers import REPO, test_env
+from helpers import REPO, readline_within, test_env
 
 from rlhf.distributed import faults
 from rlhf.distributed import failures
@@ -154,14 +154,17 @@ def test_children_forked_by_a_rank_die_with_it(armed):
     Negative control, unarmed: the child lives on (an orphan, as the one once found after a crash test)."""
     proc = subprocess.Popen([sys.executable, "-c", _FORKER.format(repo=REPO), "1" if armed else "0"],
                             stdout=subprocess.PIPE, text=True, env=test_env())
-    child = psutil.Process(int(proc.stdout.readline()))
+    child = None
     try:
+        child = psutil.Process(int(readline_within(proc, 60)))
         proc.kill()
         proc.wait()
         gone, alive = psutil.wait_procs([child], timeout=3)
         assert bool(gone) == armed, (armed, child.status() if alive else "gone")
     finally:
-        if child.is_running():
+        proc.kill()
+        proc.wait()
+        if child is not None and child.is_running():
             child.kill()
 
 
@@ -197,7 +200,7 @@ def test_sigterm_is_reported_from_inside_a_collective():
                               env=test_env(RANK=str(r), MASTER_PORT=port, WORLD_SIZE="2")) for r in (0, 1)]
     try:
         for p in procs:
-            assert p.stdout.readline().strip() == "ready"
+            assert readline_within(p, 60).strip() == "ready"
         time.sleep(0.5)
         t0 = time.monotonic()
         procs[0].send_signal(signal.SIGTERM)
@@ -279,7 +282,7 @@ def test_a_forked_writer_dies_of_sigterm_alone(hooked):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_env())
     child = None
     try:
-        child = psutil.Process(int(proc.stdout.readline()))
+        child = psutil.Process(int(readline_within(proc, 60)))
         time.sleep(0.3)
         child.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)

@@ -13,7 +13,7 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import spawn_within
 
 from rlhf.distributed.env import free_port
 
@@ -89,5 +89,5 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocab_parallel_matches_full_vocab(world):
-    # mp.spawn re-raises the first rank's exception (with its traceback) and terminates the others.
-    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+    # re-raises the first rank's exception (with its traceback) and terminates the others; bounded
+    spawn_within(_worker, (world, free_port()), nprocs=world, timeout=300)

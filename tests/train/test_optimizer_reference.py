@@ -81,14 +81,14 @@ def _reference(hf: str):
 
 
 def test_dp2_step_matches_fp64_torch_adam(tmp_path):
-    import torch.multiprocessing as mp
+    from helpers import spawn_within
     from helpers import free_port
     from rlhf.models.tiny import make_tiny_hf
 
     hf = make_tiny_hf(str(tmp_path / "hf"), "llama", seed=3, num_hidden_layers=2, hidden_size=64,
                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
     out = str(tmp_path / "res")
-    mp.spawn(_rank, args=(free_port(), hf, out), nprocs=2)
+    spawn_within(_rank, (free_port(), hf, out), nprocs=2, timeout=300)
     ref, init, ref_norms = _reference(hf)
     ranks = [torch.load(f"{out}.{r}") for r in (0, 1)]
     runs = list(ranks[0])
