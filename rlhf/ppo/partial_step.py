@@ -24,7 +24,7 @@ def build_partial(job) -> PartialRollouts | None:
         return None
     return PartialRollouts(n=batch.n_samples_per_prompt, batch_groups=batch.rollout_batch_size,
                            oversample_groups=cfg.extra_groups(batch.rollout_batch_size),
-                           max_staleness=cfg.max_staleness)
+                           max_staleness=cfg.max_staleness, drop_stale=cfg.partial_rollout_drop_stale)
 
 
 def _samples(groups: list[list[PartialSample]]) -> list:
@@ -52,7 +52,7 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
     metrics = partial.drop_stale(step)
     kept: list[list[PartialSample]] = []
     dropped: list[list[PartialSample]] = []
-    rounds = seen = aborted = generated = new_groups = 0
+    rounds = seen = aborted = generated = new_groups = waited = 0
     while True:
         # a round asks for the groups still missing; at K = 0 for a whole batch, as the synchronous step does
         ask = want if partial.max_staleness == 0 else want - len(kept)
@@ -60,11 +60,13 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
         # the synchronous step's seed (rlhf.ppo.stages.generate, round ``rounds``)
         seed = job.engine.seed * 100_003 + step + 1_000_003 * rounds
         groups = partial.round_groups([(i, prompts[i].prompt_ids.tolist()) for i in new], step_seed=seed)
+        due = partial.due(groups, step)  # groups the staleness bound makes this round finish (and the step train)
+        waited += sum(due)
         with rollout_phase(roles, timer):  # the synchronous step's memory phase, sync and engine wake-up
             groups, counts = generate_partial(roles.rollout, groups, groups_needed=partial.groups_needed(groups, ask),
                                               temperature=gen.temperature, top_p=gen.top_p,
                                               max_tokens=gen.generate_max_len, version=step,
-                                              ignore_eos=gen.ignore_eos)
+                                              ignore_eos=gen.ignore_eos, due=due)
         train, m = partial.settle(groups, step, ask)
         rounds += 1
         aborted, generated, new_groups = aborted + counts["aborted"], generated + counts["generated"], \
@@ -85,7 +87,7 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
     metrics.update(m)
     metrics.update(partial.trained_metrics(train, step))
     metrics.update({"partial/aborted_samples": float(aborted), "partial/generated_tokens": float(generated),
-                    "partial/new_groups": float(new_groups)})
+                    "partial/new_groups": float(new_groups), "partial/due_groups": float(waited)})
     metrics.update(filter_metrics)
     return make_rollout([grp[0].prompt_index for grp in train], _samples(train), mesh), metrics
 

@@ -156,23 +156,27 @@ class MegatronRollout:
 
     @torch.no_grad()
     def partial_round(self, mine: list, need: int, *, temperature: float, top_p: float, max_tokens: int,
-                      version: int, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> tuple[int, int]:
+                      version: int, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                      due: Sequence[bool] | None = None) -> tuple[int, int]:
         """One partial-rollout round (``rlhf.rollout.partial.generate_partial``) over this DP replica's groups
         ``mine`` (lists of ``PartialSample``, updated in place): every unfinished sample gains one token per
         forward, the replica's unfinished samples right-padded into one batch, until ``need`` of its groups are
         whole (the rest is left unfinished: vLLM's abort) or nothing is left. A carried sample continues from
         prompt + prefix with a fresh stream (``PartialSample.round_seed``); a new one draws with its own seed. An MoE
         actor's samples that finish get the routing of this round's forwards, each position's from the forward that
-        first fed it (the prefix re-fed at this version, as vLLM's prefill of a continued request). Returns
-        (aborted samples, generated tokens)."""
+        first fed it (the prefix re-fed at this version, as vLLM's prefill of a continued request). ``due``: per
+        group, whether the round must not stop before it is whole (the staleness bound). Returns (aborted samples,
+        generated tokens)."""
         stops = (set() if ignore_eos else set(self.eos_ids)) | {int(t) for t in stop_token_ids}
         left = [sum(not s.done for s in g) for g in mine]
         whole = sum(x == 0 for x in left)
+        due = list(due) if due is not None else [False] * len(mine)
+        due_left = sum(d and x > 0 for d, x in zip(due, left))
         active = [(gi, s, torch.Generator().manual_seed(s.round_seed(version)), [])
                   for gi, g in enumerate(mine) for s in g if not s.done]
         recorder, generated = self._recorder(), 0
         while True:
-            idle = whole >= need or not active
+            idle = (whole >= need and not due_left) or not active
             if self._all_done(torch.tensor(idle)):  # with expert parallelism the EP ranks stop together
                 break
             if idle:  # this replica is done, an EP peer is not: its forwards are collectives, so feed one token
@@ -202,6 +206,7 @@ class MegatronRollout:
                         s.routed_experts = (torch.cat(routed).long() - 1).to(torch.int16).numpy()
                     left[gi] -= 1
                     whole += left[gi] == 0
+                    due_left -= due[gi] and left[gi] == 0
             active = [a for a in active if not a[1].done]
         return len(active), generated
 

@@ -8,6 +8,15 @@ the newly synced weights (verl's ``colocate_async``, slime's
 ``PartialSample`` is one sample of a group in flight; ``generate_partial`` runs one engine round over a list of
 them; ``PartialRollouts`` keeps what is carried between steps, applies the staleness bound and picks the groups a
 step trains (oldest first, so that stopping early does not bias the trained batch toward short answers).
+
+The staleness bound (``--max_staleness K``) discards nothing by default: a group whose oldest token would be more than
+K updates old if it were carried once more is *due*, and the round is not stopped until every due group is whole
+(it waits for them, as the synchronous step waits for its longest reply), then the step trains the due groups first.
+A group is thus trained within K + 1 rounds of its first token, whatever its length, and no trained token is older
+than K. This needs at most ``--rollout_batch_size`` groups carried at once (what is carried is what was started beyond
+the batch), so ``--vllm_generate_batch_size`` is bounded by twice the batch. ``--partial_rollout_drop_stale`` keeps
+the earlier rule instead: at the start of a step a carried group with a token more than K updates old is dropped,
+finished samples included, and its prompt started again.
 """
 from __future__ import annotations
 
@@ -35,6 +44,9 @@ class PartialRolloutConfig(Part):
     """(--partial_rollout_oversample) extra groups started per step, a fraction of --rollout_batch_size"""
     vllm_generate_batch_size: int | None = None
     """(--vllm_generate_batch_size) groups in flight per step, carried ones included; replaces the oversample"""
+    partial_rollout_drop_stale: bool = False
+    """(--partial_rollout_drop_stale) drop a carried group with a token older than --max_staleness at the start of a
+    step (its prompt started again) instead of waiting for it to finish within the bound"""
 
     @classmethod
     def add_args(cls, g) -> None:
@@ -44,10 +56,15 @@ class PartialRolloutConfig(Part):
                             "carry the unfinished samples with their tokens into the next step (OpenRLHF: "
                             "--train.async_enable --train.partial_rollout_enable)")
         g.add_argument("--max_staleness", type=int, default=1,
-                       help="--partial_rollout: a trained token is at most K weight updates old; older carried "
-                            "groups are dropped and their prompts generated again (0: nothing crosses an update, "
+                       help="--partial_rollout: a trained token is at most K weight updates old: a round is not "
+                            "stopped before every group that could not be carried once more is whole, and those "
+                            "are trained first, so nothing generated is discarded (0: nothing crosses an update, "
                             "the synchronous trainer). NeMo-RL max_trajectory_age_steps, AReaL "
                             "max_head_offpolicyness, prime-rl max_off_policy_steps, TRL max_staleness")
+        g.add_argument("--partial_rollout_drop_stale", action="store_true",
+                       help="--partial_rollout: instead of waiting for the groups that --max_staleness makes due, "
+                            "drop a carried group with an older token at the start of a step (finished samples "
+                            "included) and start its prompt again")
         g.add_argument("--partial_rollout_oversample", type=float, default=0.25,
                        help="--partial_rollout: groups started per step beyond --rollout_batch_size, as a fraction "
                             "of it")
@@ -85,6 +102,14 @@ def check_partial(job) -> None:
     if job.agent.agent_func_path:
         raise ValueError("--partial_rollout with --agent_func_path is not supported yet: a multi-turn trajectory "
                          "cannot be carried between turns of the environment yet")
+    extra, batch = p.extra_groups(job.batch.rollout_batch_size), job.batch.rollout_batch_size
+    if not p.partial_rollout_drop_stale and extra > batch:
+        flag = (f"--vllm_generate_batch_size {p.vllm_generate_batch_size}" if p.vllm_generate_batch_size is not None
+                else f"--partial_rollout_oversample {p.partial_rollout_oversample:g}")
+        raise ValueError(f"{flag} starts {extra} groups beyond --rollout_batch_size {batch}: more groups could come "
+                         f"due under --max_staleness {p.max_staleness} at once than a step trains; start at most "
+                         f"{batch} extra (--vllm_generate_batch_size <= {2 * batch}), or pass "
+                         "--partial_rollout_drop_stale to drop what is too old instead")
 
 
 @dataclass
@@ -134,7 +159,8 @@ def _engine_share(n_items: int, engines: int, e: int) -> tuple[int, int]:
 
 def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_needed: int, temperature: float,
                      top_p: float, max_tokens: int, version: int, stop_token_ids: Sequence[int] | None = None,
-                     ignore_eos: bool = False) -> tuple[list[list[PartialSample]], dict]:
+                     ignore_eos: bool = False, due: Sequence[bool] | None = None
+                     ) -> tuple[list[list[PartialSample]], dict]:
     """One engine round over ``groups`` (every rank passes the same list; engine ``e`` takes a contiguous share of
     the groups and stops once its share of ``groups_needed`` groups is whole). Returns every group, updated, in
     the order given (on every rank), and counts: ``aborted`` samples, ``generated`` tokens.
@@ -145,7 +171,8 @@ def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_n
     The megatron fallback (``MegatronRollout.partial_round``) runs one such engine per DP replica; it stops
     generating where vLLM aborts, and seeds each sample apart (its ``generate`` draws a prompt's samples from one
     generator, so its rounds are not its ``generate``'s samples).
-    ``stop_token_ids``: vLLM's own, ending a sample as EOS does (``finished``)."""
+    ``stop_token_ids``: vLLM's own, ending a sample as EOS does (``finished``). ``due``: per group, whether the round
+    must not stop before it is whole (``PartialRollouts.due``); none by default."""
     if getattr(rollout, "cpu_released", False):
         raise RuntimeError("vLLM's weights were freed after the last rollout (CPU sleep) and not synced since")
     mesh = rollout.mesh
@@ -155,7 +182,8 @@ def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_n
     n_lo, n_hi = _engine_share(groups_needed, E, e)
     mine = [[_copy(s) for s in g] for g in groups[lo:hi]]
     kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, version=version,
-              stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos)
+              stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos,
+              due=list(due[lo:hi]) if due is not None else [False] * len(mine))
     if megatron:
         aborted, generated = rollout.partial_round(mine, n_hi - n_lo, **kw)
         leader = mesh.tp_rank == 0 and mesh.pp_rank == 0
@@ -166,8 +194,10 @@ def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_n
 
 
 def _vllm_round(rollout, mine: list[list[PartialSample]], need: int, *, temperature: float, top_p: float,
-                max_tokens: int, version: int, stop_token_ids: list[int], ignore_eos: bool) -> tuple[int, int]:
-    """This engine's share of a round (``generate_partial``), ``mine`` updated in place: (aborted, generated)."""
+                max_tokens: int, version: int, stop_token_ids: list[int], ignore_eos: bool,
+                due: list[bool]) -> tuple[int, int]:
+    """This engine's share of a round (``generate_partial``), ``mine`` updated in place: (aborted, generated). The
+    round stops once ``need`` groups are whole and every ``due`` group is."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -175,6 +205,7 @@ def _vllm_round(rollout, mine: list[list[PartialSample]], need: int, *, temperat
     by_id: dict[str, tuple[int, PartialSample]] = {}
     left = [sum(not s.done for s in g) for g in mine]
     whole = sum(x == 0 for x in left)
+    due_left = sum(d and x > 0 for d, x in zip(due, left))
     for gi, g in enumerate(mine):
         for s in g:
             if s.done:
@@ -193,7 +224,7 @@ def _vllm_round(rollout, mine: list[list[PartialSample]], need: int, *, temperat
     # data parallel) both are collective (the first asks every engine; an engine with nothing left runs vLLM's dummy
     # batch in the second while the others work), so the abort, local to this engine, comes before them.
     while True:
-        if whole >= need and not stopped:  # vLLM's own abort: the engine frees the requests' KV blocks
+        if whole >= need and not due_left and not stopped:  # vLLM's abort: the engine frees the requests' KV blocks
             pending = [rid for rid, (_, s) in by_id.items() if not s.done]
             aborted, stopped = len(pending), True
             engine.abort_request(pending)
@@ -214,6 +245,7 @@ def _vllm_round(rollout, mine: list[list[PartialSample]], need: int, *, temperat
                 s.routed_experts = getattr(c, "routed_experts", None)
                 left[gi] -= 1
                 whole += left[gi] == 0
+                due_left -= due[gi] and left[gi] == 0
     return aborted, generated
 
 
@@ -268,17 +300,21 @@ def new_group(group: int, prompt_index: int, prompt_ids: list[int], *, n: int, s
 class PartialRollouts:
     """The groups carried between steps (oldest first) and the prompts a staleness drop sends back.
 
-    Step at version ``v`` (the weights after ``v`` updates generate it and are the ones trained):
-    ``drop_stale(v)`` drops every carried group with a token older than ``v - max_staleness`` (its prompt goes back
-    to the queue); the engine round runs over the carried groups, then new ones; ``settle`` picks the first
-    ``batch_groups`` whole groups in that order (the oldest first) to train and carries the rest. With
-    ``max_staleness`` 0 nothing may cross an update: the round generates exactly one step's groups and runs every
-    sample to its end, as the synchronous trainer does."""
+    Step at version ``v`` (the weights after ``v`` updates generate it and are the ones trained): the engine round
+    runs over the carried groups, then new ones, and does not stop before every ``due`` group (one that could not be
+    carried once more within ``max_staleness``) is whole; ``settle`` picks the due groups, then the first whole ones
+    in round order (the oldest first), ``batch_groups`` in all, to train and carries the rest. With ``drop_stale``
+    (``--partial_rollout_drop_stale``) nothing is due: ``drop_stale(v)`` instead drops every carried group with a
+    token older than ``v - max_staleness`` (its prompt goes back to the queue). With ``max_staleness`` 0 nothing may
+    cross an update: the round generates exactly one step's groups and runs every sample to its end, as the
+    synchronous trainer does."""
 
-    def __init__(self, *, n: int, batch_groups: int, oversample_groups: int, max_staleness: int):
+    def __init__(self, *, n: int, batch_groups: int, oversample_groups: int, max_staleness: int,
+                 drop_stale: bool = False):
         if max_staleness < 0:
             raise ValueError(f"--max_staleness must be >= 0, got {max_staleness}")
         self.n, self.batch_groups, self.max_staleness = n, batch_groups, max_staleness
+        self.drop = drop_stale
         self.oversample_groups = oversample_groups if max_staleness > 0 else 0
         self.carried: list[list[PartialSample]] = []
         self.requeue: list[tuple[int, list[int]]] = []
@@ -295,7 +331,19 @@ class PartialRollouts:
         return out
 
     # ---------------------------------------------------------------------------------------------- a step
+    def due(self, groups: Sequence[list[PartialSample]], version: int) -> list[bool]:
+        """Per group: it has a token that carrying it to version ``version + 1`` would make more than
+        ``max_staleness`` updates old, so the round at ``version`` must finish it (never with ``drop_stale``)."""
+        if self.drop or self.max_staleness == 0:
+            return [False] * len(groups)
+        return [version - min((v for s in g for v in s.versions), default=version) >= self.max_staleness
+                for g in groups]
+
     def drop_stale(self, version: int) -> dict[str, float]:
+        """``--partial_rollout_drop_stale``: drop (and requeue the prompts of) the carried groups with a token more than
+        ``max_staleness`` updates old at ``version``; without it nothing is dropped."""
+        if not self.drop:
+            return {"partial/dropped_samples": 0.0}
         keep, dropped = [], 0
         for g in self.carried:
             oldest = min((v for s in g for v in s.versions), default=version)
@@ -335,23 +383,32 @@ class PartialRollouts:
         """The groups to train (the first ``want`` whole ones, default ``batch_groups``, in round order: oldest
         first) and the metrics of the round; the rest is carried."""
         want = self.batch_groups if want is None else want
-        train, carry = [], []
-        for g in groups:
-            (train if len(train) < want and all(s.done for s in g) else carry).append(g)
+        due = self.due(groups, version)
+        whole = [all(s.done for s in g) for g in groups]
+        picked = ([i for i in range(len(groups)) if due[i] and whole[i]]
+                  + [i for i in range(len(groups)) if whole[i] and not due[i]])[:want]
+        late = [i for i in range(len(groups)) if due[i] and i not in picked]
+        if late:  # the round waits for due groups and the config check bounds how many there are
+            raise RuntimeError(f"partial rollout: {len(late)} group(s) due at version {version} not trained (the "
+                               f"round stopped before they were whole, or more than {want} were due)")
+        chosen = set(picked)
+        train = [g for i, g in enumerate(groups) if i in chosen]  # round order: the oldest first
+        carry = [g for i, g in enumerate(groups) if i not in chosen]
         self.carried = carry
         m = {"partial/carried_samples": float(sum(len(g) for g in carry)),
              "partial/carried_unfinished": float(sum(not s.done for g in carry for s in g))}
         return train, {**m, **self.trained_metrics(train, version)}
 
     def trained_metrics(self, train: Sequence[list[PartialSample]], version: int) -> dict[str, float]:
-        """The trained groups' count and their tokens by age (updates since the version that produced them)."""
+        """The trained groups' count, their tokens by age (updates since the version that produced them; a bin for
+        every age up to the oldest, past ``max_staleness`` too) and the oldest token's age as a number."""
         ages: dict[int, int] = {}
         for g in train:
             for s in g:
                 for v in s.versions:
                     ages[version - v] = ages.get(version - v, 0) + 1
-        m = {"partial/trained_groups": float(len(train))}
-        for a in range(self.max_staleness + 1):
+        m = {"partial/trained_groups": float(len(train)), "partial/max_token_age": float(max(ages, default=0))}
+        for a in range(max(self.max_staleness, max(ages, default=0)) + 1):
             m[f"partial/tokens_age_{a}"] = float(ages.get(a, 0))
         return m
 

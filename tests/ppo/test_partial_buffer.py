@@ -15,19 +15,50 @@ def group(g, versions, done=True, n=2):
                           done, done) for k in range(n)]
 
 
-def test_staleness_counts_weight_updates_and_requeues_the_prompt():
-    p = PartialRollouts(n=2, batch_groups=2, oversample_groups=1, max_staleness=1)
+def test_drop_stale_counts_weight_updates_and_requeues_the_prompt():
+    """``--partial_rollout_drop_stale``: a carried group too old is dropped at the start of a step."""
+    p = PartialRollouts(n=2, batch_groups=2, oversample_groups=1, max_staleness=1, drop_stale=True)
     p.carried = [group(0, [3, 3], done=False), group(1, [4, 5], done=False)]
     m = p.drop_stale(5)  # group 0 has tokens 2 updates old at version 5: more than K = 1
     assert m["partial/dropped_samples"] == 2.0
     assert [g[0].group for g in p.carried] == [1] and p.requeue == [(10, [1, 2])]
     # The same carried groups under K = 2 stay.
-    q = PartialRollouts(n=2, batch_groups=2, oversample_groups=1, max_staleness=2)
+    q = PartialRollouts(n=2, batch_groups=2, oversample_groups=1, max_staleness=2, drop_stale=True)
     q.carried = [group(0, [3, 3], done=False)]
     assert q.drop_stale(5)["partial/dropped_samples"] == 0.0 and len(q.carried) == 1
     # The requeued prompt starts again as a new group, before the sampler's prompts.
     groups = p.round_groups([(77, [9])], step_seed=1)
     assert [(g[0].prompt_index, g[0].response_ids) for g in groups] == [(11, [5, 5]), (10, []), (77, [])]
+
+
+def test_by_default_nothing_is_dropped_and_due_groups_are_waited_for_and_trained_first():
+    """The default staleness rule: a group that could not be carried once more (oldest token K updates old) is due:
+    the round must finish it and the step trains it, before the other whole groups in round order; nothing is
+    dropped. A due group still unfinished when the round ends is an error, not a silent drop."""
+    p = PartialRollouts(n=2, batch_groups=2, oversample_groups=2, max_staleness=1)
+    p.carried = [group(0, [3, 3], done=False)]
+    assert p.drop_stale(5) == {"partial/dropped_samples": 0.0} and len(p.carried) == 1  # kept, unlike drop_stale
+    groups = [group(1, [5]), group(2, [5]), group(0, [4, 5]), group(3, [], done=False)]
+    assert p.due(groups, 5) == [False, False, True, False]
+    assert p.due(groups, 4) == [False, False, False, False]  # at version 4 group 0 may still be carried
+    train, m = p.settle(groups, 5)
+    assert [g[0].group for g in train] == [1, 0] and [g[0].group for g in p.carried] == [2, 3]
+    assert m["partial/max_token_age"] == 1.0 and m["partial/tokens_age_1"] == 2.0
+    with pytest.raises(RuntimeError, match="1 group\\(s\\) due at version 5 not trained"):
+        p.settle([group(1, [5]), group(2, [5]), group(0, [4, 5], done=False)], 5)
+    # K = 2: due two updates after the oldest token; with --partial_rollout_drop_stale nothing is ever due
+    assert PartialRollouts(n=2, batch_groups=2, oversample_groups=2, max_staleness=2).due(groups, 6) == \
+        [False, False, True, False]
+    assert PartialRollouts(n=2, batch_groups=2, oversample_groups=2, max_staleness=1, drop_stale=True).due(
+        groups, 5) == [False] * 4
+
+
+def test_an_older_token_shows_in_the_age_metrics():
+    """The oldest trained token's age is logged as a number and in its own bin even past K (what a broken bound
+    would train shows up)."""
+    p = PartialRollouts(n=2, batch_groups=1, oversample_groups=1, max_staleness=1, drop_stale=True)
+    m = p.trained_metrics([group(0, [2, 4, 5])], 5)
+    assert m["partial/max_token_age"] == 3.0 and m["partial/tokens_age_3"] == 2.0 and m["partial/tokens_age_2"] == 0
 
 
 def test_oldest_whole_groups_are_trained_first_and_the_rest_carried():
@@ -86,6 +117,9 @@ def test_bad_values_name_the_flag(flags, msg):
 @pytest.mark.parametrize("flags,needle", [
     (["--agent_func_path", "x.py"], "--partial_rollout with --agent_func_path is not supported yet"),
     (["--vllm_generate_batch_size", "2"], "--vllm_generate_batch_size 2 must be at least --rollout_batch_size 4"),
+    (["--vllm_generate_batch_size", "9"], "--vllm_generate_batch_size 9 starts 5 groups beyond --rollout_batch_size 4: "
+                                          "more groups could come due"),
+    (["--partial_rollout_oversample", "1.5"], "--partial_rollout_oversample 1.5 starts 6 groups beyond"),
 ])
 def test_combinations_not_built_are_refused_by_name(flags, needle, tmp_path):
     """The job's check (``check_partial`` on the typed job, as ``validate`` runs it before any model); OpenRLHF's
@@ -113,6 +147,8 @@ def test_combinations_not_built_are_refused_by_name(flags, needle, tmp_path):
             check_partial(job(flags))
     else:
         check_partial(job(flags))
+    if "beyond" in needle:  # dropping what is too old needs no bound on what is started
+        check_partial(job(["--partial_rollout", "--partial_rollout_drop_stale", *flags]))
     j = job(["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "2",
              "--rollout.vllm_generate_batch_size", "6"])
     assert (j.partial.partial_rollout, j.partial.max_staleness, j.partial.extra_groups(4)) == (True, 2, 2)
