@@ -13,25 +13,65 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-# The heaviest test files, in falling order of their seconds on 2 CPU cores (CI, one process: sft_rm 243, demo
-# 187, ppo_e2e 158, convert_cli 136, smollm2 133, lora_sft 120, ppo_bf16 ~115, dpo_kto 111, weight_sync 86,
-# partial_ppo ~160 (5 short jobs, AMD EPYC with AVX2 only), launchers 72,
-# parallel_equivalence 70, rejection_sampling 54, train/bf16 ~42, rollout_logprobs 40). pytest.ini
-# runs the suite on 2 xdist workers a file at a time (--dist loadfile --no-loadscope-reorder), in collection order:
-# the heaviest go first, so that the two workers end together instead of one running the demo alone at the end.
-HEAVY_FIRST = ["train/test_sft_rm.py", "test_demo_pipeline.py", "ppo/test_ppo_e2e.py", "models/test_convert_cli.py",
-               "models/test_smollm2.py", "train/test_lora_sft.py", "ppo/test_ppo_bf16.py", "dpo/test_dpo_kto.py",
-               "ppo/test_weight_sync.py", "ppo/test_partial_ppo.py", "launch/test_launchers.py",
-               "models/test_parallel_equivalence.py", "ppo/test_rejection_sampling.py", "train/test_bf16.py",
-               "ppo/test_rollout_logprobs.py"]
+import json  # noqa: E402
+
+# tests/durations.json: every test's and file's seconds from a full run (tools/test_durations.py writes it; the
+# machine, date and commit are in it). pytest.ini runs the suite on 2 xdist workers a file at a time (--dist loadfile
+# --no-loadscope-reorder), in collection order: the heaviest files go first, so that the two workers end together
+# instead of one running the demo alone at the end. Files not measured yet keep their order after the measured ones.
+_DURATIONS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+try:
+    with open(_DURATIONS_PATH) as _f:
+        DURATIONS = json.load(_f)
+except (OSError, ValueError):
+    DURATIONS = {"files": {}, "tests": {}}
+
+SLOW_S = 8.0
+"""A test measured above this many seconds is marked ``slow`` (the quick tier, ``-m "not slow"``, leaves it out)
+unless it is in ``QUICK``."""
+QUICK = {
+    "tests/train/test_sft_rm.py::test_sft_loss_falls_tp2",  # one real SFT job (2 ranks, TP 2)
+    "tests/train/test_sft_rm.py::test_rm_accuracy_export_and_scores",  # one real RM job and its HF export
+    "tests/ppo/test_ppo_e2e.py::test_reward_rises_and_vllm_matches_trainer",  # one PPO job with vLLM (2 ranks)
+    "tests/models/test_convert_cli.py::test_round_trip_is_bit_exact_and_loads_in_transformers"
+    "[llama-AutoModelForCausalLM-layout0]",  # the converters, both ways
+}
+"""The quick tier's representatives among slow tests: every subsystem is touched at least once (with the unit
+tests of kernels, CLI, config and data, which are all quick)."""
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {"tests/" + f: i for i, f in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+    files = DURATIONS.get("files", {})
+    tests = DURATIONS.get("tests", {})
+    unknown = max(files.values(), default=0.0) + 1.0
+    items.sort(key=lambda item: -files.get(item.nodeid.split("::")[0], -unknown))  # stable: heaviest file first
+    slow = pytest.mark.slow
+    for item in items:
+        if tests.get(item.nodeid, 0.0) > SLOW_S and item.nodeid not in QUICK:
+            item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ----------------------------------------------------------------------------------- where the time went, per file
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Every phase's seconds, summed per file (on xdist's controller too: the workers' reports reach it)."""
+    f = report.nodeid.split("::")[0]
+    _FILE_SECONDS[f] = _FILE_SECONDS.get(f, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    top = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:20]
+    terminalreporter.write_sep("=", f"slowest {len(top)} files (set-up + call + tear-down, summed)")
+    for f, sec in top:
+        terminalreporter.write_line(f"{sec:8.1f}s  {f}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}s  in all ({len(_FILE_SECONDS)} files)")

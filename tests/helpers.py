@@ -111,6 +111,7 @@ def run_tagged(cmd: list[str], timeout: float, env: dict | None = None, *, full_
     env = dict(env or {})
     tag = env.pop(JOB_TAG, None) or uuid.uuid4().hex
     run_env = {**full_env, **env, JOB_TAG: tag} if full_env is not None else test_env(**{JOB_TAG: tag}, **env)
+    t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -125,7 +126,23 @@ def run_tagged(cmd: list[str], timeout: float, env: dict | None = None, *, full_
         raise
     left = leftovers(tag)
     assert not left, f"processes of {' '.join(cmd[:6])} outlived it (killed now): {left}"
+    _log_launch(cmd, t0)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _log_launch(cmd: list[str], t0: float) -> None:
+    """With ``RLHF_TEST_LAUNCH_LOG=path``: one JSON line per process a test launched (the test, the script, its
+    seconds), to see where the suite's time goes."""
+    path = os.environ.get("RLHF_TEST_LAUNCH_LOG")
+    if not path:
+        return
+    import json
+
+    script = next((c for c in cmd if c.endswith(".py")), cmd[-1] if cmd else "")
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "script": os.path.relpath(script, REPO),
+                            "nproc": cmd[cmd.index("--nproc_per_node") + 1] if "--nproc_per_node" in cmd else "1",
+                            "seconds": round(time.monotonic() - t0, 2)}) + "\n")
 
 
 def readline_within(proc: subprocess.Popen, timeout: float) -> str:

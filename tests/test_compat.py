@@ -134,3 +134,40 @@ def test_cpu_engine_on_a_cuda_host_gets_the_cpu_shim(monkeypatch):
     assert cuda_shim.install(torch.device("cpu")) is True
     monkeypatch.setenv("RLHF_DEVICE", "cpu")
     assert cuda_shim.install() is True
+
+
+def test_eager_logprob_ranks_equal_vllms_own_function():
+    """rlhf.compat.vllm.eager_logprob_ranks: vLLM's sampler gets the eager twin of its torch.compile'd
+    ``batched_count_greater_than`` (the compile costs 1-2 s a process on CPU): the same ranks as vLLM's own
+    function run uncompiled, on ties and infinities too; the module-level name vLLM calls is the twin."""
+    from helpers import require
+
+    require("vllm", "rlhf.compat.vllm patches it")
+    import vllm.v1.sample.ops.logprobs as ops
+    import vllm.v1.sample.sampler as sampler
+
+    from rlhf.compat.vllm import eager_logprob_ranks
+
+    original = getattr(ops.batched_count_greater_than, "_torchdynamo_orig_callable", None)
+    assert original is not None, "vLLM's function is no longer torch.compile'd: the patch may go"
+    eager_logprob_ranks()
+    eager_logprob_ranks()  # idempotent
+    assert getattr(sampler.batched_count_greater_than, "_rlhf_eager", False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 50, generator=g).log_softmax(-1)
+    x[0, :5] = x[0, 5]  # ties
+    x[1, 3] = float("-inf")
+    values = x.gather(1, torch.randint(0, 50, (7, 1), generator=g))
+    assert torch.equal(sampler.batched_count_greater_than(x, values), original(x, values))
+
+
+def test_without_collections_is_a_no_op_inside_and_restores_gc():
+    import gc
+
+    from rlhf.compat.vllm import without_collections
+    from rlhf.distributed.failures import process_ending
+
+    collect = gc.collect
+    with without_collections():
+        assert gc.collect() == 0 and gc.collect is not collect
+    assert gc.collect is collect and not process_ending()  # a test's process does not end with its entry point

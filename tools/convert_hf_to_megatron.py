@@ -48,6 +48,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from rlhf.distributed.failures import exit_process
+    from rlhf.distributed.failures import run_then_exit
 
-    exit_process(main())  # without the interpreter's teardown (its last full garbage collection)
+    run_then_exit(main)  # run_then_exit(main): without the interpreter's teardown (its last full collection)

@@ -116,6 +116,25 @@ def repack_cpu_moe_on_reload() -> None:
     UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
 
 
+def eager_logprob_ranks() -> None:
+    """vLLM 0.32's sampler ranks every sampled token's log-prob with ``batched_count_greater_than``
+    (``vllm/v1/sample/ops/logprobs.py``), decorated ``@torch.compile(backend=current_platform.simple_compile_backend)``:
+    on CPU that is inductor, so the first generation with log-probs in every process traces with dynamo and builds
+    (or loads from inductor's cache) a C++ kernel, 1-2 s a process (2-core Intel Xeon), despite ``enforce_eager``.
+    Replaced by the same expression run eagerly (``(x >= values).sum(-1)``); the compile saved a copy of the
+    (tokens, vocab) comparison, one byte an element. Idempotent; CPU builds only (on CUDA it stays compiled)."""
+    import vllm.v1.sample.sampler as sampler
+
+    if getattr(sampler.batched_count_greater_than, "_rlhf_eager", False):
+        return
+
+    def batched_count_greater_than(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return (x >= values).sum(-1)
+
+    batched_count_greater_than._rlhf_eager = True
+    sampler.batched_count_greater_than = batched_count_greater_than
+
+
 # vLLM 0.32.0 (CPU, TP > 1): under external_launcher every job's shared-memory segments get one fixed name.
 def unique_cpu_shm_names(tag: str) -> None:
     """vLLM's CPU all-reduce names its /dev/shm segments from ``VLLM_DIST_IDENT``, which ``external_launcher``
@@ -205,3 +224,20 @@ def read_engine_weights(model) -> dict[str, torch.Tensor]:
         if name not in packed and p.numel() and not p.is_meta:
             out[name] = p.detach().clone()
     return out
+
+
+@contextlib.contextmanager
+def without_collections():
+    """vLLM 0.32's engine shutdown calls ``gc.collect()`` three times (``GPUModelRunner._cleanup_profiling_kv_cache``,
+    ``cleanup_dist_env_and_memory``, which also ``gc.unfreeze()``s first), each a full collection over every object
+    torch, megatron-core and vLLM created: 0.4-0.6 s each at the end of a tiny PPO job on a 2-core Intel Xeon. In a
+    process that ends right after (``rlhf.distributed.failures.process_ending``) they free nothing anybody uses;
+    inside this block ``gc.collect`` does nothing (the rest of the shutdown runs as written)."""
+    import gc
+
+    collect = gc.collect
+    gc.collect = lambda *a, **k: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect

@@ -79,6 +79,23 @@ EXIT_ATEXIT_S = 60.0
 """``RLHF_EXIT_ATEXIT_S`` overrides."""
 
 
+_ending = False
+
+
+def run_then_exit(main) -> None:
+    """A launched process's whole life: ``exit_process(main())``, with ``process_ending()`` true meanwhile, so that
+    teardown which only frees memory for later use (a generator's garbage collections) can be skipped."""
+    global _ending
+    _ending = True
+    exit_process(main())
+
+
+def process_ending() -> bool:
+    """Whether this process ends when its entry point returns (``run_then_exit``): in a test's own process, or a
+    library caller's, it does not."""
+    return _ending
+
+
 def _threading_exit_hooks() -> list:
     """The hooks a normal interpreter exit runs before it joins non-daemon threads (``threading._shutdown`` runs
     ``threading._threading_atexits``, CPython 3.9-3.14): ``concurrent.futures`` registers one that wakes every idle

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from rlhf.compat import installed_version
 from rlhf.compat.vllm import (TESTED_VLLM, keep_torch_rng, release_cpu_weights, repack_cpu_lm_head,
-                               repack_cpu_moe_on_reload, restore_cpu_weights)
+                               repack_cpu_moe_on_reload, restore_cpu_weights, eager_logprob_ranks)
 from rlhf.rollout.types import RolloutConfig, Sample
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,7 @@ class VLLMRollout:
         if not on_cuda:
             _tag_cpu_shm(mesh)
             repack_cpu_moe_on_reload()
+            eager_logprob_ranks()
         with keep_torch_rng():
             self.llm = LLM(**kwargs)
         self.release_on_cpu = cfg.enable_sleep_mode and not on_cuda
@@ -263,6 +264,13 @@ class VLLMRollout:
         # ``del llm`` destroys the default process group (vLLM 0.32.0 under external_launcher): call this last.
         import gc
 
+        from rlhf.compat.vllm import without_collections
+        from rlhf.distributed.failures import process_ending
+
+        if process_ending():  # the process ends next: vLLM's shutdown still releases what outlives it (shared
+            with without_collections():  # memory, groups), but its full collections would only free memory
+                del self.llm
+            return
         del self.llm
         gc.collect()
 

@@ -54,8 +54,11 @@ class _Param:
 class WeightSync:
     """Streams the actor's weights (megatron TP/PP shards on every rank) as full HF tensors."""
 
-    def __init__(self, actor, mesh, bucket_bytes: int = 512 << 20):
+    def __init__(self, actor, mesh, bucket_bytes: int = 512 << 20, spec=None):
+        """``spec``: the ``ModelSpec`` whose HF names the tensors get (default the engine's own; the HF export
+        passes the exported config's, e.g. a sequence-classification head)."""
         self.actor, self.mesh, self.bucket_bytes = actor, mesh, int(bucket_bytes)
+        self.spec = spec if spec is not None else actor.spec
         self.version = 0
         self.last_stats: dict[str, float] = {}
         local = [(n, tuple(p.shape), str(p.dtype).replace("torch.", ""), tp_partition_dim(p))
@@ -143,7 +146,7 @@ class WeightSync:
         for stage, params in self.buckets:
             full = self._gather_bucket(stage, params)
             for name, tensor, expert_offset in full:
-                for hf_name, hf_tensor in hf_from_megatron(name, tensor, self.actor.spec, expert_offset=expert_offset,
+                for hf_name, hf_tensor in hf_from_megatron(name, tensor, self.spec, expert_offset=expert_offset,
                                                            layer_offset=self.layer_offsets[stage]):
                     nbytes += hf_tensor.numel() * hf_tensor.element_size()
                     yield hf_name, hf_tensor

@@ -37,6 +37,23 @@ def test_sft_loss_falls_tp2(train_setup, tmp_path):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(save)
     assert model.config.architectures == ["LlamaForCausalLM"]
+    _same_as_the_converter(save, save, tmp_path / "converted")
+
+
+def _same_as_the_converter(save: str, hf: str, out) -> None:
+    """The HF export written in the job (rlhf/export.py: the weight sync's gather, in process) holds the tensors and
+    config that tools/convert_megatron_to_hf.py makes of the job's megatron copy (``<save>/megatron``), bit for bit
+    (the converter ran at every export until 2026-11-28; here in this process, its own one-rank mesh)."""
+    from safetensors.torch import load_file
+
+    from rlhf.models.convert import megatron_to_hf
+
+    megatron_to_hf(os.path.join(save, "megatron"), str(out))
+    a, b = load_file(os.path.join(hf, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a), \
+        sorted(k for k in a if k not in b or not torch.equal(a[k], b[k]))
+    ca, cb = (json.load(open(os.path.join(d, "config.json"))) for d in (hf, out))
+    assert ca == cb, {k: (ca.get(k), cb.get(k)) for k in set(ca) | set(cb) if ca.get(k) != cb.get(k)}
 
 
 def test_rm_accuracy_export_and_scores(train_setup, tmp_path):
@@ -58,7 +75,9 @@ def test_rm_accuracy_export_and_scores(train_setup, tmp_path):
     cfg = json.load(open(os.path.join(save, "config.json")))
     assert cfg["value_head_prefix"] == "value_head" and cfg["mean"] == pytest.approx(res["reward_mean"])
     assert "value_head.weight" in _final_weights(save)
+    exported = save
     save = from_openrlhf(save, str(tmp_path / "rm_hf"))
+    _same_as_the_converter(exported, save, tmp_path / "converted")  # the value head's export too
     model = transformers.AutoModelForSequenceClassification.from_pretrained(save).eval()
     tok = transformers.AutoTokenizer.from_pretrained(save)
     assert model.config.rlhf["reward_mean"] == pytest.approx(res["reward_mean"])
