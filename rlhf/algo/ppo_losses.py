@@ -253,6 +253,14 @@ class ActorLossConfig:
     """one on-policy update per batch: the old log-probs are this forward's, detached (ratio 1), and the
     generator-vs-trainer drift is measured here (``rollout_logprob_drift``, ``rollout_logprob_drift_max``)"""
 
+    @property
+    def gspo_against_rollout(self) -> bool:
+        """GSPO with --use_tis, as OpenRLHF computes it (openrlhf/models/loss.py ``PolicyLoss.forward`` at
+        3c3be6234e0c: with ``enable_vllm_is_correction`` GSPO's ``log_ratio = log_probs - rollout_log_probs``, and the
+        IS block runs for ``policy_loss_type == "ppo"`` only): the sequence ratio against the generator's log-probs,
+        no per-token weight, --is_correction_type and the bounds unused."""
+        return self.policy_loss_type == "gspo" and self.correction.use_tis
+
     def __post_init__(self) -> None:
         if not (0 <= self.eps_clip_low < 1 and self.eps_clip_high >= 0):
             raise ValueError(f"--eps_clip_low_high {self.eps_clip_low} {self.eps_clip_high}: LOW must be in [0, 1) "
@@ -304,9 +312,12 @@ def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
             corr = rollout_correction(old, batch["vllm_logprobs"], mask, cfg.correction)
             if corr.keep is not None:  # verl's rejection: the token leaves the response mask
                 mask = _bool_mask(resp) & corr.keep
-        loss, count, metrics = policy_loss(lp, old, batch["advantages"], mask,
+        weights, base = (None if corr is None else corr.weights), old
+        if cfg.gspo_against_rollout:  # OpenRLHF's GSPO with its IS correction: the sequence ratio against the
+            weights, base = None, batch["vllm_logprobs"]  # generator's log-probs, no per-token weight
+        loss, count, metrics = policy_loss(lp, base, batch["advantages"], mask,
                                            eps_clip=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
-                                           rollout_is_weights=None if corr is None else corr.weights,
+                                           rollout_is_weights=weights,
                                            dual_clip=cfg.dual_clip, policy_loss_type=cfg.policy_loss_type,
                                            loss_agg_mode=cfg.loss_agg_mode)
         if corr is not None:

@@ -20,7 +20,7 @@ from rlhf.rollout.partial import PartialRollouts, PartialSample, generate_partia
 
 def build_partial(job) -> PartialRollouts | None:
     cfg, batch = job.partial, job.batch
-    if not cfg.partial_rollout:
+    if not cfg.enabled:
         return None
     return PartialRollouts(n=batch.n_samples_per_prompt, batch_groups=batch.rollout_batch_size,
                            oversample_groups=cfg.extra_groups(batch.rollout_batch_size),
@@ -63,7 +63,8 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
         due = partial.due(groups, step)  # groups the staleness bound makes this round finish (and the step train)
         waited += sum(due)
         with rollout_phase(roles, timer):  # the synchronous step's memory phase, sync and engine wake-up
-            groups, counts = generate_partial(roles.rollout, groups, groups_needed=partial.groups_needed(groups, ask),
+            needed = len(groups) if job.partial.whole_groups else partial.groups_needed(groups, ask)
+            groups, counts = generate_partial(roles.rollout, groups, groups_needed=needed,
                                               temperature=gen.temperature, top_p=gen.top_p,
                                               max_tokens=gen.generate_max_len, version=step,
                                               ignore_eos=gen.ignore_eos, due=due)

@@ -203,6 +203,10 @@ class PPOTrainer:
                                                            "make_experience", "forward": "the actor's forward in "
                                                 "make_experience", "rollout": "the generator's"}[
                 job.algo.old_logprobs_source], job.algo.old_logprobs_reason)
+            if job.partial.enabled:
+                log.info("%s (--max_staleness %d): tokens of earlier policies are corrected by %s",
+                         "partial rollouts" if job.partial.partial_rollout else "one-step-off whole batches",
+                         job.partial.max_staleness, job.partial.correction_used)
         logger = MetricsLogger(mesh.is_rank0, self.total_steps, job.logging.tensorboard, prefix="ppo",
                                jsonl_path=os.path.join(job.checkpoint.save_path, "metrics.jsonl"), args=args)
         timer = PhaseTimer()
