@@ -260,6 +260,9 @@ def old_logprobs_source(args: argparse.Namespace) -> tuple[str, str]:
     kl_in_reward = not kl_in_loss(estimator, args.use_kl_loss) and args.init_kl_coef > 0
     if args.old_logprobs_forward == "always":
         return "forward", "--old_logprobs_forward always"
+    if getattr(args, "rollout_rs", None) or getattr(args, "rollout_is", None):
+        return "forward", "--rollout_rs / --rollout_is act when the experience is made, before the advantages and " \
+                          "the critic, as verl applies them (its decoupled mode): they need the old log-probs first"
     if getattr(args, "teacher_pretrain", None):
         return "forward", "--teacher_pretrain: the distillation signal compares the student's forward with the " \
                           "teacher's, on the same kernels"
