@@ -273,12 +273,16 @@ def extra_log_metrics(extra_logs: dict, n: int, mesh) -> dict[str, float]:
 
 
 def make_experience(roles, job, rollout: Rollout, rewards: RewardSources, mesh, pad_id: int,
-                    timer) -> tuple[Experience, torch.Tensor, dict[str, float]]:
+                    timer, step: int = 0) -> tuple[Experience, torch.Tensor, dict[str, float]]:
     """make_experience: the frozen forwards and the rewards of this rank's samples. Returns the experience,
-    the raw (unnormalized) combined rewards (B,) and the reward metrics."""
+    the raw (unnormalized) combined rewards (B,) and the reward metrics. ``step``: the steps done (the routing-flip
+    metric's interval)."""
     replay = job.router_replay.moe_router_replay
     batch, mbs, order = experience_microbatches(rollout, job, mesh, pad_id, roles)
-    recorder = routing.recorder_for(roles, replay, rollout.local)
+    every = job.router_replay.moe_routing_flip_interval
+    recorder = routing.recorder_for(roles, replay, rollout.local,
+                                    actor_forward=job.algo.old_logprobs_source == "forward",
+                                    flip_due=every > 0 and step % every == 0)
     out = frozen_forwards(roles, job, mbs, rollout.tokens, timer, recorder)
     if order != sorted(order):  # token-budget micro-batches: back to row order
         inverse = torch.empty(len(order), dtype=torch.long)

@@ -126,7 +126,7 @@ class PPOTrainer:
                                  filtered.get("partial/generated_tokens", rollout.generated_tokens))
         timer.metrics["tokens_per_s/rollout"] = generated / timer.metrics["time/rollout"]
         exp, raw_rewards, reward_metrics = make_experience(roles, job, rollout, self.rewards, mesh, self.pad_id,
-                                                           timer)
+                                                           timer, step=self.step)
         metrics.update(reward_metrics)
         with timer.phase("advantages"):
             metrics.update(compute_advantages(exp, raw_rewards, self.estimator, self.kl_ctl.value, job, mesh))
