@@ -215,10 +215,12 @@ def _check_models(job: PPOJobConfig) -> dict[str, Any]:
 
     algo, rewards, par = job.algo, job.rewards, job.parallel
     needs_critic = get_estimator(algo.advantage_estimator).needs_critic
-    rewards.require_any()
+    if not (job.distill.teacher_pretrain and job.distill.task_reward_coef == 0):  # pure distillation needs none
+        rewards.require_any()
     critic = job.models.critic_pretrain or (rewards.paths[0] if rewards.paths else None)
     if needs_critic and critic is None:
-        what = f"--reward_fn {rewards.reward_fn}" if rewards.reward_fn else f"--remote_rm_url {rewards.remote_rm_url}"
+        what = (f"--reward_fn {rewards.reward_fn}" if rewards.reward_fn else f"--remote_rm_url {rewards.remote_rm_url}"
+                if rewards.remote_rm_url else "pure distillation (--task_reward_coef 0)")
         raise ValueError(f"{what} without --reward_pretrain: the critic of --advantage_estimator "
                          f"{algo.advantage_estimator} needs --critic_pretrain")
     sources = {"--reward_pretrain": rewards.validate_models(par.tp, par.pp)}

@@ -122,6 +122,8 @@ def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
               if estimator.needs_critic else None)
     teacher = (ModelEngine(mesh, job.distill.teacher_pretrain, value_head=False, name="teacher", bf16=eng.bf16,
                            **impl) if job.distill.teacher_pretrain else None)
+    if teacher is not None:  # its log-probs over the ids the student can sample (rlhf.ppo.distill.check_teacher)
+        teacher.score_vocab = (setup.sources.get("--teacher_pretrain") or {}).get("score_vocab")
     roles = PPORoles(actor=actor, critic=critic, ref=ref, reward_models=reward_models, rollout=rollout,
                      weight_sync=None, memory=None, managers={}, teacher=teacher)
     _add_memory_schedule(roles, job.offload, mesh, job.distill.teacher_offload)

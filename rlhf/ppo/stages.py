@@ -227,7 +227,10 @@ class RewardSources:
             scores["remote"] = remote.rewards.to(self.mesh.device)
             self.filter_scores = remote.scores  # what dynamic filtering reads, when the reward gives it
             metrics.update(extra_log_metrics(remote.extra_logs, len(texts), self.mesh))
-        rewards, raw = combine_rewards(scores, self.cfg.source_weights, self.norms)
+        if not scores:  # pure on-policy distillation (--task_reward_coef 0 with a teacher): no reward source
+            rewards = raw = torch.zeros(len(rollout.local), device=self.mesh.device)
+        else:
+            rewards, raw = combine_rewards(scores, self.cfg.source_weights, self.norms)
         if self.filter_scores is None:
             self.filter_scores = rewards
         if len(scores) > 1 or self.norms:
