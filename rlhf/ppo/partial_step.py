@@ -93,6 +93,23 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
     return make_rollout([grp[0].prompt_index for grp in train], _samples(train), mesh), metrics
 
 
+def mask_offpolicy(exp, version: int) -> dict[str, float]:
+    """``--partial_rollout_correction mask_offpolicy`` (slime's ``--mask-offpolicy-in-partial-rollout``,
+    slime/rollout/sglang_rollout.py at 624b824a: a resumed sample's earlier tokens get ``loss_mask`` 0): every token
+    a version other than ``version`` produced leaves the batch's action mask, after the advantages; a sample carried
+    whole from an earlier round is masked whole, as slime's recycled samples are. Returns the share masked."""
+    import torch
+
+    mask = exp.batch["action_mask"]
+    fresh = torch.zeros_like(mask, dtype=torch.bool)
+    for i, s in enumerate(exp.samples):
+        v = torch.as_tensor(s.versions or [], dtype=torch.long)[: mask.shape[1]]
+        fresh[i, : v.numel()] = (v == version).to(mask.device)
+    before = int(mask.bool().sum())
+    exp.batch["action_mask"] = (mask.bool() & fresh).to(mask.dtype)
+    return {"partial/masked_offpolicy_frac": 1 - int(exp.batch["action_mask"].bool().sum()) / max(before, 1)}
+
+
 def drift_by_age(exp, version: int, mesh) -> dict[str, float]:
     """The generator-vs-trainer log-prob drift (``rollout_logprob_drift``) split by token age, over the global
     batch: ``partial/logprob_drift_fresh`` (and ``_max``) over the tokens this step's weights generated, the weights

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rlhf.ppo.partial_step import build_partial, drift_by_age, generate_partial_step
+from rlhf.ppo.partial_step import build_partial, drift_by_age, generate_partial_step, mask_offpolicy
 from rlhf.ppo.prompts import load_prompts
 from rlhf.ppo.stages import (RewardSources, Rollout, compute_advantages, generate_filtered, make_experience,
                              sync_weights, update)
@@ -132,6 +132,8 @@ class PPOTrainer:
             metrics.update(compute_advantages(exp, raw_rewards, self.estimator, self.kl_ctl.value, job, mesh))
             if self.partial is not None and job.algo.old_logprobs_source == "forward":  # fresh tokens vs carried
                 metrics.update(drift_by_age(exp, self.step, mesh))
+            if self.partial is not None and job.partial.correction_used.startswith("slime's"):
+                metrics.update(mask_offpolicy(exp, self.step))
         # Global means (the same on every rank): a non-finite reward or advantage skips this step's updates.
         bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
         if bad:

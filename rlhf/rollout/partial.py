@@ -81,7 +81,8 @@ class PartialRolloutConfig(Part):
                        help="--partial_rollout: what corrects for carried tokens' older policy when neither --use_tis "
                             "nor --rollout_rs is given: decoupled (AReaL's decoupled PPO loss: ratio against this "
                             "step's weights, times the behaviour weight p_trainer / p_generator, tokens whose weight "
-                            "exceeds 5 masked) or none (trained as if on-policy)")
+                            "exceeds 5 masked), mask_offpolicy (slime's --mask-offpolicy-in-partial-rollout: only "
+                            "this step's tokens are trained) or none (trained as if on-policy)")
         g.add_argument("--async_one_step_off", action="store_true",
                        help="OpenRLHF's --train.async_enable without --train.partial_rollout_enable: every step trains "
                             "whole groups generated --max_staleness updates earlier (one policy version each) and "
@@ -161,7 +162,7 @@ def check_partial(job) -> None:
     resolve_correction(job)
 
 
-PARTIAL_CORRECTIONS = ("decoupled", "none")
+PARTIAL_CORRECTIONS = ("decoupled", "mask_offpolicy", "none")
 
 
 def decoupled_correction():
@@ -190,6 +191,9 @@ def resolve_correction(job) -> None:
         p.correction_used = "the flags' own: " + ", ".join(
             x for x in (f"--use_tis ({corr.is_correction_type}, [{corr.tis_floor or 0:g}, {corr.tis_cap:g}])"
                         if corr.use_tis else "", f"--rollout_rs {corr.rollout_rs}" if corr.rollout_rs else "") if x)
+    elif p.partial_rollout_correction == "mask_offpolicy":
+        p.correction_used = ("slime's --mask-offpolicy-in-partial-rollout: tokens of earlier policies leave the loss "
+                             "(only this step's tokens are trained)")
     elif p.partial_rollout_correction == "decoupled":
         job.correction = decoupled_correction()
         p.correction_used = ("AReaL's decoupled PPO loss (ratio against this step's weights; behaviour weight "
