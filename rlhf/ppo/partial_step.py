@@ -93,7 +93,7 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
     return make_rollout([grp[0].prompt_index for grp in train], _samples(train), mesh), metrics
 
 
-def mask_offpolicy(exp, version: int) -> dict[str, float]:
+def mask_offpolicy(exp, version: int, mesh) -> dict[str, float]:
     """``--partial_rollout_correction mask_offpolicy`` (slime's ``--mask-offpolicy-in-partial-rollout``,
     slime/rollout/sglang_rollout.py at 624b824a: a resumed sample's earlier tokens get ``loss_mask`` 0): every token
     a version other than ``version`` produced leaves the batch's action mask, after the advantages; a sample carried
@@ -105,9 +105,12 @@ def mask_offpolicy(exp, version: int) -> dict[str, float]:
     for i, s in enumerate(exp.samples):
         v = torch.as_tensor(s.versions or [], dtype=torch.long)[: mask.shape[1]]
         fresh[i, : v.numel()] = (v == version).to(mask.device)
-    before = int(mask.bool().sum())
-    exp.batch["action_mask"] = (mask.bool() & fresh).to(mask.dtype)
-    return {"partial/masked_offpolicy_frac": 1 - int(exp.batch["action_mask"].bool().sum()) / max(before, 1)}
+    from rlhf.distributed.collectives import dp_all_gather
+
+    kept = mask.bool() & fresh
+    exp.batch["action_mask"] = kept.to(mask.dtype)
+    n = dp_all_gather(torch.tensor([[float(mask.bool().sum()), float(kept.sum())]], device=mask.device), mesh).sum(0)
+    return {"partial/masked_offpolicy_frac": 1 - n[1].item() / max(n[0].item(), 1.0)}
 
 
 def drift_by_age(exp, version: int, mesh) -> dict[str, float]:

@@ -133,7 +133,7 @@ class PPOTrainer:
             if self.partial is not None and job.algo.old_logprobs_source == "forward":  # fresh tokens vs carried
                 metrics.update(drift_by_age(exp, self.step, mesh))
             if self.partial is not None and job.partial.correction_used.startswith("slime's"):
-                metrics.update(mask_offpolicy(exp, self.step))
+                metrics.update(mask_offpolicy(exp, self.step, mesh))
         # Global means (the same on every rank): a non-finite reward or advantage skips this step's updates.
         bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
         if bad:
