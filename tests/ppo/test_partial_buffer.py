@@ -247,6 +247,7 @@ def _job(tmp_path, extra):
     ([], "AReaL's decoupled PPO loss", ("icepop", None, 5.0)),
     (["--use_tis", "--tis_cap", "3"], "the flags' own: --use_tis (tis, [0, 3])", ("tis", None, 3.0)),
     (["--partial_rollout_correction", "none"], "none (--partial_rollout_correction none)", None),
+    (["--partial_rollout_correction", "mask_offpolicy"], "slime's --mask-offpolicy-in-partial-rollout", None),
     (["--use_rollout_logprobs"], "verl's bypass mode", None),
 ])
 def test_partial_rollouts_are_corrected_by_default_and_say_how(tmp_path, flags, used, weights):
@@ -282,3 +283,20 @@ def test_openrlhf_async_alone_is_one_step_off_whole_batches(tmp_path, caplog):
     assert "--async_one_step_off, which differs: as in OpenRLHF each trained batch was generated whole" in lines[0]
     with pytest.raises(ValueError, match="--vllm_generate_batch_size 12 with --async_one_step_off"):
         check_partial(_job(tmp_path, ["--train.async_enable", "--rollout.vllm_generate_batch_size", "12"]))
+
+
+def test_mask_offpolicy_trains_this_steps_tokens_only():
+    """slime's --mask-offpolicy-in-partial-rollout: a continued reply's earlier tokens leave the loss, a reply carried
+    whole from an earlier round leaves it whole, this step's replies stay (slime/rollout/sglang_rollout.py)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlhf.ppo.partial_step import mask_offpolicy
+
+    samples = [SimpleNamespace(versions=[3, 3, 4, 4]), SimpleNamespace(versions=[3, 3]), SimpleNamespace(versions=[4])]
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    exp = SimpleNamespace(samples=samples, batch={"action_mask": mask.clone()})
+    m = mask_offpolicy(exp, 4, SimpleNamespace(dp=1))
+    assert exp.batch["action_mask"].tolist() == [[False, False, True, True], [False] * 4, [True, False, False, False]]
+    assert m["partial/masked_offpolicy_frac"] == pytest.approx(4 / 7)
