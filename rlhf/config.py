@@ -277,8 +277,11 @@ def cli_main(add_args, run, argv=None) -> int:
     from rlhf.migration import add_launcher_args, apply_launcher_args
 
     add_launcher_args(p)
+    from rlhf.distributed.env import DistEnv
+    from rlhf.metrics import setup_logging
     from rlhf.openrlhf_cli import translate
 
+    setup_logging(DistEnv.from_environ().rank)  # the translation's lines (rank 0's; its warnings on every rank)
     try:  # OpenRLHF's dotted flags of today (rlhf/openrlhf_cli.py) -> ours, before argparse
         argv = translate(list(sys.argv[1:] if argv is None else argv), add_args.__module__.split(".")[1],
                          set(p._option_string_actions))

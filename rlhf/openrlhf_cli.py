@@ -31,10 +31,12 @@ class Flag:
     """why the values outside ``value_map`` are refused (default: only those have a counterpart here)"""
     pair: tuple = ()
     """two values that become two of our flags, one each (``--algo.advantage.is_correction_threshold LOW HIGH``)"""
+    differs: str | None = None
+    """what a flag translated into ours does differently from OpenRLHF: logged at start (one line) and in the docs"""
 
 
-def to(ours: str, arity: int | str = 1) -> Flag:
-    return Flag(ours=ours, arity=arity)
+def to(ours: str, arity: int | str = 1, differs: str | None = None) -> Flag:
+    return Flag(ours=ours, arity=arity, differs=differs)
 
 
 def ignore(why: str, arity: int | str = 1) -> Flag:
@@ -170,9 +172,23 @@ PPO = {**COMMON,
        "--train.colocate_critic_reward": to("--colocate_critic_reward", 0),
        "--train.enable_ema": to("--enable_ema", 0), "--train.ema_beta": to("--ema_beta"),
        "--train.num_episodes": to("--num_episodes"),
-       "--train.async_enable": to("--partial_rollout", 0),  # colocated: partial rollouts (docs/async.md)
-       "--train.async_queue_size": to("--max_staleness"),
-       "--train.partial_rollout_enable": to("--partial_rollout", 0),
+       "--train.async_enable": to("--async_one_step_off", 0, differs=(
+           "as in OpenRLHF each trained batch was generated whole, by the policy --max_staleness updates older "
+           "(--train.async_queue_size, 1 by default); unlike OpenRLHF generation and training share the devices "
+           "here, so nothing overlaps (the staleness without the speed-up), and those tokens are trained with "
+           "--partial_rollout_correction (AReaL's decoupled loss by default) where OpenRLHF applies no correction "
+           "without --algo.advantage.is_correction_enable; with --train.partial_rollout_enable: partial rollouts")),
+       "--train.async_queue_size": to("--max_staleness", differs=(
+           "OpenRLHF's batches generated ahead of training; here the weight updates a trained token may be old "
+           "(the same number for whole batches; with partial rollouts a bound that waits for, never drops, "
+           "a reply)")),
+       "--train.partial_rollout_enable": to("--partial_rollout", 0, differs=(
+           "OpenRLHF pauses vLLM over each weight update and its in-flight requests go on under the new weights "
+           "(vLLM frees their KV and prefills again: pause_generation(mode='keep') with clear_cache=True); here a "
+           "step stops generating once its groups are whole and the unfinished replies go on the next step, "
+           "prefilled again under the new weights the same way; a trained token is at most --max_staleness "
+           "updates old, which OpenRLHF bounds only by its queue, and carried tokens are trained with "
+           "--partial_rollout_correction (AReaL's decoupled loss by default)")),
        "--vllm.num_engines": to("--vllm_num_engines"), "--vllm.tensor_parallel_size": to("--vllm_tensor_parallel_size"),
        "--vllm.gpu_memory_utilization": to("--vllm_gpu_memory_utilization"),
        "--vllm.enforce_eager": to("--vllm_enforce_eager", 0),
@@ -186,7 +202,10 @@ PPO = {**COMMON,
        "--rollout.temperature": to("--temperature"), "--rollout.top_p": to("--top_p"),
        "--rollout.max_tokens_per_gpu": ignore("how experience forwards are batched: they use "
                                               "--train.max_tokens_per_gpu here; the values are the same"),
-       "--rollout.vllm_generate_batch_size": to("--vllm_generate_batch_size"),
+       "--rollout.vllm_generate_batch_size": to("--vllm_generate_batch_size", differs=(
+           "OpenRLHF runs every prompt of it to its end and serves the extra batches in later steps; here it is the "
+           "groups in flight per step under --train.partial_rollout_enable (those not whole when the step's groups "
+           "are continue the next step), and it is refused with --train.async_enable alone")),
        "--train.max_tokens_per_gpu": to("--max_tokens_per_gpu"),
        "--actor.eps_clip": to("--eps_clip"), "--actor.policy_loss_type": to("--policy_loss_type"),
        "--actor.entropy_coef": to("--entropy_coef"), "--actor.dual_clip": to("--dual_clip"),
@@ -293,6 +312,8 @@ def translate(argv: list[str], entry: str, known: set[str]) -> list[str]:
             out += [tok for ours, v in zip(spec.pair, vals) for tok in (ours, v)]
             continue
         out += [spec.ours, ",".join(vals)] if spec.arity == "*" else [spec.ours, *vals]  # '*': our comma list
+        if spec.differs:
+            log.info("%s (OpenRLHF) -> %s, which differs: %s", flag, spec.ours, spec.differs)
     if entry == "ppo":
         out += _critic_keeps_openrlhf_defaults(argv) + _openrlhf_defaults(argv)
     return out

@@ -270,7 +270,8 @@ class RewardConfig(Part):
     def require_any(self) -> None:
         if not self.paths and not self.reward_fn and not self.remote_rm_url and not self.agent:
             raise ValueError("no reward: pass --reward_pretrain (reward models), --reward_fn module:function, "
-                             "--remote_rm_url http://host:port/path and/or --agent_func_path agent.py")
+                             "--remote_rm_url http://host:port/path and/or --agent_func_path agent.py; or, for pure "
+                             "on-policy distillation without a reward, --teacher_pretrain with --task_reward_coef 0")
 
     @classmethod
     def add_args(cls, g) -> None:

@@ -74,8 +74,8 @@ def test_openrlhf_example_scripts_parse(script):
             else ("0.5", "5.0")
         assert (args.use_tis, args.tis_floor, args.tis_cap) == (True, float(lo), float(hi))
         assert args.is_correction_type == given.get("--algo.advantage.is_correction_type", "tis")
-    if "--train.async_enable" in argv:  # asynchronous training in a colocated job: partial rollouts (docs/async.md)
-        assert args.partial_rollout
+    if "--train.async_enable" in argv:  # OpenRLHF's one-step-off whole batches, or with its partial rollouts ours
+        assert args.async_one_step_off and args.partial_rollout == ("--train.partial_rollout_enable" in argv)
         if "--train.async_queue_size" in given:
             assert args.max_staleness == int(given["--train.async_queue_size"])
 
@@ -118,6 +118,9 @@ def test_the_docs_table_is_the_translation_table():
         # each "no effect" row says the table's own reason
         stale = [f for f, spec in table.items()
                  if spec.ignore and f"| `{f}` | accepted, no effect: {spec.ignore} |" not in body]
+        assert not stale, (entry, stale)
+        # each translated flag that differs from OpenRLHF says how, in the table's own words
+        stale = [f for f, spec in table.items() if spec.differs and f"differs: {spec.differs}" not in body]
         assert not stale, (entry, stale)
 
 

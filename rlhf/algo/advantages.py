@@ -22,6 +22,10 @@ after its group baseline and before the KL term, where OpenRLHF's ``compute_rewa
 
 Batch-level statistics (REINFORCE++ whitening, ``whiten_advantages``) are over the tensors passed in; pass the
 whole rollout batch to get global statistics. GRPO groups must not be split across calls.
+
+``reward_mask`` (every estimator): where ``compute_token_rewards`` places the rewards and the KL penalty when it is
+not ``action_mask`` (verl's rollout rejection removes tokens from ``action_mask`` after both are placed); the
+recursions, the whitening statistics and the group advantages' broadcast use ``action_mask``.
 """
 from __future__ import annotations
 
@@ -94,38 +98,44 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
         lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation, backward over T and vectorized over B. Not whitened.
 
-    token_rewards, values, action_mask (B, T) -> (advantages, returns), each (B, T), zero on padding.
-    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with V = 0 after the last real token;
-    ``A_t = delta_t + gamma * lambd * A_{t+1}``; ``returns = A + V``.
+    token_rewards, values, action_mask (B, T) -> (advantages, returns), each (B, T), zero outside the mask.
+    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lambd * A_{t+1}``, ``returns = A + V``,
+    where t + 1 is the next token *in the mask*: a token outside it (padding after EOS; an environment's tokens
+    between an agent's turns; a token verl's rollout rejection dropped) is skipped, its reward and value unused, as
+    verl's ``compute_gae_advantage_return`` (verl/trainer/ppo/core_algos.py at 1dda039b) carries ``nextvalues`` and
+    ``lastgaelam`` through ``response_mask == 0``. On right-padded rows this is plain GAE with V = 0 after the last
+    token.
     """
     r = upcast(token_rewards)
     mask = (action_mask != 0).to(r.dtype)
-    r = r * mask  # (B, T)
-    v = torch.where(mask.bool(), upcast(values).to(r.dtype), torch.zeros((), dtype=r.dtype, device=r.device))  # (B, T)
+    v = upcast(values).to(r.dtype)
     b, t = r.shape
     advantages = torch.zeros_like(r)
     last = torch.zeros(b, dtype=r.dtype, device=r.device)
     next_v = torch.zeros(b, dtype=r.dtype, device=r.device)
+    zero = torch.zeros((), dtype=r.dtype, device=r.device)
     for i in reversed(range(t)):
-        delta = r[:, i] + gamma * next_v - v[:, i]
-        # Padding carries no advantage backwards: on right-padded rows it is already 0, the mask keeps it so.
-        last = (delta + gamma * lambd * last) * mask[:, i]
+        m = mask[:, i]
+        delta = torch.where(m.bool(), r[:, i], zero) + gamma * next_v - torch.where(m.bool(), v[:, i], zero)
+        last = torch.where(m.bool(), delta + gamma * lambd * last, last)  # carried through tokens outside the mask
+        next_v = torch.where(m.bool(), v[:, i], next_v)
         advantages[:, i] = last
-        next_v = v[:, i]
-    returns = (advantages + v) * mask
-    return advantages, returns
+    returns = torch.where(mask.bool(), advantages + torch.where(mask.bool(), v, zero), zero)
+    return torch.where(mask.bool(), advantages, zero), returns
 
 
 def _discounted_return_to_go(token_rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """The discounted sum of the rewards of this token and the later ones in the mask (tokens outside it skipped,
+    the running return carried through them, as verl's ``compute_reinforce_plus_plus_outcome_advantage``). (B, T)."""
     r = upcast(token_rewards)
-    mask = (action_mask != 0).to(r.dtype)
-    r = r * mask  # (B, T)
+    mask = (action_mask != 0)
+    zero = torch.zeros((), dtype=r.dtype, device=r.device)
     returns = torch.zeros_like(r)
     running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
     for i in reversed(range(r.shape[1])):
-        running = r[:, i] + gamma * running
+        running = torch.where(mask[:, i], r[:, i] + gamma * running, running)
         returns[:, i] = running
-    return returns * mask
+    return torch.where(mask, returns, zero)
 
 
 @torch.no_grad()
@@ -193,6 +203,13 @@ def grpo(rewards: torch.Tensor, action_mask: torch.Tensor, n_samples_per_prompt:
 
 # ---- uniform entry points (registry) ----
 
+def _rm(reward_mask: torch.Tensor | None, action_mask: torch.Tensor) -> torch.Tensor:
+    """The tokens the rewards and the KL penalty are placed on (``reward_mask``): the response as generated, where a
+    rollout rejection has since taken tokens out of ``action_mask`` (verl applies its KL penalty and places the
+    outcome reward before ``rollout_rs`` edits the mask; the recursions then skip the rejected tokens)."""
+    return action_mask if reward_mask is None else reward_mask
+
+
 @torch.no_grad()
 def _group_outputs(advantages: torch.Tensor, rewards: torch.Tensor, action_mask: torch.Tensor,
                    reward_clip: tuple[float, float] | None) -> dict[str, torch.Tensor]:
@@ -223,11 +240,13 @@ def add_reward_kl(out: dict[str, torch.Tensor], kl: torch.Tensor, action_mask: t
 def gae_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                   action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
                   n_samples_per_prompt: int = 1, std_norm: bool = True,
-                  reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+                  reward_clip: tuple[float, float] | None = None,
+                  reward_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """PPO with a critic: KL-penalised token rewards, then :func:`gae`."""
     if values is None:
         raise ValueError("--advantage_estimator 'gae' needs critic values (a critic model)")
-    token_rewards = compute_token_rewards(clip_rewards(rewards, reward_clip), kl, action_mask, kl_coef)
+    token_rewards = compute_token_rewards(clip_rewards(rewards, reward_clip), kl, _rm(reward_mask, action_mask),
+                                          kl_coef)
     advantages, returns = gae(token_rewards, values, action_mask, gamma, lambd)
     return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}
 
@@ -237,10 +256,12 @@ def reinforce_plus_plus_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | N
                                   values: torch.Tensor | None = None, action_mask: torch.Tensor,
                                   kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
                                   n_samples_per_prompt: int = 1, std_norm: bool = True,
-                                  reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+                                  reward_clip: tuple[float, float] | None = None,
+                                  reward_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """KL-penalised token rewards, then :func:`reinforce_plus_plus` (``std_norm=False``: the return-to-go minus
     its batch mean, not divided by the std)."""
-    token_rewards = compute_token_rewards(clip_rewards(rewards, reward_clip), kl, action_mask, kl_coef)
+    token_rewards = compute_token_rewards(clip_rewards(rewards, reward_clip), kl, _rm(reward_mask, action_mask),
+                                          kl_coef)
     advantages, returns = reinforce_plus_plus(token_rewards, action_mask, gamma)
     if not std_norm:
         advantages = whiten_openrlhf(returns, action_mask, std_norm=False)
@@ -251,7 +272,8 @@ def reinforce_plus_plus_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | N
 def grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                    action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
                    n_samples_per_prompt: int = 1, std_norm: bool = True,
-                   reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+                   reward_clip: tuple[float, float] | None = None,
+                   reward_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """:func:`grpo`; ``kl``/``kl_coef`` are ignored (KL goes in the loss, or ``add_reward_kl`` adds it).
     token_rewards has no KL term."""
     advantages, _ = grpo(rewards, action_mask, n_samples_per_prompt)
@@ -262,7 +284,8 @@ def grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, val
 def dr_grpo_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
                       action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
                       n_samples_per_prompt: int = 1, std_norm: bool = True,
-                      reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+                      reward_clip: tuple[float, float] | None = None,
+                      reward_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """:func:`grpo` without the std division (Dr. GRPO); KL handled as for ``grpo``."""
     advantages, _ = grpo(rewards, action_mask, n_samples_per_prompt, std_normalize=False)
     return _group_outputs(advantages, rewards, action_mask, reward_clip)
@@ -273,7 +296,8 @@ def group_norm_estimator(*, rewards: torch.Tensor, kl: torch.Tensor | None = Non
                          values: torch.Tensor | None = None, action_mask: torch.Tensor, kl_coef: float = 0.0,
                          gamma: float = 1.0, lambd: float = 1.0, n_samples_per_prompt: int = 1,
                          std_norm: bool = True,
-                         reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+                         reward_clip: tuple[float, float] | None = None,
+                         reward_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """OpenRLHF's name for GRPO: :func:`grpo` with its std epsilon, 1e-9 (``grpo`` keeps 1e-6); KL handled as for
     ``grpo``."""
     advantages, _ = grpo(rewards, action_mask, n_samples_per_prompt, eps=1e-9)
@@ -284,9 +308,10 @@ def _baseline_estimator(kind: str, whiten: bool):
     def est(*, rewards: torch.Tensor, kl: torch.Tensor | None = None, values: torch.Tensor | None = None,
             action_mask: torch.Tensor, kl_coef: float = 0.0, gamma: float = 1.0, lambd: float = 1.0,
             n_samples_per_prompt: int = 1, std_norm: bool = True,
-            reward_clip: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+            reward_clip: tuple[float, float] | None = None,
+            reward_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         shaped = clip_rewards(group_baseline(rewards, n_samples_per_prompt, kind), reward_clip)  # (B,)
-        token_rewards = compute_token_rewards(shaped, kl, action_mask, kl_coef)
+        token_rewards = compute_token_rewards(shaped, kl, _rm(reward_mask, action_mask), kl_coef)
         returns = _discounted_return_to_go(token_rewards, action_mask, 1.0)  # OpenRLHF: gamma 1 for these
         advantages = whiten_openrlhf(returns, action_mask, std_norm) if whiten else returns.clone()
         return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards}

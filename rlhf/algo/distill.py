@@ -34,11 +34,28 @@ def reverse_kl_signal(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
     return (logprobs.float() - teacher_logprobs.float()) * action_mask
 
 
+def discounted_future_sum(x: torch.Tensor, gamma: float, action_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T): at each response token, ``sum_k gamma^k x_{t+k}`` over it and the later tokens in the mask (tinker's
+    ``discounted_future_sum_vectorized``, tinker_cookbook/rl/metrics.py at 9dfcc3a2, on response tokens)."""
+    out = torch.zeros_like(x)
+    running = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    mask = action_mask.bool()
+    for t in range(x.shape[1] - 1, -1, -1):
+        running = torch.where(mask[:, t], x[:, t] + gamma * running, running)
+        out[:, t] = running
+    return torch.where(mask, out, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def distill_advantages(task_advantages: torch.Tensor, logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
-                       action_mask: torch.Tensor, distill_coef: float, task_coef: float = 1.0
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       action_mask: torch.Tensor, distill_coef: float, task_coef: float = 1.0,
+                       kl_discount: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, signal), both (B, T): ``task_coef * task_advantages - distill_coef * signal`` on response
-    tokens (0 elsewhere), and the signal ``reverse_kl_signal``."""
+    tokens (0 elsewhere), and the signal ``reverse_kl_signal``. ``kl_discount`` > 0 (tinker's ``kl_discount_factor``,
+    tinker_cookbook/distillation/train_on_policy.py ``incorporate_kl_penalty`` at 9dfcc3a2): the term at a token is
+    the discounted sum of the signal there and after, ``-distill_coef * sum_k kl_discount^k signal_{t+k}``."""
     signal = reverse_kl_signal(logprobs, teacher_logprobs, action_mask)
-    adv = (task_coef * task_advantages - distill_coef * signal) * action_mask
+    term = distill_coef * signal
+    if kl_discount > 0:
+        term = discounted_future_sum(term, kl_discount, action_mask)
+    adv = (task_coef * task_advantages - term) * action_mask
     return adv, signal

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlhf.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction
+from rlhf.algo.rollout_correction import (RolloutCorrectionConfig, rejection_keep, rollout_correction,
+                                          verl_is_weights)
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_ESTIMATE_CLAMP = 10.0
@@ -252,6 +253,27 @@ class ActorLossConfig:
     old_from_update: bool = False
     """one on-policy update per batch: the old log-probs are this forward's, detached (ratio 1), and the
     generator-vs-trainer drift is measured here (``rollout_logprob_drift``, ``rollout_logprob_drift_max``)"""
+    old_from_rollout: bool = False
+    """--use_rollout_logprobs: the old log-probs are the generator's; with a correction, verl's bypass mode"""
+    corrected_in_experience: bool = False
+    """verl's decoupled mode (the trainer's old log-probs come from make_experience): --rollout_rs already took
+    its tokens out of the batch's action_mask and --rollout_is's weights are in the batch (``rollout_is_weights``);
+    the loss applies them and does not reject again"""
+
+    @property
+    def bypass(self) -> bool:
+        """verl's bypass mode: the generator's log-probs as the old ones, the correction computed in the loss
+        against the current policy (``rlhf.algo.rollout_correction``)."""
+        return self.old_from_rollout and (self.correction.rollout_rs is not None or self.correction.rollout_is
+                                          is not None)
+
+    @property
+    def gspo_against_rollout(self) -> bool:
+        """GSPO with --use_tis, as OpenRLHF computes it (openrlhf/models/loss.py ``PolicyLoss.forward`` at
+        3c3be6234e0c: with ``enable_vllm_is_correction`` GSPO's ``log_ratio = log_probs - rollout_log_probs``, and the
+        IS block runs for ``policy_loss_type == "ppo"`` only): the sequence ratio against the generator's log-probs,
+        no per-token weight, --is_correction_type and the bounds unused."""
+        return self.policy_loss_type == "gspo" and self.correction.use_tis
 
     def __post_init__(self) -> None:
         if not (0 <= self.eps_clip_low < 1 and self.eps_clip_high >= 0):
@@ -278,7 +300,10 @@ class ActorLossConfig:
                    policy_loss_type=algo.policy_loss_type, loss_agg_mode=mode, entropy_coef=algo.entropy_coef or 0.0,
                    kl_in_loss=kl_in_loss(estimator, getattr(algo, "use_kl_loss", None)),
                    kl_estimator=algo.kl_estimator, correction=correction,
-                   old_from_update=getattr(algo, "old_logprobs_source", "forward") == "update")
+                   old_from_update=getattr(algo, "old_logprobs_source", "forward") == "update",
+                   old_from_rollout=getattr(algo, "old_logprobs_source", "forward") == "rollout",
+                   corrected_in_experience=getattr(algo, "old_logprobs_source", "forward") == "forward"
+                   and (correction.rollout_rs is not None or correction.rollout_is is not None))
 
     @classmethod
     def from_args(cls, args, estimator) -> "ActorLossConfig":
@@ -295,22 +320,40 @@ def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
     weights multiply the policy loss; a token its rejection drops leaves the mask of every term and of the count).
     The KL and entropy terms are aggregated as the policy loss (``cfg.loss_agg_mode``). Metrics: ``ACTOR_METRICS``
     (+ ``kl_loss``, + ``cfg.correction.metric_keys()``), per token."""
+    in_loss = cfg.correction
+    if cfg.corrected_in_experience:  # the rejection is in the batch's mask, verl's weights in the batch
+        from dataclasses import replace
+
+        in_loss = replace(cfg.correction, rollout_rs=None, rollout_rs_threshold=None, rollout_is=None,
+                          rollout_is_batch_normalize=False)
+
     def loss_fn(batch: dict, output: torch.Tensor):
         lp, ent = logprobs_fn(batch, output)
         mask = resp = batch["action_mask"]
         old = lp.detach() if cfg.old_from_update else batch["old_logprobs"]
-        corr = None
-        if cfg.correction.enabled:
-            corr = rollout_correction(old, batch["vllm_logprobs"], mask, cfg.correction)
-            if corr.keep is not None:  # verl's rejection: the token leaves the response mask
-                mask = _bool_mask(resp) & corr.keep
-        loss, count, metrics = policy_loss(lp, old, batch["advantages"], mask,
-                                           eps_clip=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
-                                           rollout_is_weights=None if corr is None else corr.weights,
-                                           dual_clip=cfg.dual_clip, policy_loss_type=cfg.policy_loss_type,
-                                           loss_agg_mode=cfg.loss_agg_mode)
-        if corr is not None:
-            metrics.update(corr.metrics)
+        if cfg.bypass:
+            loss, count, metrics, mask = _bypass_loss(lp, batch, cfg)
+        else:
+            corr = None
+            if in_loss.enabled:
+                corr = rollout_correction(old, batch["vllm_logprobs"], mask, in_loss)
+                if corr.keep is not None:  # verl's rejection: the token leaves the response mask
+                    mask = _bool_mask(resp) & corr.keep
+            weights, base = (None if corr is None else corr.weights), old
+            if "rollout_is_weights" in batch:  # verl's, computed when the experience was made
+                weights = batch["rollout_is_weights"]
+            if cfg.gspo_against_rollout:  # OpenRLHF's GSPO with its IS correction: the sequence ratio against
+                weights, base = None, batch["vllm_logprobs"]  # the generator's log-probs, no per-token weight
+            loss, count, metrics = policy_loss(lp, base, batch["advantages"], mask,
+                                               eps_clip=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
+                                               rollout_is_weights=weights,
+                                               dual_clip=cfg.dual_clip, policy_loss_type=cfg.policy_loss_type,
+                                               loss_agg_mode=cfg.loss_agg_mode)
+            if corr is not None:
+                metrics.update(corr.metrics)
+            if "rollout_is_weights" in batch and cfg.correction.enabled:
+                kept = _bool_mask(mask)
+                metrics["rollout_is_weight"] = [masked_sum(upcast(weights), kept), _count(kept)]
         n = _count(mask)
         metrics["entropy"] = [masked_sum(ent.detach(), mask), n]
         if cfg.old_from_update:
@@ -329,6 +372,42 @@ def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
         return loss, count, metrics
 
     return loss_fn
+
+
+def _bypass_loss(lp: torch.Tensor, batch: dict, cfg: ActorLossConfig):
+    """verl's ``compute_policy_loss_bypass_mode`` (verl/trainer/ppo/core_algos.py at 1dda039b): the old log-probs are
+    the generator's; --rollout_is's weights and --rollout_rs's rejection are computed here against the current
+    policy (``lr = logprobs.detach() - rollout_logprobs``, per micro-batch). ``ppo_clip``: the clipped ratio
+    ``p / p_rollout`` on the kept tokens, weights not applied (verl: "would be double-counting"); ``reinforce``:
+    ``-A * logprobs * w`` (w = 1 without --rollout_is), unclipped. Returns the policy loss, its count, metrics and
+    the mask used."""
+    c = cfg.correction
+    resp = _bool_mask(batch["action_mask"])
+    rollout = batch["vllm_logprobs"]
+    with torch.no_grad():
+        lr = torch.where(resp, upcast(lp.detach()) - upcast(rollout), torch.zeros((), device=lp.device))
+        keep = rejection_keep(lr, resp, c.rs_bounds()) if c.rollout_rs is not None else None
+        w = verl_is_weights(lr, resp, c.rollout_is, c.rollout_is_threshold) if c.rollout_is is not None else None
+    mask = resp & keep if keep is not None else resp
+    if c.rollout_correction_loss_type == "reinforce":
+        w_ = w if w is not None else torch.ones_like(lr)
+        per_token = -upcast(batch["advantages"]) * upcast(lp) * w_
+        loss, count = aggregate(per_token, mask, cfg.loss_agg_mode)
+        n = _count(mask)
+        metrics = {"policy_loss": [masked_sum(per_token.detach(), mask), n], "clip_frac": [torch.zeros(()), n],
+                   "approx_kl": [masked_sum(0.5 * lr ** 2, mask), n], "ratio": [masked_sum(lr.exp(), mask), n]}
+    else:
+        loss, count, metrics = policy_loss(lp, rollout, batch["advantages"], mask, eps_clip=cfg.eps_clip_low,
+                                           eps_clip_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip,
+                                           policy_loss_type=cfg.policy_loss_type, loss_agg_mode=cfg.loss_agg_mode)
+    n_resp = _count(resp)
+    zero = torch.zeros((), device=lp.device)
+    metrics["rollout_corr_masked_frac"] = [torch.where(resp & ~mask, 1.0, zero).sum(), n_resp]
+    metrics["rollout_corr_clipped_frac"] = [torch.where(resp & (lr.exp() > c.rollout_is_threshold), 1.0, zero).sum()
+                                            if w is not None else zero, n_resp]
+    metrics["rollout_is_weight"] = [torch.where(mask, w if w is not None else torch.ones_like(lr), zero).sum(),
+                                    _count(mask)]
+    return loss, count, metrics, mask
 
 
 def make_critic_loss(values_fn, *, value_clip: float):

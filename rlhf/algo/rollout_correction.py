@@ -16,6 +16,23 @@ Two families, each written as its peer computes it (docs/ppo.md, "Rollout correc
   ``seq_sum_k*`` / ``seq_mean_k*`` / ``seq_max_k*`` the sum / mean / max over a sequence's response tokens (the
   whole sequence is kept or rejected). k1 options keep ``log(lower) <= stat <= log(upper)``, the others ``stat <=
   upper``. A rejected token leaves the response mask: it drops out of the loss and its denominator, as in verl.
+  With the trainer's old log-probs (verl's decoupled mode) the rejection is applied when the experience is made, as
+  verl writes it into ``response_mask`` before ``compute_advantage`` and the critic update
+  (verl/trainer/ppo/ray_trainer.py ``fit`` at 1dda039b): rejected tokens leave GAE's recursion and the whitening
+  statistics, their advantages are 0 and they leave the value loss; GRPO's group statistics keep every sample (verl's
+  ``compute_grpo_outcome_advantage`` scores ``token_level_rewards.sum(-1)``, placed before the rejection).
+* verl's importance weights (``rollout_is`` token | sequence, ``compute_rollout_correction_weights`` at 1dda039b):
+  token ``w_t = min(exp(clamp(lr_t, -20, 20)), C)``, sequence ``w = min(exp(clamp(sum_t lr_t, -20, 20)), C)`` on
+  every token of the row, ``C = rollout_is_threshold``, detached, zero on padding; ``rollout_is_batch_normalize``
+  divides them by their mean over the global batch (over tokens; over sequences for ``sequence``), after the
+  truncation. They multiply the per-token policy loss (``compute_policy_loss_vanilla``).
+* verl's bypass mode (``--use_rollout_logprobs`` with a correction; ``apply_bypass_mode`` and
+  ``compute_policy_loss_bypass_mode`` at 1dda039b): the old log-probs are the generator's, no old-log-prob forward;
+  in the loss, per micro-batch, the weights and the rejection are computed against the current policy
+  (``lr = logprobs.detach() - rollout_logprobs``); ``--rollout_correction_loss_type ppo_clip`` (verl's default) clips
+  the ratio ``p / p_rollout`` and does not apply the weights (they would count the ratio twice), ``reinforce`` is
+  ``-A * logprobs * w``, unclipped. The rejection masks the loss only there; advantages and the critic see the
+  whole response.
 """
 from __future__ import annotations
 
@@ -29,6 +46,10 @@ import torch
 from rlhf.part import Part
 
 IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+"""verl's ``rollout_is`` levels"""
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+"""verl's ``rollout_correction.loss_type`` in bypass mode"""
 ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
                       "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 """verl's ``SUPPORTED_ROLLOUT_RS_OPTIONS``"""
@@ -56,6 +77,14 @@ class RolloutCorrectionConfig(Part):
     """--rollout_rs: verl's rejection options, comma separated (all must pass)"""
     rollout_rs_threshold: str | None = None
     """--rollout_rs_threshold: verl's spec, one entry or one per option; k1: LOWER_UPPER or UPPER (LOWER = 1/UPPER)"""
+    rollout_is: str | None = None
+    """--rollout_is: verl's importance weights, token | sequence"""
+    rollout_is_threshold: float = 2.0
+    """--rollout_is_threshold: verl's truncation C (weights above it become C)"""
+    rollout_is_batch_normalize: bool = False
+    """--rollout_is_batch_normalize: verl's division of the weights by their mean over the batch"""
+    rollout_correction_loss_type: str = "ppo_clip"
+    """--rollout_correction_loss_type: verl's bypass-mode loss (with --use_rollout_logprobs): ppo_clip | reinforce"""
 
     @classmethod
     def add_args(cls, g) -> None:
@@ -74,6 +103,19 @@ class RolloutCorrectionConfig(Part):
                        help="verl's rollout rejection (algorithm.rollout_correction.rollout_rs): comma-separated "
                             f"options from {', '.join(ROLLOUT_RS_OPTIONS)}; a token or sequence failing one leaves "
                             "the loss")
+        g.add_argument("--rollout_is", default=None, choices=ROLLOUT_IS_LEVELS,
+                       help="verl's importance weights (algorithm.rollout_correction.rollout_is): token, "
+                            "min(p_trainer/p_vllm, C) per token, or sequence, min(prod_t p_trainer/p_vllm, C) on every "
+                            "token of the row; they multiply the policy loss")
+        g.add_argument("--rollout_is_threshold", type=float, default=2.0,
+                       help="--rollout_is's truncation C (verl's rollout_is_threshold)")
+        g.add_argument("--rollout_is_batch_normalize", action="store_true",
+                       help="--rollout_is: divide the weights by their mean over the batch (verl's "
+                            "rollout_is_batch_normalize: over tokens, over sequences for sequence)")
+        g.add_argument("--rollout_correction_loss_type", default="ppo_clip", choices=BYPASS_LOSS_TYPES,
+                       help="verl's bypass mode (--use_rollout_logprobs with --rollout_is / --rollout_rs): ppo_clip "
+                            "clips the ratio against the generator's log-probs (the weights are not applied), "
+                            "reinforce is -A * logp * w, unclipped")
         g.add_argument("--rollout_rs_threshold", default=None,
                        help="--rollout_rs's thresholds (verl's rollout_rs_threshold): one, or one per option, "
                             "comma-separated; k1 options take LOWER_UPPER ratio bounds (or UPPER, LOWER = 1/UPPER), "
@@ -89,11 +131,23 @@ class RolloutCorrectionConfig(Part):
                              f"{', '.join(IS_CORRECTION_TYPES)}")
         if self.rollout_rs is None and self.rollout_rs_threshold is not None:
             raise ValueError(f"--rollout_rs_threshold {self.rollout_rs_threshold}: without --rollout_rs")
+        if self.rollout_is is not None and self.rollout_is not in ROLLOUT_IS_LEVELS:
+            raise ValueError(f"--rollout_is {self.rollout_is!r}: expected one of {', '.join(ROLLOUT_IS_LEVELS)}")
+        if self.rollout_is is not None and self.use_tis:
+            raise ValueError(f"--rollout_is {self.rollout_is} with --use_tis: two importance weights (verl's and "
+                             "OpenRLHF's) on the same loss; use one")
+        if self.rollout_is_batch_normalize and self.rollout_is is None:
+            raise ValueError("--rollout_is_batch_normalize without --rollout_is: there are no weights to normalise")
+        if not self.rollout_is_threshold > 0:
+            raise ValueError(f"--rollout_is_threshold must be > 0, got {self.rollout_is_threshold:g}")
+        if self.rollout_correction_loss_type not in BYPASS_LOSS_TYPES:
+            raise ValueError(f"--rollout_correction_loss_type {self.rollout_correction_loss_type!r}: expected one "
+                             f"of {', '.join(BYPASS_LOSS_TYPES)}")
         self.rs_bounds()
 
     @property
     def enabled(self) -> bool:
-        return self.use_tis or self.rollout_rs is not None
+        return self.use_tis or self.rollout_rs is not None or self.rollout_is is not None
 
     def rs_bounds(self) -> tuple[tuple[str, float | None, float], ...]:
         """``(option, lower, upper)`` per --rollout_rs option, as verl's ``_parse_rollout_rs_thresholds`` reads
@@ -165,6 +219,33 @@ def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, kind: str, low: floa
     return w * inside, ~inside, torch.zeros_like(inside)
 
 
+def verl_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float) -> torch.Tensor:
+    """verl's ``compute_rollout_correction_weights`` (TIS form) from ``log_ratio = log p_train - log p_rollout`` (B, T):
+    token ``min(exp(clamp(lr, -20, 20)), C)``, sequence ``min(exp(clamp(sum_t lr, -20, 20)), C)`` broadcast over the
+    row; zero outside ``mask``; detached. (B, T)."""
+    with torch.no_grad():
+        lr = torch.where(mask, log_ratio, 0)
+        if level == "token":
+            raw = torch.exp(lr.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        elif level == "sequence":
+            raw = torch.exp(lr.sum(dim=-1, keepdim=True).clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(lr)
+        else:
+            raise ValueError(f"--rollout_is {level!r}: expected one of {', '.join(ROLLOUT_IS_LEVELS)}")
+        return torch.where(mask, raw.clamp(max=threshold), 0)
+
+
+def is_normalizer(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The sum and count (2,) float64 whose quotient verl's ``rollout_is_batch_normalize`` divides by: the weights
+    over the tokens (token), or each row's mean weight over the rows with tokens (sequence). Summed over ranks by
+    the caller for the batch's mean."""
+    w = weights.double()
+    if level == "token":
+        return torch.stack([torch.where(mask, w, 0).sum(), mask.sum().double()])
+    n = mask.sum(dim=-1)
+    per_row = torch.where(mask, w, 0).sum(dim=-1) / n.clamp(min=1)
+    return torch.stack([torch.where(n > 0, per_row, 0).sum(), (n > 0).sum().double()])
+
+
 def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, bounds) -> torch.Tensor:
     """verl's keep-mask (B, T) bool for ``bounds`` (``RolloutCorrectionConfig.rs_bounds``); every option must pass."""
     lr = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
@@ -211,3 +292,31 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
                    "rollout_corr_clipped_frac": [torch.where(mask & clipped, 1.0, zero).sum(), n],
                    "rollout_is_weight": [torch.where(kept, w, zero).sum(), kept.sum().to(torch.int)]}
     return Correction(weights=weights, keep=keep, metrics=metrics)
+
+
+def experience_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, action_mask: torch.Tensor,
+                          cfg: RolloutCorrectionConfig, total=lambda t: t):
+    """verl's decoupled mode, when the experience is made (the trainer's old log-probs known): --rollout_is's
+    weights (normalised over the batch with --rollout_is_batch_normalize) and --rollout_rs's keep-mask, both from
+    the response as generated (``action_mask``). ``total(t)``: ``t`` summed over the batch's ranks (identity for one
+    rank). Returns ``(keep (B, T) bool or None, weights (B, T) or None, metrics)``; metrics are global means."""
+    mask = action_mask if action_mask.dtype == torch.bool else action_mask != 0
+    with torch.no_grad():
+        lr = torch.where(mask, old_logprobs - rollout_logprobs, 0)
+        metrics: dict[str, float] = {}
+        weights = None
+        if cfg.rollout_is is not None:
+            weights = verl_is_weights(lr, mask, cfg.rollout_is, cfg.rollout_is_threshold)
+            if cfg.rollout_is_batch_normalize:
+                s, n = total(is_normalizer(weights, mask, cfg.rollout_is)).tolist()
+                mean = s / max(n, 1.0)
+                if mean > 1e-8:  # verl: "if weights_mean > 1e-8"
+                    weights = weights / mean
+                metrics["rollout_is_batch_norm_factor"] = mean if mean > 1e-8 else 1.0
+        keep = rejection_keep(lr, mask, cfg.rs_bounds()) if cfg.rollout_rs is not None else None
+        counts = torch.stack([mask.sum().double(), (mask & ~keep).sum().double() if keep is not None else
+                              torch.zeros((), dtype=torch.float64)])
+        n_tok, n_rej = total(counts).tolist()
+        if keep is not None:
+            metrics["rollout_rs_masked_frac"] = n_rej / max(n_tok, 1.0)
+    return keep, weights, metrics

@@ -75,7 +75,8 @@ def response_logprobs(engine, batch: dict, hidden: torch.Tensor, temperature: fl
         out = kernels.fused_linear_logprobs(h.to(weight.dtype).reshape(-1, h.shape[-1]), weight,
                                             targets.reshape(-1), temperature=temperature,
                                             tp_group=mesh.tp_group if mesh.tp > 1 else None,
-                                            return_entropy=entropy, vocab_size=engine.spec.vocab_size)
+                                            return_entropy=entropy,
+                                            vocab_size=getattr(engine, "score_vocab", None) or engine.spec.vocab_size)
         view = (lambda t: t.view(shape)) if own is None else (lambda t: t)
         return (view(out[0]), view(out[1])) if entropy else view(out)
 

@@ -42,10 +42,14 @@ class RouterReplayPart(Part):
 
     moe_router_replay: str = "off"
     """(--moe_router_replay) ``rollout`` (R3): the generator's experts for every prompt and response token are
-    replayed in every trainer forward and backward of the sample (old log-probs, the reference when it is the same
-    MoE model, the update); ``train`` (R2): the routing of the trainer's first forward of the sample is replayed in
-    the update; ``off``. slime: ``--use-rollout-routing-replay`` / ``--use-routing-replay``; verl:
-    ``router_replay.mode`` R3 / R2 / disabled."""
+    replayed in every forward and backward of the actor (old log-probs, the update); ``train`` (R2): the routing of
+    the trainer's first forward of the sample is replayed in the update; ``off``. The reference routes itself in
+    every mode. slime: ``--use-rollout-routing-replay`` / ``--use-routing-replay``; verl: ``router_replay.mode`` R3 /
+    R2 / disabled."""
+    moe_routing_flip_interval: int = 0
+    """(--moe_routing_flip_interval) every N steps measure the routing-flip metric where it costs an extra actor
+    forward (R3, or no actor forward in make_experience); 0: never there. Where the actor's own experience forward
+    records the routing (off or R2 with that forward) it is measured every step, free"""
 
     @classmethod
     def add_args(cls, g: Any) -> None:
@@ -53,6 +57,10 @@ class RouterReplayPart(Part):
                        help="MoE actors: replay the generator's routing (rollout, R3) or the trainer's first "
                             "forward's (train, R2) in the trainer's forwards and backwards; verl's names R3, R2, "
                             "disabled are accepted (docs/ppo.md)")
+        g.add_argument("--moe_routing_flip_interval", type=int, default=0,
+                       help="MoE actors: every N steps log moe/routing_flip_tokens where measuring it costs one more "
+                            "actor forward (with --moe_router_replay rollout, or when make_experience runs no actor "
+                            "forward); 0 (default): not there. Elsewhere it is measured every step at no cost")
         g.add_argument("--use-rollout-routing-replay", "--use_rollout_routing_replay", dest="moe_router_replay",
                        action="store_const", const="rollout", help="slime's name for --moe_router_replay rollout")
         g.add_argument("--use-routing-replay", "--use_routing_replay", dest="moe_router_replay",
@@ -60,6 +68,9 @@ class RouterReplayPart(Part):
 
     def check(self) -> None:
         self.moe_router_replay = _mode(self.moe_router_replay)
+        if self.moe_routing_flip_interval < 0:
+            raise ValueError(f"--moe_routing_flip_interval must be >= 0 (0: never where it costs a forward), got "
+                             f"{self.moe_routing_flip_interval}")
 
 
 def check_router_replay(part: RouterReplayPart, spec, *, backend: str, model: str, other: str | None = None) -> None:

@@ -179,10 +179,13 @@ def check_algo(job) -> None:
     from rlhf.algo.advantages import get_estimator
 
     algo, corr, batch = job.algo, job.correction, job.batch
-    if algo.use_rollout_logprobs and corr.enabled:
-        flag = "--use_tis" if corr.use_tis else "--rollout_rs"
-        raise ValueError(f"{flag} corrects for the generator's log-probs differing from the trainer's, but with "
-                         "--use_rollout_logprobs they are the same; use one of them")
+    if algo.use_rollout_logprobs and corr.use_tis:
+        raise ValueError("--use_tis weighs by the trainer's old log-probs over the generator's, but with "
+                         "--use_rollout_logprobs they are the same; verl's bypass mode takes --rollout_is / "
+                         "--rollout_rs with it (computed against the current policy in the loss)")
+    if algo.use_rollout_logprobs and corr.rollout_is_batch_normalize:
+        raise ValueError("--rollout_is_batch_normalize with --use_rollout_logprobs (verl's bypass mode): the weights "
+                         "are computed per micro-batch in the loss there; not supported")
     if corr.rollout_rs is not None and job.ptx.pretrain_data:
         raise ValueError(f"--rollout_rs {corr.rollout_rs} with --pretrain_data: the ptx loss is scaled by the step's "
                          "response tokens counted before the rejection; not supported together")

@@ -215,10 +215,12 @@ def _check_models(job: PPOJobConfig) -> dict[str, Any]:
 
     algo, rewards, par = job.algo, job.rewards, job.parallel
     needs_critic = get_estimator(algo.advantage_estimator).needs_critic
-    rewards.require_any()
+    if not (job.distill.teacher_pretrain and job.distill.task_reward_coef == 0):  # pure distillation needs none
+        rewards.require_any()
     critic = job.models.critic_pretrain or (rewards.paths[0] if rewards.paths else None)
     if needs_critic and critic is None:
-        what = f"--reward_fn {rewards.reward_fn}" if rewards.reward_fn else f"--remote_rm_url {rewards.remote_rm_url}"
+        what = (f"--reward_fn {rewards.reward_fn}" if rewards.reward_fn else f"--remote_rm_url {rewards.remote_rm_url}"
+                if rewards.remote_rm_url else "pure distillation (--task_reward_coef 0)")
         raise ValueError(f"{what} without --reward_pretrain: the critic of --advantage_estimator "
                          f"{algo.advantage_estimator} needs --critic_pretrain")
     sources = {"--reward_pretrain": rewards.validate_models(par.tp, par.pp)}
@@ -260,6 +262,9 @@ def old_logprobs_source(args: argparse.Namespace) -> tuple[str, str]:
     kl_in_reward = not kl_in_loss(estimator, args.use_kl_loss) and args.init_kl_coef > 0
     if args.old_logprobs_forward == "always":
         return "forward", "--old_logprobs_forward always"
+    if getattr(args, "rollout_rs", None) or getattr(args, "rollout_is", None):
+        return "forward", "--rollout_rs / --rollout_is act when the experience is made, before the advantages and " \
+                          "the critic, as verl applies them (its decoupled mode): they need the old log-probs first"
     if getattr(args, "teacher_pretrain", None):
         return "forward", "--teacher_pretrain: the distillation signal compares the student's forward with the " \
                           "teacher's, on the same kernels"

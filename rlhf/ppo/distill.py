@@ -26,7 +26,10 @@ class DistillConfig(Part):
     """(--distill_coef) weight of the per-token reverse-KL advantage; 1.0 when a teacher is given"""
     task_reward_coef: float = 1.0
     """(--task_reward_coef) weight of the task reward's advantages beside it; 0: pure on-policy distillation (the
-    reward is still computed, logged and used by the held-out evaluation)"""
+    reward is still computed, logged and used by the held-out evaluation when there is one; none is needed)"""
+    distill_kl_discount: float = 0.0
+    """(--distill_kl_discount) the per-token term as the discounted sum of the signal at and after each token
+    (tinker's kl_discount_factor); 0: each token's own signal"""
 
     @classmethod
     def add_args(cls, g) -> None:
@@ -39,14 +42,19 @@ class DistillConfig(Part):
                        help="weight of the per-token advantage -(log p_student - log p_teacher) (default 1.0 with "
                             "--teacher_pretrain)")
         g.add_argument("--task_reward_coef", type=float, default=1.0,
-                       help="with --teacher_pretrain: weight of the task reward's advantages (0: pure distillation; "
-                            "the reward is still logged and evaluated)")
+                       help="with --teacher_pretrain: weight of the task reward's advantages (0: pure distillation, "
+                            "which needs no reward source; a reward given is still logged and evaluated)")
+        g.add_argument("--distill_kl_discount", type=float, default=0.0,
+                       help="with --teacher_pretrain: each token's distillation advantage is the discounted sum of "
+                            "the reverse KL at and after it, with this factor in [0, 1) (tinker's "
+                            "kl_discount_factor; 0: the token's own)")
 
     def check(self) -> None:
         if self.teacher_pretrain is None:
             for flag, value, default in (("--distill_coef", self.distill_coef, None),
                                          ("--task_reward_coef", self.task_reward_coef, 1.0),
-                                         ("--teacher_offload", self.teacher_offload, False)):
+                                         ("--teacher_offload", self.teacher_offload, False),
+                                         ("--distill_kl_discount", self.distill_kl_discount, 0.0)):
                 if value != default:
                     raise ValueError(f"{flag} {value} needs --teacher_pretrain (there is no teacher to distill from)")
             return
@@ -57,6 +65,8 @@ class DistillConfig(Part):
                              "load the teacher for nothing: drop --teacher_pretrain instead)")
         if not self.task_reward_coef >= 0:
             raise ValueError(f"--task_reward_coef must be >= 0, got {self.task_reward_coef}")
+        if not 0 <= self.distill_kl_discount < 1:
+            raise ValueError(f"--distill_kl_discount must be in [0, 1), got {self.distill_kl_discount}")
 
 
 def tokenizer_mismatch(student, teacher) -> str:
@@ -100,6 +110,22 @@ def check_teacher(cfg: DistillConfig, student_path: str, par) -> dict | None:
     if src["spec"].vocab_size < len(student):
         raise ValueError(f"{flag} {path}: its embedding has {src['spec'].vocab_size} rows, fewer than the "
                          f"{len(student)} tokens of the shared tokenizer")
+    from rlhf.models.source import describe_source as _describe
+
+    student_rows = _describe(student_path)["spec"].vocab_size
+    if src["spec"].vocab_size < student_rows:
+        raise ValueError(f"{flag} {path}: its LM head has {src['spec'].vocab_size} rows, the student's "
+                         f"{student_rows}: the student can sample ids {src['spec'].vocab_size}..{student_rows - 1} "
+                         "(padding rows past its tokenizer) that the teacher cannot score; use a teacher whose head "
+                         "has at least the student's rows")
+    src["score_vocab"] = student_rows  # the teacher's log-probs over the ids the student can sample
+    if src["spec"].vocab_size > student_rows:
+        import logging
+
+        logging.getLogger("rlhf").info("%s: its LM head has %d rows, the student's %d; the teacher is scored over the "
+                                       "student's %d ids (the shared tokenizer's range and the student's padding), "
+                                       "its other rows left out", flag, src["spec"].vocab_size, student_rows,
+                                       student_rows)
     check_parallel_fit(src["spec"], par.tp, par.pp, src["padded_vocab"])
     check_cp_flags(par.cp, src["spec"], flag)
     return src
@@ -115,5 +141,5 @@ def add_distill_advantages(exp, cfg: DistillConfig, mesh) -> dict[str, float]:
 
     mask = exp.batch["action_mask"]
     exp.advantages, signal = distill_advantages(exp.advantages, exp.old_logprobs, exp.teacher_logprobs, mask,
-                                                cfg.distill_coef, cfg.task_reward_coef)
+                                                cfg.distill_coef, cfg.task_reward_coef, cfg.distill_kl_discount)
     return {"distill/reverse_kl": masked_mean(dp_all_gather(signal, mesh), dp_all_gather(mask, mesh)).item()}

@@ -20,7 +20,7 @@ from rlhf.rollout.partial import PartialRollouts, PartialSample, generate_partia
 
 def build_partial(job) -> PartialRollouts | None:
     cfg, batch = job.partial, job.batch
-    if not cfg.partial_rollout:
+    if not cfg.enabled:
         return None
     return PartialRollouts(n=batch.n_samples_per_prompt, batch_groups=batch.rollout_batch_size,
                            oversample_groups=cfg.extra_groups(batch.rollout_batch_size),
@@ -63,7 +63,8 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
         due = partial.due(groups, step)  # groups the staleness bound makes this round finish (and the step train)
         waited += sum(due)
         with rollout_phase(roles, timer):  # the synchronous step's memory phase, sync and engine wake-up
-            groups, counts = generate_partial(roles.rollout, groups, groups_needed=partial.groups_needed(groups, ask),
+            needed = len(groups) if job.partial.whole_groups else partial.groups_needed(groups, ask)
+            groups, counts = generate_partial(roles.rollout, groups, groups_needed=needed,
                                               temperature=gen.temperature, top_p=gen.top_p,
                                               max_tokens=gen.generate_max_len, version=step,
                                               ignore_eos=gen.ignore_eos, due=due)
@@ -90,6 +91,26 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
                     "partial/new_groups": float(new_groups), "partial/due_groups": float(waited)})
     metrics.update(filter_metrics)
     return make_rollout([grp[0].prompt_index for grp in train], _samples(train), mesh), metrics
+
+
+def mask_offpolicy(exp, version: int, mesh) -> dict[str, float]:
+    """``--partial_rollout_correction mask_offpolicy`` (slime's ``--mask-offpolicy-in-partial-rollout``,
+    slime/rollout/sglang_rollout.py at 624b824a: a resumed sample's earlier tokens get ``loss_mask`` 0): every token
+    a version other than ``version`` produced leaves the batch's action mask, after the advantages; a sample carried
+    whole from an earlier round is masked whole, as slime's recycled samples are. Returns the share masked."""
+    import torch
+
+    mask = exp.batch["action_mask"]
+    fresh = torch.zeros_like(mask, dtype=torch.bool)
+    for i, s in enumerate(exp.samples):
+        v = torch.as_tensor(s.versions or [], dtype=torch.long)[: mask.shape[1]]
+        fresh[i, : v.numel()] = (v == version).to(mask.device)
+    from rlhf.distributed.collectives import dp_all_gather
+
+    kept = mask.bool() & fresh
+    exp.batch["action_mask"] = kept.to(mask.dtype)
+    n = dp_all_gather(torch.tensor([[float(mask.bool().sum()), float(kept.sum())]], device=mask.device), mesh).sum(0)
+    return {"partial/masked_offpolicy_frac": 1 - n[1].item() / max(n[0].item(), 1.0)}
 
 
 def drift_by_age(exp, version: int, mesh) -> dict[str, float]:

@@ -105,12 +105,13 @@ def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
     sharded = eng.zero_stage >= 1  # resolved by log_compat before the roles are built
     common = dict(bf16=eng.bf16, recompute=eng.gradient_checkpointing)
     impl = dict(transformer_impl=eng.transformer_impl)
-    # MoE actors always carry megatron's RouterReplay (the routing-flip metric records with it); the reference,
-    # the same model, replays the actor's batch routing when --moe_router_replay is on (rlhf.models.routing_replay)
+    # MoE actors always carry megatron's RouterReplay (the routing-flip metric records with it). The reference
+    # routes itself, replay or not: the KL is taken against the reference as it is, not forced onto the student's
+    # experts (verl's compute_ref_log_prob runs with routing replay disabled, verl/workers/engine_workers.py at
+    # 1dda039b; slime's reference forward falls through, slime/backends/megatron_utils/actor.py at 624b824a)
     actor = ModelEngine(mesh, pretrain, optim=optim.actor_config(total_updates, sharded), value_head=False,
                         name="actor", lora=lora.config(eng.seed), routing_replay=True, **common, **impl)
-    ref = (ModelEngine(mesh, pretrain, value_head=False, name="ref", bf16=eng.bf16,
-                       routing_replay=job.router_replay.moe_router_replay != "off", **impl)
+    ref = (ModelEngine(mesh, pretrain, value_head=False, name="ref", bf16=eng.bf16, **impl)
            if job.algo.init_kl_coef > 0 else None)
     reward_models = {f"reward{i or ''}": ModelEngine(mesh, path, value_head=True, name=f"reward{i or ''}",
                                                      bf16=eng.bf16, **impl)
@@ -121,6 +122,8 @@ def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
               if estimator.needs_critic else None)
     teacher = (ModelEngine(mesh, job.distill.teacher_pretrain, value_head=False, name="teacher", bf16=eng.bf16,
                            **impl) if job.distill.teacher_pretrain else None)
+    if teacher is not None:  # its log-probs over the ids the student can sample (rlhf.ppo.distill.check_teacher)
+        teacher.score_vocab = (setup.sources.get("--teacher_pretrain") or {}).get("score_vocab")
     roles = PPORoles(actor=actor, critic=critic, ref=ref, reward_models=reward_models, rollout=rollout,
                      weight_sync=None, memory=None, managers={}, teacher=teacher)
     _add_memory_schedule(roles, job.offload, mesh, job.distill.teacher_offload)

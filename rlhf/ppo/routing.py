@@ -44,12 +44,19 @@ def attach_rollout_routing(roles, mode: str, samples: list, batch: dict) -> None
     batch["routed_experts"] = routed.to(batch["input_ids"].device)
 
 
-def recorder_for(roles, mode: str, samples: list) -> RoutingRecorder | None:
-    """A recorder for the actor's unreplayed forward when the flip metric or ``train`` mode needs one."""
+def recorder_for(roles, mode: str, samples: list, *, actor_forward: bool = True, flip_due: bool = True
+                 ) -> RoutingRecorder | None:
+    """A recorder for the actor's unreplayed forward when ``train`` mode or the flip metric needs one.
+    ``actor_forward``: make_experience runs the actor's forward (the old log-probs); unless replayed (``rollout``)
+    it records for free. Otherwise the metric needs one more actor forward (``routing_forward``), run only when
+    ``flip_due`` (--moe_routing_flip_interval)."""
     if not moe_actor(roles):
         return None
     if mode == "off" and any(s.routed_experts is None for s in samples):
         return None  # nothing to compare with, nothing to replay
+    free = mode != "rollout" and actor_forward  # the experience's actor forward records
+    if mode != "train" and not free and not flip_due:
+        return None
     return RoutingRecorder(roles.actor.spec.num_layers, model=roles.actor.module)
 
 

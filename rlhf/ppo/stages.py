@@ -227,7 +227,10 @@ class RewardSources:
             scores["remote"] = remote.rewards.to(self.mesh.device)
             self.filter_scores = remote.scores  # what dynamic filtering reads, when the reward gives it
             metrics.update(extra_log_metrics(remote.extra_logs, len(texts), self.mesh))
-        rewards, raw = combine_rewards(scores, self.cfg.source_weights, self.norms)
+        if not scores:  # pure on-policy distillation (--task_reward_coef 0 with a teacher): no reward source
+            rewards = raw = torch.zeros(len(rollout.local), device=self.mesh.device)
+        else:
+            rewards, raw = combine_rewards(scores, self.cfg.source_weights, self.norms)
         if self.filter_scores is None:
             self.filter_scores = rewards
         if len(scores) > 1 or self.norms:
@@ -273,12 +276,16 @@ def extra_log_metrics(extra_logs: dict, n: int, mesh) -> dict[str, float]:
 
 
 def make_experience(roles, job, rollout: Rollout, rewards: RewardSources, mesh, pad_id: int,
-                    timer) -> tuple[Experience, torch.Tensor, dict[str, float]]:
+                    timer, step: int = 0) -> tuple[Experience, torch.Tensor, dict[str, float]]:
     """make_experience: the frozen forwards and the rewards of this rank's samples. Returns the experience,
-    the raw (unnormalized) combined rewards (B,) and the reward metrics."""
+    the raw (unnormalized) combined rewards (B,) and the reward metrics. ``step``: the steps done (the routing-flip
+    metric's interval)."""
     replay = job.router_replay.moe_router_replay
     batch, mbs, order = experience_microbatches(rollout, job, mesh, pad_id, roles)
-    recorder = routing.recorder_for(roles, replay, rollout.local)
+    every = job.router_replay.moe_routing_flip_interval
+    recorder = routing.recorder_for(roles, replay, rollout.local,
+                                    actor_forward=job.algo.old_logprobs_source == "forward",
+                                    flip_due=every > 0 and step % every == 0)
     out = frozen_forwards(roles, job, mbs, rollout.tokens, timer, recorder)
     if order != sorted(order):  # token-budget micro-batches: back to row order
         inverse = torch.empty(len(order), dtype=torch.long)
@@ -295,7 +302,34 @@ def make_experience(roles, job, rollout: Rollout, rewards: RewardSources, mesh, 
                      vllm_logprobs=vllm_lp,
                      rewards=combined, ref_logprobs=out.get("ref"), values=out.get("critic"),
                      teacher_logprobs=out.get("teacher"))
+    metrics.update(correct_experience(exp, job, mesh))
     return exp, raw, metrics
+
+
+def correct_experience(exp: Experience, job, mesh) -> dict[str, float]:
+    """verl's decoupled mode (the trainer's old log-probs from this step's forward): --rollout_rs takes its
+    rejected tokens out of the batch's ``action_mask`` before the advantages and the critic (the response as
+    generated stays as ``reward_mask``, where the rewards and the KL penalty are placed), and --rollout_is's
+    weights, normalised over the global batch with --rollout_is_batch_normalize, join the batch
+    (``rlhf.algo.rollout_correction.experience_correction``)."""
+    from rlhf.algo.rollout_correction import experience_correction
+
+    corr = job.correction
+    if job.algo.old_logprobs_source != "forward" or (corr.rollout_rs is None and corr.rollout_is is None):
+        return {}
+    mask = exp.batch["action_mask"]
+
+    def total(t: torch.Tensor) -> torch.Tensor:  # summed over the DP ranks: the global batch
+        return dp_all_gather(t.unsqueeze(0).to(mesh.device), mesh).sum(dim=0).cpu()
+
+    keep, weights, metrics = experience_correction(exp.old_logprobs, exp.vllm_logprobs.to(exp.old_logprobs.device),
+                                                   mask, corr, total)
+    if keep is not None:
+        exp.batch["reward_mask"] = mask.clone()
+        exp.batch["action_mask"] = (mask.bool() & keep.to(mask.device)).to(mask.dtype)
+    if weights is not None:
+        exp.batch["rollout_is_weights"] = weights.to(mask.device)
+    return metrics
 
 
 def shape_rewards(combined: torch.Tensor, raw: torch.Tensor, rollout: Rollout, job, mesh,
@@ -326,7 +360,9 @@ def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl
     from rlhf.algo.ppo_losses import kl_estimate, masked_mean, masked_whiten
 
     algo, mask = job.algo, exp.batch["action_mask"]
-    exp.kl = (kl_estimate(exp.old_logprobs, exp.ref_logprobs, algo.kl_estimator, mask)
+    reward_mask = exp.batch.get("reward_mask")  # the response as generated, where --rollout_rs rejected tokens
+    exp.kl = (kl_estimate(exp.old_logprobs, exp.ref_logprobs, algo.kl_estimator,
+                          mask if reward_mask is None else reward_mask)
               if exp.ref_logprobs is not None else torch.zeros_like(exp.old_logprobs))
     g = lambda t: dp_all_gather(t, mesh) if t is not None else None  # noqa: E731
     gmask, gkl = g(mask), g(exp.kl)
@@ -334,7 +370,8 @@ def compute_advantages(exp: Experience, raw_rewards: torch.Tensor, estimator, kl
     res = estimator(rewards=g(exp.rewards), kl=gkl, values=g(exp.values), action_mask=gmask,
                     kl_coef=0.0 if in_loss else kl_coef, gamma=algo.gamma, lambd=algo.lambd,
                     n_samples_per_prompt=job.batch.n_samples_per_prompt, std_norm=not algo.no_std_norm,
-                    reward_clip=tuple(algo.reward_clip_range) if algo.reward_clip_range is not None else None)
+                    reward_clip=tuple(algo.reward_clip_range) if algo.reward_clip_range is not None else None,
+                    reward_mask=g(reward_mask))
     if estimator.kl_in_loss and not in_loss:  # a group estimator with its KL in the reward (--no-use_kl_loss)
         res = add_reward_kl(res, gkl, gmask, kl_coef)
     adv = res["advantages"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rlhf.ppo.partial_step import build_partial, drift_by_age, generate_partial_step
+from rlhf.ppo.partial_step import build_partial, drift_by_age, generate_partial_step, mask_offpolicy
 from rlhf.ppo.prompts import load_prompts
 from rlhf.ppo.stages import (RewardSources, Rollout, compute_advantages, generate_filtered, make_experience,
                              sync_weights, update)
@@ -126,12 +126,14 @@ class PPOTrainer:
                                  filtered.get("partial/generated_tokens", rollout.generated_tokens))
         timer.metrics["tokens_per_s/rollout"] = generated / timer.metrics["time/rollout"]
         exp, raw_rewards, reward_metrics = make_experience(roles, job, rollout, self.rewards, mesh, self.pad_id,
-                                                           timer)
+                                                           timer, step=self.step)
         metrics.update(reward_metrics)
         with timer.phase("advantages"):
             metrics.update(compute_advantages(exp, raw_rewards, self.estimator, self.kl_ctl.value, job, mesh))
             if self.partial is not None and job.algo.old_logprobs_source == "forward":  # fresh tokens vs carried
                 metrics.update(drift_by_age(exp, self.step, mesh))
+            if self.partial is not None and job.partial.correction_used.startswith("slime's"):
+                metrics.update(mask_offpolicy(exp, self.step, mesh))
         # Global means (the same on every rank): a non-finite reward or advantage skips this step's updates.
         bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
         if bad:
@@ -203,6 +205,10 @@ class PPOTrainer:
                                                            "make_experience", "forward": "the actor's forward in "
                                                 "make_experience", "rollout": "the generator's"}[
                 job.algo.old_logprobs_source], job.algo.old_logprobs_reason)
+            if job.partial.enabled:
+                log.info("%s (--max_staleness %d): tokens of earlier policies are corrected by %s",
+                         "partial rollouts" if job.partial.partial_rollout else "one-step-off whole batches",
+                         job.partial.max_staleness, job.partial.correction_used)
         logger = MetricsLogger(mesh.is_rank0, self.total_steps, job.logging.tensorboard, prefix="ppo",
                                jsonl_path=os.path.join(job.checkpoint.save_path, "metrics.jsonl"), args=args)
         timer = PhaseTimer()

@@ -44,6 +44,22 @@ def openrlhf_policy_loss(lp, old, adv, mask, low, high, dual_clip=None, loss_typ
     return (seq * seq_mask).sum() / seq_mask.sum()
 
 
+def openrlhf_gspo_with_is(lp, old, rollout, adv, mask, low, high):
+    """OpenRLHF's ``PolicyLoss.forward`` (openrlhf/models/loss.py at 3c3be6234e0c) for ``policy_loss_type="gspo"``
+    with ``enable_vllm_is_correction=True``, written out: the sequence ratio against ``rollout_log_probs``, no IS
+    weight (its IS block is ``if self.enable_vllm_is_correction and self.policy_loss_type == "ppo"``), the loss
+    aggregated per sample (``token_level_loss=False`` for GSPO: each sequence's token mean, then the mean)."""
+    log_ratio = lp - rollout
+    ratio = (log_ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    ratio = ratio.exp().unsqueeze(-1) * mask
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1 - low, 1 + high) * adv
+    loss = -torch.min(surr1, surr2)
+    counts = mask.sum(-1)
+    seq = (loss * mask).sum(-1) / (counts + 1e-8)
+    return seq.sum() / (counts > 0).sum()
+
+
 def verl_seq_mean_token_sum(loss, mask):
     """verl's ``seq-mean-token-sum``: each sequence's token sum, averaged over the sequences that have tokens."""
     per = (loss * mask).sum(-1)
@@ -254,3 +270,37 @@ def test_grpo_step_is_trls():
     assert rel <= bound, (rel, bound)
     seq = grad(lambda lp: ours(lp, "seq_mean_token_mean"))
     assert ((seq - theirs).abs().max() / theirs.abs().max()).item() > 100 * bound
+
+
+@pytest.mark.parametrize("kind", ["tis", "icepop"])
+def test_gspo_with_is_correction_is_openrlhfs(kind):
+    """--policy_loss_type gspo --use_tis (OpenRLHF's --actor.policy_loss_type gspo
+    --algo.advantage.is_correction_enable): the actor loss and its gradient equal OpenRLHF's formula written out
+    above, whatever --is_correction_type says (OpenRLHF ignores it for GSPO). Control: the ratio against the
+    trainer's old log-probs with the per-token weights (what this project computed before) is another loss."""
+    lp, old, adv, mask = _inputs(seed=4)
+    g = torch.Generator().manual_seed(5)
+    rollout = old + 0.3 * torch.randn(old.shape, generator=g, dtype=F64)  # a generator some versions behind
+    from rlhf.algo.rollout_correction import RolloutCorrectionConfig
+
+    corr = RolloutCorrectionConfig(use_tis=True, is_correction_type=kind, tis_floor=0.5, tis_cap=5.0)
+    cfg = ActorLossConfig(policy_loss_type="gspo", loss_agg_mode="seq_mean_token_mean", correction=corr,
+                          eps_clip_low=0.2, eps_clip_high=0.28)
+    batch = {"old_logprobs": old, "vllm_logprobs": rollout, "advantages": adv, "action_mask": mask.bool()}
+    a = lp.clone().requires_grad_(True)
+    b = lp.clone().requires_grad_(True)
+    s, n, _ = make_actor_loss(lambda bt, out: (out, torch.zeros_like(out)), cfg)(batch, b)
+    ours = s / n
+    ref = openrlhf_gspo_with_is(a, old, rollout, adv, mask, 0.2, 0.28)
+    ours.backward(), ref.backward()
+    assert ours.item() == pytest.approx(ref.item(), rel=1.5e-8)  # OpenRLHF's + 1e-8 per row (see above)
+    assert torch.allclose(b.grad, a.grad, rtol=1.5e-8, atol=1e-14), (b.grad - a.grad).abs().max()
+    before = ActorLossConfig(policy_loss_type="gspo", loss_agg_mode="seq_mean_token_mean", eps_clip_low=0.2,
+                             eps_clip_high=0.28)  # control: against old, weights applied as a plain multiply
+    from rlhf.algo.rollout_correction import rollout_correction
+
+    w = rollout_correction(old, rollout, mask.bool(), corr).weights
+    s2, n2, _ = policy_loss(lp, old, adv, mask.bool(), eps_clip=0.2, eps_clip_high=0.28, rollout_is_weights=w,
+                            policy_loss_type="gspo", loss_agg_mode="seq_mean_token_mean")
+    assert abs((s2 / n2).item() - ref.item()) > 1e-3, ((s2 / n2).item(), ref.item())
+    assert before.gspo_against_rollout is False and cfg.gspo_against_rollout is True

@@ -59,11 +59,20 @@ def ours(flags: list[str], lp, old, rollout, adv, mask, agg="token_mean"):
     from rlhf.algo.advantages import get_estimator
     from rlhf.algo.ppo_losses import ActorLossConfig, make_actor_loss
 
+    from rlhf.algo.rollout_correction import experience_correction
+
     args = parse(flags + ["--loss_agg_mode", agg])
     args.old_logprobs_source = "forward"
     cfg = ActorLossConfig.from_args(args, get_estimator("grpo"))
+    batch = {"old_logprobs": old, "advantages": adv, "action_mask": mask, "vllm_logprobs": rollout}
+    if cfg.corrected_in_experience:  # verl's decoupled mode: as make_experience applies it (rlhf.ppo.stages)
+        keep, weights, _ = experience_correction(old, rollout, mask, cfg.correction)
+        if keep is not None:
+            batch["action_mask"] = mask & keep
+        if weights is not None:
+            batch["rollout_is_weights"] = weights
     fn = make_actor_loss(lambda b, out: (out, torch.zeros_like(out)), cfg)
-    s, n, metrics = fn({"old_logprobs": old, "advantages": adv, "action_mask": mask, "vllm_logprobs": rollout}, lp)
+    s, n, metrics = fn(batch, lp)
     return s / n, metrics
 
 
@@ -297,8 +306,11 @@ def test_flags_parse_and_openrlhf_flags_map():
     (["--rollout_rs", "token_k1", "--rollout_rs_threshold", "2_0.5"], "'2_0.5' for token_k1 must be positive, LOWER"),
     (["--rollout_rs", "token_k3", "--rollout_rs_threshold", "-1"], "'-1' for token_k3 must be positive"),
     (["--rollout_rs_threshold", "2"], "--rollout_rs_threshold 2: without --rollout_rs"),
-    (["--use_tis", "--use_rollout_logprobs"], "--use_tis corrects"),
-    (["--rollout_rs", "token_k1", "--rollout_rs_threshold", "2", "--use_rollout_logprobs"], "--rollout_rs corrects"),
+    (["--use_tis", "--use_rollout_logprobs"], "--use_tis weighs by the trainer's old log-probs"),
+    (["--rollout_is", "token", "--rollout_is_batch_normalize", "--use_rollout_logprobs"],
+     "--rollout_is_batch_normalize with --use_rollout_logprobs"),
+    (["--rollout_is", "token", "--use_tis"], "--rollout_is token with --use_tis: two importance weights"),
+    (["--rollout_is_batch_normalize"], "--rollout_is_batch_normalize without --rollout_is"),
 ])
 def test_bad_values_name_the_flag(flags, needle, tmp_path):
     from rlhf.ppo.algo_args import check_algo

@@ -279,3 +279,22 @@ def test_partial_round_records_a_continued_samples_prompt_and_prefix(moe):
     shifted = collate_routing([s.routed_experts[len(s.prompt_ids):] for s in done], S, 2, 2)
     flips = routing_flips(trainer, shifted, shifted.bool().all(-1).all(-1))
     assert flips[0] / flips[1] > 0.2, flips  # control: without the prompt rows the routing no longer lines up
+
+
+def test_flip_metric_costs_a_forward_only_when_asked(moe):
+    """``rlhf.ppo.routing.recorder_for``: R2 always records (its routing source); off with the experience's actor
+    forward records for free; where the metric needs one more actor forward (R3, or no actor forward) it runs only
+    on the steps --moe_routing_flip_interval names (default 0: never)."""
+    from types import SimpleNamespace
+
+    from rlhf.ppo import routing
+
+    actor, samples, _ = moe
+    roles = SimpleNamespace(actor=actor)
+    got = {(mode, fwd, due): routing.recorder_for(roles, mode, samples, actor_forward=fwd, flip_due=due) is not None
+           for mode in ("off", "rollout", "train") for fwd in (True, False) for due in (True, False)}
+    assert got == {("off", True, True): True, ("off", True, False): True, ("off", False, True): True,
+                   ("off", False, False): False, ("rollout", True, True): True, ("rollout", True, False): False,
+                   ("rollout", False, True): True, ("rollout", False, False): False,
+                   ("train", True, True): True, ("train", True, False): True, ("train", False, True): True,
+                   ("train", False, False): True}

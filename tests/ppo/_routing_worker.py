@@ -14,7 +14,8 @@ import torch
 
 import rlhf.engine
 
-COUNTS = {"replayed_flips": 0, "unreplayed_flips": 0, "tokens": 0, "replay_forward": 0, "replay_backward": 0}
+COUNTS = {"replayed_flips": 0, "unreplayed_flips": 0, "tokens": 0, "replay_forward": 0, "replay_backward": 0,
+          "ref_replay_routers": 0}
 """``replay_forward`` / ``replay_backward``: router calls under each action (the second: recomputes in backwards)"""
 _init = rlhf.engine.ModelEngine.__init__
 
@@ -54,6 +55,10 @@ def _watch(router) -> None:
 
 def _watched_init(self, *args, **kw):
     _init(self, *args, **kw)
+    if kw.get("name") == "ref":  # the reference routes itself: its routers carry no RouterReplay
+        from rlhf.models.routing_replay import replay_routers
+
+        COUNTS["ref_replay_routers"] += len(replay_routers(self.module))
     if kw.get("name") == "actor":
         from megatron.core.transformer.moe.router import TopKRouter
 

@@ -42,7 +42,7 @@ def teachers(ppo_setup):
     return {"big": big, "vocab": vocab, "eos": eos}
 
 
-def _run(setup, out, teacher, monkeypatch, *extra, capture=None):
+def _run(setup, out, teacher, monkeypatch, *extra, capture=None, flags=None):
     from helpers import free_port
 
     import rlhf.ppo.distill as distill
@@ -58,7 +58,7 @@ def _run(setup, out, teacher, monkeypatch, *extra, capture=None):
                             "advantages": exp.advantages.cpu().clone(), "metrics": m})
             return m
         monkeypatch.setattr(distill, "add_distill_advantages", spy)
-    argv = ppo_args(setup, str(out), **{**PURE, "--teacher_pretrain": teacher}) + list(extra)
+    argv = ppo_args(setup, str(out), **{**PURE, "--teacher_pretrain": teacher, **(flags or {})}) + list(extra)
     assert main(argv) == 0
     from rlhf.metrics import read_metrics_jsonl
 
@@ -66,13 +66,15 @@ def _run(setup, out, teacher, monkeypatch, *extra, capture=None):
     return [m[s] for s in sorted(m)], load_file(str(out / "model.safetensors"))
 
 
-def _hf_logprobs(path: str, batch: dict, temperature: float) -> torch.Tensor:
-    """transformers' log-probs (B, T) of the response tokens at ``temperature``."""
+def _hf_logprobs(path: str, batch: dict, temperature: float, rows: int | None = None) -> torch.Tensor:
+    """transformers' log-probs (B, T) of the response tokens at ``temperature`` (over the first ``rows`` ids of the
+    LM head when given)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = logits if rows is None else logits[..., :rows]
     lp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, S, V)
     at = lp.gather(1, batch["resp_pos"].unsqueeze(-1).expand(-1, -1, lp.shape[-1]))  # (B, T, V)
     return at.gather(2, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
@@ -107,23 +109,38 @@ def test_signal_equals_transformers_and_a_teacher_moves_the_student(ppo_setup, t
 def test_signal_with_packed_dynamic_micro_batches_lora_and_half_the_weight(ppo_setup, teachers, tmp_path,
                                                                             monkeypatch):
     """The teacher reads the student's packed micro-batches formed by token count, the student trains LoRA
-    adapters (zero at step 1, so the student is still the initial model), and ``--distill_coef 0.5`` weighs the
-    term: half of transformers' signal (the straight run above checks 1.0, so a weight read as 1 fails here)."""
+    adapters (zero at step 1, so the student is still the initial model), ``--distill_coef 0.5`` weighs the term
+    and ``--distill_kl_discount 0.5`` sums it over the later tokens (tinker's kl_discount_factor, its
+    ``discounted_future_sum_vectorized`` written out below): the straight run above checks weight 1 and no discount,
+    so a weight read as 1 or a discount ignored fails here."""
     steps: list = []
     hist, _ = _run(ppo_setup, tmp_path / "o", teachers["big"], monkeypatch, "--packing_samples", "--use_dynamic_batch",
                    "--prompt_max_len", "16", "--max_tokens_per_gpu", "24", "--lora_rank", "4",
-                   "--distill_coef", "0.5", capture=steps)
+                   "--distill_coef", "0.5", "--distill_kl_discount", "0.5", capture=steps)
     b, mask = steps[0]["batch"], steps[0]["batch"]["action_mask"]
     want = (_hf_logprobs(ppo_setup["actor"], b, 0.9) - _hf_logprobs(teachers["big"], b, 0.9)) * mask
     assert mask.sum() > 4 and want[mask].abs().median() > 1e-2, want
-    torch.testing.assert_close(-steps[0]["advantages"], 0.5 * want, atol=2e-5, rtol=0)
+
+    def tinker_discounted(x, gamma):  # tinker_cookbook/rl/metrics.py discounted_future_sum_vectorized, per row
+        out, running = torch.empty_like(x), torch.zeros(())
+        for t in range(len(x) - 1, -1, -1):
+            running = x[t] + gamma * running
+            out[t] = running
+        return out
+
+    discounted = torch.stack([tinker_discounted(r, 0.5) for r in 0.5 * want]) * mask  # rows right-padded
+    torch.testing.assert_close(-steps[0]["advantages"], discounted, atol=5e-5, rtol=0)
+    assert (discounted - 0.5 * want)[mask].abs().max() > 1e-2  # the discount changes the term here
     assert hist[1]["distill/reverse_kl"] != hist[0]["distill/reverse_kl"]  # the adapters moved the student
 
 
 def test_teacher_equal_to_the_student_gives_zero_and_moves_nothing(ppo_setup, tmp_path, monkeypatch):
+    """Pure distillation with no reward source at all (no --reward_fn: tinker and slime need none): a teacher
+    equal to the student gives zero signal and moves nothing; the reward logged is 0."""
     steps: list = []
-    hist, weights = _run(ppo_setup, tmp_path / "o", ppo_setup["actor"], monkeypatch, capture=steps)
-    assert all(h["distill/reverse_kl"] == 0.0 for h in hist), hist
+    hist, weights = _run(ppo_setup, tmp_path / "o", ppo_setup["actor"], monkeypatch, capture=steps,
+                         flags={"--reward_fn": None})
+    assert all(h["distill/reverse_kl"] == 0.0 and h["reward"] == 0.0 for h in hist), hist
     assert all(torch.count_nonzero(s["advantages"]) == 0 for s in steps)
     initial = load_file(f"{ppo_setup['actor']}/model.safetensors")
     assert weights.keys() == initial.keys() and all(torch.equal(weights[k], initial[k]) for k in initial)
@@ -200,3 +217,48 @@ def test_another_tokenizer_is_refused_by_name(ppo_setup, teachers, tmp_path, mon
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--teacher_pretrain" in err and needle in err, err
+
+
+@pytest.fixture(scope="module")
+def wide(ppo_setup):
+    """A teacher whose LM head has 32 rows more than the student's (the same tokenizer; real families differ so:
+    Qwen2.5-0.5B has 151936 rows, 7B 152064), and a student with 32 rows past its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from rlhf.models.tiny import make_tiny_hf
+
+    work, actor = ppo_setup["work"], ppo_setup["actor"]
+    rows = len(AutoTokenizer.from_pretrained(actor))
+    teacher = make_tiny_hf(os.path.join(work, "teacher_wide"), "llama", seed=13, tokenizer_dir=actor,
+                           **{**DIMS, "vocab_size": rows + 32})
+    student = make_tiny_hf(os.path.join(work, "student_wide"), "llama", seed=14, tokenizer_dir=actor,
+                           **{**DIMS, "vocab_size": rows + 32})
+    return {"teacher": teacher, "student": student, "rows": rows}
+
+
+def test_a_wider_teacher_is_scored_over_the_students_ids(ppo_setup, wide, tmp_path, monkeypatch):
+    """The teacher's head has 32 rows the student cannot sample: its log-probs are normalised over the student's
+    rows, as transformers' teacher logits cut to them give (control: over all of its rows they differ)."""
+    steps: list = []
+    _run(ppo_setup, tmp_path / "o", wide["teacher"], monkeypatch, capture=steps)
+    b, mask = steps[0]["batch"], steps[0]["batch"]["action_mask"]
+    rows = wide["rows"]
+    want = (_hf_logprobs(ppo_setup["actor"], b, 0.9) - _hf_logprobs(wide["teacher"], b, 0.9, rows=rows)) * mask
+    torch.testing.assert_close(-steps[0]["advantages"], want, atol=2e-5, rtol=0)
+    whole = (_hf_logprobs(ppo_setup["actor"], b, 0.9) - _hf_logprobs(wide["teacher"], b, 0.9)) * mask
+    assert (whole - want)[mask.bool()].abs().min() > 1e-3  # the 32 extra rows hold mass
+
+
+def test_a_narrower_teacher_is_refused_by_name(ppo_setup, wide, tmp_path, monkeypatch, capsys):
+    """A student whose head has 32 rows past the shared tokenizer and a teacher with the tokenizer's rows only: the
+    student could sample ids the teacher cannot score; refused before any model loads."""
+    import rlhf.engine
+    from rlhf.ppo import main
+
+    monkeypatch.setattr(rlhf.engine.ModelEngine, "__init__", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("a model was loaded before the teacher was checked")))
+    argv = ppo_args({**ppo_setup, "actor": wide["student"]}, str(tmp_path / "o"),
+                    **{**PURE, "--teacher_pretrain": ppo_setup["actor"]})
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"its LM head has {wide['rows']} rows, the student's {wide['rows'] + 32}" in err, err

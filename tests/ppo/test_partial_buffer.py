@@ -227,3 +227,76 @@ def test_megatron_fallback_round_matches_samples_generated_alone(monkeypatch, ne
     stopped_by = {s.response_ids[-1] for g in groups for s in g if s.finished}
     # both ids stop a sample where every sample runs to its end (K = 0); stopped after one group, only 3 occurs
     assert stopped_by == ({3, 7} if need == 3 else {3}), stopped_by
+
+
+def _job(tmp_path, extra):
+    from rlhf.migration import add_launcher_args
+    from rlhf.openrlhf_cli import translate
+    from rlhf.ppo.args import PPOJobConfig, add_args
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1 ="}\n')
+    p = argparse.ArgumentParser()
+    add_args(p)
+    add_launcher_args(p)
+    return PPOJobConfig.from_args(p.parse_args(translate(
+        ["--pretrain", "m", "--prompt_data", str(tmp_path / "p.jsonl"), "--save_path", "o", "--reward_fn",
+         "rlhf.verifiers:math_reward", "--rollout_batch_size", "4", *extra], "ppo", set(p._option_string_actions))))
+
+
+@pytest.mark.parametrize("flags,used,weights", [
+    ([], "AReaL's decoupled PPO loss", ("icepop", None, 5.0)),
+    (["--use_tis", "--tis_cap", "3"], "the flags' own: --use_tis (tis, [0, 3])", ("tis", None, 3.0)),
+    (["--partial_rollout_correction", "none"], "none (--partial_rollout_correction none)", None),
+    (["--partial_rollout_correction", "mask_offpolicy"], "slime's --mask-offpolicy-in-partial-rollout", None),
+    (["--use_rollout_logprobs"], "verl's bypass mode", None),
+])
+def test_partial_rollouts_are_corrected_by_default_and_say_how(tmp_path, flags, used, weights):
+    """A carried token is never trained without the correction the start-up line names: AReaL's decoupled loss
+    (icepop bounds [0, 5] on p_trainer / p_generator) unless the flags ask for their own or for none."""
+    from rlhf.rollout.partial import check_partial
+
+    job = _job(tmp_path, ["--partial_rollout", *flags])
+    check_partial(job)
+    assert job.partial.correction_used.startswith(used), job.partial.correction_used
+    c = job.correction
+    assert ((c.is_correction_type, c.tis_floor, c.tis_cap) if c.use_tis else None) == weights
+    plain = _job(tmp_path, [])  # no partial rollouts: no correction is added
+    check_partial(plain)
+    assert not plain.correction.enabled and plain.partial.correction_used == ""
+
+
+def test_openrlhf_async_alone_is_one_step_off_whole_batches(tmp_path, caplog):
+    """OpenRLHF's --train.async_enable (queue size 2) without --train.partial_rollout_enable: whole groups, two
+    batches generated ahead, nothing aborted; each translated flag that differs says so in one log line."""
+    import logging
+
+    from rlhf.rollout.partial import check_partial
+
+    caplog.set_level(logging.INFO, logger="rlhf.openrlhf_cli")
+    job = _job(tmp_path, ["--train.async_enable", "--train.async_queue_size", "2"])
+    check_partial(job)
+    p = job.partial
+    assert (p.enabled, p.partial_rollout, p.whole_groups, p.max_staleness, p.extra_groups(4)) == (True, False, True,
+                                                                                                2, 8)
+    lines = [r.getMessage() for r in caplog.records if "(OpenRLHF) ->" in r.getMessage()]
+    assert [ln.split(" (OpenRLHF)")[0] for ln in lines] == ["--train.async_enable", "--train.async_queue_size"], lines
+    assert "--async_one_step_off, which differs: as in OpenRLHF each trained batch was generated whole" in lines[0]
+    with pytest.raises(ValueError, match="--vllm_generate_batch_size 12 with --async_one_step_off"):
+        check_partial(_job(tmp_path, ["--train.async_enable", "--rollout.vllm_generate_batch_size", "12"]))
+
+
+def test_mask_offpolicy_trains_this_steps_tokens_only():
+    """slime's --mask-offpolicy-in-partial-rollout: a continued reply's earlier tokens leave the loss, a reply carried
+    whole from an earlier round leaves it whole, this step's replies stay (slime/rollout/sglang_rollout.py)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlhf.ppo.partial_step import mask_offpolicy
+
+    samples = [SimpleNamespace(versions=[3, 3, 4, 4]), SimpleNamespace(versions=[3, 3]), SimpleNamespace(versions=[4])]
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    exp = SimpleNamespace(samples=samples, batch={"action_mask": mask.clone()})
+    m = mask_offpolicy(exp, 4, SimpleNamespace(dp=1))
+    assert exp.batch["action_mask"].tolist() == [[False, False, True, True], [False] * 4, [True, False, False, False]]
+    assert m["partial/masked_offpolicy_frac"] == pytest.approx(4 / 7)

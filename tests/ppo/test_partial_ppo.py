@@ -277,3 +277,20 @@ def test_context_parallel_2_matches_data_parallel_2(ppo_setup, eos_actor, dp2, t
     for a, b in zip(got, want):
         for k in ("actor/grad_norm", "actor/policy_loss", "rollout_logprob_drift"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (k, a[k], b[k])
+
+
+def test_openrlhf_async_enable_alone_is_one_step_off(ppo_setup, eos_actor, tmp_path):
+    """OpenRLHF's ``--train.async_enable`` without ``--train.partial_rollout_enable`` (its one-step-off pipeline):
+    nothing is aborted, step 1 trains the first batch on-policy and every later step trains whole groups that the
+    weights one update older generated (every token exactly 1 update old), corrected by AReaL's decoupled loss by
+    default; the translated flag and the correction each say so in one log line."""
+    hist, p = _run(ppo_setup, eos_actor, tmp_path / "off", "--train.async_enable")
+    out = p.stdout + p.stderr
+    assert "--train.async_enable (OpenRLHF) -> --async_one_step_off, which differs:" in out, tail(p)
+    assert "tokens of earlier policies are corrected by AReaL's decoupled PPO loss" in out, tail(p)
+    assert len(hist) == 3 and all(h["partial/aborted_samples"] == 0 for h in hist), hist
+    assert hist[0]["partial/max_token_age"] == 0 and hist[0]["partial/tokens_age_1"] == 0, hist[0]
+    assert all(h["partial/tokens_age_0"] == 0 and h["partial/tokens_age_1"] > 0 for h in hist[1:]), hist
+    assert all(h["partial/trained_groups"] == 4 for h in hist), hist
+    # the correction ran on the stale steps: the behaviour weight differs from 1 on carried tokens
+    assert all("rollout_is_weight" in h for h in hist) and any(h["rollout_is_weight"] != 1.0 for h in hist[1:]), hist

@@ -31,7 +31,8 @@ def test_grpo_with_routing_replay(ppo_setup, family_actors, tmp_path, layout):
                        "--train_batch_size": 8, "--micro_train_batch_size": 2, "--micro_rollout_batch_size": 2,
                        "--num_episodes": 1, "--max_samples": 4, "--init_kl_coef": 0.05,
                        "--reward_fn": "_rule_reward:length_reward", "--reward_pretrain": None,
-                       "--generate_max_len": 4, "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None})
+                       "--generate_max_len": 4, "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None,
+                       "--moe_routing_flip_interval": 1})
     p = run_torchrun(os.path.join(os.path.dirname(__file__), "_routing_worker.py"), 2, args, timeout=600,
                      PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}", ROUTING_DUMP=str(dump))
     assert p.returncode == 0, tail(p)
@@ -41,6 +42,7 @@ def test_grpo_with_routing_replay(ppo_setup, family_actors, tmp_path, layout):
     assert all(c["replay_forward"] > 0 and c["replayed_flips"] == 0 for c in counts), counts  # replay used every time
     if "--gradient_checkpointing" in layout:  # the recomputes in the backwards replay too
         assert all(c["replay_backward"] > 0 for c in counts), counts
+    assert all(c["ref_replay_routers"] == 0 for c in counts), counts  # the reference routes itself
     # ... where the router would have chosen others: 0 in the forwards at the generator's weights, then nearly every
     # token in the second epoch (one Adam step at lr 1e-2 moves the tiny router's weights by about half their std)
     assert sum(c["unreplayed_flips"] for c in counts) > 0, counts
@@ -121,7 +123,8 @@ def test_rollout_replay_with_partial_rollouts(ppo_setup, eos_mixtral, tmp_path):
                        "--train_batch_size": 4, "--micro_train_batch_size": 2, "--micro_rollout_batch_size": 2,
                        "--num_episodes": 1, "--max_samples": 8, "--actor_learning_rate": "1e-3",
                        "--reward_fn": "_rule_reward:char_code_reward", "--reward_pretrain": None,
-                       "--generate_max_len": 12, "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None})
+                       "--generate_max_len": 12, "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None,
+                       "--moe_routing_flip_interval": 1})
     p = run_torchrun(PPO, 2, args, timeout=600, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
     assert p.returncode == 0, tail(p)
     hist = json.load(open(os.path.join(save, "ppo_result.json")))["history"]
