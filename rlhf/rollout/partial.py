@@ -184,6 +184,9 @@ def resolve_correction(job) -> None:
     ``--partial_rollout_correction`` (AReaL's decoupled loss by default: ``job.correction`` becomes it). Recorded in
     ``job.partial.correction_used`` and logged at start."""
     p, corr = job.partial, job.correction
+    if p.max_staleness == 0 and not corr.enabled:
+        p.correction_used = "none needed (--max_staleness 0: every trained token is this step's policy's)"
+        return
     if getattr(job.algo, "use_rollout_logprobs", False):
         p.correction_used = ("verl's bypass mode: old log-probs are the generator's, so the clipped PPO ratio is taken "
                              "against the policy that sampled each token")
