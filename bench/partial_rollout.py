@@ -46,7 +46,12 @@ def summarize(run_dir: str) -> dict:
             "response_length": statistics.mean(tr[s]["response_length"] for s in steps),
             "acc_before": ev[min(ev)]["reward"], "acc_after": ev[max(ev)]["reward"],
             "aborted": sum(tr[s].get("partial/aborted_samples", 0) for s in steps),
-            "dropped": sum(tr[s].get("partial/dropped_samples", 0) for s in steps)}
+            "dropped": sum(tr[s].get("partial/dropped_samples", 0) for s in steps),
+            "at_budget": 1 - statistics.mean(tr[s]["finished_frac"] for s in steps),
+            "due_groups": sum(tr[s].get("partial/due_groups", 0) for s in steps),
+            "max_token_age": max(tr[s].get("partial/max_token_age", 0) for s in steps),
+            "is_weight": statistics.mean(tr[s].get("actor/rollout_is_weight", 1.0) for s in steps),
+            "masked_frac": statistics.mean(tr[s].get("actor/rollout_corr_masked_frac", 0.0) for s in steps)}
 
 
 def plot(results: dict, path: str) -> None:
@@ -83,6 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     p.add_argument("--work", default="/tmp/partial_rollout")
+    p.add_argument("--name", default="partial_rollout",
+                   help="the results' file name under --out (<name>.json, <name>.png)")
     args = p.parse_args(argv)
     from run_rlvr_example import ppo_command, ppo_flags, run, smollm2_or
 
@@ -93,7 +100,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     model = smollm2_or(None, args.work)
     data = write(os.path.join(args.work, "data"), seed=0)
-    out_json = os.path.join(args.out, "partial_rollout.json")
+    out_json = os.path.join(args.out, f"{args.name}.json")
     # Runs already recorded with the same step count and budget are kept (one config or seed per sitting).
     old = json.load(open(out_json)) if os.path.exists(out_json) else {}
     results: dict = {k: r for k, r in old.get("runs", {}).items()
@@ -114,11 +121,12 @@ def main(argv=None) -> int:
             results[name] = r
             print(f"{name}: {r['samples_per_s']:.2f} samples/s, generation {r['gen_s_per_step']:.1f} s/step, "
                   f"reply {r['response_length']:.1f} tokens, held-out {r['acc_before']:.3f} -> {r['acc_after']:.3f}, "
-                  f"aborted {r['aborted']:.0f}, dropped {r['dropped']:.0f}", flush=True)
+                  f"aborted {r['aborted']:.0f}, dropped {r['dropped']:.0f}, at budget {r['at_budget']:.3f}, "
+                  f"due {r['due_groups']:.0f}, oldest {r['max_token_age']:.0f}", flush=True)
             with open(out_json, "w") as f:
                 json.dump({"machine": here["machine"], "date": time.strftime("%Y-%m-%d"), **old, "runs": results}, f,
                           indent=1)
-    plot(results, os.path.join(args.out, "partial_rollout.png"))
+    plot(results, os.path.join(args.out, f"{args.name}.png"))
     return 0
 
 
