@@ -32,8 +32,15 @@ from rlhf.part import Part
 RewardFn = Callable[[list, list], list]
 
 
+BUILTIN_REWARDS = {"code": "rlhf.sandbox.code_reward:code_reward"}
+"""``--reward_fn NAME`` for the rewards shipped here: ``code`` runs each reply's program against its prompt's tests
+in the sandbox (docs/code_rl.md)"""
+
+
 def load_reward_fn(spec: str, flag: str = "--reward_fn") -> RewardFn:
-    """``module:function`` -> the function. ValueError naming ``flag`` when it cannot be imported or called."""
+    """``module:function`` (or a ``BUILTIN_REWARDS`` name) -> the function. ValueError naming ``flag`` when it
+    cannot be imported or called."""
+    spec = BUILTIN_REWARDS.get(spec, spec)
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise ValueError(f"{flag} must be module:function, got {spec!r}")
     mod, name = spec.split(":")
@@ -60,8 +67,20 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str
                    flag: str = "--reward_fn", labels: Sequence | None = None) -> torch.Tensor:
     """One float per response, checked. (N,) fp32. A function with a ``labels`` parameter also gets ``labels``
     (e.g. ``rlhf.verifiers:math_reward``)."""
+    return call_reward_fn_full(fn, prompts, responses, flag, labels)[0]
+
+
+def call_reward_fn_full(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
+                        flag: str = "--reward_fn", labels: Sequence | None = None) -> tuple[torch.Tensor, dict]:
+    """``call_reward_fn``, and the function's ``extra_logs`` when it answers in OpenRLHF's reward-function shape
+    (a dict with ``rewards`` and ``extra_logs``, as ``--reward_fn code`` does); {} otherwise."""
     out = fn(list(prompts), list(responses), labels=list(labels) if labels is not None else None) \
         if takes_labels(fn) else fn(list(prompts), list(responses))
+    extra = {}
+    if isinstance(out, dict):
+        if "rewards" not in out:
+            raise ValueError(f"{flag}: a dict answer needs 'rewards' (OpenRLHF's shape), got keys {sorted(out)}")
+        out, extra = out["rewards"], dict(out.get("extra_logs") or {})
     try:
         vals = [float(v) for v in out]
     except (TypeError, ValueError) as e:
@@ -69,7 +88,7 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str
                          f"({e})") from None
     if len(vals) != len(responses):
         raise ValueError(f"{flag}: returned {len(vals)} values for {len(responses)} responses")
-    return torch.tensor(vals, dtype=torch.float32)
+    return torch.tensor(vals, dtype=torch.float32), extra
 
 
 def add_reward_args(g) -> None:
@@ -79,7 +98,9 @@ def add_reward_args(g) -> None:
                         "checkpoints (rlhf/rewards.py)")
     g.add_argument("--reward_weights", default=None, help="one weight per reward model (default 1.0 each: a sum)")
     g.add_argument("--reward_fn", default=None,
-                   help="rule reward module:function, fn(prompts, responses) -> list[float]; alone or added")
+                   help="rule reward module:function, fn(prompts, responses) -> list[float]; alone or added; "
+                        "'code': each reply's program run against its prompt's tests in the sandbox "
+                        "(docs/code_rl.md)")
     g.add_argument("--reward_fn_weight", type=float, default=1.0, help="weight of --reward_fn in the sum")
     g.add_argument("--remote_rm_url", "--reward.remote_url", dest="remote_rm_url", default=None,
                    help="OpenRLHF's remote reward: an HTTP server (POST {query, prompts, labels} -> {rewards, scores, "

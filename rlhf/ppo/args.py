@@ -24,6 +24,7 @@ from rlhf.ppo.parts import (GenerationPart, OffloadPart, PPOBatch, PPOLogging, P
                             PromptDataPart, RolloutPart)
 from rlhf.ppo.ptx import PtxPart
 from rlhf.rewards import RewardConfig
+from rlhf.sandbox.code_reward import CodeRewardConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class PPOJobConfig(Job):
     models: PPOModels
     distill: DistillConfig
     rewards: RewardConfig
+    code: CodeRewardConfig
     prompts: PromptDataPart
     text: TextPart
     eval: EvalConfig
@@ -66,6 +68,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     PPOModels.add_args(g)
     DistillConfig.add_args(g)
     RewardConfig.add_args(g)
+    CodeRewardConfig.add_args(g)
     PromptDataPart.add_args(g)
     TextPart.add_args(g)
     EvalConfig.add_args(g)
@@ -129,6 +132,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
                          "megatron fallback generator decodes with a KV cache that is not split over CP ranks; "
                          "generate with vLLM (the default)")
     check_algo(job)
+    check_code_reward(job)
     from rlhf.agents.flags import check_agent_args, check_agent_fit
 
     check_agent_args(job)
@@ -205,6 +209,27 @@ def _check_batch_sizes(job: PPOJobConfig, world_size: int, dp: int) -> int:
         if not ok:
             raise ValueError(msg)
     return engines
+
+
+def check_code_reward(job: PPOJobConfig) -> None:
+    """``--reward_fn code``: the prompts' tests (--label_key) and a sandbox with every isolation layer (or
+    --code_allow_weaker, or a SandboxFusion service), before any model; then the reward takes these settings."""
+    from rlhf.sandbox import code_reward
+
+    if job.rewards.reward_fn != "code":
+        return
+    if not job.prompts.label_key:
+        raise ValueError("--reward_fn code runs each reply against its prompt's tests: pass --label_key (the prompt "
+                         "field that holds them: APPS/TACO's {inputs, outputs} or MBPP's {test_list})")
+    if not job.code.code_sandbox_url:
+        from rlhf.sandbox import probe
+
+        missing = {k: v for k, v in probe().items() if v}
+        if missing and (not job.code.code_allow_weaker or "namespaces" in missing):
+            raise ValueError("--reward_fn code: this machine's sandbox lacks "
+                             + "; ".join(f"{k}: {v}" for k, v in missing.items())
+                             + ("" if "namespaces" in missing else " (--code_allow_weaker runs without it)"))
+    code_reward.configure(job.code)
 
 
 def _check_models(job: PPOJobConfig) -> dict[str, Any]:

@@ -207,15 +207,16 @@ class RewardSources:
               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """This rank's (optimized, raw) rewards (B,) from the reward models' scores (by role name), and each
         source's global mean as reward/rm<i>, reward/fn (when there is more than one, or normalization)."""
-        from rlhf.rewards import call_remote_rm_full, call_reward_fn, combine_rewards, source_metrics
+        from rlhf.rewards import call_remote_rm_full, call_reward_fn_full, combine_rewards, source_metrics
 
         scores = dict(zip(self.cfg.rm_names, model_scores.values()))
         labels = [self.prompts[rollout.prompt_idx[s.prompt_index]].label for s in rollout.local]
         metrics = {}
         self.filter_scores = None
         if self.fn is not None:
-            scores["fn"] = call_reward_fn(self.fn, *self.texts(rollout, rollout.local),
-                                          labels=labels).to(self.mesh.device)
+            fn_scores, fn_logs = call_reward_fn_full(self.fn, *self.texts(rollout, rollout.local), labels=labels)
+            scores["fn"] = fn_scores.to(self.mesh.device)
+            metrics.update(extra_log_metrics(fn_logs, len(rollout.local), self.mesh))
         if self.cfg.agent:  # the trajectories' environment rewards (rlhf.agents.rollout)
             scores["agent"] = agent_rewards(rollout.local).to(self.mesh.device)
             self.filter_scores = torch.tensor([s.agent.score for s in rollout.local])
@@ -292,7 +293,8 @@ def make_experience(roles, job, rollout: Rollout, rewards: RewardSources, mesh, 
         inverse[torch.tensor(order)] = torch.arange(len(order))
         out = {k: v[inverse.to(v.device)] for k, v in out.items()}
     vllm_lp = generator_logprobs(rollout.local, batch["action_mask"].shape[1])  # the collated response width
-    combined, raw, metrics = rewards.score({r: out[r] for r in roles.reward_models}, rollout)
+    with timer.phase("reward_fn"):  # the rule rewards (a code reward's sandboxed runs: most of it)
+        combined, raw, metrics = rewards.score({r: out[r] for r in roles.reward_models}, rollout)
     metrics["microbatches/forward"] = float(len(mbs))
     metrics.update(routing.finish(roles, replay, rollout, batch, mbs, order, recorder, timer))
     combined, raw = shape_rewards(combined, raw, rollout, job, mesh, metrics)
