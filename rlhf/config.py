@@ -10,6 +10,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from rlhf.data.vision import VisionPart
 from rlhf.models.lora import LoraPart
 from rlhf.part import Job, Part
 from rlhf.parts import (BatchPart, CheckpointPart, EnginePart, LoggingPart, ModelPart, OptimPart, ParallelPart,
@@ -130,6 +131,7 @@ class SupervisedJob(Job):
     parallel: ParallelPart
     data: DataPart
     text: TextPart
+    vision: VisionPart
     lora: LoraPart
     task: dict = field(default_factory=dict)
     """the task's own parts by name"""
@@ -148,6 +150,7 @@ def add_common_args(p: argparse.ArgumentParser, *, lr: float, epochs: int, micro
     g = p.add_argument_group("data")
     DataPart.add_args(g)
     TextPart.add_args(g)
+    VisionPart.add_args(g)
     LoraPart.add_args(p)
 
 
@@ -179,6 +182,14 @@ def validate_common(job: SupervisedJob, world_size: int) -> int:
     from rlhf.models.context_parallel import check_cp_flags
 
     check_cp_flags(par.cp, spec, "--pretrain")
+    if spec.vision is not None:
+        from rlhf.models.vlm import check_vlm_layout
+
+        if "sft" not in job.task:
+            raise ValueError(f"--pretrain {model.pretrain} is a vision-language model ({spec.model_type}): SFT and "
+                             "PPO/GRPO (launch/sft.py, launch/ppo.py) take one; reward models, DPO and KTO do not yet")
+        check_vlm_layout(spec, pp=par.pp, cp=par.cp, packing=job.engine.packing_samples,
+                         lora=bool(job.lora.lora_rank), what=f"--pretrain {model.pretrain}")
     if job.engine.packing_samples:  # what the packed attention path refuses at the first forward
         if spec.sliding_window is not None and batch.max_len > spec.sliding_window and par.cp == 1:
             raise ValueError(f"--packing_samples: --pretrain {model.pretrain} has sliding_window="
@@ -204,10 +215,14 @@ def data_configs(job: SupervisedJob):
     None. A data config spans several parts (data, keys, text, --max_len): it is read from the job's flat view."""
     from rlhf.data import DataConfig
 
+    from rlhf.data.vision import vision_data
+    from rlhf.models.source import describe_source
+
     ns, data = job.namespace(), job.data
-    evals = (DataConfig.from_args(ns, dataset=data.eval_dataset, dataset_probs=None, max_samples=None)
+    vision = vision_data(describe_source(job.model.pretrain)["spec"], job.model.pretrain, job.vision)
+    evals = (DataConfig.from_args(ns, dataset=data.eval_dataset, dataset_probs=None, max_samples=None, vision=vision)
              if data.eval_dataset else None)
-    return DataConfig.from_args(ns), evals
+    return DataConfig.from_args(ns, vision=vision), evals
 
 
 def hold_out(items: list, fraction: float) -> tuple[list, list]:

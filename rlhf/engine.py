@@ -110,7 +110,7 @@ class ModelEngine:
     def __init__(self, mesh: ParallelMesh, ckpt_dir: str, *, optim: OptimConfig | None = None,
                  value_head: bool | None = None, bf16: bool = False, recompute: bool = False,
                  name: str = "model", lora: LoraConfig | None = None, transformer_impl: str | None = None,
-                 routing_replay: bool = False):
+                 routing_replay: bool = False, freeze_vision: bool = False):
         from rlhf.models.checkpoint_io import load_model
         from rlhf.models.gpt import build_model, resolve_transformer_impl, te_available
 
@@ -151,6 +151,14 @@ class ModelEngine:
             log.info("%s: LoRA r=%d alpha=%g on %s (%d linears here): %d trainable of %d parameters (%.3f%%) on "
                      "this rank", name, lora.rank, lora.alpha, ",".join(lora.targets), c["modules"],
                      c["trainable_params"], c["total_params"], 100.0 * c["trainable_params"] / c["total_params"])
+        if self.spec.vision is not None and optim is not None:  # a vision-language model (rlhf.models.vlm)
+            tower = [p for n, p in model.named_parameters() if n.startswith("visual.")]
+            for p in tower:
+                p.requires_grad_(not freeze_vision)
+            if mesh.is_rank0:
+                log.info("%s: vision tower (%d parameters on this rank) %s", name, sum(p.numel() for p in tower),
+                         "frozen (--freeze_vision_tower)" if freeze_vision else
+                         "trained, replicated over TP, data-parallel")
         # The device rule: on the rank's device before Float16Module / DDP wrap it (megatron allocates the grad
         # buffers, masks and token counts there). Weights are read on the host, one rank's shard at a time.
         model.to(mesh.device)

@@ -152,6 +152,10 @@ DPO = {**COMMON, **PAIRS, "--ref.model_name_or_path": to("--ref_pretrain"), "--r
        "--model.label_smoothing": to("--label_smoothing"),
        "--model.nll_loss_coef": Flag(arity=1, value_map=(("0", []), ("0.0", [])))}
 PPO = {**COMMON,
+       # vision-language models (openrlhf/cli/train_ppo_ray.py at 3c3be623; 0, its default, is text-only prompts
+       # in both)
+       "--data.image_key": to("--image_key"), "--data.max_images_per_prompt": to("--max_images_per_prompt"),
+       "--actor.freeze_visual_encoder": to("--freeze_vision_tower", 0),
        "--actor.adam.lr": to("--actor_learning_rate"), "--critic.adam.lr": to("--critic_learning_rate"),
        "--actor.adam.betas": to("--adam_betas", 2), "--actor.adam.weight_decay": to("--l2"),
        "--actor.lr_scheduler": to("--lr_scheduler"), "--actor.lr_warmup_ratio": to("--lr_warmup_ratio"),
@@ -228,10 +232,7 @@ PPO = {**COMMON,
        "--data.prompt_dataset": to("--prompt_data"), "--data.prompt_probs": to("--prompt_data_probs"),
        "--data.prompt_split": Flag(arity=1, value_map=(("train", []),)),
        "--data.label_key": to("--label_key"), "--train.dynamic_batch_enable": to("--use_dynamic_batch", 0),
-       "--eval.temperature": to("--eval_temperature"), "--eval.n_samples_per_prompt": to("--eval_n_samples_per_prompt"),
-       "--data.image_key": refuse("vision-language models are not supported"),
-       "--data.max_images_per_prompt": Flag(arity=1, value_map=(("0", []),)),
-       "--actor.freeze_visual_encoder": refuse("vision-language models are not supported", 0)}
+       "--eval.temperature": to("--eval_temperature"), "--eval.n_samples_per_prompt": to("--eval_n_samples_per_prompt"),}
 for _role in ("actor", "critic", "ref", "reward"):
     PPO[f"--{_role}.num_nodes"] = to(f"--{_role}_num_nodes")
     PPO[f"--{_role}.num_gpus_per_node"] = to(f"--{_role}_num_gpus_per_node")

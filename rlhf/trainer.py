@@ -172,7 +172,8 @@ def run(args: argparse.Namespace, task: Task, task_parts: dict | None = None) ->
     engine = ModelEngine(mesh, job.model.pretrain,
                          optim=job.optim.config(job.optim.learning_rate, total_steps, eng.zero_stage >= 1),
                          value_head=task.value_head, bf16=eng.bf16, transformer_impl=eng.transformer_impl,
-                         recompute=eng.gradient_checkpointing, name=task.name, lora=job.lora.config(eng.seed))
+                         recompute=eng.gradient_checkpointing, name=task.name, lora=job.lora.config(eng.seed),
+                         freeze_vision=job.vision.freeze_vision_tower)
     if hasattr(task, "setup"):
         task.setup(job, mesh, engine)
     sampler = DistributedBatchSampler(len(train), BatchConfig(batch.train_batch_size, batch.micro_train_batch_size,

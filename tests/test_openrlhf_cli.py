@@ -17,7 +17,7 @@ from helpers import REPO
 
 EXAMPLES = json.load(open(os.path.join(REPO, "tests", "peers", "openrlhf", "example_commands.json")))
 ENTRY = {"train_sft": "rlhf.sft", "train_rm": "rlhf.rm", "train_dpo": "rlhf.dpo", "train_ppo_ray": "rlhf.ppo.args"}
-REFUSED = {"train_vlm_math_hybrid_engine.sh": "(OpenRLHF): vision-language models are not supported"}
+REFUSED: dict[str, str] = {}
 """Scripts whose settings have no counterpart here: refused before anything runs, naming the flag and why."""
 
 
@@ -68,6 +68,10 @@ def test_openrlhf_example_scripts_parse(script):
         assert args.save_path == given["--ckpt.output_dir"]
     if "--ds.packing_samples" in argv:
         assert args.packing_samples
+    if "--data.image_key" in argv:  # a vision-language model's prompts (train_vlm_math_hybrid_engine.sh)
+        assert args.image_key == given["--data.image_key"]
+        assert args.max_images_per_prompt == int(given["--data.max_images_per_prompt"])
+        assert args.freeze_vision_tower == ("--actor.freeze_visual_encoder" in argv)
     if "--algo.advantage.is_correction_enable" in argv:  # OpenRLHF's bounds 0.5 5.0 unless given
         lo, hi = (given["--algo.advantage.is_correction_threshold"], argv[argv.index(
             "--algo.advantage.is_correction_threshold") + 2]) if "--algo.advantage.is_correction_threshold" in argv \

@@ -44,6 +44,8 @@ def repack_cpu_lm_head(model) -> bool:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     head = getattr(model, "lm_head", None)
+    if head is None:  # a vision-language model: the language model's head
+        head = getattr(getattr(model, "language_model", None), "lm_head", None)
     if head is not None and hasattr(head, "cpu_linear"):
         dispatch_cpu_unquantized_gemm(head, remove_weight=False)
         return True
@@ -241,3 +243,90 @@ def without_collections():
         yield
     finally:
         gc.collect = collect
+
+
+# vLLM 0.32.0, load_format="dummy": a vision tower's input normalisation is a persistent buffer, randomised too.
+def restore_image_normalization(model, image_mean, image_std, rescale_factor: float) -> int:
+    """vLLM's ``FusedMMInputNorm`` (the first op of Qwen2.5-VL's vision tower, ``(x * rescale - mean) / std``)
+    keeps its constants as persistent buffers ``weight`` = rescale / std and ``bias`` = -mean / std, which the
+    dummy loader fills with random values like every weight; no checkpoint tensor holds them, so a weight sync never
+    restores them (every image's features were wrong: rollout log-probs off by up to 0.09 nats on the tiny VLM).
+    Set them from the image processor's own constants. Runs inside the engine (``LLM.apply_model``); returns how
+    many modules were set."""
+    n = 0
+    for module in model.modules():
+        if type(module).__name__ != "FusedMMInputNorm":
+            continue
+        mean = torch.tensor(image_mean, dtype=torch.float32)
+        std = torch.tensor(image_std, dtype=torch.float32)
+        with torch.no_grad():
+            module.weight.copy_((rescale_factor / std).to(module.weight.device))
+            module.bias.copy_((-mean / std).to(module.bias.device))
+        n += 1
+    return n
+
+
+# vLLM 0.32.0 + transformers 5.19 without torchvision: Qwen2-VL / Qwen2.5-VL need it only for video and the fast
+# image processor.
+_IMAGE_ONLY = False
+
+
+def qwen_vl_image_only() -> bool:
+    """Let vLLM serve Qwen2.5-VL with images where torchvision is not installed (the CPU machines here: PyPI's
+    torchvision wheels are CUDA builds, which break ``import transformers`` on a CPU torch). Three parts, each only
+    where torchvision is missing; returns whether they were installed (logged once):
+
+    * ``transformers.models.qwen2_vl.image_processing_qwen2_vl`` (imported by vLLM's ``qwen2_vl.py`` for
+      ``smart_resize``; it imports torchvision at the top) is given as a module holding transformers' PIL image
+      processor (``Qwen2VLImageProcessorPil``, the same resizing and patching) and ``smart_resize``;
+    * vLLM builds the HF processor as ``Qwen2_5_VLProcessor.from_pretrained``, which loads a video processor that
+      needs torchvision: its module's ``Qwen2_5_VLProcessor`` becomes a subclass without one (a stand-in that
+      refuses videos; ``--max_images_per_prompt`` images only, ``limit_mm_per_prompt`` video 0);
+    * vLLM inspects a model class in a subprocess (to keep CUDA uninitialised), where the first part is missing:
+      on a CPU-only torch the inspection runs in this process."""
+    global _IMAGE_ONLY
+    import importlib.util
+    import sys
+    import types
+
+    if _IMAGE_ONLY or importlib.util.find_spec("torchvision") is not None:
+        return _IMAGE_ONLY
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
+    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    stub = types.ModuleType(name)
+    stub.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+    stub.smart_resize = pil.smart_resize
+    stub.__doc__ = "rlhf.compat.vllm.qwen_vl_image_only: transformers' PIL image processor (torchvision is absent)"
+    sys.modules[name] = stub
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+
+    class _NoVideoKwargs:  # a TypedDict's stand-in: no keys (a plain assignment: no annotation of its own)
+        __annotations__ = {}  # noqa: RUF012
+
+    class NoVideoProcessor:
+        """Stands in for the video processor: vLLM reads its kwargs' names; a video is refused."""
+
+        valid_kwargs = _NoVideoKwargs
+
+        def __call__(self, *args, **kwargs):
+            raise ValueError("videos are not supported here (torchvision is not installed)")
+
+    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+        """Qwen2.5-VL's processor without a video processor (its attributes come from this signature)."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                             chat_template=chat_template, **kwargs)
+            self.video_processor = NoVideoProcessor()
+
+    import vllm.model_executor.models.qwen2_5_vl as vqwen
+    import vllm.model_executor.models.registry as registry
+
+    vqwen.Qwen2_5_VLProcessor = ImageOnlyQwen2_5_VLProcessor
+    if not torch.cuda.is_available():
+        registry._run_in_subprocess = lambda fn: fn()
+    _IMAGE_ONLY = True
+    log.info("vLLM: Qwen2.5-VL served without torchvision (rlhf.compat.vllm.qwen_vl_image_only): transformers' PIL "
+             "image processor, images only")
+    return True

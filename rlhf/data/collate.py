@@ -68,8 +68,21 @@ def collate_sft(samples: Sequence[SFTSample], pad_id: int,
     input_ids, attention_mask = _ids_and_attention(seqs, pad_id, length)
     loss_mask = pad_sequences([s.loss_mask for s in samples], False, length).float()  # (B, S)
     prompt_lens = torch.tensor([s.prompt_len for s in samples], dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-            "prompt_lens": prompt_lens}
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+           "prompt_lens": prompt_lens}
+    out.update(vision_entries([s.mm for s in samples], input_ids))
+    return out
+
+
+def vision_entries(mms: Sequence[dict | None], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A vision-language batch's images and 3-D positions (``rlhf.models.vlm.vision_batch``) when any row has
+    images; nothing otherwise."""
+    first = next((m for m in mms if m), None)
+    if first is None:
+        return {}
+    from rlhf.models.vlm import vision_batch
+
+    return vision_batch(mms, input_ids, first["image_token_id"], first["merge"])
 
 
 def collate_rm(samples: Sequence[RMSample], pad_id: int,

@@ -55,6 +55,9 @@ class DataConfig:
     no template)."""
     dataset_format: str = "auto"
     """--dataset_format: auto | plain | webgpt | hh | chat (``rlhf.data.presets``): the seed datasets' layouts."""
+    vision: Any = None
+    """images in prompts (``rlhf.data.vision.VisionData``) for a vision-language model; None: text only. Set by the
+    job from the model, not a flag."""
     specs: list[DatasetSpec] = field(init=False, repr=False)
     probs: list[float] | None = field(init=False, repr=False)
 

@@ -39,6 +39,8 @@ class SFTSample:
     loss_mask: torch.Tensor
     prompt_len: int
     origin: str
+    mm: dict | None = None
+    """a vision-language sample's images: ``pixel_values`` (P, D), ``image_grid_thw`` (I, 3) (rlhf.data.vision)"""
 
 
 @dataclass
@@ -59,11 +61,17 @@ class PromptSample:
     prompt: str
     label: Any
     origin: str
+    mm: dict | None = None
+    """a vision-language prompt's images as the trainer takes them (``pixel_values``, ``image_grid_thw``); its
+    placeholders in ``prompt_ids`` are expanded (rlhf.data.vision)"""
+    images: list | None = None
+    """the same images as RGB PIL images, for the generator"""
 
 
 # ---------------------------------------------------------------------------------------------- record checks
-def _field_problem(data: dict[str, Any], key: str, chat: bool) -> str | None:
-    """Why ``data[key]`` cannot be used as a text field, or None."""
+def _field_problem(data: dict[str, Any], key: str, chat: bool, vision: bool = False) -> str | None:
+    """Why ``data[key]`` cannot be used as a text field, or None. ``vision``: message content may be a list of
+    image and text items (``rlhf.data.vision``)."""
     if key not in data:
         return f"missing key {key!r}"
     v = data[key]
@@ -79,6 +87,13 @@ def _field_problem(data: dict[str, Any], key: str, chat: bool) -> str | None:
         for i, m in enumerate(v, 1):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
                 return f"key {key!r}: message {i} is not a {{'role': ..., 'content': ...}} object"
+            if vision and isinstance(m["content"], list) and m["content"]:
+                from rlhf.data.vision import content_problem
+
+                problem = content_problem(m["content"])
+                if problem:
+                    return f"key {key!r}: message {i}: {problem}"
+                continue
             if not isinstance(m["content"], str) or not m["content"].strip():
                 return f"key {key!r}: message {i} has empty content"
         return None
@@ -113,7 +128,15 @@ def record_problem(record: Record, task: str, cfg: DataConfig) -> str | None:
     else:
         raise AssertionError(f"unknown task {task!r}")
     for k in keys:
-        problem = _field_problem(d, k, chat)
+        problem = _field_problem(d, k, chat, cfg.vision is not None)
+        if problem:
+            return problem
+    if cfg.vision is not None:  # the images: present, readable, one per placeholder (opened once, here)
+        import os
+
+        from rlhf.data.vision import images_problem
+
+        problem = images_problem(d, keys, cfg.vision, os.path.dirname(os.path.abspath(record.path)))
         if problem:
             return problem
     if task == "sft" and not cfg.output_key:
@@ -190,13 +213,35 @@ def sft_sample(record: Record, cfg: DataConfig, tokenizer: PreTrainedTokenizerBa
     if cfg.pretrain_mode:  # the whole text is the target (the tokenizer's BOS, if any, is the "prompt")
         pt, rt = "", d[cfg.input_key]
     elif cfg.output_key:
-        pt, rt = render_pair(d[cfg.input_key], d[cfg.output_key], cfg, tokenizer, record.where)
+        pt, rt = render_pair(_vision_items(d[cfg.input_key], cfg), d[cfg.output_key], cfg, tokenizer, record.where)
     else:
-        pt, rt = render_pair(None, d[cfg.input_key], cfg, tokenizer, record.where)
+        pt, rt = render_pair(None, _vision_items(d[cfg.input_key], cfg), cfg, tokenizer, record.where)
+    mm = None
+    if cfg.vision is not None:
+        import os
+
+        from rlhf.data import vision as V
+
+        if not cfg.apply_chat_template:
+            pt = V.replace_placeholders(pt)
+        mm = V.process(V.cached_images(d, cfg.vision, os.path.dirname(os.path.abspath(record.path))), cfg.vision)
     ids, plen = tokenize_pair(pt, rt, cfg, tokenizer)
+    if cfg.vision is not None:  # the images are in the prompt: expand their placeholders there
+        prompt_ids = V.expand_placeholders(ids[:plen], mm, cfg.vision, record.where)
+        ids, plen = prompt_ids + ids[plen:], len(prompt_ids)
     mask = torch.zeros(len(ids), dtype=torch.bool)
     mask[plen:] = True
-    return SFTSample(torch.tensor(ids, dtype=torch.int32), mask, plen, record.where), len(ids) > cfg.max_len
+    return (SFTSample(torch.tensor(ids, dtype=torch.int32), mask, plen, record.where, mm),
+            len(ids) > cfg.max_len)
+
+
+def _vision_items(v, cfg: DataConfig):
+    """With images and a chat template: ``<image>`` placeholders as image content items."""
+    if cfg.vision is None or not cfg.apply_chat_template:
+        return v
+    from rlhf.data.vision import with_image_items
+
+    return with_image_items(v)
 
 
 def rm_sides(record: Record, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[tuple[list[int], int]]:
@@ -212,12 +257,39 @@ def prompt_sample(record: Record, cfg: DataConfig, tokenizer: PreTrainedTokenize
 
     Left truncation keeps the end of the prompt (the question and the generation prompt); a leading BOS is kept.
     """
-    text = render_prompt(record.data[cfg.input_key], cfg, tokenizer)
-    ids = _ids(tokenizer, text, special=not cfg.apply_chat_template)
+    mm = images = None
+    if cfg.vision is not None:
+        text, ids, mm, images = _vision_prompt(record, cfg, tokenizer)
+    else:
+        text = render_prompt(record.data[cfg.input_key], cfg, tokenizer)
+        ids = _ids(tokenizer, text, special=not cfg.apply_chat_template)
     truncated = len(ids) > cfg.prompt_max_len
+    if truncated and mm is not None:
+        raise ValueError(f"{record.where}: the prompt with its images is {len(ids)} tokens, more than "
+                         f"--prompt_max_len {cfg.prompt_max_len} (an image cannot be cut): raise --prompt_max_len "
+                         "or lower --max_pixels")
     if truncated:
         bos = tokenizer.bos_token_id
         head = ids[:1] if bos is not None and ids[0] == bos else []
         ids = head + ids[len(ids) - (cfg.prompt_max_len - len(head)):]
     label = record.data.get(cfg.label_key) if cfg.label_key else None
-    return PromptSample(torch.tensor(ids, dtype=torch.int32), text, label, record.where), truncated
+    return PromptSample(torch.tensor(ids, dtype=torch.int32), text, label, record.where, mm, images), truncated
+
+
+def _vision_prompt(record: Record, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase):
+    """(text, ids with each image's placeholders expanded, the processed images, the PIL images) of a prompt of a
+    vision-language model (``rlhf.data.vision``)."""
+    import os
+
+    from rlhf.data import vision as V
+
+    images = V.cached_images(record.data, cfg.vision, os.path.dirname(os.path.abspath(record.path)))
+    raw = record.data[cfg.input_key]
+    if cfg.apply_chat_template:
+        text = render_prompt(V.with_image_items(raw), cfg, tokenizer)
+    else:
+        text = V.replace_placeholders(render_prompt(raw, cfg, tokenizer))
+    mm = V.process(images, cfg.vision)
+    ids = V.expand_placeholders(_ids(tokenizer, text, special=not cfg.apply_chat_template), mm, cfg.vision,
+                                record.where)
+    return text, ids, mm, images or None

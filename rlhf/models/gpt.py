@@ -157,6 +157,8 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch
     if factor != 1.0:  # YaRN scales cos and sin, i.e. q and k: the scores by factor**2 (rlhf.models.rope)
         kwargs["softmax_scale"] = factor * factor / math.sqrt(spec.head_dim)
     kwargs.update(moe_config(spec, tp, ep, aux_loss_coef, grouped_gemm=use_te, routing_replay=routing_replay))
+    if spec.mrope_section is not None:  # vision-language models: megatron's MultimodalRotaryEmbedding
+        kwargs["mrope_section"] = list(spec.mrope_section)
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
@@ -194,13 +196,13 @@ def _gpt_model_class():
         """GPTModel with padded-vocab masking, a hidden-state output and an optional scalar head."""
 
         def __init__(self, spec: ModelSpec, config, padded_vocab: int, pre_process: bool, post_process: bool,
-                     value_head: bool, use_te: bool | None = None):
+                     value_head: bool, use_te: bool | None = None, position_embedding_type: str = "rope"):
             super().__init__(config=config, vocab_size=padded_vocab,
                              transformer_layer_spec=layer_spec(use_te, spec.qk_norm, spec.num_experts),
                              max_sequence_length=spec.max_position_embeddings, pre_process=pre_process,
                              post_process=post_process, parallel_output=True,
                              share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
-                             position_embedding_type="rope", rotary_base=spec.rope_theta)
+                             position_embedding_type=position_embedding_type, rotary_base=spec.rope_theta)
             if spec.rope_scaling is not None:  # megatron's own inv_freq is plain RoPE (rlhf.models.rope)
                 self.rotary_pos_emb.inv_freq = rope.inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
             self.spec = spec
@@ -300,6 +302,15 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
 
         moe_without_te()
     cls = _gpt_model_class()
+    if spec.vision is not None:
+        from rlhf.models.vlm import check_vlm_layout, vlm_model_class
+
+        group = cp_group_of_job()
+        check_vlm_layout(spec, pp=pp, cp=1 if group is None else group.size())
+        if value_head:
+            raise ValueError(f"a value head on {spec.model_type} (a critic or reward model) is not supported; use "
+                             "a group estimator (--advantage_estimator group_norm, rloo, reinforce_baseline)")
+        cls = vlm_model_class(cls)
     model = cls(spec, config, padded_vocab, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                 value_head=value_head, use_te=use_te)
     from rlhf.compat.megatron import (ensure_tp_attributes, recompute_in_forward_context, rotary_half_rope,

@@ -10,7 +10,8 @@ import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+                   "generation_config.json", "preprocessor_config.json", "processor_config.json")
+"""Copied beside exported weights: the tokenizer's files, and a vision-language model's image processor config"""
 
 
 class HFCheckpointReader:
@@ -39,6 +40,15 @@ class HFCheckpointReader:
                 sd = torch.load(os.path.join(folder, b), map_location="cpu", mmap=True, weights_only=True)
                 self._where.update({k: os.path.join(folder, b) for k in sd})
         self._handles: dict[str, object] = {}
+        # Vision-language folders saved by transformers 5 with save_original_format=False name the language model
+        # model.language_model.* and the tower model.visual.*; the hub's (and transformers' default) layout is
+        # model.* and visual.*, the names we use.
+        self._orig: dict[str, str] = {}
+        for k in list(self._where):
+            for new, old in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+                if k.startswith(new):
+                    self._where[old + k[len(new):]] = self._where.pop(k)
+                    self._orig[old + k[len(new):]] = k
 
     def keys(self) -> set[str]:
         return set(self._where)
@@ -57,6 +67,7 @@ class HFCheckpointReader:
         if name not in self._where:
             raise KeyError(f"{self.folder}: checkpoint has no tensor {name!r}")
         h = self._handle(self._where[name])
+        name = self._orig.get(name, name)
         if isinstance(h, dict):
             t = h[name]
             return (t if rows is None else t[rows[0]:rows[1]]).clone()

@@ -101,6 +101,8 @@ def megatron_shard_from_hf(name: str, get: HFGetter, spec: ModelSpec, *, tp_rank
     """This rank's shard of megatron parameter ``name`` (local naming), from HF tensors. MoE: local expert ``j``
     of EP rank ``r`` is global expert ``r * num_experts / ep + j``; experts are TP-sharded like a dense MLP."""
     h, d = spec.hidden_size, spec.head_dim
+    if name.startswith("visual."):  # a vision-language model's tower (rlhf.models.vlm): HF's own module, replicated
+        return get(name)
     if name == "embedding.word_embeddings.weight" or (name == "output_layer.weight" and not spec.is_seq_cls):
         hf_name = "model.embed_tokens.weight" if (name.startswith("embedding") or spec.tie_word_embeddings) \
             else "lm_head.weight"
@@ -172,6 +174,9 @@ def hf_from_megatron(name: str, tensor: torch.Tensor, spec: ModelSpec, *, layer_
     """HF tensors from one full (TP=1) megatron parameter. Padded vocab rows are dropped. MoE: local expert ``j``
     is global expert ``expert_offset + j`` (``ep_rank * num_experts / ep``)."""
     d = spec.head_dim
+    if name.startswith("visual."):  # a vision-language model's tower: HF's names (rlhf.models.vlm)
+        yield name, tensor
+        return
     if name == "embedding.word_embeddings.weight":
         yield "model.embed_tokens.weight", tensor[: spec.vocab_size]
         return
@@ -250,6 +255,10 @@ def expected_hf_names(spec: ModelSpec) -> set[str]:
             names |= {p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"}
         if spec.qk_norm:
             names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+    if spec.vision is not None:
+        from rlhf.models.vlm import vision_hf_names
+
+        names |= vision_hf_names(spec)
     return names
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rlhf.distributed.device import to_device
+from rlhf.models.vlm import VISION_KEYS
 
 LossFn = Callable[[dict, torch.Tensor], tuple]
 """``loss_fn(batch, output)``, megatron's per-token contract: ``(loss_sum, num_tokens, {name: [sum, count]})``;
@@ -34,8 +35,9 @@ def _forward_step(loss_fn: LossFn | None, output: str, device: torch.device, dat
 
     # MoE routing replay or recording (rlhf.models.routing_replay), when the batch carries routing or a recorder
     with cpm.stream_length(cp_stream), routing_for_forward(model, batch) as watch_backward:
+        vision = {k: batch[k] for k in VISION_KEYS if k in batch}  # a vision-language batch (rlhf.models.vlm)
         out = model(batch["input_ids"], batch.get("position_ids"), batch.get("megatron_attention_mask"),
-                    output=output, packed_seq_params=batch.get("packed_seq_params"))
+                    output=output, packed_seq_params=batch.get("packed_seq_params"), **vision)
         watch_backward(out)  # full recompute: its backward's routing (rlhf.models.routing_replay)
         # Under context parallelism the last stage's output holds this rank's tokens only: a loss or reader marked
         # ``reads_local_tokens`` reads them in place (the split in the context), any other gets whole sequences.

@@ -14,11 +14,11 @@ from typing import Any
 
 from rlhf.models.reward_config import head_prefix, is_openrlhf_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_5_vl")
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                    "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                   "qwen3_moe": "Qwen3MoeForCausalLM"}
+                   "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 SEQ_CLS_ARCHS = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                  "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
                  "mixtral": "MixtralForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification"}
@@ -81,6 +81,11 @@ class ModelSpec:
     pad_token_id: int | None = None
     is_seq_cls: bool = False
     torch_dtype: str = "float32"
+    mrope_section: tuple | None = None
+    """vision-language models (``rlhf.models.vlm``): the rotary dimensions' split into time, height, width"""
+    vision: dict | None = None
+    """vision-language models: ``vision_config`` (transformers' fields) and the image/video/vision-start/end token
+    ids; None for a text model"""
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +116,19 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{source}: unsupported model_type={model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    from rlhf.models.vlm import is_vlm_config, split_vlm_config
+
+    if is_vlm_config(cfg):  # the language model is a qwen2 decoder with the multimodal rotary
+        text, vision, mrope = split_vlm_config(cfg, source)
+        lm = spec_from_hf_config({**text, "model_type": "qwen2"}, source)
+        if sum(mrope) != lm.head_dim // 2:
+            raise ValueError(f"{source}: rope_parameters.mrope_section={mrope} must sum to head_dim / 2 = "
+                             f"{lm.head_dim // 2}")
+        if lm.is_seq_cls:
+            raise ValueError(f"{source}: a sequence-classification head on {model_type} is not supported")
+        from dataclasses import replace
+
+        return replace(lm, model_type=model_type, mrope_section=tuple(mrope), vision=vision)
     unknown = sorted(set(cfg) - _BENIGN_KEYS)
     if unknown:
         raise ValueError(f"{source}: unknown config field(s) {unknown} for model_type={model_type!r}")

@@ -11,6 +11,7 @@ from typing import Any
 
 from rlhf.agents.flags import AgentPart
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig
+from rlhf.data.vision import VisionPart
 from rlhf.migration import PlacementPart
 from rlhf.models.routing_replay import RouterReplayPart, check_router_replay
 from rlhf.part import Job
@@ -40,6 +41,7 @@ class PPOJobConfig(Job):
     code: CodeRewardConfig
     prompts: PromptDataPart
     text: TextPart
+    vision: VisionPart
     eval: EvalConfig
     batch: PPOBatch
     generation: GenerationPart
@@ -71,6 +73,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     CodeRewardConfig.add_args(g)
     PromptDataPart.add_args(g)
     TextPart.add_args(g)
+    VisionPart.add_args(g)
     EvalConfig.add_args(g)
     g = p.add_argument_group("batching and generation")
     PPOBatch.add_args(g, micro_bs=8, epochs=1)
@@ -151,11 +154,50 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
                         model=job.models.pretrain, other=job.agent.agent_func_path and "--agent_func_path")
     check_tokenizer_folder(job.models.pretrain, "--pretrain")  # the prompts and replies are tokenized with it
     sources["--teacher_pretrain"] = check_teacher(job.distill, job.models.pretrain, par)  # its tokenizer: before loading
+    check_vision_job(job, sources)
     why = resolve_vllm_tp(job.rollout, sources["--pretrain"]["spec"], world_size, job.engine.bf16)
     engines = _check_batch_sizes(job, world_size, dp)
     job.algo.old_logprobs_source, job.algo.old_logprobs_reason = old_logprobs_source(job.namespace())
     return PPOSetup(job=job, dp=dp, engines=engines, samples=job.batch.samples, sources=sources,
                     vllm_tp_reason=why)
+
+
+def check_vision_job(job: PPOJobConfig, sources: dict) -> None:
+    """A vision-language actor (``rlhf.models.vlm``): what its path runs, before any model. Refused by name: the
+    layouts ``check_vlm_layout`` refuses, a critic or reward model on it (no value head on a VLM yet: group
+    estimators and rule rewards), the megatron fallback generator (it feeds no images), partial rollouts and the
+    one-step-off mode (a continued request would need its images re-attached), agents, a distillation teacher."""
+    spec = sources["--pretrain"]["spec"]
+    for flag, src in (("--reward_pretrain", sources.get("--reward_pretrain")),
+                      ("--critic_pretrain", sources.get("--critic_pretrain")),
+                      ("--teacher_pretrain", sources.get("--teacher_pretrain"))):
+        for s in src if isinstance(src, list) else [src]:
+            if isinstance(s, dict) and s.get("spec") is not None and s["spec"].vision is not None:
+                raise ValueError(f"{flag}: a vision-language model ({s['spec'].model_type}) as {flag[2:]} is not "
+                                 "supported; only the actor (--pretrain) may be one")
+    if spec.vision is None:
+        return
+    from rlhf.algo.advantages import get_estimator
+    from rlhf.models.vlm import check_vlm_layout
+
+    what = f"--pretrain {job.models.pretrain}"
+    par = job.parallel
+    check_vlm_layout(spec, pp=par.pp, cp=par.cp, packing=job.engine.packing_samples, lora=bool(job.lora.lora_rank),
+                     what=what)
+    refused = [(get_estimator(job.algo.advantage_estimator).needs_critic,
+                f"--advantage_estimator {job.algo.advantage_estimator} trains a critic, and a vision-language model "
+                "has no value head here: use group_norm (GRPO), rloo, reinforce_baseline or dr_grpo"),
+               (job.rollout.rollout_backend == "megatron",
+                "--rollout_backend megatron: the fallback generator feeds no images; generate with vLLM"),
+               (job.partial.partial_rollout or job.partial.async_one_step_off,
+                "--partial_rollout / --async_one_step_off: a carried sample's continued request does not re-attach "
+                "its images yet"),
+               (bool(job.agent.agent_func_path), "--agent_func_path: multi-turn agents take text prompts only"),
+               (bool(job.distill.teacher_pretrain), "--teacher_pretrain: distillation of a vision-language actor is "
+                                                     "not wired")]
+    for bad, why in refused:
+        if bad:
+            raise ValueError(f"{what} is a vision-language model ({spec.model_type}): {why}")
 
 
 def resolve_vllm_tp(rollout, spec, world_size: int, bf16: bool | None = None) -> str:

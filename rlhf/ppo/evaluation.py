@@ -106,7 +106,9 @@ class Evaluator:
         roles.memory.enter("weight_sync" if roles.rollout.reads_actor_params else "rollout")
         with timer.phase("eval"):
             roles.rollout.wake_up(["kv_cache"])
-            samples = roles.rollout.generate([p.prompt_ids.tolist() for p in self.prompts], n=k,
+            from rlhf.rollout.types import generation_prompt
+
+            samples = roles.rollout.generate([generation_prompt(p) for p in self.prompts], n=k,
                                              temperature=self.cfg.temperature, top_p=1.0,
                                              max_tokens=self.max_tokens,
                                              seed=self.seed * 100_003 + 7_777_777 + step)

@@ -34,8 +34,12 @@ def collate_sequences(samples: Sequence[Sample], pad_id: int, T: int, seq_len: i
         response_ids[b, :r] = torch.tensor(s.response_ids, dtype=torch.long)
         action_mask[b, :r] = True if s.action_mask is None else torch.tensor(s.action_mask, dtype=torch.bool)
         resp_pos[b] = (len(s.prompt_ids) - 1 + torch.arange(T)).clamp(max=S - 1)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_ids": response_ids,
-            "action_mask": action_mask, "resp_pos": resp_pos}
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "response_ids": response_ids,
+           "action_mask": action_mask, "resp_pos": resp_pos}
+    from rlhf.data.collate import vision_entries
+
+    out.update(vision_entries([s.mm for s in samples], input_ids))  # a vision-language actor's images
+    return out
 
 
 def pack_microbatch(mb: dict, pad_id: int, pad_to: int | None = None) -> dict:
@@ -138,6 +142,9 @@ def select_rows(batch: dict, idx: Sequence[int], trim: bool, extra: dict | None 
         mb["resp_pos"] = mb["resp_pos"].clamp(max=S - 1)
         if "routed_experts" in mb:  # (B, S, layers, K), MoE routing replay
             mb["routed_experts"] = mb["routed_experts"][:, :S]
+        if "mrope_position_ids" in mb:  # (B, 3, S) and (B, S), a vision-language batch
+            mb["mrope_position_ids"] = mb["mrope_position_ids"][..., :S]
+            mb["image_mask"] = mb["image_mask"][:, :S]
     for name, t in (extra or {}).items():
         if t is not None:
             mb[name] = t[ix]

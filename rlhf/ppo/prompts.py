@@ -9,12 +9,19 @@ log = logging.getLogger("rlhf")
 
 
 def load_prompts(args: argparse.Namespace, tokenizer) -> tuple[list, dict]:
-    """Prompts from --prompt_data; the data layer's errors are re-worded with the PPO flag names."""
+    """Prompts from --prompt_data; the data layer's errors are re-worded with the PPO flag names. A
+    vision-language actor's prompts carry their images (``rlhf.data.vision``)."""
     from rlhf.data import DataConfig, build_prompt_dataset
+    from rlhf.data.vision import VisionPart, vision_data
+    from rlhf.models.source import describe_source
 
+    spec = describe_source(args.pretrain)["spec"]
+    vision = vision_data(spec, args.pretrain, VisionPart(**{k: getattr(args, k) for k in (
+        "image_key", "max_images_per_prompt", "min_pixels", "max_pixels", "freeze_vision_tower")}))
     try:
         cfg = DataConfig.from_args(args, dataset=args.prompt_data, dataset_probs=args.prompt_data_probs,
-                                   output_key=None, max_len=args.prompt_max_len + args.generate_max_len)
+                                   output_key=None, max_len=args.prompt_max_len + args.generate_max_len,
+                                   vision=vision)
         prompts, stats = build_prompt_dataset(cfg, tokenizer)
     except ValueError as e:
         raise ValueError(str(e).replace("--dataset_probs", "--prompt_data_probs")

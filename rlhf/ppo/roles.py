@@ -77,7 +77,22 @@ def rollout_config(job, spec=None, world_size: int | None = None, on_cuda: bool 
                          enforce_eager=r.vllm_enforce_eager, backend=r.rollout_backend,
                          weight_sync_bucket_mb=r.weight_sync_bucket_mb,
                          enable_prefix_caching=r.vllm_enable_prefix_caching,
-                         return_routed_experts=job.router_replay.moe_router_replay == "rollout")
+                         return_routed_experts=job.router_replay.moe_router_replay == "rollout",
+                         vision=_vision_rollout(job, spec))
+
+
+def _vision_rollout(job, spec) -> dict | None:
+    """The generator's image settings for a vision-language actor (the trainer's own image processor's)."""
+    if spec is None or spec.vision is None:
+        return None
+    from rlhf.data.vision import vision_data
+
+    vd = vision_data(spec, job.models.pretrain, job.vision)
+    lo, hi = vd.pixels
+    proc = vd.processor
+    return {"image_token_id": vd.image_token_id, "max_images": vd.max_images, "min_pixels": lo, "max_pixels": hi,
+            "image_mean": list(proc.image_mean), "image_std": list(proc.image_std),
+            "rescale_factor": float(proc.rescale_factor)}
 
 
 def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
@@ -110,7 +125,8 @@ def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
     # experts (verl's compute_ref_log_prob runs with routing replay disabled, verl/workers/engine_workers.py at
     # 1dda039b; slime's reference forward falls through, slime/backends/megatron_utils/actor.py at 624b824a)
     actor = ModelEngine(mesh, pretrain, optim=optim.actor_config(total_updates, sharded), value_head=False,
-                        name="actor", lora=lora.config(eng.seed), routing_replay=True, **common, **impl)
+                        name="actor", lora=lora.config(eng.seed), routing_replay=True,
+                        freeze_vision=job.vision.freeze_vision_tower, **common, **impl)
     ref = (ModelEngine(mesh, pretrain, value_head=False, name="ref", bf16=eng.bf16, **impl)
            if job.algo.init_kl_coef > 0 else None)
     reward_models = {f"reward{i or ''}": ModelEngine(mesh, path, value_head=True, name=f"reward{i or ''}",

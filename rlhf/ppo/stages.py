@@ -69,6 +69,8 @@ def generate(roles, job, prompts: list, prompt_idx: list[int], step: int, mesh,
              timer, round_: int = 0) -> Rollout:
     """rollout: ``--n_samples_per_prompt`` samples per prompt; ``prompts`` are the dataset's PromptSamples.
     ``round_``: the rollout's number within the step (dynamic filtering generates again), in its seed."""
+    from rlhf.rollout.types import generation_prompt
+
     gen, n = job.generation, job.batch.n_samples_per_prompt
     seed, metrics = job.engine.seed * 100_003 + step + 1_000_003 * round_, {}
     with rollout_phase(roles, timer):
@@ -76,7 +78,7 @@ def generate(roles, job, prompts: list, prompt_idx: list[int], step: int, mesh,
             samples, metrics = roles.agent.run(roles.rollout, prompts, prompt_idx, n=n, temperature=gen.temperature,
                                                top_p=gen.top_p, max_tokens=gen.generate_max_len, seed=seed)
         else:
-            samples = roles.rollout.generate([prompts[i].prompt_ids.tolist() for i in prompt_idx],
+            samples = roles.rollout.generate([generation_prompt(prompts[i]) for i in prompt_idx],
                                              n=n, temperature=gen.temperature, top_p=gen.top_p,
                                              max_tokens=gen.generate_max_len, seed=seed, ignore_eos=gen.ignore_eos)
     return make_rollout(prompt_idx, samples, mesh, metrics)

@@ -114,6 +114,10 @@ class RolloutConfig:
     enable_prefix_caching: bool = False
     """(--vllm_enable_prefix_caching) vLLM's automatic prefix caching; every weight sync resets the cache, so no
     KV block computed with the previous weights is reused (OpenRLHF resets it at each broadcast too)."""
+    vision: dict | None = None
+    """a vision-language actor (``rlhf.models.vlm``): ``image_token_id``, ``max_images`` (vLLM's
+    ``limit_mm_per_prompt``), ``min_pixels``, ``max_pixels``, ``image_mean``, ``image_std`` and ``rescale_factor``
+    (the trainer's own image processor's)"""
     return_routed_experts: bool = False
     """(--moe_router_replay rollout) vLLM's ``enable_return_routed_experts``: each sample carries the experts of its
     tokens (vLLM 0.32: its V2 model runner only, which needs Triton: GPU)."""
@@ -136,6 +140,21 @@ def mb_to_bytes(mb: int | None) -> int | None:
     return None if mb is None else int(mb) << 20
 
 
+class ImagePrompt(list):
+    """A prompt's token ids (each image's placeholders expanded, as the trainer sees them) with its images:
+    ``mm`` (processed, for the trainer) and ``images`` (PIL, for the generator)."""
+
+    def __init__(self, ids, mm: dict, images: list):
+        super().__init__(ids)
+        self.mm, self.images = mm, images
+
+
+def generation_prompt(p):
+    """What a generator takes for a dataset's ``PromptSample``: its ids, or an ``ImagePrompt`` when it has images."""
+    ids = p.prompt_ids.tolist()
+    return ImagePrompt(ids, p.mm, p.images) if getattr(p, "mm", None) is not None else ids
+
+
 @dataclass
 class Sample:
     """One generated response. ``logprobs[i]`` is the engine's log-prob (at the sampling temperature) of
@@ -153,6 +172,8 @@ class Sample:
     agent: object = None
     versions: list[int] | None = None
     """partial rollouts (``rlhf.rollout.partial``): the policy version that produced each response token"""
+    mm: dict | None = None
+    """a vision-language prompt's images as the trainer takes them (``rlhf.data.vision.process``)"""
     routed_experts: object = None
     """an MoE generator's experts of each prompt and response token it fed forward, ``(tokens, layers, top_k)``
     ids (vLLM's ``CompletionOutput.routed_experts``; the megatron fallback records its own); None: not recorded"""

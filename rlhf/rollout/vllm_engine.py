@@ -134,6 +134,13 @@ class VLLMRollout:
             kwargs["data_parallel_size"] = self.num_engines
         if cfg.return_routed_experts:  # MoE routing replay (rlhf.models.routing_replay)
             kwargs["enable_return_routed_experts"] = True
+        if cfg.vision is not None:  # images in prompts: vLLM resizes them as the trainer's processor did
+            from rlhf.compat.vllm import qwen_vl_image_only
+
+            qwen_vl_image_only()
+            kwargs["limit_mm_per_prompt"] = {"image": cfg.vision["max_images"], "video": 0}
+            kwargs["mm_processor_kwargs"] = {"min_pixels": cfg.vision["min_pixels"],
+                                             "max_pixels": cfg.vision["max_pixels"]}
         kwargs.update(vllm_memory_kwargs(cfg, on_cuda))
         t0 = time.perf_counter()
         if not on_cuda:
@@ -142,6 +149,14 @@ class VLLMRollout:
             eager_logprob_ranks()
         with keep_torch_rng():
             self.llm = LLM(**kwargs)
+        if cfg.vision is not None and load_format == "dummy":
+            from functools import partial
+
+            from rlhf.compat.vllm import restore_image_normalization
+
+            self.llm.apply_model(partial(restore_image_normalization, image_mean=cfg.vision["image_mean"],
+                                         image_std=cfg.vision["image_std"],
+                                         rescale_factor=cfg.vision["rescale_factor"]))
         self.release_on_cpu = cfg.enable_sleep_mode and not on_cuda
         if cfg.enable_prefix_caching and mesh.is_rank0:  # vLLM turns it off for some models (MLA on CPU)
             on = self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
@@ -193,6 +208,8 @@ class VLLMRollout:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.on_cuda:
             self.llm.apply_model(repack_cpu_lm_head)
+        if self.cfg.vision is not None:  # image features computed by the old vision tower must not be reused
+            self.llm.llm_engine.reset_encoder_cache()
         if not self.llm.reset_prefix_cache() and self.cfg.enable_prefix_caching:
             raise RuntimeError("vLLM did not reset its prefix cache after the weight sync: its cached KV blocks of the "
                                "previous weights would be reused")
@@ -228,15 +245,38 @@ class VLLMRollout:
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
                                  ignore_eos=ignore_eos, seed=seed * 1_000_003 + (lo + i) * n, detokenize=False)
                   for i in range(len(mine))]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in mine], params, use_tqdm=False)
+        outs = self.llm.generate([self._request(p) for p in mine], params, use_tqdm=False)
         local: list[Sample] = []
         for i, o in enumerate(outs):
+            prompt_ids, mm = self._prompt_ids(mine[i], o)
             for c in o.outputs:
                 ids = list(c.token_ids)
                 lps = [float(d[t].logprob) for d, t in zip(c.logprobs, ids)]
-                local.append(Sample(lo + i, list(o.prompt_token_ids), ids, lps, c.finish_reason == "stop",
+                local.append(Sample(lo + i, prompt_ids, ids, lps, c.finish_reason == "stop", mm=mm,
                                     routed_experts=getattr(c, "routed_experts", None)))
         return gather_samples(local if self.is_leader else [], self.mesh)
+
+    def _request(self, p) -> dict:
+        """vLLM's prompt: the ids, and for an ``ImagePrompt`` its images with one placeholder each (vLLM expands
+        them again, by the same resizing: ``_prompt_ids`` checks)."""
+        images = getattr(p, "images", None)
+        if not images:
+            return {"prompt_token_ids": list(p)}
+        from rlhf.data.vision import collapse_placeholders
+
+        return {"prompt_token_ids": collapse_placeholders(p, self.cfg.vision["image_token_id"]),
+                "multi_modal_data": {"image": list(images)}}
+
+    @staticmethod
+    def _prompt_ids(p, out) -> tuple[list[int], dict | None]:
+        """The sample's prompt ids and images: the trainer's (expanded) ids for an ``ImagePrompt``, which must be
+        vLLM's expansion token for token, else vLLM's own ids."""
+        if not getattr(p, "images", None):
+            return list(out.prompt_token_ids), None
+        if list(out.prompt_token_ids) != list(p):
+            raise RuntimeError(f"vLLM expanded a prompt's images to {len(out.prompt_token_ids)} tokens, the trainer "
+                               f"to {len(p)}: their image processors resized differently")
+        return list(p), p.mm
 
     def generate_requests(self, requests: Sequence[tuple]) -> list[tuple[list[int], list[float], bool]]:
         """One sample per request ``(prompt_ids, max_tokens, temperature, top_p, seed)``, the same list on every
