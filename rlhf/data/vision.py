@@ -2,7 +2,7 @@
 
 A record's images are the ``--image_key`` field (default ``images``, OpenRLHF's ``--data.image_key`` and verl's
 ``data.image_key``): one image or a list, each a file path (relative paths from the data file's folder), raw bytes,
-a dict with ``bytes`` and/or ``path`` (how HF ``datasets`` stores an Image column in parquet, verl's geo3k), a
+a dict with ``bytes`` (raw, or base64 text in JSON) and/or ``path`` (how HF ``datasets`` stores an Image column in parquet, verl's geo3k), a
 ``data:image/...;base64,`` string, or a PIL image. URLs are refused (no network is assumed).
 
 Placeholders, as the peers read them: a string prompt or message content holding ``<image>`` (verl's
@@ -138,6 +138,11 @@ def load_image(v, base_dir: str):
     if isinstance(v, Image.Image):
         return v.convert("RGB")
     if isinstance(v, dict):
+        if isinstance(v.get("bytes"), str):  # JSON holds bytes as base64 text
+            try:
+                return load_image(base64.b64decode(v["bytes"], validate=True), base_dir)
+            except ValueError as e:
+                raise ValueError(f"'bytes' is neither base64 nor an image: {e}") from None
         if v.get("bytes") is not None:
             v = v["bytes"]
         elif v.get("path"):
