@@ -98,7 +98,8 @@ def lm_loss(batch, logits):
 def grads_of(model, mesh, spec, named=None):
     out = {}
     for name, p in (named or model.named_parameters()):
-        g = (p.main_grad if hasattr(p, "main_grad") else p.grad).detach().clone()
+        g = p.main_grad if hasattr(p, "main_grad") else p.grad
+        g = torch.zeros_like(p) if g is None else g.detach().clone()  # an unused parameter: no gradient
         shards = [torch.empty_like(g) for _ in range(mesh.tp)]
         dist.all_gather(shards, g.contiguous(), group=mesh.tp_group)
         for hf_name, t in hf_from_megatron(name, full_from_tp_shards(name, shards, tp_partition_dim(p)), spec):
@@ -148,7 +149,8 @@ def main():
             loss.backward()
             ref_grads = {}
             for name, p in ref.named_parameters():
-                for hf_name, t in hf_from_megatron(name, p.grad.detach(), spec):
+                g = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+                for hf_name, t in hf_from_megatron(name, g, spec):
                     ref_grads[hf_name] = t.clone()
             results["grads/vision_tensors"] = sum(k.startswith("visual.") for k in ref_grads)
             results["grads/vision_grad_norm"] = sum(v.norm().item() ** 2 for k, v in ref_grads.items()

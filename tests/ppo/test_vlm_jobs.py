@@ -1,0 +1,78 @@
+"""SFT and GRPO jobs on a tiny Qwen2.5-VL with image prompts (docs/vlm.md): the visual task's records
+(rlhf.demo.vision_task) in the peers' layout, through launch/sft.py and launch/ppo.py.
+
+Two jobs, about 45 s together (a one-rank SFT of 8 steps, a two-rank GRPO of 2 steps with vLLM); each is the only
+end-to-end run of its path with images, and every assertion reads the one run."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import REPO, run_torchrun, tail
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from rlhf.demo.vision_task import corpus, write
+    from rlhf.models.tiny import make_tiny_vlm
+
+    work = tmp_path_factory.mktemp("vlm_jobs")
+    paths = write(str(work / "data"), seed=0, n_train=64, n_heldout=8)
+    make_tiny_vlm(str(work / "model"), seed=0, texts=corpus(), vocab_size=300)
+    return work, paths
+
+
+def _tensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_sft_then_grpo_with_images(task):
+    work, paths = task
+    sft = work / "sft"
+    proc = run_torchrun(os.path.join(REPO, "launch", "sft.py"), 1, [
+        "--pretrain", str(work / "model"), "--dataset", paths["sft"], "--input_key", "prompt", "--output_key",
+        "response", "--apply_chat_template", "--max_len", "64", "--train_batch_size", "8",
+        "--micro_train_batch_size", "4", "--max_epochs", "1", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
+        "--save_path", str(sft), "--logging_steps", "1", "--freeze_vision_tower"], timeout=300)
+    assert proc.returncode == 0, tail(proc)
+    assert "vision tower" in proc.stderr and "frozen (--freeze_vision_tower)" in proc.stderr
+    src, out = _tensors(work / "model"), _tensors(sft)
+    assert sorted(src) == sorted(out)
+    vis = [k for k in src if k.startswith("visual.")]
+    assert vis and all(torch.equal(src[k], out[k]) for k in vis)  # frozen: the tower is the source's
+    assert any(not torch.equal(src[k], out[k]) for k in src if not k.startswith("visual."))
+    sft_metrics = [json.loads(line) for line in open(sft / "metrics.jsonl")]
+    losses = [m["loss"] for m in sft_metrics if "loss" in m and m.get("prefix", "sft") == "sft"]
+    assert len(losses) >= 8 and losses[-1] < losses[0], losses
+    for name in ("preprocessor_config.json", "chat_template.jinja"):
+        assert os.path.exists(sft / name), name
+
+    grpo = work / "grpo"
+    proc = run_torchrun(os.path.join(REPO, "launch", "ppo.py"), 2, [
+        "--pretrain", str(sft), "--prompt_data", paths["train"], "--input_key", "prompt", "--label_key", "answer",
+        "--apply_chat_template", "--reward_fn", "_rule_reward:char_code_reward", "--advantage_estimator",
+        "group_norm", "--init_kl_coef", "0", "--rollout_batch_size", "4", "--n_samples_per_prompt", "4",
+        "--train_batch_size", "16", "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "8",
+        "--generate_max_len", "6", "--prompt_max_len", "64", "--max_samples", "8", "--num_episodes", "1",
+        "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0", "--vllm_kv_cache_mb", "32",
+        "--save_path", str(grpo), "--save_steps", "-1", "--eval_dataset", paths["heldout"],
+        "--eval_n_samples_per_prompt", "2"], timeout=300,
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")  # _rule_reward
+    assert proc.returncode == 0, tail(proc)
+    metrics = [json.loads(line) for line in open(grpo / "metrics.jsonl")]
+    steps = [m for m in metrics if "rollout_logprob_drift_max" in m]
+    assert len(steps) == 2, metrics
+    for m in steps:  # vLLM with the images == the trainer with them, at every step (the first after an update)
+        assert m["rollout_logprob_drift_max"] <= 1e-5, m
+        assert m["actor/grad_norm"] > 0, m
+    assert sum("eval/reward" in m or m.get("prefix") == "eval" for m in metrics) >= 2
+    before, after = _tensors(sft), _tensors(grpo)
+    assert any(not torch.equal(before[k], after[k]) for k in vis)  # not frozen here: the tower trained
+    import transformers
+
+    transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(grpo))  # loads as a Qwen2.5-VL
