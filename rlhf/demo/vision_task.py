@@ -58,12 +58,13 @@ def make_split(out_dir: str, name: str, n: int, seed: int) -> list[dict]:
     return records
 
 
-def write(out_dir: str, seed: int = 0, n_train: int = 512, n_heldout: int = 64) -> dict[str, str]:
+def write(out_dir: str, seed: int = 0, n_train: int = 512, n_heldout: int = 64,
+          n_sft: int | None = None) -> dict[str, str]:
     """train.jsonl (prompts for GRPO), sft.jsonl (the same kind of records with their answer as ``response``, from
     other images), heldout.jsonl; their paths by name."""
     os.makedirs(out_dir, exist_ok=True)
     splits = {"train": make_split(out_dir, "train", n_train, seed * 3 + 1),
-              "sft": make_split(out_dir, "sft", n_train, seed * 3 + 2),
+              "sft": make_split(out_dir, "sft", n_train if n_sft is None else n_sft, seed * 3 + 2),
               "heldout": make_split(out_dir, "heldout", n_heldout, seed * 3 + 3)}
     for r in splits["sft"]:
         r["response"] = r["answer"]
