@@ -36,14 +36,14 @@ def sft_command(model: str, data: str, out: str, seed: int, epochs: int, nproc: 
             "--lr_scheduler", "cosine", "--seed", str(seed), "--save_path", out, "--logging_steps", "8"]
 
 
-def grpo_flags(model: str, data: dict, out: str, seed: int, steps: int) -> list[str]:
+def grpo_flags(model: str, data: dict, out: str, seed: int, steps: int, lr: float = 2e-4) -> list[str]:
     return ["--pretrain", model, "--prompt_data", data["train"], "--input_key", "prompt", "--label_key", "answer",
             "--apply_chat_template", "--reward_fn", "rlhf.demo.vision_task:shape_reward",
             "--advantage_estimator", "group_norm", "--init_kl_coef", "0",
             "--rollout_batch_size", "8", "--n_samples_per_prompt", "8", "--train_batch_size", "64",
             "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "16", "--max_epochs", "1",
             "--generate_max_len", "4", "--prompt_max_len", "64", "--temperature", "1.0",
-            "--actor_learning_rate", "2e-4", "--lr_scheduler", "constant", "--lr_warmup_ratio", "0",
+            "--actor_learning_rate", str(lr), "--lr_scheduler", "constant", "--lr_warmup_ratio", "0",
             "--max_samples", str(8 * steps), "--num_episodes", "1", "--seed", str(seed),
             "--eval_dataset", data["heldout"], "--eval_n_samples_per_prompt", "4", "--eval_temperature", "1.0",
             "--vllm_kv_cache_mb", "64", "--save_path", out, "--save_steps", "-1"]
@@ -89,6 +89,10 @@ def main(argv=None) -> int:
     p.add_argument("--sft_epochs", type=int, default=2)
     p.add_argument("--grpo_steps", type=int, default=40)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--n_sft", type=int, default=512, help="SFT records (image, question, answer)")
+    p.add_argument("--n_train", type=int, default=512, help="GRPO prompts (images never shown to SFT)")
+    p.add_argument("--n_heldout", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-4, help="GRPO's actor learning rate")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -103,14 +107,16 @@ def main(argv=None) -> int:
         os.makedirs(d, exist_ok=True)
         print(f"== {name}", flush=True)
         t0 = time.time()
-        data = write(os.path.join(d, "data"), seed=seed)
+        data = write(os.path.join(d, "data"), seed=seed, n_train=args.n_train, n_heldout=args.n_heldout,
+                     n_sft=args.n_sft)
         model = os.path.join(d, "model")
         if not os.path.exists(os.path.join(model, "config.json")):
             make_tiny_vlm(model, seed=seed, texts=corpus(), vocab_size=300)
         run(sft_command(model, data["sft"], os.path.join(d, "sft"), seed, args.sft_epochs, args.nproc),
             os.path.join(d, "sft.log"))
         t_sft = time.time() - t0
-        run(ppo_command(grpo_flags(os.path.join(d, "sft"), data, os.path.join(d, "grpo"), seed, args.grpo_steps),
+        run(ppo_command(grpo_flags(os.path.join(d, "sft"), data, os.path.join(d, "grpo"), seed, args.grpo_steps,
+                                   args.lr),
                         args.nproc), os.path.join(d, "grpo.log"))
         r = summarize(os.path.join(d, "grpo"))
         r.update(seconds_sft=t_sft, seconds=time.time() - t0)
