@@ -233,10 +233,14 @@ class VLLMRollout:
         if self.cpu_released:
             raise RuntimeError("vLLM's weights were freed after the last rollout (CPU sleep) and not synced since: "
                                "wake_up(['weights']) and sync the actor's weights before generating")
-        per = len(prompts) // self.num_engines
-        assert per * self.num_engines == len(prompts), "validated: rollout batch divisible by engines"
-        lo = self.engine_index * per
-        mine = prompts[lo: lo + per]
+        # Engine e takes prompts [e * P // E, (e + 1) * P // E): the training batch is validated divisible (equal
+        # shares); the held-out set need not be (31 prompts over 2 engines: 15 and 16).
+        n_p, e = len(prompts), self.num_engines
+        if n_p < e:  # every engine of a data-parallel vLLM must take part in the step
+            raise ValueError(f"{n_p} prompt(s) for {e} vLLM engines: --eval_dataset needs at least as many prompts "
+                             "as engines")
+        lo, hi = self.engine_index * n_p // e, (self.engine_index + 1) * n_p // e
+        mine = prompts[lo:hi]
         # One seed per prompt: the samples do not depend on how prompts are spread over engines or batched. vLLM
         # seeds sample k of a request with seed + k, so the prompts' seeds are n apart: with a spacing of 1, sample
         # k + 1 of prompt i drew the same random numbers as sample k of prompt i + 1.
