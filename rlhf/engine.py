@@ -104,6 +104,27 @@ def _check_moe(spec: ModelSpec, mesh: ParallelMesh, name: str, *, trained: bool,
     return mesh.ep
 
 
+def _apply_lora(model, lora: LoraConfig, mesh: ParallelMesh, name: str) -> dict:
+    """LoRA adapters on ``model`` (a value head stays trainable); logs and returns the counts."""
+    from rlhf.models.lora import apply_lora
+
+    heads = ("output_layer.weight",) if model.value_head and model.post_process else ()
+    c = apply_lora(model, lora, tp=mesh.tp, tp_rank=mesh.tp_rank, trainable=heads)
+    log.info("%s: LoRA r=%d alpha=%g on %s (%d linears here): %d trainable of %d parameters (%.3f%%) on "
+             "this rank", name, lora.rank, lora.alpha, ",".join(lora.targets), c["modules"],
+             c["trainable_params"], c["total_params"], 100.0 * c["trainable_params"] / c["total_params"])
+    return c
+
+
+def _set_vision_trainable(model, freeze: bool, mesh: ParallelMesh, name: str) -> None:
+    """A trained vision-language model's tower (``visual.*``): trained, or frozen by --freeze_vision_tower."""
+    tower = [p for n, p in model.named_parameters() if n.startswith("visual.")]
+    for p in tower:
+        p.requires_grad_(not freeze)
+    if mesh.is_rank0:
+        log.info("%s: vision tower (%d parameters on this rank) %s", name, sum(p.numel() for p in tower),
+                 "frozen (--freeze_vision_tower)" if freeze else "trained, replicated over TP, data-parallel")
+
 class ModelEngine:
     """A (possibly trainable) megatron model for one role, at this rank's TP/PP position."""
 
@@ -143,22 +164,9 @@ class ModelEngine:
             log.info("%s: %s is a causal LM; its score head starts from a seeded random init", name, ckpt_dir)
         self.lora = lora
         if lora is not None:  # after the base weights are in: adapters start at B = 0 (the base model)
-            from rlhf.models.lora import apply_lora
-
-            heads = ("output_layer.weight",) if model.value_head and model.post_process else ()
-            self.lora_counts = apply_lora(model, lora, tp=mesh.tp, tp_rank=mesh.tp_rank, trainable=heads)
-            c = self.lora_counts
-            log.info("%s: LoRA r=%d alpha=%g on %s (%d linears here): %d trainable of %d parameters (%.3f%%) on "
-                     "this rank", name, lora.rank, lora.alpha, ",".join(lora.targets), c["modules"],
-                     c["trainable_params"], c["total_params"], 100.0 * c["trainable_params"] / c["total_params"])
+            self.lora_counts = _apply_lora(model, lora, mesh, name)
         if self.spec.vision is not None and optim is not None:  # a vision-language model (rlhf.models.vlm)
-            tower = [p for n, p in model.named_parameters() if n.startswith("visual.")]
-            for p in tower:
-                p.requires_grad_(not freeze_vision)
-            if mesh.is_rank0:
-                log.info("%s: vision tower (%d parameters on this rank) %s", name, sum(p.numel() for p in tower),
-                         "frozen (--freeze_vision_tower)" if freeze_vision else
-                         "trained, replicated over TP, data-parallel")
+            _set_vision_trainable(model, freeze_vision, mesh, name)
         # The device rule: on the rank's device before Float16Module / DDP wrap it (megatron allocates the grad
         # buffers, masks and token counts there). Weights are read on the host, one rank's shard at a time.
         model.to(mesh.device)

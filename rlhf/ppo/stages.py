@@ -15,6 +15,7 @@ from rlhf.distributed.collectives import dp_all_gather
 from rlhf.ppo import routing
 from rlhf.ppo.experience import (Experience, collate_sequences, forward_role, generator_logprobs,
                                  prepare_microbatches, select_rows)
+from rlhf.ppo.reward_sources import RewardSources
 from rlhf.rollout.types import Sample
 
 
@@ -187,95 +188,6 @@ def frozen_forwards(roles, job, mbs: list, tokens: float, timer, recorder=None) 
                                          routing.actor_microbatches(replay, mbs, recorder) if role == "actor" else mbs,
                                          temperature if role in ("actor", "ref", "teacher") else 1.0)
     return out
-
-
-class RewardSources:
-    """The step's reward: reward-model scores and the rule function (``--reward_fn``), combined as
-    ``rlhf.rewards`` describes; the rule function reads the prompt texts and the decoded replies."""
-
-    def __init__(self, cfg, sources: list, prompts: list, tokenizer, mesh):
-        from rlhf.rewards import load_reward_fn
-
-        self.cfg, self.prompts, self.tokenizer, self.mesh = cfg, prompts, tokenizer, mesh
-        self.fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
-        self.norms = cfg.norms(sources)
-
-    def texts(self, rollout: Rollout, samples: list[Sample]) -> tuple[list[str], list[str]]:
-        """(prompt texts as the model saw them, decoded replies) of ``samples``."""
-        texts = [self.prompts[rollout.prompt_idx[s.prompt_index]].prompt for s in samples]
-        return texts, self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-
-    def score(self, model_scores: dict[str, torch.Tensor], rollout: Rollout
-              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """This rank's (optimized, raw) rewards (B,) from the reward models' scores (by role name), and each
-        source's global mean as reward/rm<i>, reward/fn (when there is more than one, or normalization)."""
-        from rlhf.rewards import call_remote_rm_full, call_reward_fn_full, combine_rewards, source_metrics
-
-        scores = dict(zip(self.cfg.rm_names, model_scores.values()))
-        labels = [self.prompts[rollout.prompt_idx[s.prompt_index]].label for s in rollout.local]
-        metrics = {}
-        self.filter_scores = None
-        if self.fn is not None:
-            fn_scores, fn_logs = call_reward_fn_full(self.fn, *self.texts(rollout, rollout.local), labels=labels)
-            scores["fn"] = fn_scores.to(self.mesh.device)
-            metrics.update(extra_log_metrics(fn_logs, len(rollout.local), self.mesh))
-        if self.cfg.agent:  # the trajectories' environment rewards (rlhf.agents.rollout)
-            scores["agent"] = agent_rewards(rollout.local).to(self.mesh.device)
-            self.filter_scores = torch.tensor([s.agent.score for s in rollout.local])
-            metrics.update(agent_extra_logs(rollout.samples))
-        if self.cfg.remote_rm_url:  # this rank's share, as OpenRLHF's remote_rm_fn sends it
-            texts, replies = self.texts(rollout, rollout.local)
-            remote = call_remote_rm_full(self.cfg.remote_rm_url, [t + r for t, r in zip(texts, replies)], texts,
-                                         labels, timeout=self.cfg.remote_rm_timeout)
-            scores["remote"] = remote.rewards.to(self.mesh.device)
-            self.filter_scores = remote.scores  # what dynamic filtering reads, when the reward gives it
-            metrics.update(extra_log_metrics(remote.extra_logs, len(texts), self.mesh))
-        if not scores:  # pure on-policy distillation (--task_reward_coef 0 with a teacher): no reward source
-            rewards = raw = torch.zeros(len(rollout.local), device=self.mesh.device)
-        else:
-            rewards, raw = combine_rewards(scores, self.cfg.source_weights, self.norms)
-        if self.filter_scores is None:
-            self.filter_scores = rewards
-        if len(scores) > 1 or self.norms:
-            metrics.update(source_metrics({k: dp_all_gather(v, self.mesh) for k, v in scores.items()}))
-        if self.norms:
-            metrics["reward_normalized"] = dp_all_gather(rewards, self.mesh).mean().item()
-        return rewards, raw, metrics
-
-
-def agent_rewards(samples: list[Sample]) -> torch.Tensor:
-    """Each trajectory's environment reward (the sum of its step rewards; 0 for a failed one)."""
-    if any(s.agent is None or s.agent.reward is None for s in samples):
-        raise ValueError("--agent_func_path: its AgentExecutor returned no reward (a single-turn executor); give its "
-                         "step results 'rewards' or score the replies with --reward_fn / --remote_rm_url instead")
-    return torch.tensor([s.agent.reward for s in samples], dtype=torch.float32)
-
-
-def agent_extra_logs(samples: list[Sample]) -> dict[str, float]:
-    """``reward_extra/<name>``: the mean over the step's trajectories (every rank holds them all) of each
-    environment's last ``extra_logs``, over the trajectories that logged the name."""
-    names = sorted({k for s in samples for k in s.agent.extra_logs})
-    out = {}
-    for k in names:
-        vals = [s.agent.extra_logs[k] for s in samples if k in s.agent.extra_logs]
-        out[f"reward_extra/{k}"] = sum(vals) / len(vals)
-    return out
-
-
-def extra_log_metrics(extra_logs: dict, n: int, mesh) -> dict[str, float]:
-    """``reward_extra/<name>``: a reward's extra logs (one number, or one per query) as their mean over the global
-    batch. Every rank's reward answers with the same names (one reward function): one all-gather."""
-    if not extra_logs:
-        return {}
-    names = sorted(extra_logs)
-    local = torch.zeros(1, 2 * len(names), dtype=torch.float64)
-    for i, k in enumerate(names):
-        v = torch.as_tensor(extra_logs[k].tolist() if isinstance(extra_logs[k], torch.Tensor) else extra_logs[k],
-                            dtype=torch.float64).flatten()
-        w = float(n) if v.numel() == 1 else float(v.numel())  # a batch mean counts for the batch's queries
-        local[0, 2 * i], local[0, 2 * i + 1] = v.mean() * w, w
-    tot = dp_all_gather(local.to(mesh.device), mesh).sum(dim=0).cpu()
-    return {f"reward_extra/{k}": (tot[2 * i] / tot[2 * i + 1]).item() for i, k in enumerate(names)}
 
 
 def make_experience(roles, job, rollout: Rollout, rewards: RewardSources, mesh, pad_id: int,

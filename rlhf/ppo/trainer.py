@@ -130,10 +130,7 @@ class PPOTrainer:
         metrics.update(reward_metrics)
         with timer.phase("advantages"):
             metrics.update(compute_advantages(exp, raw_rewards, self.estimator, self.kl_ctl.value, job, mesh))
-            if self.partial is not None and job.algo.old_logprobs_source == "forward":  # fresh tokens vs carried
-                metrics.update(drift_by_age(exp, self.step, mesh))
-            if self.partial is not None and job.partial.correction_used.startswith("slime's"):
-                metrics.update(mask_offpolicy(exp, self.step, mesh))
+            metrics.update(self.carried_tokens(exp))
         # Global means (the same on every rank): a non-finite reward or advantage skips this step's updates.
         bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
         if bad:
@@ -147,6 +144,16 @@ class PPOTrainer:
             self.actor_changed = True
             self.kl_ctl.update(metrics["kl"], len(rollout.samples))
         metrics.update(self.step_stats(rollout))
+        return metrics
+
+    def carried_tokens(self, exp) -> dict[str, float]:
+        """Partial rollouts: the log-prob drift of fresh against carried tokens, and slime's masking of carried
+        tokens (``--partial_rollout_correction mask_offpolicy``)."""
+        job, metrics = self.job, {}
+        if self.partial is not None and job.algo.old_logprobs_source == "forward":  # fresh tokens vs carried
+            metrics.update(drift_by_age(exp, self.step, self.mesh))
+        if self.partial is not None and job.partial.correction_used.startswith("slime's"):
+            metrics.update(mask_offpolicy(exp, self.step, self.mesh))
         return metrics
 
     def gold_metrics(self, rollout: Rollout) -> dict[str, float]:

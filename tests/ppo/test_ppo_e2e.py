@@ -170,9 +170,10 @@ def test_grpo_with_a_rule_reward_and_no_reward_model(ppo_setup, tmp_path):
     for ln in lines:
         m = dict(kv.split("=") for kv in ln.split("] ", 1)[1].split())
         assert 0.0 < float(m["reward"]) <= 1.0, m
-        assert not any(k.startswith(("time/reward", "time/critic", "critic/", "reward/")) for k in m), m
+        # no reward model's phase (time/reward) or critic; the rule's own phase is time/reward_fn
+        assert not any(k == "time/reward" or k.startswith(("time/critic", "critic/", "reward/")) for k in m), m
     hist = history(save)
-    assert len(hist) == 2
+    assert len(hist) == 2 and all(h["time/reward_fn"] > 0 for h in hist), hist
     for h in hist:  # the mean over 8 prompts x 4 samples of k/12: a whole number of 1/384ths
         assert abs(h["reward"] * 384 - round(h["reward"] * 384)) < 1e-4, h["reward"]
     assert os.path.exists(os.path.join(save, "model.safetensors"))
