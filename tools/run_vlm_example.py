@@ -70,11 +70,13 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    w = 20  # 8 prompts a step: the per-step reward is noisy; the mean of the last w steps
     for name, r in sorted(results.items()):
-        ax.plot(range(1, len(r["reward"]) + 1), r["reward"],
-                label=f"{name} (held-out {r['acc_before']:.2f} -> {r['acc_after']:.2f})")
+        x = r["reward"]
+        mean = [sum(x[max(0, i - w + 1):i + 1]) / len(x[max(0, i - w + 1):i + 1]) for i in range(len(x))]
+        ax.plot(range(1, len(x) + 1), mean, label=f"{name} (held-out {r['acc_before']:.2f} -> {r['acc_after']:.2f})")
     ax.set_xlabel("GRPO step")
-    ax.set_ylabel("training reward (exact answer)")
+    ax.set_ylabel(f"training reward (exact answer), mean of {w} steps")
     ax.set_title("GRPO on the shapes task, tiny Qwen2.5-VL after SFT from scratch")
     ax.legend(fontsize=7)
     fig.tight_layout()
