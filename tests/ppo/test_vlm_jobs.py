@@ -1,8 +1,9 @@
 """SFT and GRPO jobs on a tiny Qwen2.5-VL with image prompts (docs/vlm.md): the visual task's records
 (rlhf.demo.vision_task) in the peers' layout, through launch/sft.py and launch/ppo.py.
 
-Two jobs, about 45 s together (a one-rank SFT of 8 steps, a two-rank GRPO of 2 steps with vLLM); each is the only
-end-to-end run of its path with images, and every assertion reads the one run."""
+A one-rank SFT of 8 steps, a two-rank GRPO of 2 steps with vLLM, and the same GRPO stopped after step 1 and resumed
+(four launches; the resume adds about 25 s, and is the only check that a VLM job's checkpoint carries everything);
+each is the only end-to-end run of its path with images."""
 from __future__ import annotations
 
 import json
@@ -31,6 +32,20 @@ def _tensors(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
+def _grpo(sft, paths, out, *extra):
+    """A 2-step GRPO job with images on 2 ranks from the SFT model (vLLM at TP 1: two engines)."""
+    return run_torchrun(os.path.join(REPO, "launch", "ppo.py"), 2, [
+        "--pretrain", str(sft), "--prompt_data", paths["train"], "--input_key", "prompt", "--label_key", "answer",
+        "--apply_chat_template", "--reward_fn", "_rule_reward:char_code_reward", "--advantage_estimator",
+        "group_norm", "--init_kl_coef", "0", "--rollout_batch_size", "4", "--n_samples_per_prompt", "4",
+        "--train_batch_size", "16", "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "8",
+        "--generate_max_len", "6", "--prompt_max_len", "64", "--max_samples", "8", "--num_episodes", "1",
+        "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0", "--vllm_kv_cache_mb", "32",
+        "--vllm_tensor_parallel_size", "1", "--save_path", str(out), "--save_steps", "-1",
+        "--eval_dataset", paths["heldout"], "--eval_n_samples_per_prompt", "2", *extra], timeout=300,
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")  # _rule_reward
+
+
 def test_sft_then_grpo_with_images(task):
     work, paths = task
     sft = work / "sft"
@@ -53,16 +68,7 @@ def test_sft_then_grpo_with_images(task):
         assert os.path.exists(sft / name), name
 
     grpo = work / "grpo"
-    proc = run_torchrun(os.path.join(REPO, "launch", "ppo.py"), 2, [
-        "--pretrain", str(sft), "--prompt_data", paths["train"], "--input_key", "prompt", "--label_key", "answer",
-        "--apply_chat_template", "--reward_fn", "_rule_reward:char_code_reward", "--advantage_estimator",
-        "group_norm", "--init_kl_coef", "0", "--rollout_batch_size", "4", "--n_samples_per_prompt", "4",
-        "--train_batch_size", "16", "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "8",
-        "--generate_max_len", "6", "--prompt_max_len", "64", "--max_samples", "8", "--num_episodes", "1",
-        "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0", "--vllm_kv_cache_mb", "32",
-        "--vllm_tensor_parallel_size", "1", "--save_path", str(grpo), "--save_steps", "-1",
-        "--eval_dataset", paths["heldout"], "--eval_n_samples_per_prompt", "2"], timeout=300,
-        PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")  # _rule_reward
+    proc = _grpo(sft, paths, grpo)
     assert proc.returncode == 0, tail(proc)
     metrics = [json.loads(line) for line in open(grpo / "metrics.jsonl")]
     steps = [m for m in metrics if "rollout_logprob_drift_max" in m]
@@ -78,3 +84,23 @@ def test_sft_then_grpo_with_images(task):
     import transformers
 
     transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(grpo))  # loads as a Qwen2.5-VL
+
+    # Resume: the same job stopped after step 1 with a checkpoint, relaunched with --load_checkpoint, ends with the
+    # straight run's weights bit for bit and its step-2 reward (the images, the vision tower's state and the
+    # optimizer's come back with the checkpoint)
+    from crash_harness import assert_resumed
+
+    split = work / "grpo_split"
+    proc = _grpo(sft, paths, split, "--save_steps", "1", "--stop_after_steps", "1")
+    assert proc.returncode == 0, tail(proc)
+    proc = _grpo(sft, paths, split, "--save_steps", "1", "--load_checkpoint")
+    assert proc.returncode == 0, tail(proc)
+    assert_resumed(proc.stdout + proc.stderr, "ppo", step=1, total=2)
+    resumed = _tensors(split)
+    assert sorted(resumed) == sorted(after)
+    assert all(torch.equal(after[k], resumed[k]) for k in after), [k for k in after if not torch.equal(after[k],
+                                                                                                   resumed[k])]
+    rewards = {m["step"]: m["reward"] for m in metrics if "rollout_logprob_drift_max" in m}
+    split_rewards = {m["step"]: m["reward"] for m in map(json.loads, open(split / "metrics.jsonl"))
+                     if "rollout_logprob_drift_max" in m}
+    assert split_rewards == rewards, (split_rewards, rewards)
