@@ -40,14 +40,32 @@ QUICK = {
 tests of kernels, CLI, config and data, which are all quick)."""
 
 
+def _module_fixtures(item) -> set[str]:
+    """The module- and class-scoped fixtures ``item`` uses (set up once per file, or per class, of tests)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return set()
+    return {name for name, defs in info.name2fixturedefs.items() if defs and defs[-1].scope in ("module", "class")}
+
+
 def pytest_collection_modifyitems(config, items):
     files = DURATIONS.get("files", {})
     tests = DURATIONS.get("tests", {})
     unknown = max(files.values(), default=0.0) + 1.0
     items.sort(key=lambda item: -files.get(item.nodeid.split("::")[0], -unknown))  # stable: heaviest file first
     slow = pytest.mark.slow
+    # A module-scoped fixture's cost lands on the first test that uses it (junit times it there): when that test is
+    # left out of the quick tier, the next one would pay it. So the tests that share a module-scoped fixture with a
+    # slow test of their file are slow too (one CP fixture took 103 s of a quick tier's 6 minutes that way).
+    heavy: dict[str, set[str]] = {}
     for item in items:
-        if tests.get(item.nodeid, 0.0) > SLOW_S and item.nodeid not in QUICK:
+        if tests.get(item.nodeid, 0.0) > SLOW_S:
+            heavy.setdefault(item.nodeid.split("::")[0], set()).update(_module_fixtures(item))
+    for item in items:
+        if item.nodeid in QUICK:
+            continue
+        shared = _module_fixtures(item) & heavy.get(item.nodeid.split("::")[0], set())
+        if tests.get(item.nodeid, 0.0) > SLOW_S or shared:
             item.add_marker(slow)
     if torch.cuda.is_available():
         return
