@@ -50,6 +50,23 @@ def grpo_flags(model: str, data: dict, out: str, seed: int, steps: int, lr: floa
             "--vllm_kv_cache_mb", "64", "--save_path", out, "--save_steps", "-1"]
 
 
+def shuffle_labels(path: str, seed: int) -> str:
+    """A copy of the GRPO prompts whose answers are permuted within each question kind; returns its path."""
+    import random
+
+    rows = [json.loads(line) for line in open(path)]
+    rng = random.Random(seed)
+    for kind in sorted({r["kind"] for r in rows}):
+        idx = [i for i, r in enumerate(rows) if r["kind"] == kind]
+        answers = [rows[i]["answer"] for i in idx]
+        rng.shuffle(answers)
+        for i, a in zip(idx, answers):
+            rows[i]["answer"] = a
+    out = path.replace(".jsonl", "_shuffled.jsonl")
+    with open(out, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return out
+
 def summarize(out: str) -> dict:
     from rlhf.metrics import read_metrics_jsonl
 
@@ -96,6 +113,10 @@ def main(argv=None) -> int:
     p.add_argument("--n_train", type=int, default=2400, help="GRPO prompts (images never shown to SFT)")
     p.add_argument("--n_heldout", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-4, help="GRPO's actor learning rate")
+    p.add_argument("--shuffled_labels", action="store_true",
+                   help="the negative control: GRPO's prompts keep their images but take the answers of other "
+                        "prompts (a permutation of the count answers among counts, colours among colours), so the "
+                        "reward says nothing about the image")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -118,6 +139,8 @@ def main(argv=None) -> int:
         run(sft_command(model, data["sft"], os.path.join(d, "sft"), seed, args.sft_epochs, args.nproc),
             os.path.join(d, "sft.log"))
         t_sft = time.time() - t0
+        if args.shuffled_labels:
+            data = dict(data, train=shuffle_labels(data["train"], seed))
         run(ppo_command(grpo_flags(os.path.join(d, "sft"), data, os.path.join(d, "grpo"), seed, args.grpo_steps,
                                    args.lr),
                         args.nproc), os.path.join(d, "grpo.log"))
