@@ -31,12 +31,13 @@ CFG = SandboxConfig(timeout_s=3.0, memory_mb=256, max_processes=32, max_output_b
 
 
 def sandbox_processes() -> list[int]:
-    """Every process in some rlhf-sandbox cgroup (none may outlive its run)."""
-    out = []
+    """Every process in a cgroup of a run this process started (``rlhf-sandbox/<our pid>-<id>``; none may outlive
+    its run). Runs of other processes are not ours to judge: the other pytest worker may be in the middle of one."""
+    out, mine = [], f"rlhf-sandbox/{os.getpid()}-"
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                if "rlhf-sandbox" in open(f"/proc/{pid}/cgroup").read():
+                if mine in open(f"/proc/{pid}/cgroup").read():
                     out.append(int(pid))
             except OSError:
                 pass
