@@ -130,7 +130,7 @@ def run_program(program: str, stdin: str = "", cfg: SandboxConfig | None = None,
         return SandboxResult("refused", None, "", "", reason="; ".join(f"{k}: {v}" for k, v in missing.items())
                              + " (--allow_weaker runs without them)")
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="rlhf-sbx-") as host:
+    with tempfile.TemporaryDirectory(prefix=f"rlhf-sbx-{os.getpid()}-") as host:  # whose run: the pid
         staging = os.path.join(host, "files")
         os.makedirs(staging)
         for name, text in {"main.py": program, **(files or {})}.items():

@@ -75,7 +75,8 @@ def host(tmp_path, monkeypatch):
         assert sleeper.poll() is None, "the sandbox killed a process of the host"
         assert tree_digest(str(data)) == before, "the host's files changed"
         assert os.path.exists(state["secret"]) and open(state["secret"]).read() == "TOP-SECRET-7d3f"
-        assert not [d for d in os.listdir("/tmp") if d.startswith("rlhf-sbx-")], "a run's staging folder was left"
+        assert not [d for d in os.listdir("/tmp") if d.startswith(f"rlhf-sbx-{os.getpid()}-")], \
+            "a run's staging folder was left"
     finally:
         sleeper.kill()
         sleeper.wait()
