@@ -96,8 +96,10 @@ def test_sandboxfusion_client_gives_the_local_verdicts():
                                                                        local.stdout), (program, remote, local)
             assert remote.isolation == [f"SandboxFusion {client.url}"]
         rewards, verdicts = grade([GOOD_FN, "def add(a, b): return 0"], [MBPP, MBPP],
-                                  CodeRewardConfig(code_sandbox_url=client.url, code_timeout_s=2.0))
-        assert rewards == pytest.approx([1.0, 2 / 3]) and verdicts[1] == ["wrong_answer", "passed", "passed"]
+                                  CodeRewardConfig(code_sandbox_url=client.url, code_timeout_s=10.0))
+        # 10 s: these programs end at once; a 2 s limit timed one out while the other pytest worker loaded the machine
+        assert rewards == pytest.approx([1.0, 2 / 3]) and verdicts[1] == ["wrong_answer", "passed", "passed"], \
+            (rewards, verdicts)
     finally:
         srv.shutdown()
         srv.server_close()
