@@ -31,7 +31,7 @@ from typing import Sequence
 
 from rlhf.rollout.partial_config import (PARTIAL_CORRECTIONS, PartialRolloutConfig,  # noqa: F401 (re-exported)
                                          check_partial, decoupled_correction, resolve_correction)
-from rlhf.rollout.types import Sample
+from rlhf.rollout.types import Sample, engine_share
 
 
 @dataclass
@@ -75,10 +75,6 @@ def continuation_seed(seed: int, version: int) -> int:
     return (seed * 1_000_003 + 7_919 * (version + 1)) % (2**63 - 1)
 
 
-def _engine_share(n_items: int, engines: int, e: int) -> tuple[int, int]:
-    return n_items * e // engines, n_items * (e + 1) // engines
-
-
 def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_needed: int, temperature: float,
                      top_p: float, max_tokens: int, version: int, stop_token_ids: Sequence[int] | None = None,
                      ignore_eos: bool = False, due: Sequence[bool] | None = None
@@ -100,8 +96,8 @@ def generate_partial(rollout, groups: Sequence[list[PartialSample]], *, groups_n
     mesh = rollout.mesh
     megatron = hasattr(rollout, "partial_round")  # the fallback: one engine per DP replica, no abort to call
     E, e = (mesh.dp, mesh.dp_rank) if megatron else (rollout.num_engines, rollout.engine_index)
-    lo, hi = _engine_share(len(groups), E, e)
-    n_lo, n_hi = _engine_share(groups_needed, E, e)
+    lo, hi = engine_share(len(groups), E, e)
+    n_lo, n_hi = engine_share(groups_needed, E, e)
     mine = [[_copy(s) for s in g] for g in groups[lo:hi]]
     kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, version=version,
               stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos,

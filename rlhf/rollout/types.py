@@ -135,6 +135,11 @@ class RolloutConfig:
             raise ValueError(f"--weight_sync_bucket_mb must be >= 1, got {self.weight_sync_bucket_mb}")
 
 
+def engine_share(n_items: int, engines: int, e: int) -> tuple[int, int]:
+    """Engine ``e``'s contiguous share ``[lo, hi)`` of ``n_items`` over ``engines`` (sizes differ by at most 1)."""
+    return n_items * e // engines, n_items * (e + 1) // engines
+
+
 def mb_to_bytes(mb: int | None) -> int | None:
     """``--vllm_kv_cache_mb`` -> bytes (None stays None: the device's default)."""
     return None if mb is None else int(mb) << 20

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from rlhf.compat import installed_version
 from rlhf.compat.vllm import (TESTED_VLLM, keep_torch_rng, release_cpu_weights, repack_cpu_lm_head,
                                repack_cpu_moe_on_reload, restore_cpu_weights, eager_logprob_ranks)
-from rlhf.rollout.types import RolloutConfig, Sample
+from rlhf.rollout.types import RolloutConfig, Sample, engine_share
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class VLLMRollout:
         if n_p < e:  # every engine of a data-parallel vLLM must take part in the step
             raise ValueError(f"{n_p} prompt(s) for {e} vLLM engines: --eval_dataset needs at least as many prompts "
                              "as engines")
-        lo, hi = self.engine_index * n_p // e, (self.engine_index + 1) * n_p // e
+        lo, hi = engine_share(n_p, e, self.engine_index)
         mine = prompts[lo:hi]
         # One seed per prompt: the samples do not depend on how prompts are spread over engines or batched. vLLM
         # seeds sample k of a request with seed + k, so the prompts' seeds are n apart: with a spacing of 1, sample
@@ -290,7 +290,7 @@ class VLLMRollout:
         from vllm import SamplingParams
 
         n, e = len(requests), self.num_engines
-        lo, hi = self.engine_index * n // e, (self.engine_index + 1) * n // e
+        lo, hi = engine_share(n, e, self.engine_index)
         mine = list(requests[lo:hi]) or [(list(requests[0][0])[:1], 1, 1.0, 1.0, 0)]
         params = [SamplingParams(n=1, temperature=t, top_p=tp, max_tokens=mt, logprobs=0, seed=seed,
                                  detokenize=False) for _, mt, t, tp, seed in mine]
