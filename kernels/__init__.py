@@ -7,7 +7,8 @@ Dispatch, per call, from the first tensor argument:
   - `RLHF_KERNELS_FORCE_TORCH=1`: the torch path, always.
   - `RLHF_KERNELS_FORCE_TRITON=1`: the Triton path, even on CPU (run with `TRITON_INTERPRET=1` there).
   - otherwise Triton for CUDA tensors when triton is importable, torch on CPU.
-  - `varlen_attention` on CUDA prefers flash-attn, then transformer-engine, then Triton. Its torch path batches
+  - `varlen_attention` on CUDA prefers flash-attn, then torch's own flash kernels (`kernels.attention_flash`),
+    then transformer-engine, then Triton. Its torch path batches
     sequences of similar lengths into one padded SDPA call (`kernels.attention_torch`), else loops over them
     (`RLHF_VARLEN_ATTENTION_LOOP=1`: always loop).
   - `set_cpu_bf16_in_fp32(True)`: the torch paths of `varlen_attention` and `fused_linear_logprobs` compute
@@ -118,6 +119,12 @@ def _usable(module: str) -> bool:
     return True
 
 
+def _torch_flash_usable(t: Tensor) -> bool:
+    from kernels.attention_flash import usable
+
+    return usable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def _log_path(op: str, path: str, why: str, level: int = logging.INFO) -> None:
     if (op, path) not in _logged:
         _logged.add((op, path))
@@ -137,7 +144,7 @@ def _select(op: str, t: Tensor, fast_paths: tuple[str, ...] = ()) -> str:
                                "set before triton is first imported")
         path, why = "triton", f"{FORCE_TRITON_ENV}=1"
     elif t.is_cuda:
-        available = [p for p in fast_paths if _usable(p)]
+        available = [p for p in fast_paths if (_torch_flash_usable(t) if p == "torch_flash" else _usable(p))]
         if available:
             path, why = available[0], "CUDA tensors"
         elif _importable("triton"):
@@ -291,8 +298,11 @@ def _te_attention(hq: int, hkv: int, d: int, softmax_scale: float):
 
 
 def varlen_fast_paths(dtype: torch.dtype) -> tuple[str, ...]:
-    """flash-attn and transformer-engine run fp16/bf16 only (they reject fp32): fp32 goes to Triton or torch."""
-    return ("flash_attn", "transformer_engine") if dtype in (torch.float16, torch.bfloat16) else ()
+    """flash-attn, torch's own flash kernels (``kernels.attention_flash``) and transformer-engine run fp16/bf16
+    only (they reject fp32): fp32 goes to Triton or torch."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return ("flash_attn", "torch_flash", "transformer_engine")
+    return ()
 
 
 def varlen_attention(
@@ -319,6 +329,10 @@ def varlen_attention(
 
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
+    if path == "torch_flash":
+        from kernels.attention_flash import flash_varlen_attention
+
+        return flash_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     if path == "transformer_engine":
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         attn = _te_attention(q.shape[1], k.shape[1], q.shape[2], scale)

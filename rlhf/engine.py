@@ -170,6 +170,12 @@ class ModelEngine:
         # The device rule: on the rank's device before Float16Module / DDP wrap it (megatron allocates the grad
         # buffers, masks and token counts there). Weights are read on the host, one rank's shard at a time.
         model.to(mesh.device)
+        from rlhf.models import fused
+
+        # --use_liger_kernel (rlhf.models.fused): Liger's RMSNorm on CUDA, the Triton SwiGLU and RoPE, SFT's fused head
+        self.fused = fused.enabled(mesh.device, use_te=self.transformer_impl == "transformer_engine")
+        if self.fused and mesh.device.type == "cuda":
+            fused.fuse_norms(model)
         if mesh.device.type == "cpu":
             from rlhf.compat.onednn import use_onednn_linears
 

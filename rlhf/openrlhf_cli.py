@@ -94,8 +94,7 @@ COMMON: dict[str, Flag] = {
                                                          ("eager", []))),
     "--ds.experts_implementation": ignore("which HF kernel runs MoE experts: here megatron-core's expert layers "
                                           "compute the same function"),
-    "--ds.use_liger_kernel": ignore("fused kernels of the same functions: the project's own run here "
-                                    "(kernels/), each tested against its torch reference", 0),
+    "--ds.use_liger_kernel": to("--use_liger_kernel", 0),
     "--ds.tensor_parallel_size": to("--tensor_model_parallel_size"),
     "--ds.ring_attn_size": to("--context_parallel_size"),
     "--ds.ring_attn_head_stride": ignore("ring attention's head stride: context parallelism here all-gathers the "

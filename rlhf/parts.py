@@ -79,6 +79,9 @@ class EnginePart(Part):
     """(--flash_attn) compatibility only"""
     packing_samples: bool = False
     """(--packing_samples) padding-free THD micro-batches"""
+    use_liger_kernel: bool | None = None
+    """(--use_liger_kernel) fused RMSNorm, SwiGLU, RoPE and SFT head+loss (rlhf.models.fused); None: on for CUDA
+    without Transformer Engine where liger-kernel imports"""
 
     @classmethod
     def add_args(cls, g) -> None:
@@ -94,8 +97,15 @@ class EnginePart(Part):
                        help="compatibility: flash/TE attention is used when installed on a GPU")
         g.add_argument("--packing_samples", action="store_true",
                        help="run each micro-batch as one padding-free row (THD packing, varlen attention)")
+        g.add_argument("--use_liger_kernel", action=argparse.BooleanOptionalAction, default=None,
+                       help="fused kernels in megatron's local layers: Liger-Kernel's RMSNorm and fused linear "
+                            "cross entropy (SFT), Triton SwiGLU and RoPE; default: on for CUDA without Transformer "
+                            "Engine where liger-kernel imports. On CPU the torch twins run")
 
     def check(self) -> None:
+        from rlhf.models import fused
+
+        fused.request(self.use_liger_kernel)
         if self.zero_stage not in (None, 0, 1, 2, 3):
             raise ValueError(f"--zero_stage must be 0..3, got {self.zero_stage}")
         if self.transformer_impl == "transformer_engine":  # what this machine allows, before any file is read

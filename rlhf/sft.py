@@ -46,6 +46,8 @@ class SFTTask:
 
         tp_group = engine.mesh.tp_group if engine.mesh.tp > 1 else None
         vocab = engine.spec.vocab_size
+        if self.fused_head(engine):
+            return fused_head_loss(engine, tp_group, vocab)
 
         # The logits are the model's output, read by this loss only (megatron's output layer does not save its
         # output for the backward), so the kernel may overwrite them with their gradient: no [B*S, V] buffer.
@@ -62,12 +64,50 @@ class SFTTask:
 
         return fn
 
+    def fused_head(self, engine) -> bool:
+        """SFT's LM head fused with its loss (``rlhf.models.fused``): with the fused kernels on, outside context
+        parallelism; the model then hands back its final hidden states (``output``)."""
+        on = bool(getattr(engine, "fused", False)) and engine.mesh.cp == 1
+        self.output = "hidden" if on else "head"
+        return on
+
     def evaluate(self, engine, batches: list[dict]) -> dict[str, float]:
+        if self.fused_head(engine):
+            outs = engine.forward(batches, loss_fn=self.loss_fn(engine), output="hidden")
+            return {"loss": engine.reduce_metrics(outs, self.metric_keys)["loss"]}
         outs = engine.forward(batches, loss_fn=self.loss_fn(engine))
         return {"loss": engine.reduce_metrics(outs, self.metric_keys)["loss"]}
 
     def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]:
         return {"conditional": self.conditional} if self.conditional else {}
+
+
+def fused_head_loss(engine, tp_group, vocab: int):
+    """SFT's loss from the final hidden states: the LM head runs on the scored positions only, fused with the
+    cross entropy (``rlhf.models.fused.head_nll_sum``); the same sum and token count as ``sft_loss`` and
+    ``packed_sft_loss`` (tests/train/test_fused_kernels.py compares them)."""
+    from rlhf.models.fused import head_nll_sum
+
+    weight = engine.model.output_weight()
+
+    def fn(batch: dict, hidden: torch.Tensor):
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        if "packed_seq_params" in batch:  # hidden (1, T, H)
+            import kernels
+
+            targets, valid = kernels.packed_next_tokens(ids[0], batch["packed_seq_params"].cu_seqlens_q)
+            mask = torch.zeros_like(valid)
+            mask[:-1] = loss_mask[0, 1:].bool()
+            mask &= valid
+            rows, tgt = hidden[0][mask], targets[mask]
+        else:  # hidden (B, S, H): position t predicts token t + 1
+            mask = loss_mask[:, 1:].bool()
+            rows, tgt = hidden[:, :-1][mask], ids[:, 1:][mask]
+        loss_sum = head_nll_sum(rows.to(weight.dtype), weight, tgt.long(), tp_group=tp_group, vocab_size=vocab)
+        n = mask.sum().to(torch.int)
+        return loss_sum, n, {"loss": [loss_sum.detach(), n.detach()]}
+
+    return fn
 
 
 @dataclass

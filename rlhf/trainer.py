@@ -256,10 +256,15 @@ class SupervisedLoop:
 
         task, engine, mesh = self.task, self.engine, self.mesh
         microbatches = self.batches([[train[i] for i in idx] for idx in self.sampler.next_step()])
+        cuda = mesh.device.type == "cuda"
+        if cuda:  # the step's peak device memory, as PPO's phases log theirs (rlhf.metrics.PhaseTimer)
+            torch.cuda.reset_peak_memory_stats(mesh.device)
         t0 = time.time()
         pre = task.before_step(engine, microbatches) if hasattr(task, "before_step") else {}
         m = engine.train_step(microbatches, loss_fn, task.metric_keys, output=task.output)
         m.update(pre)
+        if cuda:
+            m["mem/peak_gb"] = torch.cuda.max_memory_allocated(mesh.device) / 2**30
         ntok = torch.tensor([tokens_in(microbatches)], dtype=torch.float64)
         fault_point("collective")
         dist.all_reduce(ntok)

@@ -4,7 +4,7 @@
 
 The carry is the working tree as the device tool copies it (tracked files and untracked ones git does not ignore)
 plus ``tools/gpu_wheels`` (ignored by git, named in the call's ``carry``): the wheels the machine lacks
-(megatron-core, transformers, regex; tools/gpu_check.sh's header has the command that fetches them). Where a wheel
+(megatron-core, transformers, regex, liger-kernel; tools/gpu_check.sh's header has the command that fetches them). Where a wheel
 is not there yet, its size is measured by zipping the installed package's files (deflate, as a wheel is), so the
 check runs on any machine with the project's venv.
 """
@@ -18,7 +18,8 @@ import zipfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT = 64 << 20
-WHEELS = {"megatron-core": "megatron_core", "transformers": "transformers", "regex": "regex"}
+WHEELS = {"megatron-core": "megatron_core", "transformers": "transformers", "regex": "regex",
+          "liger-kernel": "liger_kernel"}
 """Distribution name -> wheel file prefix, for every package the GPU machine lacks."""
 
 

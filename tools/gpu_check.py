@@ -15,7 +15,10 @@ Parts (``PARTS``; each has its own deadline, ``PART_BUDGET_S``):
   megatron generator's), its routing-flip metric and log-prob drift;
 * ``resume_mfu``: a timed SFT at SmolLM2-135M's size on 2048-token packed rows: tokens/s and MFU against the
   card's bf16 peak, a PASS only at MFU >= 20% (``MFU_BAR``); and a resume on CUDA (the step-2 checkpoint of an
-  uninterrupted run, resumed alone, begins at step 3 and ends bit for bit where that run ended).
+  uninterrupted run, resumed alone, begins at step 3 and ends bit for bit where that run ended);
+* ``speed``: one SFT step side by side at Llama-3.2-1B's and SmolLM2-135M's shapes, ours (fused kernels, and
+  without them) against transformers and transformers + Liger on the same texts: tokens/s, MFU, peak memory and
+  the ratios; a PASS at the goals of ``tools/gpu_speed.py`` (``GOALS``).
 
 Output: an environment header, ``# start <check>`` before each check, one ``PASS``/``FAIL``/``NOT RUN`` line per
 check (a FAIL line is followed by the failing log's traceback and last lines, indented with ``|``), and
@@ -52,9 +55,10 @@ PARTS: dict[str, tuple[str, ...]] = {
     "fp32": ("kernels", "sft_fp32", "sft_fp32_packed", "ppo_fp32", "rm_fp32"),
     "bf16": ("sft_bf16_packed", "ppo_bf16", "moe_bf16", "rm_bf16", "sft_bf16", "moe_ppo_replay_bf16"),
     "resume_mfu": ("mfu", "resume"),
+    "speed": ("speed_1b", "speed_135m"),
 }
 """Each part's checks, most telling first: the ones a deadline leaves out are the last."""
-PART_BUDGET_S = {"fp32": 200, "bf16": 220, "resume_mfu": 170}
+PART_BUDGET_S = {"fp32": 200, "bf16": 220, "resume_mfu": 170, "speed": 420}
 """Measured on an H200 (2026-11-27, bench/results/gpu_*_figures.json): fp32 162 s (kernels 24, SFT padded with its
 export 48, packed 35, PPO 33, RM 22), bf16 178 s (SFT packed 30, PPO 30, MoE SFT 29, RM 28, SFT padded 22, MoE GRPO
 with replay 39), resume_mfu 125 s (MFU 62, resume 63); each budget is that plus about 20%. The machine's start took
@@ -547,7 +551,16 @@ CHECKS: dict[str, Callable[[Check], None]] = {
     "moe_bf16": lambda c: check_sft(c, "bf16", True, model="moe", name="moe_bf16"),
     "moe_ppo_replay_bf16": check_moe_ppo_replay,
     "resume": check_resume, "mfu": check_mfu,
+    # the side-by-side speed check (tools/gpu_speed.py)
+    "speed_1b": lambda c: _speed(c, "llama32_1b"), "speed_135m": lambda c: _speed(c, "smollm2_135m"),
 }
+
+
+def _speed(c: Check, shape: str) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_speed
+
+    gpu_speed.check_speed(c, shape)
 
 
 def _kernels(c: Check) -> None:

@@ -38,7 +38,7 @@
 #
 #   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 #      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d tools/gpu_wheels"
-#   pip download $P megatron-core==0.16.1 regex==2026.11.15 transformers==5.19.0
+#   pip download $P megatron-core==0.16.1 regex==2026.11.15 transformers==5.19.0 liger-kernel==0.8.5
 #
 # (the versions tools/setup_env.sh resolved on a CPU machine; the machine's own torch, triton, safetensors, numpy,
 # accelerate, tokenizers and huggingface_hub are used: its huggingface_hub 1.33 satisfies transformers 5.19, while a

@@ -100,6 +100,8 @@ def check_varlen_attention(report: Report) -> None:
                        for a, b in ((q, qd), (k, kd), (v, vd)))
             t_k = timed(lambda: kernels.varlen_attention(q.detach(), k.detach(), v.detach(), cu, max(lengths),
                                                          softmax_scale=scale))
+            path = kernels._select("varlen_attention", q, fast_paths=kernels.varlen_fast_paths(q.dtype))
             report(f"kernels.varlen_attention[d{d},{str(dtype)[6:]}]", err < tol and gerr < tol * 10,
-                   f"T={T} seqs={lengths} GQA 8:2: max|out-ref|={err:.1e}, max relative grad error {gerr:.1e}; "
+                   f"{path} path, T={T} seqs={lengths} GQA 8:2: max|out-ref|={err:.1e}, max relative grad error "
+                   f"{gerr:.1e}; "
                    f"{t_k * 1e3:.2f} ms", figures=dict(max_err=err, max_rel_grad_err=gerr, ms=t_k * 1e3))

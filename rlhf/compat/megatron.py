@@ -232,13 +232,21 @@ def rotary_half_rope() -> None:
     orig = getattr(rope_utils._apply_rotary_pos_emb_bshd, "__wrapped__", rope_utils._apply_rotary_pos_emb_bshd)
     if choice == "megatron":
         rope_utils._apply_rotary_pos_emb_bshd = orig
+        rope_utils._apply_rotary_pos_emb_thd = getattr(rope_utils._apply_rotary_pos_emb_thd, "__wrapped__",
+                                                       rope_utils._apply_rotary_pos_emb_thd)
         return
     from kernels.rope import rotary_half
+    from rlhf.models import fused
 
     def bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
         if rotary_interleaved or multi_latent_attention:
             return orig(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
         rot = freqs.shape[-1]
+        if fused.active_for(t) and t.dim() == 4 and rot == t.shape[-1] and freqs.shape[0] == t.shape[0] \
+                and freqs[0].numel() == rot:  # --use_liger_kernel on CUDA (rlhf.models.fused)
+            from kernels import rope_triton
+
+            return rope_triton.rope_triton(t, freqs, mscale)
         cos, sin = ((f(freqs) * mscale).to(t.dtype) for f in (torch.cos, torch.sin))  # as megatron computes them
         if rot == t.shape[-1]:
             return rotary_half(t, cos, sin)
@@ -246,6 +254,27 @@ def rotary_half_rope() -> None:
 
     bshd.__wrapped__ = orig
     rope_utils._apply_rotary_pos_emb_bshd = bshd
+    orig_thd = getattr(rope_utils._apply_rotary_pos_emb_thd, "__wrapped__", rope_utils._apply_rotary_pos_emb_thd)
+    cache: list = [None, None, None]  # (cu_seqlens, freqs, their packed angles): the layers of one micro-batch
+
+    def thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
+            cp_group=None):
+        """megatron 0.16.1's THD RoPE at CP 1 without its host sync (``.tolist()``) and per-sequence slicing on
+        every call: the same angles (each sequence's positions from 0, or, where ``freqs`` holds exactly one row
+        per packed token, those rows: megatron's two cases), gathered once per micro-batch."""
+        if not fused.active_for(t) or cp_group is None or cp_group.size() != 1 or rotary_interleaved \
+                or multi_latent_attention:
+            return orig_thd(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
+        if cache[0] is not cu_seqlens or cache[1] is not freqs:
+            from kernels.packing import position_ids_from_cu_seqlens
+
+            packed = freqs[:t.shape[0]] if freqs.size(0) == t.shape[0] else \
+                freqs[position_ids_from_cu_seqlens(cu_seqlens, t.shape[0])]
+            cache[:] = [cu_seqlens, freqs, packed]
+        return bshd(t.unsqueeze(1), cache[2], mscale=mscale).squeeze(1)
+
+    thd.__wrapped__ = orig_thd
+    rope_utils._apply_rotary_pos_emb_thd = thd
 
 
 SWIGLU_ENV = "RLHF_SWIGLU_IMPL"
@@ -273,10 +302,17 @@ def swiglu_function() -> None:
 
     orig = getattr(mlp.bias_swiglu_impl, "__wrapped__", mlp.bias_swiglu_impl)
 
+    from rlhf.models import fused
+
     def impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
         if fp8_input_store or cpu_offload_input:
             return orig(input, bias, fp8_input_store, cpu_offload_input)
-        return swiglu(input if bias is None else input + bias)
+        y = input if bias is None else input + bias
+        if fused.active_for(y):  # --use_liger_kernel on CUDA (rlhf.models.fused): one Triton kernel each way
+            from kernels.swiglu_triton import swiglu_triton
+
+            return swiglu_triton(y)
+        return swiglu(y)
 
     impl.__wrapped__ = orig
     mlp.bias_swiglu_impl = impl

@@ -166,7 +166,7 @@ def test_fp32_packed_attention_never_goes_to_flash_attn_or_te(monkeypatch):
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     kernels.varlen_attention(q, k, k, cu, 3)
     kernels.varlen_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), cu, 3)
-    assert seen == [(torch.float32, ()), (torch.bfloat16, ("flash_attn", "transformer_engine"))]
+    assert seen == [(torch.float32, ()), (torch.bfloat16, ("flash_attn", "torch_flash", "transformer_engine"))]
 
 
 def test_rng_states_restore_only_on_the_device_type_that_saved_them():

@@ -23,8 +23,8 @@ if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 
 def test_dispatch_picks_triton():
     assert kernels._select("token_logprobs", torch.zeros(1, device=DEVICE)) == "triton"
-    assert kernels._select("varlen_attention", torch.zeros(1, device=DEVICE)) in ("triton", "flash_attn",
-                                                                                  "transformer_engine")
+    assert kernels._select("varlen_attention", torch.zeros(1, device=DEVICE)) in (
+        "triton", "flash_attn", "torch_flash", "transformer_engine")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -140,3 +140,96 @@ def test_varlen_attention_packed_matches_padded(dtype, lens, hq, hkv, d):
         for name, a, b in zip("qkv", leaves, ref_leaves):
             torch.testing.assert_close(a.grad[s:e].cpu().double(), b.grad[s:e], **tol,
                                        msg=lambda m: f"seq {i} d{name}: {m}")
+
+
+# --------------------------------------------------------------- the fused layer kernels (rlhf.models.fused)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# bf16 rounds each output once (relative 2^-8); the fp64 reference is exact
+LAYER_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_triton_matches_fp64(dtype):
+    from kernels.swiglu import swiglu
+    from kernels.swiglu_triton import swiglu_triton
+
+    g = torch.Generator().manual_seed(0)
+    y = (torch.randn(3, 5, 2 * 20, generator=g) * 2).to(dtype)
+    gout = torch.randn(3, 5, 20, generator=g).to(dtype)
+    out, (gy,) = _out_and_grads(swiglu_triton, y, gout)
+    ref, (ref_gy,) = _out_and_grads(swiglu, y.double(), gout.double())
+    torch.testing.assert_close(out.double(), ref, **LAYER_TOL[dtype])
+    torch.testing.assert_close(gy.double(), ref_gy, **LAYER_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rope_triton_matches_fp64(dtype, strided):
+    from kernels.rope import rotary_half
+    from kernels.rope_triton import rope_triton
+
+    s, b, h, d = 7, 2, 3, 16
+    g = torch.Generator().manual_seed(1)
+    # strided: the query as megatron hands it, a view into a wider fused-QKV tensor
+    t = torch.randn(s, b, h + 2 if strided else h, d, generator=g).to(dtype)[:, :, :h] if strided else \
+        torch.randn(s, b, h, d, generator=g).to(dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).double() / d))
+    ang = torch.outer(torch.arange(s).double() + 3, inv)
+    freqs = torch.cat([ang, ang], -1)[:, None, None, :]
+    gout = torch.randn(s, b, h, d, generator=g).to(dtype)
+    out, (gt,) = _out_and_grads(lambda x: rope_triton(x, freqs.float().to(DEVICE), 0.9), t, gout)
+    ref, (ref_gt,) = _out_and_grads(lambda x: rotary_half(x, freqs.cos() * 0.9, freqs.sin() * 0.9), t.double(),
+                                    gout.double())
+    torch.testing.assert_close(out.double(), ref, **LAYER_TOL[dtype])
+    torch.testing.assert_close(gt.double(), ref_gt, **LAYER_TOL[dtype])
+
+
+def _out_and_grads(fn, x, gout):
+    """fn(x) and d(sum(fn(x) * gout))/dx, computed on DEVICE, returned on the CPU."""
+    x = x.to(DEVICE).requires_grad_(True)
+    out = fn(x)
+    (grad,) = torch.autograd.grad(out, x, gout.to(DEVICE))
+    return out.detach().cpu(), (grad.cpu(),)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="Liger-Kernel's RMSNorm kernel does not run in Triton's interpreter "
+                                        "(AttributeError: 'float' object has no attribute 'to'): GPU only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_liger_rmsnorm_module_matches_fp64(dtype):
+    from rlhf.models.fused import FusedRMSNorm
+
+    g = torch.Generator().manual_seed(2)
+    norm = torch.nn.RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    x = torch.randn(2, 9, 64, generator=g).to(dtype)
+    gout = torch.randn(2, 9, 64, generator=g).to(dtype)
+    ref, (ref_gx,) = _out_and_grads(lambda v: torch.nn.functional.rms_norm(v, (64,), norm.weight.double().to(DEVICE),
+                                                                           1e-5), x.double(), gout.double())
+    norm = norm.to(device=DEVICE, dtype=dtype)
+    norm.__class__ = FusedRMSNorm
+    out, (gx,) = _out_and_grads(norm, x, gout)
+    torch.testing.assert_close(out.double(), ref, **LAYER_TOL[dtype])
+    torch.testing.assert_close(gx.double(), ref_gx, **LAYER_TOL[dtype])
+
+
+@pytest.mark.skipif(INTERPRETED, reason="Liger-Kernel's kernels do not run in Triton's interpreter: GPU only")
+def test_head_nll_sum_liger_matches_fp64():
+    from rlhf.models import fused
+
+    g = torch.Generator().manual_seed(3)
+    n, hdim, v, vocab = 37, 64, 300, 280  # a padded vocabulary: rows 280.. are no classes
+    hidden = torch.randn(n, hdim, generator=g).to(DEVICE).requires_grad_(True)
+    weight = (torch.randn(v, hdim, generator=g) / 8).to(DEVICE).requires_grad_(True)
+    targets = torch.randint(0, vocab, (n,), generator=g).to(DEVICE)
+    fused.request(True)
+    assert fused.enabled(DEVICE)
+    loss = fused.head_nll_sum(hidden, weight, targets, vocab_size=vocab)
+    loss.backward()
+    hd, wd = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(hd @ wd[:vocab].T, targets, reduction="sum")
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(hidden.grad.double(), hd.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(weight.grad.double(), wd.grad, atol=1e-4, rtol=1e-4)
+    assert torch.all(weight.grad[vocab:] == 0)

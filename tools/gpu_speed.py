@@ -1,0 +1,154 @@
+"""The GPU check's part ``speed`` (tools/gpu_check.py): one SFT step measured side by side, on the same GPU and the
+same texts, through
+
+* ``ours``: launch/sft.py, bf16, packed 8 rows of 2048 tokens to a micro-batch, with the fused kernels
+  (``--use_liger_kernel``, rlhf/models/fused.py);
+* ``hf+liger``: transformers' Llama after liger-kernel's ``apply_liger_kernel_to_llama()`` (tools/gpu_hf_baseline.py:
+  fp32 master weights, bf16 autocast as HF Trainer's ``bf16=True``, sdpa attention, fused AdamW);
+* ``hf``: the same without Liger;
+* ``ours_unfused``: launch/sft.py with ``--no-use_liger_kernel`` (what ran before the fused path);
+
+at Llama-3.2-1B's shape (16 x 2048, vocabulary 128256) and SmolLM2-135M's (30 x 576, 49152), random weights,
+16 rows of 2048 tokens a step, 8 micro-steps of 8 rows; the median tokens/s of steps 3-8, its MFU against the card's
+bf16 peak, and the step's peak device memory (ours: ``mem/peak_gb``; HF: ``torch.cuda.max_memory_allocated``).
+Rows for HF are the same texts tokenized the same way (prompt and text, cut at 2048 tokens); HF's loss covers every
+token, ours the response (all but the few prompt tokens). A check PASSes when ours reaches its goal against
+hf+liger (``GOALS``: tokens/s ratio, at no more peak memory); its line gives every figure either way. Ours-fused's
+steps 9-10 are profiled (rlhf/profiling.py) into the results folder, so a missed goal comes with its profile.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import gpu_check as gc  # noqa: E402
+from gpu_hf_baseline import SHAPES  # noqa: E402
+
+GOALS = {"llama32_1b": 1.15, "smollm2_135m": 1.0}
+"""ours / (transformers + Liger) tokens/s the issue sets (docs/gpus.md), at no more peak memory."""
+SHAPE = dict(max_len=2048, micro=8, batch=16, steps=8)
+REHEARSAL = dict(max_len=128, micro=2, batch=4, steps=3)
+PROFILE = (9, 10)
+"""Ours-fused runs two steps past the timed ones, profiled (RLHF_PROFILE_STEPS), so the timing is not disturbed."""
+VARIANTS = ("ours", "hf+liger", "hf", "ours_unfused")
+
+
+def _ours(c: gc.Check, name: str, model: str, data: str, shape: dict, fused: bool, n: int) -> dict:
+    save = os.path.join(c.out, f"{name}_{'fused' if fused else 'unfused'}")
+    shutil.rmtree(save, ignore_errors=True)
+    steps = shape["steps"] + (PROFILE[1] - shape["steps"] if fused and not c.rehearse else 0)
+    env = {}
+    if fused and not c.rehearse:
+        env = dict(RLHF_PROFILE_STEPS=f"{PROFILE[0]}-{PROFILE[1]}",
+                   RLHF_PROFILE_DIR=os.path.join(c.report.results or c.out, f"profile_{name}"))
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        rc = c.torchrun("launch/sft.py", [
+            "--pretrain", model, "--dataset", data, "--input_key", "input", "--output_key", "output",
+            "--save_path", save, "--learning_rate", "1e-5", "--train_batch_size", str(shape["batch"]),
+            "--micro_train_batch_size", str(shape["micro"]), "--max_len", str(shape["max_len"]), "--packing_samples",
+            "--bf16", "--max_epochs", "1", "--max_samples", str(n), "--stop_after_steps", str(steps),
+            "--lr_warmup_ratio", "0", "--seed", "1", "--logging_steps", "1",
+            "--use_liger_kernel" if fused else "--no-use_liger_kernel"],
+            f"speed_{name}_{'ours' if fused else 'ours_unfused'}")
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    from rlhf.metrics import read_metrics_jsonl
+
+    path = os.path.join(save, "metrics.jsonl")
+    per_step = read_metrics_jsonl(path, "sft") if os.path.exists(path) else {}
+    timed = {s: m for s, m in per_step.items() if s <= shape["steps"]}
+    peaks = [m["mem/peak_gb"] for m in timed.values() if "mem/peak_gb" in m]  # CUDA only
+    peak = max(peaks) if peaks else float("nan")
+    return dict(rc=rc, steps=timed, peak_gib=peak)
+
+
+def _hf(c: gc.Check, name: str, shape_name: str, rows_file: str, shape: dict, liger: bool) -> dict:
+    out = os.path.join(c.out, f"hf_{name}_{int(liger)}.json")
+    if os.path.exists(out):
+        os.remove(out)
+    rc = c.launch([sys.executable, os.path.join(HERE, "gpu_hf_baseline.py"), "--shape", shape_name, "--liger",
+                   str(int(liger)), "--steps", str(shape["steps"]), "--micro_rows", str(shape["micro"]),
+                   "--batch_rows", str(shape["batch"]), "--seq_len", str(shape["max_len"]), "--rows_file", rows_file,
+                   "--device", "cpu" if c.rehearse else "cuda", "--json", out],
+                  f"speed_{name}_hf{'_liger' if liger else ''}")
+    if rc != 0 or not os.path.exists(out):
+        return dict(rc=rc)
+    with open(out) as f:
+        r = json.load(f)
+    steps = {i + 1: {"tokens_per_s": t} for i, t in enumerate(r["tokens_per_s"])}
+    return dict(rc=rc, steps=steps, peak_gib=r.get("peak_mem_gib", r.get("peak_rss_gib")))
+
+
+def check_speed(c: gc.Check, shape_name: str) -> None:
+    import torch
+    import transformers
+
+    from rlhf.models.tiny import make_tiny_hf
+
+    name = {"llama32_1b": "1b", "smollm2_135m": "135m"}[shape_name]
+    shape = REHEARSAL if c.rehearse else SHAPE
+    dims = dict(SHAPES["tiny" if c.rehearse else shape_name])
+    tok_dir = c.assets()["tokenizer"]
+    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    n = shape["batch"] * (PROFILE[1] + 1)  # more rows than the longest run takes: no epoch end, no checkpoint
+    prompt = "between a and z ="
+    texts = gc.long_texts(tok, n, shape["max_len"] + 16)
+    data, rows_file = os.path.join(c.out, f"speed_{name}.jsonl"), os.path.join(c.out, f"speed_{name}_rows.json")
+    with open(data, "w") as f:
+        for t in texts:
+            f.write(json.dumps({"input": prompt, "output": t}) + "\n")
+    with open(rows_file, "w") as f:
+        json.dump([tok(prompt + " " + t)["input_ids"][:shape["max_len"]]
+                   for t in texts[:shape["batch"] * shape["steps"]]], f)
+    model = os.path.join(c.out, f"speed_model_{name}")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        make_tiny_hf(model, "llama", seed=0, tokenizer_dir=tok_dir, dtype=torch.bfloat16, max_position_embeddings=4096,
+                     **dims)
+    cfg = transformers.AutoConfig.from_pretrained(model).to_dict()
+    flops = gc.train_flops_per_token(cfg, (shape["max_len"] + 1) / 2)
+    dev = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else "cpu"
+    peak_tflops = gc.bf16_peak_tflops(dev)
+    skip = 2 if shape["steps"] > 3 else 0
+    results: dict[str, dict] = {}
+    figures: dict = dict(device=dev, peak_tflops=peak_tflops, flops_per_token=flops, shape=shape, dims=dims)
+    for v in VARIANTS:
+        if c.rehearse and v == "hf+liger":
+            results[v] = dict(rc=None, why="liger-kernel needs a GPU (rehearsal)")
+            continue
+        try:
+            r = _ours(c, name, model, data, shape, fused=v == "ours", n=n) if v.startswith("ours") else \
+                _hf(c, name, "tiny" if c.rehearse else shape_name, rows_file, shape, liger=v == "hf+liger")
+        except gc.OutOfTime as e:
+            results[v] = dict(rc=None, why=str(e))
+            continue
+        r.update(gc.mfu_of(r.pop("steps", {}), flops, peak_tflops, skip=skip))
+        results[v] = r
+        figures[v] = r
+        c.report.figures["checks"].setdefault(c.current, {}).update(figures)
+        c.report.write()
+    ours, ref = results["ours"], results["hf+liger"]
+    parts = []
+    for v in VARIANTS:
+        r = results[v]
+        if r.get("tokens_per_s"):
+            parts.append(f"{v} {r['tokens_per_s']:.0f} tok/s MFU {r['mfu']:.3f} peak {r['peak_gib']:.1f} GiB")
+        else:
+            parts.append(f"{v} not measured (rc={r.get('rc')}{', ' + r['why'] if r.get('why') else ''})")
+    ratios = {f"ours/{v}": ours["tokens_per_s"] / results[v]["tokens_per_s"] for v in VARIANTS[1:]
+              if ours.get("tokens_per_s") and results[v].get("tokens_per_s")}
+    figures["ratios"] = ratios
+    goal = GOALS[shape_name]
+    ok = bool(ours.get("tokens_per_s")) and (c.rehearse or (
+        "ours/hf+liger" in ratios and ratios["ours/hf+liger"] >= goal and ours["peak_gib"] <= ref["peak_gib"]))
+    c.report.add(f"speed_{name}", ok, f"{shape_name} {shape['batch']} x {shape['max_len']} tokens a step: "
+                 + "; ".join(parts) + "; " + ", ".join(f"{k} {x:.3f}" for k, x in ratios.items())
+                 + f" (goal ours/hf+liger >= {goal} at no more peak memory)", figures,
+                 c.log(f"speed_{name}_ours"))
