@@ -174,7 +174,7 @@ class ModelEngine:
 
         # --use_liger_kernel (rlhf.models.fused): Liger's RMSNorm on CUDA, the Triton SwiGLU and RoPE, SFT's fused head
         self.fused = fused.enabled(mesh.device, use_te=self.transformer_impl == "transformer_engine")
-        if self.fused and mesh.device.type == "cuda":
+        if self.fused and mesh.device.type == "cuda" and fused.part_on("norm"):
             fused.fuse_norms(model)
         if mesh.device.type == "cpu":
             from rlhf.compat.onednn import use_onednn_linears

@@ -67,7 +67,9 @@ class SFTTask:
     def fused_head(self, engine) -> bool:
         """SFT's LM head fused with its loss (``rlhf.models.fused``): with the fused kernels on, outside context
         parallelism; the model then hands back its final hidden states (``output``)."""
-        on = bool(getattr(engine, "fused", False)) and engine.mesh.cp == 1
+        from rlhf.models.fused import part_on
+
+        on = bool(getattr(engine, "fused", False)) and engine.mesh.cp == 1 and part_on("head")
         self.output = "hidden" if on else "head"
         return on
 

@@ -38,13 +38,16 @@ PROFILE = (9, 10)
 VARIANTS = ("ours", "hf+liger", "hf", "ours_unfused")
 
 
-def _ours(c: gc.Check, name: str, model: str, data: str, shape: dict, fused: bool, n: int) -> dict:
-    save = os.path.join(c.out, f"{name}_{'fused' if fused else 'unfused'}")
+def _ours(c: gc.Check, name: str, model: str, data: str, shape: dict, fused: bool, n: int,
+          env: dict | None = None, label: str | None = None) -> dict:
+    label = label or f"speed_{name}_{'ours' if fused else 'ours_unfused'}"
+    save = os.path.join(c.out, label)
     shutil.rmtree(save, ignore_errors=True)
-    steps = shape["steps"] + (PROFILE[1] - shape["steps"] if fused and not c.rehearse else 0)
-    env = {}
-    if fused and not c.rehearse:
-        env = dict(RLHF_PROFILE_STEPS=f"{PROFILE[0]}-{PROFILE[1]}",
+    profile = fused and not c.rehearse and env is None
+    steps = shape["steps"] + (PROFILE[1] - shape["steps"] if profile else 0)
+    env = dict(env or {})
+    if profile:
+        env.update(RLHF_PROFILE_STEPS=f"{PROFILE[0]}-{PROFILE[1]}",
                    RLHF_PROFILE_DIR=os.path.join(c.report.results or c.out, f"profile_{name}"))
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -55,8 +58,7 @@ def _ours(c: gc.Check, name: str, model: str, data: str, shape: dict, fused: boo
             "--micro_train_batch_size", str(shape["micro"]), "--max_len", str(shape["max_len"]), "--packing_samples",
             "--bf16", "--max_epochs", "1", "--max_samples", str(n), "--stop_after_steps", str(steps),
             "--lr_warmup_ratio", "0", "--seed", "1", "--logging_steps", "1",
-            "--use_liger_kernel" if fused else "--no-use_liger_kernel"],
-            f"speed_{name}_{'ours' if fused else 'ours_unfused'}")
+            "--use_liger_kernel" if fused else "--no-use_liger_kernel"], label)
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -70,15 +72,16 @@ def _ours(c: gc.Check, name: str, model: str, data: str, shape: dict, fused: boo
     return dict(rc=rc, steps=timed, peak_gib=peak)
 
 
-def _hf(c: gc.Check, name: str, shape_name: str, rows_file: str, shape: dict, liger: bool) -> dict:
-    out = os.path.join(c.out, f"hf_{name}_{int(liger)}.json")
+def _hf(c: gc.Check, name: str, shape_name: str, rows_file: str, shape: dict, liger: bool,
+        label: str | None = None) -> dict:
+    label = label or f"speed_{name}_hf{'_liger' if liger else ''}"
+    out = os.path.join(c.out, f"{label}.json")
     if os.path.exists(out):
         os.remove(out)
     rc = c.launch([sys.executable, os.path.join(HERE, "gpu_hf_baseline.py"), "--shape", shape_name, "--liger",
                    str(int(liger)), "--steps", str(shape["steps"]), "--micro_rows", str(shape["micro"]),
                    "--batch_rows", str(shape["batch"]), "--seq_len", str(shape["max_len"]), "--rows_file", rows_file,
-                   "--device", "cpu" if c.rehearse else "cuda", "--json", out],
-                  f"speed_{name}_hf{'_liger' if liger else ''}")
+                   "--device", "cpu" if c.rehearse else "cuda", "--json", out], label)
     if rc != 0 or not os.path.exists(out):
         return dict(rc=rc)
     with open(out) as f:
@@ -88,37 +91,12 @@ def _hf(c: gc.Check, name: str, shape_name: str, rows_file: str, shape: dict, li
 
 
 def check_speed(c: gc.Check, shape_name: str) -> None:
-    import torch
-    import transformers
-
-    from rlhf.models.tiny import make_tiny_hf
-
     name = {"llama32_1b": "1b", "smollm2_135m": "135m"}[shape_name]
     shape = REHEARSAL if c.rehearse else SHAPE
-    dims = dict(SHAPES["tiny" if c.rehearse else shape_name])
-    tok_dir = c.assets()["tokenizer"]
-    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
-    n = shape["batch"] * (PROFILE[1] + 1)  # more rows than the longest run takes: no epoch end, no checkpoint
-    prompt = "between a and z ="
-    texts = gc.long_texts(tok, n, shape["max_len"] + 16)
-    data, rows_file = os.path.join(c.out, f"speed_{name}.jsonl"), os.path.join(c.out, f"speed_{name}_rows.json")
-    with open(data, "w") as f:
-        for t in texts:
-            f.write(json.dumps({"input": prompt, "output": t}) + "\n")
-    with open(rows_file, "w") as f:
-        json.dump([tok(prompt + " " + t)["input_ids"][:shape["max_len"]]
-                   for t in texts[:shape["batch"] * shape["steps"]]], f)
-    model = os.path.join(c.out, f"speed_model_{name}")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        make_tiny_hf(model, "llama", seed=0, tokenizer_dir=tok_dir, dtype=torch.bfloat16, max_position_embeddings=4096,
-                     **dims)
-    cfg = transformers.AutoConfig.from_pretrained(model).to_dict()
-    flops = gc.train_flops_per_token(cfg, (shape["max_len"] + 1) / 2)
-    dev = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else "cpu"
-    peak_tflops = gc.bf16_peak_tflops(dev)
+    model, data, rows_file, n, flops, dev, peak_tflops = _prepare(c, name, shape_name, shape)
     skip = 2 if shape["steps"] > 3 else 0
     results: dict[str, dict] = {}
-    figures: dict = dict(device=dev, peak_tflops=peak_tflops, flops_per_token=flops, shape=shape, dims=dims)
+    figures: dict = dict(device=dev, peak_tflops=peak_tflops, flops_per_token=flops, shape=shape)
     for v in VARIANTS:
         if c.rehearse and v == "hf+liger":
             results[v] = dict(rc=None, why="liger-kernel needs a GPU (rehearsal)")
@@ -134,6 +112,43 @@ def check_speed(c: gc.Check, shape_name: str) -> None:
         figures[v] = r
         c.report.figures["checks"].setdefault(c.current, {}).update(figures)
         c.report.write()
+    _verdict(c, name, shape_name, shape, results, figures)
+
+
+def _prepare(c: gc.Check, name: str, shape_name: str, shape: dict):
+    """The model (random weights at the shape), our data and HF's rows for one shape; made once per work folder."""
+    import torch
+    import transformers
+
+    from rlhf.models.tiny import make_tiny_hf
+
+    dims = dict(SHAPES["tiny" if c.rehearse else shape_name])
+    tok_dir = c.assets()["tokenizer"]
+    n = shape["batch"] * (PROFILE[1] + 1)  # more rows than the longest run takes: no epoch end, no checkpoint
+    key = f"{shape['max_len']}x{n}"  # the texts are the same for every shape and variant: made once
+    data, rows_file = os.path.join(c.out, f"speed_{key}.jsonl"), os.path.join(c.out, f"speed_{key}_rows.json")
+    if not os.path.exists(rows_file):
+        tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+        prompt = "between a and z ="
+        texts = gc.long_texts(tok, n, shape["max_len"] + 16)
+        with open(data, "w") as f:
+            for t in texts:
+                f.write(json.dumps({"input": prompt, "output": t}) + "\n")
+        with open(rows_file + ".tmp", "w") as f:
+            json.dump([tok(prompt + " " + t)["input_ids"][:shape["max_len"]] for t in texts], f)
+        os.replace(rows_file + ".tmp", rows_file)
+    model = os.path.join(c.out, f"speed_model_{name}")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        make_tiny_hf(model, "llama", seed=0, tokenizer_dir=tok_dir, dtype=torch.bfloat16, max_position_embeddings=4096,
+                     **dims)
+    cfg = transformers.AutoConfig.from_pretrained(model).to_dict()
+    flops = gc.train_flops_per_token(cfg, (shape["max_len"] + 1) / 2)
+    dev = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else "cpu"
+    peak_tflops = gc.bf16_peak_tflops(dev)
+    return model, data, rows_file, n, flops, dev, peak_tflops
+
+
+def _verdict(c: gc.Check, name: str, shape_name: str, shape: dict, results: dict, figures: dict) -> None:
     ours, ref = results["ours"], results["hf+liger"]
     parts = []
     for v in VARIANTS:
@@ -152,3 +167,45 @@ def check_speed(c: gc.Check, shape_name: str) -> None:
                  + "; ".join(parts) + "; " + ", ".join(f"{k} {x:.3f}" for k, x in ratios.items())
                  + f" (goal ours/hf+liger >= {goal} at no more peak memory)", figures,
                  c.log(f"speed_{name}_ours"))
+
+
+VARIANT_RUNS = (
+    # (label, shape, kind, RLHF_FUSED_PARTS or None, rows per micro-batch)
+    ("135m_ours_no_norm", "smollm2_135m", "ours", "swiglu,rope,head", 8),
+    ("135m_ours_swiglu_rope", "smollm2_135m", "ours", "swiglu,rope", 8),
+    ("135m_ours_micro16", "smollm2_135m", "ours", None, 16),
+    ("135m_hf_liger_micro16", "smollm2_135m", "hf+liger", None, 16),
+    ("135m_hf_micro16", "smollm2_135m", "hf", None, 16),
+    ("135m_ours_swiglu_rope_micro16", "smollm2_135m", "ours", "swiglu,rope", 16),
+    ("1b_ours_no_norm", "llama32_1b", "ours", "swiglu,rope,head", 8),
+)
+"""Which fused kernel pays at which shape (``RLHF_FUSED_PARTS``), and 16 rows a micro-batch against 8."""
+
+
+def check_variants(c: gc.Check) -> None:
+    """Each of ``VARIANT_RUNS``: its median tokens/s and peak memory, one line for all (PASS when all ran)."""
+    results: dict[str, dict] = {}
+    base = REHEARSAL if c.rehearse else SHAPE
+    for label, shape_name, kind, parts, micro in VARIANT_RUNS:
+        if c.rehearse and kind == "hf+liger":
+            continue
+        name = {"llama32_1b": "1b", "smollm2_135m": "135m"}[shape_name]
+        shape = dict(base, micro=min(micro, base["batch"]))
+        try:
+            model, data, rows_file, n, flops, dev, peak_tflops = _prepare(c, name, shape_name, shape)
+            if kind == "ours":
+                env = {"RLHF_FUSED_PARTS": parts} if parts is not None else {}
+                r = _ours(c, name, model, data, shape, fused=True, n=n, env=env, label=f"variant_{label}")
+            else:
+                r = _hf(c, name, "tiny" if c.rehearse else shape_name, rows_file, shape, liger=kind == "hf+liger",
+                        label=f"variant_{label}")
+        except gc.OutOfTime as e:
+            results[label] = dict(rc=None, why=str(e))
+            continue
+        r.update(gc.mfu_of(r.pop("steps", {}), flops, peak_tflops, skip=2 if shape["steps"] > 3 else 0))
+        results[label] = r
+        c.report.figures["checks"].setdefault(c.current, {}).update(results)
+        c.report.write()
+    text = "; ".join(f"{k} {r['tokens_per_s']:.0f} tok/s peak {r['peak_gib']:.1f} GiB" if r.get("tokens_per_s")
+                     else f"{k} not measured (rc={r.get('rc')})" for k, r in results.items())
+    c.report.add("speed_variants", all(r.get("tokens_per_s") for r in results.values()), text, results)

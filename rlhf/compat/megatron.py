@@ -242,7 +242,7 @@ def rotary_half_rope() -> None:
         if rotary_interleaved or multi_latent_attention:
             return orig(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
         rot = freqs.shape[-1]
-        if fused.active_for(t) and t.dim() == 4 and rot == t.shape[-1] and freqs.shape[0] == t.shape[0] \
+        if fused.active_for(t, "rope") and t.dim() == 4 and rot == t.shape[-1] and freqs.shape[0] == t.shape[0] \
                 and freqs[0].numel() == rot:  # --use_liger_kernel on CUDA (rlhf.models.fused)
             from kernels import rope_triton
 
@@ -262,7 +262,7 @@ def rotary_half_rope() -> None:
         """megatron 0.16.1's THD RoPE at CP 1 without its host sync (``.tolist()``) and per-sequence slicing on
         every call: the same angles (each sequence's positions from 0, or, where ``freqs`` holds exactly one row
         per packed token, those rows: megatron's two cases), gathered once per micro-batch."""
-        if not fused.active_for(t) or cp_group is None or cp_group.size() != 1 or rotary_interleaved \
+        if not fused.active_for(t, "rope") or cp_group is None or cp_group.size() != 1 or rotary_interleaved \
                 or multi_latent_attention:
             return orig_thd(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
         if cache[0] is not cu_seqlens or cache[1] is not freqs:
@@ -308,7 +308,7 @@ def swiglu_function() -> None:
         if fp8_input_store or cpu_offload_input:
             return orig(input, bias, fp8_input_store, cpu_offload_input)
         y = input if bias is None else input + bias
-        if fused.active_for(y):  # --use_liger_kernel on CUDA (rlhf.models.fused): one Triton kernel each way
+        if fused.active_for(y, "swiglu"):  # --use_liger_kernel on CUDA (rlhf.models.fused): a Triton kernel each way
             from kernels.swiglu_triton import swiglu_triton
 
             return swiglu_triton(y)

@@ -29,6 +29,22 @@ import torch
 log = logging.getLogger("rlhf")
 
 LIGER_INSTALL = "pip install liger-kernel==0.8.5"
+PARTS_ENV = "RLHF_FUSED_PARTS"
+"""Which of the fused kernels run when the path is on, comma-separated (default all: ``norm,swiglu,rope,head``); for
+measuring each one's share (tools/gpu_speed.py), the others then run their torch twins."""
+PARTS = ("norm", "swiglu", "rope", "head")
+
+
+def part_on(name: str) -> bool:
+    import os
+
+    spec = os.environ.get(PARTS_ENV)
+    if spec is None:
+        return True
+    chosen = {p.strip() for p in spec.split(",") if p.strip()}
+    if not chosen <= set(PARTS):
+        raise ValueError(f"{PARTS_ENV}={spec!r}: expected a comma-separated subset of {', '.join(PARTS)}")
+    return name in chosen
 _request: bool | None = None
 _resolved: dict[tuple, bool] = {}
 
@@ -78,9 +94,11 @@ def enabled(device: torch.device | str, use_te: bool = False) -> bool:
     return on
 
 
-def active_for(t: torch.Tensor) -> bool:
-    """The CUDA kernels run for this tensor: the fused path is on for its device and it is a CUDA tensor."""
-    return t.is_cuda and any(on for (_, dev, _), on in _resolved.items() if dev == "cuda")
+def active_for(t: torch.Tensor, part: str | None = None) -> bool:
+    """The CUDA kernels (``part``: one of ``PARTS``) run for this tensor: the fused path is on for its device and it
+    is a CUDA tensor."""
+    return t.is_cuda and any(on for (_, dev, _), on in _resolved.items() if dev == "cuda") and \
+        (part is None or part_on(part))
 
 
 # ------------------------------------------------------------------------------------------------------ RMSNorm
@@ -115,7 +133,7 @@ def head_nll_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     without the ``[N, V]`` logits in memory; fp32 scalar, differentiable wrt hidden and weight."""
     if hidden.shape[0] == 0:
         return hidden.sum(dtype=torch.float32) * 0.0 + weight.sum(dtype=torch.float32) * 0.0
-    if hidden.is_cuda and tp_group is None and active_for(hidden):
+    if hidden.is_cuda and tp_group is None and active_for(hidden, "head"):
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
         # megatron pads the vocabulary: the padded rows are no classes (the logits path masks them)

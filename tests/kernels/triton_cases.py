@@ -178,7 +178,8 @@ def test_rope_triton_matches_fp64(dtype, strided):
     freqs = torch.cat([ang, ang], -1)[:, None, None, :]
     gout = torch.randn(s, b, h, d, generator=g).to(dtype)
     out, (gt,) = _out_and_grads(lambda x: rope_triton(x, freqs.float().to(DEVICE), 0.9), t, gout)
-    ref, (ref_gt,) = _out_and_grads(lambda x: rotary_half(x, freqs.cos() * 0.9, freqs.sin() * 0.9), t.double(),
+    fd = freqs.to(DEVICE)
+    ref, (ref_gt,) = _out_and_grads(lambda x: rotary_half(x, fd.cos() * 0.9, fd.sin() * 0.9), t.double(),
                                     gout.double())
     torch.testing.assert_close(out.double(), ref, **LAYER_TOL[dtype])
     torch.testing.assert_close(gt.double(), ref_gt, **LAYER_TOL[dtype])

@@ -111,9 +111,9 @@ def test_thd_rope_fast_path_takes_megatrons_angles(monkeypatch, rows):
     ang = torch.outer(torch.arange(n).float(), 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
     freqs = torch.cat([ang, ang], -1)[:, None, None, :]
     cp = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)
-    monkeypatch.setattr(fused, "active_for", lambda x: False)
+    monkeypatch.setattr(fused, "active_for", lambda x, part=None: False)
     ref = rope_utils._apply_rotary_pos_emb_thd(t, cu, freqs, mscale=0.9, cp_group=cp)
-    monkeypatch.setattr(fused, "active_for", lambda x: True)
+    monkeypatch.setattr(fused, "active_for", lambda x, part=None: True)
     out = rope_utils._apply_rotary_pos_emb_thd(t, cu, freqs, mscale=0.9, cp_group=cp)
     assert torch.equal(out, ref)
     assert not torch.equal(out[5:12], rotary_half(t[5:12].unsqueeze(1), *(f(freqs[5:12]) * 0.9 for f in (
