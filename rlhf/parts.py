@@ -80,8 +80,8 @@ class EnginePart(Part):
     packing_samples: bool = False
     """(--packing_samples) padding-free THD micro-batches"""
     use_liger_kernel: bool | None = None
-    """(--use_liger_kernel) fused RMSNorm, SwiGLU, RoPE and SFT head+loss (rlhf.models.fused); None: on for CUDA
-    without Transformer Engine where liger-kernel imports"""
+    """(--use_liger_kernel) fused SwiGLU, RoPE and SFT head+loss (rlhf.models.fused); None: on for CUDA without
+    Transformer Engine where liger-kernel imports"""
 
     @classmethod
     def add_args(cls, g) -> None:
@@ -98,9 +98,10 @@ class EnginePart(Part):
         g.add_argument("--packing_samples", action="store_true",
                        help="run each micro-batch as one padding-free row (THD packing, varlen attention)")
         g.add_argument("--use_liger_kernel", action=argparse.BooleanOptionalAction, default=None,
-                       help="fused kernels in megatron's local layers: Liger-Kernel's RMSNorm and fused linear "
-                            "cross entropy (SFT), Triton SwiGLU and RoPE; default: on for CUDA without Transformer "
-                            "Engine where liger-kernel imports. On CPU the torch twins run")
+                       help="fused kernels in megatron's local layers: SFT's LM head fused with its loss "
+                            "(Liger-Kernel's fused linear cross entropy), Triton SwiGLU and RoPE (Liger's RMSNorm: "
+                            "RLHF_FUSED_PARTS); default: on for CUDA without Transformer Engine where liger-kernel "
+                            "imports. On CPU the torch twins run")
 
     def check(self) -> None:
         from rlhf.models import fused

@@ -118,3 +118,13 @@ def test_thd_rope_fast_path_takes_megatrons_angles(monkeypatch, rows):
     assert torch.equal(out, ref)
     assert not torch.equal(out[5:12], rotary_half(t[5:12].unsqueeze(1), *(f(freqs[5:12]) * 0.9 for f in (
         torch.cos, torch.sin))).squeeze(1)) or rows == "per_token"  # positions restart at each sequence
+
+
+def test_which_kernels_run(monkeypatch):
+    monkeypatch.delenv(fused.PARTS_ENV, raising=False)
+    assert [p for p in fused.PARTS if fused.part_on(p)] == ["swiglu", "rope", "head"]  # Liger's RMSNorm: opt-in
+    monkeypatch.setenv(fused.PARTS_ENV, "norm,head")
+    assert [p for p in fused.PARTS if fused.part_on(p)] == ["norm", "head"]
+    monkeypatch.setenv(fused.PARTS_ENV, "norm,attention")
+    with pytest.raises(ValueError, match="RLHF_FUSED_PARTS='norm,attention'"):
+        fused.part_on("norm")
