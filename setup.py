@@ -28,6 +28,9 @@ INSTALL_REQUIRES = [
     # rlhf/sandbox (the code reward's sandbox): a ctypes binding of libseccomp (MIT, pure Python, 20 kB) that
     # builds its seccomp filter; bubblewrap itself is a Debian package (tools/setup_env.sh installs it)
     "pyseccomp==0.1.2",
+    # --use_liger_kernel (rlhf/models/fused.py): Liger-Kernel's fused linear cross entropy (and RMSNorm, opt-in) on
+    # CUDA; Apache-2.0, pure Python with Triton kernels (about 1 MB; needs torch and triton, both here already)
+    "liger-kernel==0.8.5",
 ]
 
 EXTRAS = {
