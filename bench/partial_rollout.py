@@ -51,7 +51,9 @@ def summarize(run_dir: str) -> dict:
             "due_groups": sum(tr[s].get("partial/due_groups", 0) for s in steps),
             "max_token_age": max(tr[s].get("partial/max_token_age", 0) for s in steps),
             "is_weight": statistics.mean(tr[s].get("actor/rollout_is_weight", 1.0) for s in steps),
-            "masked_frac": statistics.mean(tr[s].get("actor/rollout_corr_masked_frac", 0.0) for s in steps)}
+            "masked_frac": statistics.mean(tr[s].get("actor/rollout_corr_masked_frac", 0.0) for s in steps),
+            # the trained groups whose 8 replies all scored the same: their GRPO advantages are all 0
+            "equal_reward_groups": [tr[s].get("reward_equal_groups_frac") for s in steps]}
 
 
 def plot(results: dict, path: str) -> None:
@@ -122,7 +124,8 @@ def main(argv=None) -> int:
             print(f"{name}: {r['samples_per_s']:.2f} samples/s, generation {r['gen_s_per_step']:.1f} s/step, "
                   f"reply {r['response_length']:.1f} tokens, held-out {r['acc_before']:.3f} -> {r['acc_after']:.3f}, "
                   f"aborted {r['aborted']:.0f}, dropped {r['dropped']:.0f}, at budget {r['at_budget']:.3f}, "
-                  f"due {r['due_groups']:.0f}, oldest {r['max_token_age']:.0f}", flush=True)
+                  f"due {r['due_groups']:.0f}, oldest {r['max_token_age']:.0f}, equal-reward groups "
+                  f"{r['equal_reward_groups']}", flush=True)
             with open(out_json, "w") as f:
                 json.dump({"machine": here["machine"], "date": time.strftime("%Y-%m-%d"), **old, "runs": results}, f,
                           indent=1)
