@@ -104,8 +104,8 @@ def test_a_fail_line_carries_the_traceback(gc, tmp_path):
 
 
 def test_parts_and_mfu_figures(gc):
-    """Every check is in exactly one part; the MFU step is SmolLM2-135M on 2048-token rows, and its FLOPs count
-    is 6 x matmul weights + causal attention (by hand: 1.019 GFLOP per token at a mean context of 1024.5)."""
+    """Every check is in exactly one part; the MFU of the speed part's steps counts 6 x matmul weights + causal
+    attention (by hand at SmolLM2-135M's shape: 1.019 GFLOP per token at a mean context of 1024.5)."""
     in_parts = [n for p in gc.PARTS.values() for n in p]
     assert sorted(in_parts) == sorted(gc.CHECKS) and len(set(in_parts)) == len(in_parts)
     assert set(gc.PARTS) == set(gc.PART_BUDGET_S)
@@ -113,7 +113,6 @@ def test_parts_and_mfu_figures(gc):
                                           gc.PART_BUDGET_S["fp32"] + gc.PART_BUDGET_S["bf16"])
     with pytest.raises(ValueError, match="--only: unknown part or check 'gpu'"):
         gc.select("gpu")
-    assert gc.MFU_SHAPE["max_len"] == 2048 and gc.MFU_SHAPE["micro"] * 2048 >= 16384
     layer = 576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536
     by_hand = 6 * (30 * layer + 576 * 49152) + 12 * 30 * 576 * 1024.5
     assert gc.train_flops_per_token(gc.SMOLLM2_135M, 1024.5) == pytest.approx(by_hand)
@@ -125,19 +124,25 @@ def test_parts_and_mfu_figures(gc):
     assert gc.bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0 and gc.bf16_peak_tflops("NVIDIA H200") == 989.0
 
 
-def test_mfu_rows_are_2048_tokens_and_only_20_percent_passes(gc, tmp_path, monkeypatch):
-    """The generated texts fill a 2048-token row with the check's tokenizer (the old data: ~10-token samples), and
-    the MFU check, its launch stubbed with a metrics file, is a FAIL at 19% of the peak and a PASS at 21% (the
-    old check passed whatever it measured)."""
+def test_speed_rows_are_2048_tokens_and_only_the_goal_passes(tmp_path, monkeypatch):
+    """The speed part (tools/gpu_speed.py; it replaced the MFU bar): its generated texts fill 2048-token rows with
+    the check's tokenizer, HF is fed the same texts' tokens, and the check, its launches stubbed with their result
+    files, is a PASS only when ours reaches the goal against transformers + Liger (1.15x at the 1B shape) at no more
+    peak memory: 1.16x with less memory passes; 1.14x, or 1.2x with more memory, fails."""
     import transformers
 
     import rlhf.models.tiny as tiny
     from rlhf.demo.sort_task import corpus
 
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import gpu_speed as gs
+
+    gc = gs.gc
+    monkeypatch.setattr(gc, "header", lambda report: None)
     tok_dir = str(tmp_path / "tok")
     tok = tiny.make_tokenizer(tok_dir, vocab_size=384, seed=0, texts=corpus())
-    texts = gc.long_texts(tok, 3, gc.MFU_SHAPE["max_len"] + 16)
-    assert len(texts) == 3 and len(set(texts)) == 3
+    texts = gc.long_texts(tok, 3, gs.SHAPE["max_len"] + 16)
+    assert len(texts) == 3 and len(set(texts)) == 3 and gs.SHAPE["max_len"] == 2048
     assert all(len(tok(t)["input_ids"]) >= 2064 for t in texts)
 
     def config_only(out, *args, **dims):  # the model's config is all the check reads back
@@ -147,22 +152,38 @@ def test_mfu_rows_are_2048_tokens_and_only_20_percent_passes(gc, tmp_path, monke
 
     monkeypatch.setattr(tiny, "make_tiny_hf", config_only)
     monkeypatch.setattr(gc, "bf16_peak_tflops", lambda name: 989.0)
-    monkeypatch.setattr(gc, "MFU_SHAPE", dict(max_len=64, micro=2, batch=2, steps=4))  # small data, same code
-    flops = gc.train_flops_per_token(gc.SMOLLM2_135M, 32.5)
-    for mfu, status in ((0.19, "FAIL"), (0.21, "PASS")):
-        def launch(script, args, label, tps=mfu * 989e12 / flops):
+    monkeypatch.setattr(gs, "SHAPE", dict(max_len=64, micro=2, batch=2, steps=4))  # small data, same code
+    for case, (ours, ours_peak, status) in enumerate(((1.16, 40.0, "PASS"), (1.14, 40.0, "FAIL"),
+                                                      (1.2, 47.0, "FAIL"))):
+        tps = {"ours": ours * 1e4, "ours_unfused": 0.9e4, "hf": 0.8e4, "hf+liger": 1e4}
+        peak = {"ours": ours_peak, "ours_unfused": 50.0, "hf": 70.0, "hf+liger": 46.0}
+        seen_rows = []
+
+        def torchrun(script, args, label):
+            v = "ours" if "--use_liger_kernel" in args else "ours_unfused"
             save = args[args.index("--save_path") + 1]
             os.makedirs(save, exist_ok=True)
             with open(os.path.join(save, "metrics.jsonl"), "w") as f:
-                for step in range(1, 5):
-                    f.write(json.dumps({"prefix": "sft", "step": step, "tokens_per_s": tps / (10 if step < 3 else 1)})
-                            + "\n")
-            open(os.path.join(tmp_path, label + ".log"), "w").close()
+                for step in range(1, int(args[args.index("--stop_after_steps") + 1]) + 1):
+                    f.write(json.dumps({"prefix": "sft", "step": step, "mem/peak_gb": peak[v],
+                                        "tokens_per_s": tps[v] / (10 if step < 3 else 1)}) + "\n")
             return 0
 
-        report = gc.Report(None, "mfu")
-        c = gc.Check(str(tmp_path), report, 100.0, rehearse=False)
-        c._assets, c.torchrun = {"tokenizer": tok_dir}, launch
-        gc.check_mfu(c)
-        assert report.status["mfu"] == status, report.lines
-        assert report.figures["checks"]["mfu"]["mfu"] == pytest.approx(mfu)  # steps 1-2 (10x slower) left out
+        def launch(cmd, label):
+            v = "hf+liger" if cmd[cmd.index("--liger") + 1] == "1" else "hf"
+            with open(cmd[cmd.index("--rows_file") + 1]) as f:
+                seen_rows.append(json.load(f))
+            with open(cmd[cmd.index("--json") + 1], "w") as f:
+                json.dump({"tokens_per_s": [tps[v] / 10, tps[v] / 10] + [tps[v]] * 2, "peak_mem_gib": peak[v]}, f)
+            return 0
+
+        report = gc.Report(None, "speed")
+        c = gc.Check(str(tmp_path / f"c{case}"), report, 100.0, rehearse=False)
+        c._assets, c.torchrun, c.launch, c.current = {"tokenizer": tok_dir}, torchrun, launch, "speed_1b"
+        gs.check_speed(c, "llama32_1b")
+        assert report.status["speed_1b"] == status, report.lines
+        fig = report.figures["checks"]["speed_1b"]
+        assert fig["ratios"]["ours/hf+liger"] == pytest.approx(ours)  # steps 1-2 (10x slower) left out
+        assert fig["ours"]["peak_gib"] == ours_peak
+        rows = seen_rows[0]
+        assert len(rows) >= 8 and {len(r) for r in rows} == {64} and seen_rows[1] == rows

@@ -1,8 +1,8 @@
-"""The single-GPU check: one machine, one GPU, one rank, in three parts that each fit one call of the lent GPU
-machine with time left to rerun one of them. Run it through ``tools/gpu_check.sh`` (which installs the wheels the
+"""The single-GPU check: one machine, one GPU, one rank, in parts that each fit one call of the lent GPU machine
+with time left to rerun one of them. Run it through ``tools/gpu_check.sh`` (which installs the wheels the
 machine lacks); that script's header has the exact device calls.
 
-    bash tools/gpu_check.sh --only fp32 --results $OUT        # a part: fp32, bf16 or resume_mfu
+    bash tools/gpu_check.sh --only fp32 --results $OUT        # a part: fp32, bf16, resume, speed, speed_variants
     bash tools/gpu_check.sh --only sft_bf16,moe_bf16           # or single checks, e.g. the ones a part did not reach
 
 Parts (``PARTS``; each has its own deadline, ``PART_BUDGET_S``):
@@ -13,12 +13,13 @@ Parts (``PARTS``; each has its own deadline, ``PART_BUDGET_S``):
 * ``bf16``: SFT packed, PPO with offload, an MoE SFT (Mixtral-style, 4 experts, top 2), RM and SFT padded in bf16;
   GRPO on the MoE actor with ``--moe_router_replay rollout`` (vLLM's routed experts where vLLM imports, else the
   megatron generator's), its routing-flip metric and log-prob drift;
-* ``resume_mfu``: a timed SFT at SmolLM2-135M's size on 2048-token packed rows: tokens/s and MFU against the
-  card's bf16 peak, a PASS only at MFU >= 20% (``MFU_BAR``); and a resume on CUDA (the step-2 checkpoint of an
-  uninterrupted run, resumed alone, begins at step 3 and ends bit for bit where that run ended);
+* ``resume``: a resume on CUDA (the step-2 checkpoint of an uninterrupted run, resumed alone, begins at step 3 and
+  ends bit for bit where that run ended);
 * ``speed``: one SFT step side by side at Llama-3.2-1B's and SmolLM2-135M's shapes, ours (fused kernels, and
   without them) against transformers and transformers + Liger on the same texts: tokens/s, MFU, peak memory and
-  the ratios; a PASS at the goals of ``tools/gpu_speed.py`` (``GOALS``).
+  the ratios; a PASS at the goals of ``tools/gpu_speed.py`` (``GOALS``); it replaced the MFU check (a bar on the
+  MFU of our step alone), which measured the shape more than the trainer;
+* ``speed_variants``: which fused kernel pays at which shape, and 16 rows a micro-batch against 8.
 
 Output: an environment header, ``# start <check>`` before each check, one ``PASS``/``FAIL``/``NOT RUN`` line per
 check (a FAIL line is followed by the failing log's traceback and last lines, indented with ``|``), and
@@ -54,26 +55,21 @@ sys.path.insert(0, REPO)
 PARTS: dict[str, tuple[str, ...]] = {
     "fp32": ("kernels", "sft_fp32", "sft_fp32_packed", "ppo_fp32", "rm_fp32"),
     "bf16": ("sft_bf16_packed", "ppo_bf16", "moe_bf16", "rm_bf16", "sft_bf16", "moe_ppo_replay_bf16"),
-    "resume_mfu": ("mfu", "resume"),
+    "resume": ("resume",),
     "speed": ("speed_1b", "speed_135m"),
     "speed_variants": ("speed_variants",),
 }
 """Each part's checks, most telling first: the ones a deadline leaves out are the last."""
-PART_BUDGET_S = {"fp32": 200, "bf16": 220, "resume_mfu": 170, "speed": 420, "speed_variants": 330}
+PART_BUDGET_S = {"fp32": 200, "bf16": 220, "resume": 100, "speed": 420, "speed_variants": 330}
 """Measured on an H200 (2026-11-27, bench/results/gpu_*_figures.json): fp32 162 s (kernels 24, SFT padded with its
 export 48, packed 35, PPO 33, RM 22), bf16 178 s (SFT packed 30, PPO 30, MoE SFT 29, RM 28, SFT padded 22, MoE GRPO
-with replay 39), resume_mfu 125 s (MFU 62, resume 63); each budget is that plus about 20%. The machine's start took
+with replay 39), resume 63 s; speed 328 s and speed_variants 233 s (2026-11-28); each budget is that plus about
+20%. The machine's start took
 41-49 s, the wheels' install about 10 s."""
 MIN_START_S = 30.0
 STEP_TIMEOUT_S = int(os.environ.get("RLHF_GPU_STEP_TIMEOUT_S", "110"))
 """Each launch's own limit: a hung launch ends as its check's FAIL (rc 124) with its log, the others still run."""
 TAIL_LINES = 60
-MFU_BAR = 0.20
-"""MFU below which the timed step is not a PASS. At SmolLM2-135M's size on 16k-token micro-batches every matmul
-(16384 x 576 x 1536 and larger) takes ~0.1 ms on an H100, far above a kernel launch, so the step should be bound
-by the matmuls; small-model trainers with fused kernels reach 30-50% there. Below 20% something other than the
-matmuls bounds the step (launch overhead, host syncs, an attention kernel at a fraction of its peak), which is
-what the figure is for; the unfused local layer spec (no Transformer Engine) is why the bar is not higher."""
 BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0),
                     ("H200", 989.0), ("A100", 312.0), ("L40S", 362.0), ("B200", 2250.0))
 """Dense bf16 tensor-core peaks (NVIDIA's data sheets, without sparsity), by product name, most specific first."""
@@ -468,14 +464,9 @@ def check_resume(c: Check) -> None:
                                                             resumed_first_step=first), c.log("resume_resumed"))
 
 
-# ---------------------------------------------------------------------------------------------------- MFU
+# ------------------------------------------------------------------------------------- MFU (tools/gpu_speed.py)
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
-MFU_SHAPE = dict(max_len=2048, micro=8, batch=16, steps=8)
-"""16 rows of 2048 tokens a step, packed 8 to a micro-batch (16k tokens); steps 3-8 are timed."""
-REHEARSAL_MFU = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
-                 dict(max_len=128, micro=2, batch=4, steps=3))
 
 
 def long_texts(tokenizer, n: int, min_tokens: int, seed: int = 0) -> list[str]:
@@ -494,55 +485,6 @@ def long_texts(tokenizer, n: int, min_tokens: int, seed: int = 0) -> list[str]:
     return texts
 
 
-def check_mfu(c: Check) -> None:
-    """One timed SFT run at SmolLM2-135M's size (random weights; its 49152-token vocabulary over the assets'
-    tokenizer, whose ids are a subset), bf16, every row 2048 tokens of generated text packed 8 to a micro-batch:
-    tokens/s and MFU = model FLOPs per token (``train_flops_per_token``) x tokens/s / the card's bf16 peak. The run
-    stops before its last step's checkpoint and export (2-3 GB at this size)."""
-    import torch
-    import transformers
-
-    from rlhf.models.tiny import make_tiny_hf
-
-    dims, shape = REHEARSAL_MFU if c.rehearse else (SMOLLM2_135M, MFU_SHAPE)
-    tok_dir = c.assets()["tokenizer"]
-    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
-    data = os.path.join(c.out, "mfu_data.jsonl")
-    n = shape["batch"] * (shape["steps"] + 1)  # one more step than is run: no final checkpoint
-    with open(data, "w") as f:
-        for t in long_texts(tok, n, shape["max_len"] + 16):
-            f.write(json.dumps({"input": "between a and z =", "output": t}) + "\n")
-    model = make_tiny_hf(os.path.join(c.out, "mfu_model"), "llama", seed=0, tokenizer_dir=tok_dir,
-                         dtype=torch.bfloat16, max_position_embeddings=4096, **dims)
-    save = os.path.join(c.out, "mfu_bf16")
-    shutil.rmtree(save, ignore_errors=True)
-    rc = c.torchrun("launch/sft.py", [
-        "--pretrain", model, "--dataset", data, "--input_key", "input", "--output_key", "output", "--save_path", save,
-        "--learning_rate", "1e-4", "--train_batch_size", str(shape["batch"]), "--micro_train_batch_size",
-        str(shape["micro"]), "--max_len", str(shape["max_len"]), "--packing_samples", "--bf16", "--max_epochs", "1",
-        "--max_samples", str(n), "--stop_after_steps", str(shape["steps"]), "--lr_warmup_ratio", "0", "--seed", "1",
-        "--logging_steps", "1"], "mfu_bf16")
-    from rlhf.metrics import read_metrics_jsonl
-
-    path = os.path.join(save, "metrics.jsonl")
-    steps = read_metrics_jsonl(path, "sft") if os.path.exists(path) else {}
-    cfg = transformers.AutoConfig.from_pretrained(model).to_dict()
-    flops = train_flops_per_token(cfg, (shape["max_len"] + 1) / 2)  # every row is one 2048-token sequence
-    name = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else "cpu"
-    peak = bf16_peak_tflops(name)
-    skip = 2 if shape["steps"] > 3 else 0
-    m = mfu_of(steps, flops, peak, skip=skip)
-    figures = dict(rc=rc, device=name, peak_tflops=peak, flops_per_token=flops, tokens_per_step=shape["batch"] *
-                   shape["max_len"], **m)
-    if rc != 0 or not m:
-        c.report.add("mfu", False, f"rc={rc}, no timed steps", figures, c.log("mfu_bf16"))
-        return
-    ok = c.rehearse or m["mfu"] >= MFU_BAR
-    c.report.add("mfu", ok, f"{m['tokens_per_s']:.0f} tokens/s (median of {m['timed_steps']} steps after the "
-                 f"first {skip}), {flops / 1e9:.2f} GFLOP per token, MFU {m['mfu']:.3f} of {name}'s {peak} TFLOPS "
-                 f"bf16 peak (bar {MFU_BAR})", figures, c.log("mfu_bf16"))
-
-
 CHECKS: dict[str, Callable[[Check], None]] = {
     "kernels": lambda c: _kernels(c),
     "sft_fp32": lambda c: check_sft(c, "fp32", False), "sft_fp32_packed": lambda c: check_sft(c, "fp32", True),
@@ -551,7 +493,7 @@ CHECKS: dict[str, Callable[[Check], None]] = {
     "rm_bf16": lambda c: check_rm(c, "bf16"), "ppo_bf16": lambda c: check_ppo(c, "bf16"),
     "moe_bf16": lambda c: check_sft(c, "bf16", True, model="moe", name="moe_bf16"),
     "moe_ppo_replay_bf16": check_moe_ppo_replay,
-    "resume": check_resume, "mfu": check_mfu,
+    "resume": check_resume,
     # the side-by-side speed check (tools/gpu_speed.py)
     "speed_1b": lambda c: _speed(c, "llama32_1b"), "speed_135m": lambda c: _speed(c, "smollm2_135m"),
     "speed_variants": lambda c: _speed(c, None),

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The single-GPU check (one machine, one GPU, one rank) in three parts, each one call of the lent GPU machine
+# The single-GPU check (one machine, one GPU, one rank) in parts, each within one call of the lent GPU machine
 # (tools/gpu_check.py's docstring lists what each part checks):
 #   fp32        kernels at real shapes against fp64 references; SFT (padded, with its checkpoint and HF export; packed),
 #               PPO with offload and RM, in fp32                                      deadline 170 s
 #   bf16        SFT packed, PPO with offload, an MoE SFT, RM, SFT padded, MoE GRPO with routing replay, in bf16
 #                                                                                      deadline 170 s
-#   resume_mfu  SmolLM2-135M-size SFT on 2048-token packed rows: MFU, PASS only at >= 20% of the card's bf16
-#               peak; a resume on CUDA (bit for bit)                                deadline 170 s
+#   resume      a resume on CUDA (bit for bit)                                      deadline 100 s
+#   speed       the SFT step side by side with transformers and transformers + Liger at Llama-3.2-1B's and
+#               SmolLM2-135M's shapes: tokens/s, MFU, peak memory, ratios (tools/gpu_speed.py)   deadline 420 s
+#   speed_variants  which fused kernel pays at which shape (RLHF_FUSED_PARTS)        deadline 330 s
 # One PASS/FAIL/NOT RUN line per check (a FAIL line carries the failing log's traceback and last lines), then
 # "N passed, M failed, K not run". A check that would start with under 30 s of its part's deadline left, or whose
 # launch the deadline cuts, is NOT RUN, so each part ends inside its call; rerun what a part did not reach by name
@@ -23,14 +25,15 @@
 # start), each part's 3 result files packed into <part>.tgz as it ends (at most 8 files come back from $OUT):
 #
 #   run(timeout_s=600, carry=["tools/gpu_wheels"], command=
-#       "set -o pipefail; for p in resume_mfu fp32 bf16; do bash tools/gpu_check.sh --only $p --results $OUT/cur
+#       "set -o pipefail; for p in resume fp32 bf16; do bash tools/gpu_check.sh --only $p --results $OUT/cur
 #        2>&1 | tee -a $OUT/check.log; tar czf $OUT/$p.tgz -C $OUT cur; rm -rf $OUT/cur; done")
 #
 # (the tee keeps the lines coming if the call's limit kills the check; the reply's output_tail has them too). The
 # about 6 minutes left then rerun, in a second call, by name what failed or was not reached, with --deadline_s.
 # Copy each part's files to bench/results/gpu_<part>_<file> (files directly under bench/results are tracked, its
-# folders are ignored) and give the machine back after the last call. RLHF_PROFILE_STEPS=4-6 RLHF_PROFILE_DIR=$OUT
-# before `--only mfu` writes a torch profile of the MFU run's steps 4-6 (rlhf/profiling.py).
+# folders are ignored) and give the machine back after the last call. The speed part (2026-11-28: 328 s) goes in a
+# call of its own with the wheels of tools/gpu_wheels (liger-kernel among them); it profiles our fused steps 9-10
+# into the results folder (rlhf/profiling.py).
 #
 # For a machine with Python 3.12 and torch preinstalled but no package registry: what it lacks comes as wheels in
 # ${RLHF_WHEELS:-tools/gpu_wheels} (ignored by git; about 20 MB), installed with --no-index --no-deps into a

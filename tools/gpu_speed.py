@@ -125,6 +125,7 @@ def _prepare(c: gc.Check, name: str, shape_name: str, shape: dict):
     dims = dict(SHAPES["tiny" if c.rehearse else shape_name])
     tok_dir = c.assets()["tokenizer"]
     n = shape["batch"] * (PROFILE[1] + 1)  # more rows than the longest run takes: no epoch end, no checkpoint
+    os.makedirs(c.out, exist_ok=True)
     key = f"{shape['max_len']}x{n}"  # the texts are the same for every shape and variant: made once
     data, rows_file = os.path.join(c.out, f"speed_{key}.jsonl"), os.path.join(c.out, f"speed_{key}_rows.json")
     if not os.path.exists(rows_file):
