@@ -19,7 +19,9 @@ Parts (``PARTS``; each has its own deadline, ``PART_BUDGET_S``):
   without them) against transformers and transformers + Liger on the same texts: tokens/s, MFU, peak memory and
   the ratios; a PASS at the goals of ``tools/gpu_speed.py`` (``GOALS``); it replaced the MFU check (a bar on the
   MFU of our step alone), which measured the shape more than the trainer;
-* ``speed_variants``: which fused kernel pays at which shape, and 16 rows a micro-batch against 8.
+* ``speed_variants``: which fused kernel pays at which shape, and 16 rows a micro-batch against 8;
+* ``rl_update``: the actor's RL update side by side (tools/gpu_rl_update.py: ours with the fused log-prob against
+  transformers + Liger's fused linear GRPO loss and plain transformers), at both shapes; not yet run on a GPU.
 
 Output: an environment header, ``# start <check>`` before each check, one ``PASS``/``FAIL``/``NOT RUN`` line per
 check (a FAIL line is followed by the failing log's traceback and last lines, indented with ``|``), and
@@ -58,9 +60,10 @@ PARTS: dict[str, tuple[str, ...]] = {
     "resume": ("resume",),
     "speed": ("speed_1b", "speed_135m"),
     "speed_variants": ("speed_variants",),
+    "rl_update": ("rl_1b", "rl_135m"),
 }
 """Each part's checks, most telling first: the ones a deadline leaves out are the last."""
-PART_BUDGET_S = {"fp32": 200, "bf16": 220, "resume": 100, "speed": 420, "speed_variants": 330}
+PART_BUDGET_S = {"fp32": 200, "bf16": 220, "resume": 100, "speed": 420, "speed_variants": 330, "rl_update": 300}
 """Measured on an H200 (2026-11-27, bench/results/gpu_*_figures.json): fp32 162 s (kernels 24, SFT padded with its
 export 48, packed 35, PPO 33, RM 22), bf16 178 s (SFT packed 30, PPO 30, MoE SFT 29, RM 28, SFT padded 22, MoE GRPO
 with replay 39), resume 63 s; speed 328 s and speed_variants 233 s (2026-11-28); each budget is that plus about
@@ -497,7 +500,15 @@ CHECKS: dict[str, Callable[[Check], None]] = {
     # the side-by-side speed check (tools/gpu_speed.py)
     "speed_1b": lambda c: _speed(c, "llama32_1b"), "speed_135m": lambda c: _speed(c, "smollm2_135m"),
     "speed_variants": lambda c: _speed(c, None),
+    "rl_1b": lambda c: _rl(c, "llama32_1b"), "rl_135m": lambda c: _rl(c, "smollm2_135m"),
 }
+
+
+def _rl(c: Check, shape: str) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_speed
+
+    gpu_speed.check_rl(c, shape)
 
 
 def _speed(c: Check, shape: str) -> None:

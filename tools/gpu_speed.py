@@ -210,3 +210,40 @@ def check_variants(c: gc.Check) -> None:
     text = "; ".join(f"{k} {r['tokens_per_s']:.0f} tok/s peak {r['peak_gib']:.1f} GiB" if r.get("tokens_per_s")
                      else f"{k} not measured (rc={r.get('rc')})" for k, r in results.items())
     c.report.add("speed_variants", all(r.get("tokens_per_s") for r in results.values()), text, results)
+
+
+def check_rl(c: gc.Check, shape_name: str) -> None:
+    """The RL update side by side (tools/gpu_rl_update.py) on the speed check's model at ``shape_name``: ours fused,
+    transformers + Liger's fused linear GRPO loss, transformers; tokens/s, peak memory, ratios. A PASS when all
+    three ran (no goal is set for the update)."""
+    name = {"llama32_1b": "1b", "smollm2_135m": "135m"}[shape_name]
+    shape = REHEARSAL if c.rehearse else SHAPE
+    model = _prepare(c, name, shape_name, shape)[0]
+    script = os.path.join(HERE, "gpu_rl_update.py")
+    common = ["--model", model, "--steps", str(shape["steps"]), "--micro_rows", str(shape["micro"]), "--batch_rows",
+              str(shape["batch"]), "--seq_len", str(shape["max_len"]), "--device", "cpu" if c.rehearse else "cuda"]
+    results: dict[str, dict] = {}
+    from rlhf.distributed.env import free_port
+
+    for v, cmd in (("ours", ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                             str(free_port()), script, "--impl", "ours", "--fused", "1"]),
+                   ("hf+liger", [script, "--impl", "hf", "--liger", "1"]), ("hf", [script, "--impl", "hf"])):
+        if c.rehearse and v == "hf+liger":
+            continue
+        out = os.path.join(c.out, f"rl_{name}_{v}.json")
+        try:
+            rc = c.launch([sys.executable, *cmd, *common, "--json", out], f"rl_{name}_{v}")
+        except gc.OutOfTime as e:
+            results[v] = dict(rc=None, why=str(e))
+            continue
+        results[v] = json.load(open(out)) if rc == 0 and os.path.exists(out) else dict(rc=rc)
+        c.report.figures["checks"].setdefault(c.current, {}).update(results)
+        c.report.write()
+    tps = {v: r.get("median_tokens_per_s") for v, r in results.items()}
+    ratios = {f"ours/{v}": tps["ours"] / t for v, t in tps.items() if v != "ours" and t and tps.get("ours")}
+    text = "; ".join(f"{v} {r['median_tokens_per_s']:.0f} tok/s peak {r['peak_gib']:.1f} GiB"
+                     if r.get("median_tokens_per_s") else f"{v} not measured (rc={r.get('rc')})"
+                     for v, r in results.items())
+    c.report.add(f"rl_{name}", all(t for t in tps.values()), f"{shape_name} actor update, {shape['batch']} x "
+                 f"{shape['max_len']} tokens a step: {text}; " + ", ".join(f"{k} {x:.3f}" for k, x in ratios.items()),
+                 dict(results=results, ratios=ratios), c.log(f"rl_{name}_ours"))
