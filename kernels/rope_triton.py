@@ -18,7 +18,7 @@ from torch import Tensor
 
 @triton.jit
 def _rope_kernel(x_ptr, f_ptr, o_ptr, B, H, sxs, sxb, sxh, sf, mscale, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-          BLOCK_D: tl.constexpr, TRANSPOSE: tl.constexpr):
+                 BLOCK_D: tl.constexpr, TRANSPOSE: tl.constexpr):
     sb = tl.program_id(0).to(tl.int64)
     s = sb // B
     b = sb % B

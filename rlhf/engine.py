@@ -172,7 +172,7 @@ class ModelEngine:
         model.to(mesh.device)
         from rlhf.models import fused
 
-        # --use_liger_kernel (rlhf.models.fused): Liger's RMSNorm on CUDA, the Triton SwiGLU and RoPE, SFT's fused head
+        # --use_liger_kernel (rlhf.models.fused): the Triton SwiGLU and RoPE, SFT's fused head; Liger's RMSNorm opt-in
         self.fused = fused.enabled(mesh.device, use_te=self.transformer_impl == "transformer_engine")
         if self.fused and mesh.device.type == "cuda" and fused.part_on("norm"):
             fused.fuse_norms(model)

@@ -74,10 +74,8 @@ class SFTTask:
         return on
 
     def evaluate(self, engine, batches: list[dict]) -> dict[str, float]:
-        if self.fused_head(engine):
-            outs = engine.forward(batches, loss_fn=self.loss_fn(engine), output="hidden")
-            return {"loss": engine.reduce_metrics(outs, self.metric_keys)["loss"]}
-        outs = engine.forward(batches, loss_fn=self.loss_fn(engine))
+        loss_fn = self.loss_fn(engine)  # sets self.output: the head's output, or the hidden states for the fused head
+        outs = engine.forward(batches, loss_fn=loss_fn, output=self.output)
         return {"loss": engine.reduce_metrics(outs, self.metric_keys)["loss"]}
 
     def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]:
@@ -88,6 +86,7 @@ def fused_head_loss(engine, tp_group, vocab: int):
     """SFT's loss from the final hidden states: the LM head runs on the scored positions only, fused with the
     cross entropy (``rlhf.models.fused.head_nll_sum``); the same sum and token count as ``sft_loss`` and
     ``packed_sft_loss`` (tests/train/test_fused_kernels.py compares them)."""
+    from rlhf.algo.losses import packed_sft_targets
     from rlhf.models.fused import head_nll_sum
 
     weight = engine.model.output_weight()
@@ -95,12 +94,7 @@ def fused_head_loss(engine, tp_group, vocab: int):
     def fn(batch: dict, hidden: torch.Tensor):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         if "packed_seq_params" in batch:  # hidden (1, T, H)
-            import kernels
-
-            targets, valid = kernels.packed_next_tokens(ids[0], batch["packed_seq_params"].cu_seqlens_q)
-            mask = torch.zeros_like(valid)
-            mask[:-1] = loss_mask[0, 1:].bool()
-            mask &= valid
+            targets, mask = packed_sft_targets(ids, loss_mask, batch["packed_seq_params"].cu_seqlens_q)
             rows, tgt = hidden[0][mask], targets[mask]
         else:  # hidden (B, S, H): position t predicts token t + 1
             mask = loss_mask[:, 1:].bool()

@@ -36,6 +36,8 @@ REHEARSAL = dict(max_len=128, micro=2, batch=4, steps=3)
 PROFILE = (9, 10)
 """Ours-fused runs two steps past the timed ones, profiled (RLHF_PROFILE_STEPS), so the timing is not disturbed."""
 VARIANTS = ("ours", "hf+liger", "hf", "ours_unfused")
+SHORT = {"llama32_1b": "1b", "smollm2_135m": "135m"}
+"""Each shape's name in the check names and file names."""
 
 
 def _ours(c: gc.Check, name: str, model: str, data: str, shape: dict, fused: bool, n: int,
@@ -91,7 +93,7 @@ def _hf(c: gc.Check, name: str, shape_name: str, rows_file: str, shape: dict, li
 
 
 def check_speed(c: gc.Check, shape_name: str) -> None:
-    name = {"llama32_1b": "1b", "smollm2_135m": "135m"}[shape_name]
+    name = SHORT[shape_name]
     shape = REHEARSAL if c.rehearse else SHAPE
     model, data, rows_file, n, flops, dev, peak_tflops = _prepare(c, name, shape_name, shape)
     skip = 2 if shape["steps"] > 3 else 0
@@ -190,7 +192,7 @@ def check_variants(c: gc.Check) -> None:
     for label, shape_name, kind, parts, micro in VARIANT_RUNS:
         if c.rehearse and kind == "hf+liger":
             continue
-        name = {"llama32_1b": "1b", "smollm2_135m": "135m"}[shape_name]
+        name = SHORT[shape_name]
         shape = dict(base, micro=min(micro, base["batch"]))
         try:
             model, data, rows_file, n, flops, dev, peak_tflops = _prepare(c, name, shape_name, shape)
@@ -216,7 +218,7 @@ def check_rl(c: gc.Check, shape_name: str) -> None:
     """The RL update side by side (tools/gpu_rl_update.py) on the speed check's model at ``shape_name``: ours fused,
     transformers + Liger's fused linear GRPO loss, transformers; tokens/s, peak memory, ratios. A PASS when all
     three ran (no goal is set for the update)."""
-    name = {"llama32_1b": "1b", "smollm2_135m": "135m"}[shape_name]
+    name = SHORT[shape_name]
     shape = REHEARSAL if c.rehearse else SHAPE
     model = _prepare(c, name, shape_name, shape)[0]
     script = os.path.join(HERE, "gpu_rl_update.py")

@@ -67,7 +67,7 @@ def packed_sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: to
     """
     import kernels
 
-    targets, valid = kernels.packed_next_tokens(input_ids[0], cu_seqlens)  # (T,), (T,) bool
+    targets, mask = packed_sft_targets(input_ids, loss_mask, cu_seqlens)  # (T,), (T,) bool
     if cp is not None:  # logits (1, T_local, V_local): this rank's tokens; the log-probs gathered back to (T,)
         from rlhf.models.context_parallel import gather_tokens, split_input
 
@@ -76,9 +76,18 @@ def packed_sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: to
                                 inplace_backward=inplace_backward)  # (T,) [or (T_local,)]
     if cp is not None:
         lp = gather_tokens(lp.unsqueeze(0), cp)[0]
-    mask = torch.zeros_like(lp)  # token t is scored iff token t + 1 is a response token of the same sequence
-    mask[:-1] = loss_mask[0, 1:].to(lp.dtype)
-    return _masked_nll(lp, mask * valid)
+    return _masked_nll(lp, mask)
+
+
+def packed_sft_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor):
+    """A packed micro-batch's next-token targets (T,) and which positions are scored (T,) bool: position t iff
+    token t + 1 is a response token of the same sequence (``packed_sft_loss``, and SFT's fused head)."""
+    import kernels
+
+    targets, valid = kernels.packed_next_tokens(input_ids[0], cu_seqlens)  # (T,), (T,) bool
+    mask = torch.zeros_like(valid)
+    mask[:-1] = loss_mask[0, 1:].bool()
+    return targets, mask & valid
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ on; by default (``None``) it is on for CUDA without Transformer Engine where lig
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -45,13 +46,18 @@ Llama-3.2-1B's."""
 def part_on(name: str) -> bool:
     import os
 
-    spec = os.environ.get(PARTS_ENV)
+    return name in _chosen_parts(os.environ.get(PARTS_ENV))
+
+
+@functools.cache
+def _chosen_parts(spec: str | None) -> frozenset:
+    """``RLHF_FUSED_PARTS`` parsed once per value (``part_on`` runs at every layer's SwiGLU and RoPE)."""
     if spec is None:
-        return name in DEFAULT_PARTS
-    chosen = {p.strip() for p in spec.split(",") if p.strip()}
+        return frozenset(DEFAULT_PARTS)
+    chosen = frozenset(p.strip() for p in spec.split(",") if p.strip())
     if not chosen <= set(PARTS):
         raise ValueError(f"{PARTS_ENV}={spec!r}: expected a comma-separated subset of {', '.join(PARTS)}")
-    return name in chosen
+    return chosen
 _request: bool | None = None
 _resolved: dict[tuple, bool] = {}
 
