@@ -29,6 +29,8 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_models, tmp_path
     mg, back = str(tmp_path / "mg"), str(tmp_path / "back")
     p = run_python([CONVERT, "--hf", hf, "--out", mg, "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)])
     assert p.returncode == 0, tail(p)
+    # the command line forks its ranks after importing their modules once (rlhf.models.convert.rank_start_method)
+    assert f"{tp * pp * ep} local rank(s), started by fork" in p.stdout + p.stderr, tail(p)
     manifest = json.load(open(os.path.join(mg, "rlhf_manifest.json")))
     assert (manifest["saved_at_tp"], manifest["saved_at_pp"], manifest["saved_at_ep"]) == layout
     assert manifest["model_type"] == name.split("-")[0]
@@ -111,3 +113,16 @@ def test_unknown_checkpoint_key_is_named(tiny_models, tmp_path):
     sd["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
     save_file(sd, str(bad / "model.safetensors"))
     _one_line_error(run_python([CONVERT, "--hf", str(bad), "--out", str(tmp_path / "o")]), "extra_proj")
+
+
+def test_ranks_are_spawned_where_a_fork_could_inherit_a_thread():
+    """rank_start_method: ``fork`` in a fresh one-thread process (the command line), ``spawn`` once the process
+    has a second thread (a fork would copy a lock that thread might hold) or a process group."""
+    code = ("import threading, time\n"
+            "from rlhf.models.convert import rank_start_method\n"
+            "a = rank_start_method()\n"
+            "t = threading.Thread(target=time.sleep, args=(5,), daemon=True); t.start()\n"
+            "print(a, rank_start_method())\n")
+    p = run_python(["-c", code])
+    assert p.returncode == 0, tail(p)
+    assert p.stdout.split() == ["fork", "spawn"], tail(p)
