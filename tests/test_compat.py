@@ -161,6 +161,33 @@ def test_eager_logprob_ranks_equal_vllms_own_function():
     assert torch.equal(sampler.batched_count_greater_than(x, values), original(x, values))
 
 
+def test_eager_vocab_mask_is_vllms_own_function_uncompiled():
+    """rlhf.compat.vllm.eager_vocab_mask: the name ``VocabParallelEmbedding.forward`` calls at vLLM TP > 1 becomes
+    vLLM's own undecorated ``get_masked_input_and_mask`` (the compile cost about 1.6 s a rank on CPU): a call traces
+    no frame with dynamo, and its ids and mask are the hand-computed ones for a shard of the vocabulary."""
+    from helpers import require
+
+    require("vllm", "rlhf.compat.vllm patches it")
+    import torch._dynamo.utils as dynamo_utils
+    import vllm.model_executor.layers.vocab_parallel_embedding as vpe
+
+    from rlhf.compat.vllm import eager_vocab_mask
+
+    # vLLM's function, as torch.compile wrapped it (or already unwrapped by a patch earlier in this process)
+    original = getattr(vpe.get_masked_input_and_mask, "_torchdynamo_orig_callable", vpe.get_masked_input_and_mask)
+    assert original.__name__ == "get_masked_input_and_mask"
+    eager_vocab_mask()
+    eager_vocab_mask()  # idempotent
+    assert vpe.get_masked_input_and_mask is original
+    frames = dynamo_utils.counters["frames"]["total"]
+    ids = torch.tensor([0, 3, 7, 8, 11, 12, 15])
+    # the shard of TP rank 1 of 2 over 16 ids: [8, 16), no added vocabulary
+    masked, outside = vpe.get_masked_input_and_mask(ids, 8, 16, 0, 16, 16)
+    assert dynamo_utils.counters["frames"]["total"] == frames  # nothing traced
+    assert masked.tolist() == [0, 0, 0, 0, 3, 4, 7] and outside.tolist() == [True, True, True, False, False, False,
+                                                                             False]
+
+
 def test_without_collections_is_a_no_op_inside_and_restores_gc():
     import gc
 

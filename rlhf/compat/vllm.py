@@ -137,6 +137,22 @@ def eager_logprob_ranks() -> None:
     sampler.batched_count_greater_than = batched_count_greater_than
 
 
+def eager_vocab_mask() -> None:
+    """vLLM 0.32's ``VocabParallelEmbedding`` (TP > 1) maps token ids to its shard with ``get_masked_input_and_mask``
+    (``vllm/model_executor/layers/vocab_parallel_embedding.py``), decorated ``@torch.compile(dynamic=True,
+    backend=current_platform.simple_compile_backend)``: inductor on CPU, so the first generation of every process
+    traced it with dynamo and loaded a C++ kernel from inductor's cache, about 1.6 s a rank despite ``enforce_eager``
+    (py-spy, tiny PPO job at vLLM TP 2, 2-core AMD EPYC: the first rollout took 2.4 s, the next ones 0.07 s). The
+    module's name, which ``VocabParallelEmbedding.forward`` looks up at each call, is rebound to vLLM's own function
+    without the decorator (``torch.compile`` keeps it as ``_torchdynamo_orig_callable``): the same integer ops, run
+    eagerly. Idempotent; CPU builds only (on CUDA it stays compiled)."""
+    import vllm.model_executor.layers.vocab_parallel_embedding as vpe
+
+    original = getattr(vpe.get_masked_input_and_mask, "_torchdynamo_orig_callable", None)
+    if original is not None:
+        vpe.get_masked_input_and_mask = original
+
+
 # vLLM 0.32.0 (CPU, TP > 1): under external_launcher every job's shared-memory segments get one fixed name.
 def unique_cpu_shm_names(tag: str) -> None:
     """vLLM's CPU all-reduce names its /dev/shm segments from ``VLLM_DIST_IDENT``, which ``external_launcher``

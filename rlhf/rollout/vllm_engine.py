@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from rlhf.compat import installed_version
 from rlhf.compat.vllm import (TESTED_VLLM, keep_torch_rng, release_cpu_weights, repack_cpu_lm_head,
-                               repack_cpu_moe_on_reload, restore_cpu_weights, eager_logprob_ranks)
+                               repack_cpu_moe_on_reload, restore_cpu_weights, eager_logprob_ranks,
+                               eager_vocab_mask)
 from rlhf.rollout.types import RolloutConfig, Sample, engine_share
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class VLLMRollout:
             _tag_cpu_shm(mesh)
             repack_cpu_moe_on_reload()
             eager_logprob_ranks()
+            eager_vocab_mask()
         with keep_torch_rng():
             self.llm = LLM(**kwargs)
         if cfg.vision is not None and load_format == "dummy":
