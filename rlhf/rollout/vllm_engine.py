@@ -24,7 +24,7 @@ import torch.distributed as dist
 from rlhf.compat import installed_version
 from rlhf.compat.vllm import (TESTED_VLLM, keep_torch_rng, release_cpu_weights, repack_cpu_lm_head,
                                repack_cpu_moe_on_reload, restore_cpu_weights, eager_logprob_ranks,
-                               eager_vocab_mask)
+                               eager_vocab_mask, fast_kernel_rebind)
 from rlhf.rollout.types import RolloutConfig, Sample, engine_share
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,7 @@ class VLLMRollout:
             repack_cpu_moe_on_reload()
             eager_logprob_ranks()
             eager_vocab_mask()
+            fast_kernel_rebind()
         with keep_torch_rng():
             self.llm = LLM(**kwargs)
         if cfg.vision is not None and load_format == "dummy":
