@@ -99,14 +99,15 @@ def test_sigstop_of_one_rank_rm_4(train_setup, tmp_path):
 def test_stall_outside_any_collective_ends_by_heartbeat_sft_2(train_setup, tmp_path):
     """Rank 1 stops at the export while rank 0 waits for it in the export's long barrier (hours of timeout: the
     conversion of a large model may take that long). Only the heartbeats see it. Negative control: with the
-    watchdog off the same job is still waiting 5 s past the bound (then killed)."""
-    r = fault_job(SFT, 2, sft_args(train_setup, str(tmp_path / "o")), inject="stop:export:1")
-    assert_ends_within(r, STALL, lo=T - 1)
-    assert_named(r, r"^error: rank 0: rank 1 has not answered for \d+ s \(--dist_timeout_s 20\); it was last in "
-                    r"phase 'export' \(step \d+\)")
+    watchdog off the same job is still waiting 5 s past the bound (then killed). The control runs beside the
+    watched job (both stall idle after their few steps), so the test waits for the bound once, not twice."""
     job = Job(SFT, 2, sft_args(train_setup, str(tmp_path / "off"), **{"--dist_timeout_s": T}),
               RLHF_FAULT_INJECT="stop:export:1", RLHF_WATCHDOG="0")
     try:
+        r = fault_job(SFT, 2, sft_args(train_setup, str(tmp_path / "o")), inject="stop:export:1")
+        assert_ends_within(r, STALL, lo=T - 1)
+        assert_named(r, r"^error: rank 0: rank 1 has not answered for \d+ s \(--dist_timeout_s 20\); it was last "
+                        r"in phase 'export' \(step \d+\)")
         fault_at = job.wait_for(r"^fault injection: ", timeout=300)
         assert fault_at is not None, job.log[-3000:]
         while time.monotonic() < fault_at + STALL + 5:
@@ -120,21 +121,27 @@ def test_stall_outside_any_collective_ends_by_heartbeat_sft_2(train_setup, tmp_p
 def test_ranks_end_with_their_launcher_sft_2(train_setup, tmp_path):
     """torchrun SIGKILLed alone, mid-run: its ranks get SIGKILL from the kernel (parent-death signal). Negative
     control: with the watchdog off they outlive it (rank 0 is made to hang at the export, so that they cannot
-    simply finish first)."""
-    for watchdog, expect_left in (("1", False), ("0", True)):
-        job = Job(SFT, 2, sft_args(train_setup, str(tmp_path / f"w{watchdog}"), **{"--dist_timeout_s": T}),
-                  RLHF_WATCHDOG=watchdog, RLHF_FAULT_INJECT="hang:enter-export:0")
-        try:
-            assert job.wait_for(r"\[sft 2/", timeout=300) is not None, job.log[-3000:]
-            ranks = [p for p in job_processes(job.tag) if p.pid != job.proc.pid]
-            assert len(ranks) >= 2
-            psutil.Process(job.proc.pid).kill()
+    simply finish first). Both jobs start together; each is checked in turn."""
+    jobs = {watchdog: Job(SFT, 2, sft_args(train_setup, str(tmp_path / f"w{watchdog}"), **{"--dist_timeout_s": T}),
+                          RLHF_WATCHDOG=watchdog, RLHF_FAULT_INJECT="hang:enter-export:0") for watchdog in ("1", "0")}
+    try:
+        for watchdog, expect_left in (("1", False), ("0", True)):
+            job = jobs[watchdog]
+            try:
+                assert job.wait_for(r"\[sft 2/", timeout=300) is not None, job.log[-3000:]
+                ranks = [p for p in job_processes(job.tag) if p.pid != job.proc.pid]
+                assert len(ranks) >= 2
+                psutil.Process(job.proc.pid).kill()
+                job.proc.wait(timeout=60)
+                gone, alive = psutil.wait_procs(ranks, timeout=5)
+                assert bool(alive) == expect_left, (watchdog, [p.pid for p in alive])
+            finally:
+                left = leftovers(job.tag, grace=0 if expect_left else 5)
+            assert bool(left) == expect_left, left
+    finally:  # a failed check of the first job leaves the second running
+        for job in jobs.values():
+            kill_job(job.tag, job.proc.pid)
             job.proc.wait(timeout=60)
-            gone, alive = psutil.wait_procs(ranks, timeout=5)
-            assert bool(alive) == expect_left, (watchdog, [p.pid for p in alive])
-        finally:
-            left = leftovers(job.tag, grace=0 if expect_left else 5)
-        assert bool(left) == expect_left, left
 
 
 def test_healing_under_torchrun_max_restarts_is_exact_rm_2(train_setup, tmp_path):
