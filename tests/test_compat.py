@@ -236,6 +236,53 @@ def test_fast_kernel_rebind_rebinds_what_vllms_scan_rebinds():
     assert results[0] == results[1] == (True, True, False, True, True, 3), results
 
 
+def test_one_collection_then_freeze_collects_before_it_freezes():
+    """rlhf.compat.vllm.one_collection_then_freeze (vLLM's engine start on CPU): inside, ``gc.collect`` does nothing
+    and ``gc.freeze`` is deferred; after, one full collection then the freeze. A reference cycle made before the
+    block is gone after it (collected, not frozen), and the heap is frozen; without a freeze asked, none happens.
+    Negative control: the freeze before the collection keeps the cycle alive."""
+    import gc
+    import weakref
+
+    from rlhf.compat.vllm import one_collection_then_freeze
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    def engine_start():  # what vLLM's engine start does with the collector
+        assert gc.collect() == 0 and gc.collect(2) == 0  # no-ops inside
+        gc.collect(0)
+        gc.freeze()
+
+    collect, freeze = gc.collect, gc.freeze
+    gc.collect()
+    frozen_before = gc.get_freeze_count()
+    try:
+        ref = cycle()
+        with one_collection_then_freeze():
+            engine_start()
+            assert ref() is not None  # nothing collected inside
+        assert gc.collect is collect and gc.freeze is freeze
+        assert ref() is None and gc.get_freeze_count() > frozen_before
+        gc.unfreeze()
+        ref = cycle()
+        with one_collection_then_freeze():
+            gc.collect()
+        assert ref() is None and gc.get_freeze_count() == 0
+        ref = cycle()  # negative control: frozen first, the cycle survives the collection
+        gc.freeze()
+        gc.collect()
+        assert ref() is not None
+    finally:
+        gc.unfreeze()
+        gc.collect()
+
+
 def test_without_collections_is_a_no_op_inside_and_restores_gc():
     import gc
 

@@ -12,6 +12,7 @@ re-creates them; the KV cache, sized to the batch there, stays.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from rlhf.compat import installed_version
 from rlhf.compat.vllm import (TESTED_VLLM, keep_torch_rng, release_cpu_weights, repack_cpu_lm_head,
                                repack_cpu_moe_on_reload, restore_cpu_weights, eager_logprob_ranks,
-                               eager_vocab_mask, fast_kernel_rebind)
+                               eager_vocab_mask, fast_kernel_rebind, one_collection_then_freeze)
 from rlhf.rollout.types import RolloutConfig, Sample, engine_share
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ class VLLMRollout:
             eager_logprob_ranks()
             eager_vocab_mask()
             fast_kernel_rebind()
-        with keep_torch_rng():
+        with keep_torch_rng(), (contextlib.nullcontext() if on_cuda else one_collection_then_freeze()):
             self.llm = LLM(**kwargs)
         if cfg.vision is not None and load_format == "dummy":
             from functools import partial
