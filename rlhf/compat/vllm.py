@@ -317,15 +317,15 @@ def one_collection_then_freeze():
     load_model's collections come before its ``empty_cache`` and are left alone)."""
     import gc
 
-    collect, freeze = gc.collect, gc.freeze
+    freeze = gc.freeze
     asked = []
-    gc.collect = lambda *a, **k: 0
     gc.freeze = lambda: asked.append(True)
     try:
-        yield
+        with without_collections():
+            yield
     finally:
-        gc.collect, gc.freeze = collect, freeze
-    collect()
+        gc.freeze = freeze
+    gc.collect()
     if asked:
         freeze()
 

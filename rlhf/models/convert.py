@@ -142,11 +142,10 @@ def convert_hf_to_megatron(plan: HFToMegatronPlan, overwrite: bool = False) -> f
 
     t0 = time.time()
     with atomic_dir(plan.out, overwrite=overwrite) as tmp:
-        method = rank_start_method()
+        method, nprocs = rank_start_method(), plan.tp * plan.pp * plan.ep
         log.info("converting at tp=%d pp=%d ep=%d: %d local rank(s), started by %s", plan.tp, plan.pp, plan.ep,
-                 plan.tp * plan.pp * plan.ep, method)
-        mp.start_processes(_spawned, args=(plan, tmp, free_port()), nprocs=plan.tp * plan.pp * plan.ep, join=True,
-                           start_method=method)
+                 nprocs, method)
+        mp.start_processes(_spawned, args=(plan, tmp, free_port()), nprocs=nprocs, join=True, start_method=method)
         copy_tokenizer_files(plan.hf, tmp)
         write_manifest(tmp, spec=plan.spec, hf_config=plan.hf_config, padded_vocab=plan.padded_vocab,
                        source=os.path.abspath(plan.hf), tp=plan.tp, pp=plan.pp, dtype=plan.dtype,
