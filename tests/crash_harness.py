@@ -33,9 +33,10 @@ from helpers import JOB_TAG, REPO, job_processes, kill_job, leftovers, test_env,
 class Job:
     """One torchrun job in the background: timestamped output lines, its ranks' processes, signals to one rank."""
 
-    def __init__(self, script: str, nproc: int, args: list[str], *, max_restarts: int = 0, **env: str):
+    def __init__(self, script: str, nproc: int, args: list[str], *, max_restarts: int = 0,
+                 launcher: str | None = None, **env: str):
         self.tag = uuid.uuid4().hex
-        cmd = torchrun_cmd(os.path.join(REPO, script), nproc, args, max_restarts)
+        cmd = torchrun_cmd(os.path.join(REPO, script), nproc, args, max_restarts, launcher=launcher)
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=REPO,
                                      env=test_env(PYTHONUNBUFFERED="1", **{JOB_TAG: self.tag}, **env),
@@ -79,16 +80,33 @@ class Job:
                 self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
 
     def rank_process(self, rank: int) -> psutil.Process:
-        """The live worker process of ``rank`` (torchrun's child with RANK=rank)."""
+        """The live worker process of ``rank``: torchrun's child with RANK=rank in its environment, or (ranks forked
+        by ``rlhf.distributed.forkrun``, whose /proc environment is the launcher's) the launcher's ``rank``-th live
+        child by pid (one node: the agent starts local ranks in order)."""
+        children = []
         for p in job_processes(self.tag):
             try:
+                if p.ppid() != self.proc.pid:
+                    continue
                 env = p.environ()
-                if env.get("RANK") == str(rank) and "torch.distributed.run" not in " ".join(p.cmdline()):
-                    if p.ppid() == self.proc.pid:
-                        return p
+                if "RANK" not in env:
+                    children.append(p)
+                elif env["RANK"] == str(rank) and "torch.distributed.run" not in " ".join(p.cmdline()):
+                    return p
             except psutil.NoSuchProcess:
                 continue
-        raise AssertionError(f"no live process of rank {rank}")
+        children.sort(key=lambda p: p.pid)
+        if rank < len(children):
+            return children[rank]
+        seen = []
+        for p in job_processes(self.tag):
+            try:
+                seen.append((p.pid, p.ppid(), p.status(), "RANK" in p.environ()))
+            except psutil.Error as e:
+                seen.append((p.pid, repr(e)))
+        raise AssertionError(f"no live process of rank {rank}; the launcher is {self.proc.pid} "
+                             f"(exit code {self.proc.poll()}); the job's processes (pid, ppid, status, RANK in "
+                             f"/proc environ): {seen}; its last lines:\n{self.log[-2000:]}")
 
     def signal_rank(self, rank: int, sig: int) -> float:
         """Send ``sig`` to rank ``rank``'s process only (not the tree); returns the time it was sent."""

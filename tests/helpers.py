@@ -186,16 +186,30 @@ def sleep_forever(rank: int, pid_dir: str) -> None:
     time.sleep(3600)
 
 
-def torchrun_cmd(script: str, nproc: int, args: list[str], max_restarts: int = 0) -> list[str]:
-    """``torchrun --nproc_per_node nproc [--max-restarts N] script args`` on a free port."""
+LAUNCHER = os.environ.get("RLHF_TEST_LAUNCHER", "forkrun")
+"""How ``torchrun_cmd`` starts a job's ranks. ``forkrun`` (default): torchrun itself with its ranks forked from a
+launcher that imported torch, transformers, megatron-core and (PPO) vLLM once (``rlhf.distributed.forkrun``);
+``torchrun``: a fresh interpreter per rank. Tests about launching, restarts, signals or the rank processes
+themselves pass ``launcher="torchrun"``; ``RLHF_TEST_LAUNCHER=torchrun`` runs every job as torchrun does."""
+
+
+def torchrun_cmd(script: str, nproc: int, args: list[str], max_restarts: int = 0,
+                 launcher: str | None = None) -> list[str]:
+    """``torchrun --nproc_per_node nproc [--max-restarts N] script args`` on a free port (``launcher``:
+    ``LAUNCHER`` by default)."""
     restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-            str(free_port()), *restarts, script, *args]
+    launcher = launcher or LAUNCHER
+    if launcher not in ("torchrun", "forkrun"):
+        raise ValueError(f"launcher={launcher!r}: torchrun or forkrun")
+    start = ["-m", "torch.distributed.run"] if launcher == "torchrun" else ["-u", "-m", "rlhf.distributed.forkrun"]
+    return [sys.executable, *start, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *restarts,
+            script, *args]
 
 
-def run_torchrun(script: str, nproc: int, args: list[str], timeout: float = 600, **env: str):
+def run_torchrun(script: str, nproc: int, args: list[str], timeout: float = 600, launcher: str | None = None,
+                 **env: str):
     """Run ``torchrun --nproc_per_node nproc script args``; returns the CompletedProcess (text)."""
-    return run_tagged(torchrun_cmd(script, nproc, args), timeout, env)
+    return run_tagged(torchrun_cmd(script, nproc, args, launcher=launcher), timeout, env)
 
 
 def run_python(args: list[str], timeout: float = 600, **env: str):

@@ -1,6 +1,7 @@
 """Nothing a test starts outlives it: the tagged runner kills a whole torchrun job on a timeout (a rank that
 ignores SIGTERM included), and a launched one-rank job dies with its launcher (the parent-death signal every
-launched rank arms, ``rlhf/distributed/watchdog.py::start_watchdog``). Each has its negative control: the plain
+launched rank arms, ``rlhf/distributed/watchdog.py::start_watchdog``). Every job here is torchrun's own (a rank
+per interpreter): the process tree is what these tests are about. Each has its negative control: the plain
 ``subprocess.run(timeout=...)`` kill, and the rank with the watchdog off, both leave the rank running."""
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_a_rank_that_ignores_sigterm_is_gone_after_a_timeout(tmp_path):
     script.write_text(_STUBBORN)
     t0 = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        run_torchrun(str(script), 1, [pidfile], timeout=20, **{JOB_TAG: tag})
+        run_torchrun(str(script), 1, [pidfile], timeout=20, launcher="torchrun", **{JOB_TAG: tag})
     assert time.monotonic() - t0 < 60, "the kill took longer than the timeout's margin"
     assert os.path.exists(pidfile), "the rank had not started within 20 s: nothing was tested"
     pid = int(open(pidfile).read())
@@ -61,7 +62,7 @@ def test_a_rank_that_ignores_sigterm_is_gone_after_a_timeout(tmp_path):
     # Negative control: what subprocess.run(timeout=...) does on a timeout (kill torchrun, the child it started)
     # leaves the rank running.
     os.remove(pidfile)
-    job = Job(str(script), 1, [pidfile])  # torchrun in the background, tagged
+    job = Job(str(script), 1, [pidfile], launcher="torchrun")  # torchrun in the background, tagged
     try:
         pid = _wait_for_file(pidfile, job.proc)
         job.proc.kill()
@@ -80,7 +81,7 @@ def test_a_launched_single_rank_dies_with_its_launcher(tmp_path, watchdog):
     for world size 1)."""
     script, pidfile = tmp_path / "alone.py", str(tmp_path / "pid")
     script.write_text(_LAUNCHED_ALONE.format(repo=REPO))
-    job = Job(str(script), 1, [pidfile], RLHF_WATCHDOG=watchdog)
+    job = Job(str(script), 1, [pidfile], launcher="torchrun", RLHF_WATCHDOG=watchdog)
     try:
         pid = _wait_for_file(pidfile, job.proc)
         job.proc.kill()  # torchrun alone, as a scheduler's SIGKILL of the launcher would

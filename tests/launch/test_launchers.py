@@ -81,7 +81,8 @@ def test_mpirun_matches_torchrun(sft_setup, tmp_path):
     ensure_openmpi()
     entry = os.path.join(REPO, "tests/launch/_sft_digest.py")
     ref, mpi = str(tmp_path / "torchrun"), str(tmp_path / "mpirun")
-    p = run_torchrun(entry, 4, sft_args(sft_setup, ref, **{"--tensor_model_parallel_size": 2}), timeout=300)
+    p = run_torchrun(entry, 4, sft_args(sft_setup, ref, **{"--tensor_model_parallel_size": 2}), timeout=300,
+                     launcher="torchrun")
     assert p.returncode == 0, tail(p)
     assert "launcher=torchrun" in p.stdout + p.stderr, tail(p)
     mpirun_args = "--bind-to none --oversubscribe" + (" --allow-run-as-root" if os.geteuid() == 0 else "")

@@ -26,9 +26,12 @@ def load_weights(path):
 
 @pytest.fixture(scope="module")
 def straight(ppo_setup, tmp_path_factory):
-    """8 PPO steps straight through (2 episodes x 4 steps), checkpoints every 4."""
+    """8 PPO steps straight through (2 episodes x 4 steps), checkpoints every 4. Under torchrun's own launch (a
+    rank per interpreter), where the other jobs of the suite fork their ranks (tests/helpers.py: LAUNCHER): the
+    resumed runs below, forked, end bit-identical to it."""
     save = str(tmp_path_factory.mktemp("straight") / "out")
-    p = run_torchrun(PPO, 2, ppo_args(ppo_setup, save, **{"--num_episodes": 2, "--save_steps": 4}), timeout=900)
+    p = run_torchrun(PPO, 2, ppo_args(ppo_setup, save, **{"--num_episodes": 2, "--save_steps": 4}), timeout=900,
+                     launcher="torchrun")
     assert p.returncode == 0, tail(p)
     return save, p
 

@@ -121,9 +121,11 @@ def test_stall_outside_any_collective_ends_by_heartbeat_sft_2(train_setup, tmp_p
 def test_ranks_end_with_their_launcher_sft_2(train_setup, tmp_path):
     """torchrun SIGKILLed alone, mid-run: its ranks get SIGKILL from the kernel (parent-death signal). Negative
     control: with the watchdog off they outlive it (rank 0 is made to hang at the export, so that they cannot
-    simply finish first). Both jobs start together; each is checked in turn."""
+    simply finish first). Both jobs start together; each is checked in turn. torchrun's own launch: forkrun's ranks
+    are children of torch's multiprocessing, which arms a parent-death SIGINT of its own."""
     jobs = {watchdog: Job(SFT, 2, sft_args(train_setup, str(tmp_path / f"w{watchdog}"), **{"--dist_timeout_s": T}),
-                          RLHF_WATCHDOG=watchdog, RLHF_FAULT_INJECT="hang:enter-export:0") for watchdog in ("1", "0")}
+                          launcher="torchrun", RLHF_WATCHDOG=watchdog, RLHF_FAULT_INJECT="hang:enter-export:0")
+            for watchdog in ("1", "0")}
     try:
         for watchdog, expect_left in (("1", False), ("0", True)):
             job = jobs[watchdog]
@@ -156,7 +158,8 @@ def test_healing_under_torchrun_max_restarts_is_exact_rm_2(train_setup, tmp_path
     assert rc == 0, job.log[-3000:]
     save = str(tmp_path / "healed")
     job = Job(RM, 2, rm_args(train_setup, save, **{"--load_checkpoint": "", "--dist_timeout_s": T}),
-              max_restarts=2, RLHF_FAULT_INJECT="kill:update:1:3:0,stop:enter-checkpoint_save:0:5:1")
+              max_restarts=2, launcher="torchrun",
+              RLHF_FAULT_INJECT="kill:update:1:3:0,stop:enter-checkpoint_save:0:5:1")
     rc, _ = job.wait()
     job.close()
     assert rc == 0, job.log[-3000:]
