@@ -297,3 +297,31 @@ def test_without_collections_is_a_no_op_inside_and_restores_gc():
     with without_collections():
         assert gc.collect() == 0 and gc.collect is not collect
     assert gc.collect is collect and not process_ending()  # a test's process does not end with its entry point
+
+
+def test_expert_bias_is_skipped_only_without_expert_bias():
+    """rlhf.compat.megatron.expert_bias_only_when_enabled: a router without expert bias skips megatron's compiled
+    ``_apply_expert_bias`` (its body does nothing then): no dynamo frame. Negative control: megatron's own method,
+    called the same way, is traced by dynamo (the compile every MoE process paid). A router with expert bias still
+    runs megatron's body: its token counts grow by the routing map's column sums (hand-computed)."""
+    import types
+
+    import torch._dynamo.utils as dynamo_utils
+    from megatron.core.transformer.moe import router
+
+    from rlhf.compat.megatron import expert_bias_only_when_enabled
+
+    expert_bias_only_when_enabled()
+    expert_bias_only_when_enabled()  # idempotent
+    patched = router.TopKRouter._apply_expert_bias
+    megatrons = patched.__wrapped__
+    assert not getattr(megatrons, "__rlhf_skips_without_bias__", False)
+    routing_map = torch.tensor([[True, False, True], [False, False, True]])
+    frames = dynamo_utils.counters["frames"]["total"]
+    assert patched(types.SimpleNamespace(enable_expert_bias=False), routing_map) is None
+    assert dynamo_utils.counters["frames"]["total"] == frames  # nothing traced
+    megatrons(types.SimpleNamespace(enable_expert_bias=False), routing_map)  # control: megatron's own, compiled
+    assert dynamo_utils.counters["frames"]["total"] > frames
+    biased = types.SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(3))
+    patched(biased, routing_map)
+    assert biased.local_tokens_per_expert.tolist() == [1.0, 0.0, 2.0]

@@ -318,6 +318,29 @@ def swiglu_function() -> None:
     mlp.bias_swiglu_impl = impl
 
 
+# megatron-core 0.16.1: TopKRouter.routing calls self._apply_expert_bias on every MoE forward, a jit_fuser
+# (torch.compile) method whose body does nothing unless moe_router_enable_expert_bias is on.
+def expert_bias_only_when_enabled() -> None:
+    """Skip ``TopKRouter._apply_expert_bias`` where the router has no expert bias, as its own body does (``if
+    self.enable_expert_bias and torch.is_grad_enabled(): ...``), without calling the compiled method: its first call
+    traced it with dynamo and imported inductor in every MoE process, 2-9 s of CPU a process for nothing (measured on
+    a 2-core AMD EPYC). Routers with expert bias call megatron's compiled method as before."""
+    from megatron.core.transformer.moe import router
+
+    current = router.TopKRouter._apply_expert_bias
+    if getattr(current, "__rlhf_skips_without_bias__", False):
+        return
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if not self.enable_expert_bias:
+            return None
+        return current(self, routing_map, padding_mask)
+
+    _apply_expert_bias.__rlhf_skips_without_bias__ = True
+    _apply_expert_bias.__wrapped__ = current
+    router.TopKRouter._apply_expert_bias = _apply_expert_bias
+
+
 # megatron-core 0.16.1: moe_utils defines te_general_gemm only when TE imports, but its router reads it always.
 def moe_without_te() -> None:
     """Without Transformer Engine the MoE router's linear raises NameError (``te_general_gemm``); megatron's own

@@ -298,9 +298,10 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
                                 recompute=recompute, ep=ep, aux_loss_coef=aux_loss_coef, use_te=use_te,
                                 routing_replay=routing_replay)
     if spec.num_experts:
-        from rlhf.compat.megatron import moe_without_te
+        from rlhf.compat.megatron import expert_bias_only_when_enabled, moe_without_te
 
         moe_without_te()
+        expert_bias_only_when_enabled()
     cls = _gpt_model_class()
     if spec.vision is not None:
         from rlhf.models.vlm import check_vlm_layout, vlm_model_class
