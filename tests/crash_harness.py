@@ -81,30 +81,32 @@ class Job:
 
     def rank_process(self, rank: int) -> psutil.Process:
         """The live worker process of ``rank``: torchrun's child with RANK=rank in its environment, or (ranks forked
-        by ``rlhf.distributed.forkrun``, whose /proc environment is the launcher's) the launcher's ``rank``-th live
-        child by pid (one node: the agent starts local ranks in order)."""
-        children = []
+        by ``rlhf.distributed.forkrun``: the launcher's command line, and its /proc environment, which holds no rank
+        variable of theirs) the launcher's ``rank``-th live forked child by pid (one node: the agent starts local
+        ranks in order)."""
+        forked = []
+        launcher = " ".join(self.proc.args)
         for p in job_processes(self.tag):
             try:
                 if p.ppid() != self.proc.pid:
                     continue
-                env = p.environ()
-                if "RANK" not in env:
-                    children.append(p)
-                elif env["RANK"] == str(rank) and "torch.distributed.run" not in " ".join(p.cmdline()):
+                cmdline = " ".join(p.cmdline())
+                if "rlhf.distributed.forkrun" in cmdline:
+                    forked.append(p)
+                elif p.environ().get("RANK") == str(rank) and "torch.distributed.run" not in cmdline:
                     return p
             except psutil.NoSuchProcess:
                 continue
-        children.sort(key=lambda p: p.pid)
-        if rank < len(children):
-            return children[rank]
+        forked.sort(key=lambda p: p.pid)
+        if rank < len(forked):
+            return forked[rank]
         seen = []
         for p in job_processes(self.tag):
             try:
                 seen.append((p.pid, p.ppid(), p.status(), "RANK" in p.environ()))
             except psutil.Error as e:
                 seen.append((p.pid, repr(e)))
-        raise AssertionError(f"no live process of rank {rank}; the launcher is {self.proc.pid} "
+        raise AssertionError(f"no live process of rank {rank}; the launcher is {self.proc.pid} ({launcher}) "
                              f"(exit code {self.proc.poll()}); the job's processes (pid, ppid, status, RANK in "
                              f"/proc environ): {seen}; its last lines:\n{self.log[-2000:]}")
 

@@ -37,7 +37,11 @@ def require(module: str, why: str = "") -> None:
 
 
 def test_env(**extra: str) -> dict:
-    env = dict(os.environ)
+    """This process's environment for a job, without launcher variables: an in-process single rank of an earlier test
+    (``DistEnv.export``) leaves RANK, WORLD_SIZE and MASTER_* in it, which no job of a test should inherit."""
+    from rlhf.distributed.env import env_without_launcher
+
+    env = env_without_launcher()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.update(extra)
