@@ -6,8 +6,9 @@ what it works around and for which version:
     vllm.py       vLLM 0.32.0: the CPU LM-head repack, the global RNG reseed, CPU shared-memory names
     cuda.py       megatron-core 0.16.1 on a CPU-only torch: ``device="cuda"`` and the CUDA RNG, scoped to megatron
     lazy_jit.py   megatron-core 0.16.1: its import-time ``torch.compile`` decorators, deferred to the first call
+    elastic.py    torch 2.13's elastic agent: a forked rank that ends by ``os._exit(0)``, torchrun's --run-path entry
 
-Importing ``megatron.py``, ``vllm.py`` or ``cuda.py`` checks the installed version of what it patches against
+Importing ``megatron.py``, ``vllm.py``, ``cuda.py`` or ``elastic.py`` checks the installed version of what it patches against
 the one tested (``TESTED``) and logs one warning per mismatch, once per process (``check_versions``). This module
 imports nothing heavy (versions come from package metadata).
 """

@@ -91,9 +91,9 @@ def test_the_agent_counts_an_exit_0_as_done_and_waits_without_the_repair(monkeyp
     """In-process: torch's MultiprocessContext with one forked rank that ends by ``os._exit(0)``."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, api, start_processes
 
-    from rlhf.distributed import forkrun
+    from rlhf.compat.elastic import count_clean_exits_as_done
 
-    forkrun._count_clean_exits_as_done()
+    count_clean_exits_as_done()
     patched = api.MultiprocessContext._poll
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
 
