@@ -97,8 +97,8 @@ def fork_unsafe_reason() -> str | None:
         return f"threads running after the imports: {', '.join(alive)}"
     try:
         tasks = len(os.listdir("/proc/self/task"))
-    except OSError:
-        tasks = 1
+    except OSError:  # not Linux: the OS threads cannot be counted
+        return "no /proc/self/task to count this process's threads"
     if tasks > 1:
         return f"{tasks} OS threads after the imports"
     torch = sys.modules.get("torch")

@@ -123,15 +123,13 @@ def rank_start_method() -> str:
 
     import torch.distributed as dist
 
+    from rlhf.distributed.forkrun import fork_unsafe_reason
+
     if dist.is_initialized() or torch.cuda.is_initialized():
         return "spawn"
     for name in _RANK_MODULES:
         importlib.import_module(name)
-    try:
-        threads = len(os.listdir("/proc/self/task"))
-    except OSError:  # not Linux
-        return "spawn"
-    return "fork" if threads == 1 else "spawn"
+    return "fork" if fork_unsafe_reason() is None else "spawn"
 
 
 def convert_hf_to_megatron(plan: HFToMegatronPlan, overwrite: bool = False) -> float:
