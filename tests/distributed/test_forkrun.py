@@ -29,8 +29,6 @@ def _launch(start: list[str], out: str, *extra: str, timeout: float = 120, prelo
     pre = ["--preload", preload] if preload is not None else []
     cmd = [sys.executable, *start, *pre, "--nproc_per_node", "2", "--master_port", str(free_port()), PROBE, out,
            *extra]
-    if pre and "torch.distributed.run" in start:
-        cmd.remove("--preload"), cmd.remove(preload)
     proc = run_tagged(cmd, timeout, full_env={**base, "PROBE_BASE_ENV": ",".join([*base, "PROBE_BASE_ENV"])})
     reports = []
     for r in range(2):
