@@ -27,7 +27,8 @@ import time
 import uuid
 
 import psutil
-from helpers import JOB_TAG, REPO, job_processes, kill_job, leftovers, test_env, torchrun_cmd  # noqa: F401 (re-exported)
+from helpers import (JOB_TAG, REPO, ZYGOTE_PY, job_launcher, job_processes, kill_job, leftovers,  # noqa: F401
+                     test_env, torchrun_cmd)
 
 # ------------------------------------------------------------------------------------------------ one job
 class Job:
@@ -86,12 +87,13 @@ class Job:
         ranks in order)."""
         forked = []
         launcher = " ".join(self.proc.args)
+        parent = job_launcher(self.tag) or self.proc.pid  # a zygote's launcher is its child, not the client's
         for p in job_processes(self.tag):
             try:
-                if p.ppid() != self.proc.pid:
+                if p.ppid() != parent:
                     continue
                 cmdline = " ".join(p.cmdline())
-                if "rlhf.distributed.forkrun" in cmdline:
+                if "rlhf.distributed.forkrun" in cmdline or ZYGOTE_PY in cmdline:
                     forked.append(p)
                 elif p.environ().get("RANK") == str(rank) and "torch.distributed.run" not in cmdline:
                     return p

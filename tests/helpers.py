@@ -54,14 +54,32 @@ test_env.__test__ = False  # a helper, not a test, in the modules that import it
 JOB_TAG = "RLHF_TEST_JOB_TAG"
 
 
+def job_launcher(tag: str) -> int | None:
+    """The pid of the job's launcher where a zygote forked it (``tests/zygote.py``: it leads its own process group),
+    else None."""
+    if _ZYGOTE_REGISTRY is None:
+        return None
+    try:
+        with open(os.path.join(_ZYGOTE_REGISTRY, tag)) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def job_processes(tag: str) -> list[psutil.Process]:
-    """Every live process whose environment carries ``JOB_TAG=tag`` (zombies excluded)."""
+    """Every live process whose environment carries ``JOB_TAG=tag`` (zombies excluded), and, for a job a zygote
+    launched, every process forked from it: its launcher's process group, with the zygote's command line (their
+    /proc environment is the zygote's)."""
     out = []
+    group = job_launcher(tag)
     for p in psutil.process_iter():
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(JOB_TAG) == tag:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get(JOB_TAG) == tag or (group is not None and os.getpgid(p.pid) == group
+                                                    and ZYGOTE_PY in p.cmdline()):
                 out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ProcessLookupError):
             continue
     return out
 
@@ -190,11 +208,52 @@ def sleep_forever(rank: int, pid_dir: str) -> None:
     time.sleep(3600)
 
 
-LAUNCHER = os.environ.get("RLHF_TEST_LAUNCHER", "forkrun")
-"""How ``torchrun_cmd`` starts a job's ranks. ``forkrun`` (default): torchrun itself with its ranks forked from a
-launcher that imported torch, transformers, megatron-core and (PPO) vLLM once (``rlhf.distributed.forkrun``);
+LAUNCHER = os.environ.get("RLHF_TEST_LAUNCHER", "zygote")
+"""How ``torchrun_cmd`` starts a job's ranks. ``zygote`` (default): ``forkrun`` run by a launcher forked from a
+process of this pytest worker that imported forkrun's preload list once (``tests/zygote.py``; where its conditions
+do not hold, the client runs forkrun itself and says why); ``forkrun``: torchrun itself with its ranks forked from
+a launcher that imported torch, transformers, megatron-core and (PPO) vLLM once (``rlhf.distributed.forkrun``);
 ``torchrun``: a fresh interpreter per rank. Tests about launching, restarts, signals or the rank processes
-themselves pass ``launcher="torchrun"``; ``RLHF_TEST_LAUNCHER=torchrun`` runs every job as torchrun does."""
+themselves pass ``launcher="torchrun"``; ``RLHF_TEST_LAUNCHER=torchrun`` (or ``forkrun``) runs every job so."""
+
+ZYGOTE_PY = os.path.join(REPO, "tests", "zygote.py")
+_ZYGOTE_REGISTRY: str | None = None  # <dir>/<job tag>: the pid of the job's launcher (tests/zygote.py writes it)
+_ZYGOTES: dict[tuple[str, ...], tuple[subprocess.Popen, str]] = {}
+
+
+def _stop_zygotes() -> None:
+    import shutil
+
+    for proc, _ in _ZYGOTES.values():
+        proc.kill()
+        proc.wait()
+    _ZYGOTES.clear()
+    if _ZYGOTE_REGISTRY is not None:
+        shutil.rmtree(_ZYGOTE_REGISTRY, ignore_errors=True)
+
+
+def zygote(modules: list[str]) -> str:
+    """The socket of this process's zygote for ``modules`` (started now if there is none, or it died)."""
+    global _ZYGOTE_REGISTRY
+    import atexit
+    import tempfile
+
+    key = tuple(modules)
+    if key in _ZYGOTES and _ZYGOTES[key][0].poll() is None:
+        return _ZYGOTES[key][1]
+    if _ZYGOTE_REGISTRY is None:
+        _ZYGOTE_REGISTRY = tempfile.mkdtemp(prefix=f"rlhf-zygote-{os.getpid()}-")
+        atexit.register(_stop_zygotes)
+    sock = os.path.join(_ZYGOTE_REGISTRY, f"z{len(_ZYGOTES)}-{uuid.uuid4().hex[:6]}.sock")
+    with open(sock[:-5] + ".log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-u", ZYGOTE_PY, "serve", sock, _ZYGOTE_REGISTRY, ",".join(modules)],
+                                cwd=REPO, env=test_env(), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sock) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # it binds before importing; clients wait in its backlog for the imports
+    _ZYGOTES[key] = (proc, sock)
+    return sock
 
 
 def torchrun_cmd(script: str, nproc: int, args: list[str], max_restarts: int = 0,
@@ -203,11 +262,17 @@ def torchrun_cmd(script: str, nproc: int, args: list[str], max_restarts: int = 0
     ``LAUNCHER`` by default)."""
     restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
     launcher = launcher or LAUNCHER
-    if launcher not in ("torchrun", "forkrun"):
-        raise ValueError(f"launcher={launcher!r}: torchrun or forkrun")
+    if launcher not in ("torchrun", "forkrun", "zygote"):
+        raise ValueError(f"launcher={launcher!r}: torchrun, forkrun or zygote")
+    flags = ["--nproc_per_node", str(nproc), "--master_port", str(free_port()), *restarts, script, *args]
+    if launcher == "zygote":
+        from rlhf.distributed.forkrun import default_preload
+
+        modules = default_preload(script)
+        return [sys.executable, "-S", "-E", ZYGOTE_PY, "client", zygote(modules), "--",
+                "--preload", ",".join(modules), *flags]
     start = ["-m", "torch.distributed.run"] if launcher == "torchrun" else ["-u", "-m", "rlhf.distributed.forkrun"]
-    return [sys.executable, *start, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *restarts,
-            script, *args]
+    return [sys.executable, *start, *flags]
 
 
 def run_torchrun(script: str, nproc: int, args: list[str], timeout: float = 600, launcher: str | None = None,

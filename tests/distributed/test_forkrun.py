@@ -29,7 +29,7 @@ def _launch(start: list[str], out: str, *extra: str, timeout: float = 120, prelo
     pre = ["--preload", preload] if preload is not None else []
     cmd = [sys.executable, *start, *pre, "--nproc_per_node", "2", "--master_port", str(free_port()), PROBE, out,
            *extra]
-    proc = run_tagged(cmd, timeout, full_env={**base, "PROBE_BASE_ENV": ",".join([*base, "PROBE_BASE_ENV"])})
+    proc = run_tagged(cmd, timeout, full_env={**base, "RLHF_PROBE_BASE_ENV": ",".join([*base, "RLHF_PROBE_BASE_ENV"])})
     reports = []
     for r in range(2):
         path = os.path.join(out, f"rank{r}.json")
