@@ -13,7 +13,8 @@ the final weights must be bit-identical to an uninterrupted run's.
 
 Kill points are events, not wall-clock times, so every phase is hit on any machine speed: ``("startup", s)``
 kills ``s`` seconds after launch; ``("step", k)`` after the progress line of step k; ``("save", k)`` after the
-"checkpoint: saving step k" line (mid-save); ``("export", 0)`` after "exporting HF model" (mid-export). Each is
+"checkpoint: saving step k" line (mid-save); ``("export", 0)`` after "exporting HF model" (mid-export: rank 0
+pauses 2 s in the export of every launch that is to be killed, ``RLHF_FAULT_INJECT=pause:export:0``). Each is
 followed by a seeded random delay of up to ``jitter`` seconds.
 """
 from __future__ import annotations
@@ -194,7 +195,11 @@ def launch_and_kill(script: str, nproc: int, args: list[str], task: str, point: 
     The kill comes a seeded random delay of up to ``jitter`` seconds after the event, but never after the event of
     a ``later`` kill point (or the export): on a machine fast enough to run past it within the delay, the kill
     falls at that event instead, so every later point still comes in a later launch."""
-    job = Job(script, nproc, args)
+    # Rank 0 pauses 2 s in the export (after the megatron copy, before the HF files): a tiny model's export takes
+    # a fraction of a second, and a kill that came up to the jitter after the "exporting" line found the job ended
+    # (a fresh-clone suite, the export point's 0.37 s). With the pause, a kill at or just after that line lands
+    # mid-export. Launches killed earlier never reach it.
+    job = Job(script, nproc, args, RLHF_FAULT_INJECT="pause:export:0")
     event, k = point
     if event == "startup":
         job.wait_for(re.compile(r"(?!)"), timeout=float(k))  # just the delay (the job may end first)

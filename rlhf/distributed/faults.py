@@ -13,7 +13,9 @@ from rlhf.distributed import rank_state
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "RLHF_FAULT_INJECT"
-FAULT_KINDS = ("raise", "kill", "stop", "hang")
+FAULT_KINDS = ("raise", "kill", "stop", "hang", "pause")
+PAUSE_S = 2.0
+"""``pause``: how long the rank sleeps before it goes on."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,9 @@ class Fault:
 def parse_faults(spec: str) -> list[Fault]:
     """``kind:site:rank[:step[:restart]]``, comma-separated: ``raise:checkpoint_save:1:2`` raises on rank 1 in
     the middle of the checkpoint save of step 2; ``stop:update:0`` sends SIGSTOP to rank 0 at its first update;
-    ``kill`` is SIGKILL; ``hang`` sleeps forever with the watchdog's heartbeat still going (a livelock).
+    ``kill`` is SIGKILL; ``hang`` sleeps forever with the watchdog's heartbeat still going (a livelock); ``pause``
+    sleeps ``PAUSE_S`` and goes on (a window in which a test's own SIGKILL of the job lands: the crash harness's
+    mid-export kill, where a tiny model's export may otherwise end before the kill comes).
     ``restart``: torchrun's restart count the fault applies to (``TORCHELASTIC_RESTART_COUNT``, default 0).
 
     Sites: ``update`` (between an update's backward and its metrics' all-reduce), ``collective`` (before a
@@ -92,3 +96,5 @@ def fault_point(site: str) -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             if f.kind == "hang":
                 threading.Event().wait()
+            if f.kind == "pause":
+                time.sleep(PAUSE_S)

@@ -103,7 +103,10 @@ def test_sigkill_anywhere_then_resume_is_exact(ppo_setup, straight, tmp_path):
     save = str(tmp_path / "out")
     args = ppo_args(ppo_setup, save, **{"--num_episodes": 2, "--save_steps": 4})
     records = crash_and_resume(PPO, 2, args, "ppo", os.path.join(save, "checkpoints"), points, seed=5, total=8)
-    assert all(r["killed"] for r in records[:-1]), [(r["point"], r["killed"], r["log"][-1500:]) for r in records]
+    assert all(r["killed"] for r in records[:-1]), ([(r["point"], r["killed"]) for r in records],  # the ended one:
+        [r["log"][-1500:] for r in records[:-1] if not r["killed"]])
+    exported = [r for r in records if r["point"] == ("export", 0)][0]["log"]  # killed mid-export, not after it
+    assert "fault injection: pause at export" in exported and "exported HF model" not in exported, exported[-1500:]
     # Nothing is published before step 4's save, so the launches up to the one killed in it start afresh; whether
     # that kill came before the checkpoint was published is timing, so the next launch may start afresh or resume.
     # crash_and_resume checked every launch that had a checkpoint: 'resumed from ... (step k)', only later steps.

@@ -173,7 +173,10 @@ def test_sigkill_anywhere_then_resume_is_exact(train_setup, tmp_path, straight_r
     records = crash_and_resume(SFT, 2, _resume_base(train_setup, 0) + common(save, **{"--save_steps": 1}), "sft",
                                os.path.join(save, "checkpoints"), points, seed=11, total=6)
     assert [r["point"] for r in records[:-1]] == points
-    assert all(r["killed"] for r in records[:-1]), [(r["point"], r["killed"], r["log"][-1500:]) for r in records]
+    assert all(r["killed"] for r in records[:-1]), ([(r["point"], r["killed"]) for r in records],  # the ended one:
+        [r["log"][-1500:] for r in records[:-1] if not r["killed"]])
+    exported = [r for r in records if r["point"] == ("export", 0)][0]["log"]  # killed mid-export, not after it
+    assert "fault injection: pause at export" in exported and "exported HF model" not in exported, exported[-1500:]
     # every launch after the first published save resumed (crash_and_resume checked each: 'resumed from ...
     # (step k)', k > 0, only the steps after k)
     assert not records[0]["had_checkpoint"] and records[-1]["resumed_step"] > 0
