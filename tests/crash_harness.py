@@ -12,7 +12,7 @@ published yet), and repeat; every launch is checked with ``check_launch`` (a lau
 the final weights must be bit-identical to an uninterrupted run's.
 
 Kill points are events, not wall-clock times, so every phase is hit on any machine speed: ``("startup", s)``
-kills ``s`` seconds after launch; ``("step", k)`` after the progress line of step k; ``("save", k)`` after the
+kills ``s`` seconds after launch, or at the first step's progress line if that comes first; ``("step", k)`` after the progress line of step k; ``("save", k)`` after the
 "checkpoint: saving step k" line (mid-save); ``("export", 0)`` after "exporting HF model" (mid-export: rank 0
 pauses 2 s in the export of every launch that is to be killed, ``RLHF_FAULT_INJECT=pause:export:0``). Each is
 followed by a seeded random delay of up to ``jitter`` seconds.
@@ -196,17 +196,21 @@ def launch_and_kill(script: str, nproc: int, args: list[str], task: str, point: 
     a ``later`` kill point (or the export): on a machine fast enough to run past it within the delay, the kill
     falls at that event instead, so every later point still comes in a later launch."""
     # Rank 0 pauses 2 s in the export (after the megatron copy, before the HF files): a tiny model's export takes
-    # a fraction of a second, and a kill that came up to the jitter after the "exporting" line found the job ended
-    # (a fresh-clone suite, the export point's 0.37 s). With the pause, a kill at or just after that line lands
-    # mid-export. Launches killed earlier never reach it.
+    # a fraction of a second, so a kill that comes up to the jitter after the "exporting" line could find the job
+    # ended. With the pause, a kill at or just after that line lands mid-export. Launches killed earlier never
+    # reach it.
     job = Job(script, nproc, args, RLHF_FAULT_INJECT="pause:export:0")
     event, k = point
-    if event == "startup":
-        job.wait_for(re.compile(r"(?!)"), timeout=float(k))  # just the delay (the job may end first)
-    else:
-        job.wait_for(_pattern(task, event, int(k)), timeout=timeout)
     guards = [g for g in (_pattern(task, e, int(j)) for e, j in (*later, ("export", 0))) if g is not None]
     guards = [g for g in guards if event == "startup" or g.pattern != _pattern(task, event, int(k)).pattern]
+    if event == "startup":
+        # the delay, or the end of the first step if that comes first: a job fast enough to pass its first save
+        # within the delay (the PPO job through the suite's zygote passed step 4's save within 6.1 s) would leave
+        # the later points nothing to hit in a fresh launch
+        first = re.compile("|".join([_pattern(task, "step", 1).pattern] + [g.pattern for g in guards]))
+        job.wait_for(first, timeout=float(k))
+    else:
+        job.wait_for(_pattern(task, event, int(k)), timeout=timeout)
     hit_at = time.monotonic()
     delay = rng.uniform(0, jitter)
     while time.monotonic() < hit_at + delay and job.proc.poll() is None:
