@@ -12,10 +12,11 @@ published yet), and repeat; every launch is checked with ``check_launch`` (a lau
 the final weights must be bit-identical to an uninterrupted run's.
 
 Kill points are events, not wall-clock times, so every phase is hit on any machine speed: ``("startup", s)``
-kills ``s`` seconds after launch, or at the first step's progress line if that comes first; ``("step", k)`` after the progress line of step k; ``("save", k)`` after the
-"checkpoint: saving step k" line (mid-save); ``("export", 0)`` after "exporting HF model" (mid-export: rank 0
-pauses 2 s in the export of every launch that is to be killed, ``RLHF_FAULT_INJECT=pause:export:0``). Each is
-followed by a seeded random delay of up to ``jitter`` seconds.
+kills ``s`` seconds after launch, or at the first step's progress line if that comes first; ``("step", k)``
+after the progress line of step k; ``("save", k)`` after the "checkpoint: saving step k" line (mid-save);
+``("export", 0)`` after "exporting HF model" (mid-export: rank 0 pauses 2 s in the export of every launch that is to
+be killed, ``RLHF_FAULT_INJECT=pause:export:0``). Each is followed by a seeded random delay of up to ``jitter``
+seconds.
 """
 from __future__ import annotations
 
