@@ -26,7 +26,7 @@ try:
 except (OSError, ValueError):
     DURATIONS = {"files": {}, "tests": {}}
 
-SLOW_S = 8.0
+SLOW_S = 5.0
 """A test measured above this many seconds is marked ``slow`` (the quick tier, ``-m "not slow"``, leaves it out)
 unless it is in ``QUICK``."""
 QUICK = {

@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("junit", nargs="+", help="pytest --junitxml files of full runs")
     p.add_argument("--out", default=OUT)
+    p.add_argument("--commit", default=None, help="the commit the junit files were measured at (default: HEAD)")
     args = p.parse_args(argv)
     tests = read_junit(args.junit)
     if not tests:
@@ -58,8 +59,8 @@ def main(argv=None) -> int:
     files: dict[str, float] = collections.Counter()
     for nid, sec in tests.items():
         files[nid.split("::")[0]] += sec
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                           text=True).stdout.strip()
     doc = {"measured": {"date": datetime.date.today().isoformat(), "commit": commit, "cpu": cpu_model(),
                         "tests": len(tests), "seconds": round(sum(tests.values()), 1)},
            "files": {f: round(s, 1) for f, s in sorted(files.items(), key=lambda kv: -kv[1])},
