@@ -85,7 +85,36 @@ def pytest_runtest_logreport(report):
     _FILE_SECONDS[f] = _FILE_SECONDS.get(f, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
 
 
+def pytest_configure(config):
+    # Where the zygote's clients note each job they ran through forkrun instead (tests/zygote.py): set once by the
+    # controller, inherited by xdist's workers, read back in the summary below.
+    if not os.environ.get("RLHF_TEST_ZYGOTE_LOG"):
+        import tempfile
+
+        os.environ["RLHF_TEST_ZYGOTE_LOG"] = os.path.join(tempfile.mkdtemp(prefix="rlhf-zygote-log-"), "fallbacks")
+        config._zygote_log_owner = True
+
+
+def _zygote_fallbacks(terminalreporter) -> None:
+    """How many jobs did not go through a zygote, and why (each one paid forkrun's imports, 10-20 s under load)."""
+    import collections
+    import shutil
+
+    path = os.environ.get("RLHF_TEST_ZYGOTE_LOG", "")
+    if not getattr(terminalreporter.config, "_zygote_log_owner", False) or not path:
+        return
+    try:
+        with open(path) as f:
+            reasons = collections.Counter(line.strip() for line in f if line.strip())
+    except OSError:
+        reasons = collections.Counter()
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    terminalreporter.write_line(f"zygote: {sum(reasons.values())} job(s) ran forkrun themselves"
+                                + "".join(f"\n  {n} x {why}" for why, n in reasons.most_common(10)))
+
+
 def pytest_terminal_summary(terminalreporter):
+    _zygote_fallbacks(terminalreporter)
     if not _FILE_SECONDS:
         return
     top = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:20]

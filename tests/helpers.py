@@ -36,12 +36,28 @@ def require(module: str, why: str = "") -> None:
     pytest.skip(msg, allow_module_level=True)
 
 
+_START_ENV = dict(os.environ)  # at the first import, before any test of this process ran
+SET_IN_PROCESS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY",  # rlhf.compat.onednn.bound_onednn_caches
+                  "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN",  # megatron's LanguageModule.__init__
+                  "VLLM_ENABLE_V1_MULTIPROCESSING")  # rlhf.rollout.vllm_engine._export_launcher_env
+"""Variables that building a model or an engine sets in this process's environment at run time."""
+
+
 def test_env(**extra: str) -> dict:
     """This process's environment for a job, without launcher variables: an in-process single rank of an earlier test
-    (``DistEnv.export``) leaves RANK, WORLD_SIZE and MASTER_* in it, which no job of a test should inherit."""
+    (``DistEnv.export``) leaves RANK, WORLD_SIZE and MASTER_* in it, which no job of a test should inherit. Nor the
+    ``SET_IN_PROCESS`` variables an in-process model or engine of an earlier test set: they are as they were before
+    any test (a job's ranks set them again themselves), so that a job's environment does not depend on which tests
+    ran before it in this worker, and equals the zygote's (else the job runs forkrun itself, ``tests/zygote.py``:
+    4 jobs of the quick tier did so)."""
     from rlhf.distributed.env import env_without_launcher
 
     env = env_without_launcher()
+    for k in SET_IN_PROCESS:
+        if k in _START_ENV:
+            env[k] = _START_ENV[k]
+        else:
+            env.pop(k, None)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.update(extra)

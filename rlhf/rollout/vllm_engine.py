@@ -26,6 +26,7 @@ from rlhf.compat import installed_version
 from rlhf.compat.vllm import (TESTED_VLLM, keep_torch_rng, release_cpu_weights, repack_cpu_lm_head,
                                repack_cpu_moe_on_reload, restore_cpu_weights, eager_logprob_ranks,
                                eager_vocab_mask, fast_kernel_rebind, one_collection_then_freeze)
+from rlhf.compat.vllm_files import IPC_ENV, ipc_env
 from rlhf.rollout.types import RolloutConfig, Sample, engine_share
 
 log = logging.getLogger(__name__)
@@ -145,13 +146,15 @@ class VLLMRollout:
                                              "max_pixels": cfg.vision["max_pixels"]}
         kwargs.update(vllm_memory_kwargs(cfg, on_cuda))
         t0 = time.perf_counter()
+        ipc_dir = _private_ipc_dir(mesh)
         if not on_cuda:
             _tag_cpu_shm(mesh)
             repack_cpu_moe_on_reload()
             eager_logprob_ranks()
             eager_vocab_mask()
             fast_kernel_rebind()
-        with keep_torch_rng(), (contextlib.nullcontext() if on_cuda else one_collection_then_freeze()):
+        with keep_torch_rng(), ipc_env(ipc_dir), (contextlib.nullcontext() if on_cuda else
+                                                  one_collection_then_freeze()):
             self.llm = LLM(**kwargs)
         if cfg.vision is not None and load_format == "dummy":
             from functools import partial
@@ -167,11 +170,12 @@ class VLLMRollout:
             log.info("vLLM prefix caching (--vllm_enable_prefix_caching): %s", "on, reset at every weight sync" if on
                      else "off: vLLM turned it off for this model")
         if mesh.is_rank0:
-            log.info("vLLM %d engine(s) x TP %d (external_launcher, %s%s, %s) ready in %.1f s; sleep mode %s",
-                     self.num_engines, self.tp, cfg.dtype, f": {cfg.dtype_reason}" if cfg.dtype_reason else "",
-                     "eager" if cfg.enforce_eager else "compiled",
+            log.info("vLLM %d engine(s) x TP %d (external_launcher, %s%s, %s) ready in %.1f s; sleep mode %s; "
+                     "socket files under %s", self.num_engines, self.tp, cfg.dtype,
+                     f": {cfg.dtype_reason}" if cfg.dtype_reason else "", "eager" if cfg.enforce_eager else "compiled",
                      time.perf_counter() - t0, "on" if self.sleep_enabled else
-                     "off (CPU: the weights are freed after each rollout instead)" if self.release_on_cpu else "off")
+                     "off (CPU: the weights are freed after each rollout instead)" if self.release_on_cpu else "off",
+                     f"{ipc_dir} (removed at exit)" if ipc_dir else f"{os.environ.get(IPC_ENV)} ({IPC_ENV}, yours)")
         self.sleeping = False
         self.needs_sync = True
         """A weight sync must come before the next generation even if the actor did not change: the engine holds
@@ -323,10 +327,20 @@ class VLLMRollout:
         gc.collect()
 
 
+def _private_ipc_dir(mesh) -> str | None:
+    """This process's folder for vLLM's socket files (``rlhf.compat.vllm_files.private_ipc_dir``), after removing the
+    folders that killed jobs left on this machine."""
+    from rlhf.compat.vllm_files import private_ipc_dir, remove_dead_ipc
+
+    if mesh.env.local_rank == 0:
+        remove_dead_ipc()
+    return private_ipc_dir()
+
+
 def _tag_cpu_shm(mesh) -> None:
-    """Unique names for this job's vLLM shared-memory segments (``rlhf.compat.vllm.unique_cpu_shm_names``),
+    """Unique names for this job's vLLM shared-memory segments (``rlhf.compat.vllm_files.unique_cpu_shm_names``),
     after removing the segments that killed jobs left on this machine."""
-    from rlhf.compat.vllm import new_shm_tag, remove_dead_shm, unique_cpu_shm_names
+    from rlhf.compat.vllm_files import new_shm_tag, remove_dead_shm, unique_cpu_shm_names
 
     if mesh.env.local_rank == 0:
         remove_dead_shm()

@@ -3,6 +3,7 @@ match the trainer's after every weight sync, the HF export loads, and a killed +
 to an uninterrupted one."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -58,6 +59,10 @@ def test_reward_rises_and_vllm_matches_trainer(straight):
     assert model.config.architectures == ["LlamaForCausalLM"]
     # The progress line carries the phase timings.
     assert "time/rollout=" in p.stdout + p.stderr
+    # vLLM's socket files were in rank 0's own folder, gone with the job (rlhf.compat.vllm_files.private_ipc_dir)
+    m = re.search(r"socket files under (\S+) \(removed at exit\)", p.stdout + p.stderr)
+    assert m and os.path.basename(m.group(1)).startswith("rlhf-ipc-"), tail(p)
+    assert not os.path.exists(m.group(1))
 
 
 def test_resume_is_exact(ppo_setup, straight, tmp_path):
