@@ -170,12 +170,10 @@ def _launcher(req: dict, fds: list[int], registry: str) -> None:
         import random
 
         random.seed()
-        from torch.distributed.elastic.multiprocessing.errors import record
-
         from rlhf.distributed import forkrun
 
         sys.argv = [forkrun.__file__, *req["argv"]]
-        record(forkrun.main)(req["argv"])
+        forkrun.main_then_exit(req["argv"])  # ends the process as python -m rlhf.distributed.forkrun ends
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
