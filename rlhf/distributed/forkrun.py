@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def main_then_exit(argv: list[str] | None = None) -> None:
-    """``record(main)(argv)``, then the end without the interpreter's teardown on every path, as ``main`` ends a job that
-    went well: a failed job (the ranks' ``ChildFailedError``, re-raised by ``record`` after its report) printed its
+    """``record(main)(argv)``, then the end without the interpreter's teardown on every path, as ``main`` ends a job
+    that went well: a failed job (the ranks' ``ChildFailedError``, re-raised by ``record`` after its report) printed its
     traceback and then spent 10.7 s collecting the imported modules under a loaded suite before it exited
     (``tests/dpo/test_dpo_faults.py``'s raise in an update, 0.2 s from the fault to the traceback; alone, from the
     fault to the end 1.2 s with the teardown, 0.1-0.2 s without, AMD EPYC 2026-11-29). The exit status is Python's:
