@@ -39,8 +39,14 @@ def require(module: str, why: str = "") -> None:
 _START_ENV = dict(os.environ)  # at the first import, before any test of this process ran
 SET_IN_PROCESS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY",  # rlhf.compat.onednn.bound_onednn_caches
                   "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN",  # megatron's LanguageModule.__init__
-                  "VLLM_ENABLE_V1_MULTIPROCESSING")  # rlhf.rollout.vllm_engine._export_launcher_env
-"""Variables that building a model or an engine sets in this process's environment at run time."""
+                  "VLLM_ENABLE_V1_MULTIPROCESSING",  # rlhf.rollout.vllm_engine._export_launcher_env
+                  "TORCHINDUCTOR_CACHE_DIR",  # importing megatron.core
+                  "TORCHINDUCTOR_COMPILE_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK", "TRITON_CACHE_AUTOTUNING",
+                  "TILELANG_CLEANUP_TEMP_FILES", "AITER_SITUV2_A4W4", "NUMEXPR_MAX_THREADS",  # importing vllm
+                  "LD_LIBRARY_PATH",  # importing vLLM's engine (its cv2 import)
+                  "LD_PRELOAD")  # vLLM's CPU platform, at an engine's start
+"""Variables that importing torch's companions or building a model or an engine sets in this process's environment
+(each seen in the suite's zygote summary, measured 2026-11-29)."""
 
 
 def test_env(**extra: str) -> dict:
@@ -49,7 +55,7 @@ def test_env(**extra: str) -> dict:
     ``SET_IN_PROCESS`` variables an in-process model or engine of an earlier test set: they are as they were before
     any test (a job's ranks set them again themselves), so that a job's environment does not depend on which tests
     ran before it in this worker, and equals the zygote's (else the job runs forkrun itself, ``tests/zygote.py``:
-    4 jobs of the quick tier did so)."""
+    4 jobs of the quick tier and about 30 of the suite did so)."""
     from rlhf.distributed.env import env_without_launcher
 
     env = env_without_launcher()

@@ -1,6 +1,6 @@
 """launch/ppo.py's body under torchrun, with every MoE router of the actor watched in the forwards that replay a
 routing (megatron's ``RouterReplay`` actions REPLAY_FORWARD and REPLAY_BACKWARD: the experience and update forwards
-and their recomputes): per rank, ``$ROUTING_DUMP/rank<r>.json`` counts the tokens whose experts as used (the
+and their recomputes): per rank, ``$RLHF_TEST_ROUTING_DUMP/rank<r>.json`` counts the tokens whose experts as used (the
 ``routing_map`` the router returns) differ from the replayed ones (``replayed_flips``: replay's whole promise is 0),
 and the tokens whose experts the router would have chosen itself (top-k of its own logits) differ from the replayed
 ones (``unreplayed_flips``, over tokens whose replayed experts are not the 0..K-1 filler of pads and unknown
@@ -68,7 +68,7 @@ def _watched_init(self, *args, **kw):
 
 
 def _dump() -> None:
-    path = os.path.join(os.environ["ROUTING_DUMP"], f"rank{os.environ.get('RANK', '0')}.json")
+    path = os.path.join(os.environ["RLHF_TEST_ROUTING_DUMP"], f"rank{os.environ.get('RANK', '0')}.json")
     with open(path, "w") as f:
         json.dump(COUNTS, f)
 

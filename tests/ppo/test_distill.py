@@ -158,7 +158,7 @@ def test_teacher_at_tp2_or_pp2_gives_the_one_rank_signal(ppo_setup, teachers, tm
     dump.mkdir()
     argv = ppo_args(ppo_setup, str(out), **{**PURE, "--teacher_pretrain": teachers["big"], split: "2"})
     p = run_torchrun(os.path.join(os.path.dirname(__file__), "_distill_worker.py"), 2, argv, timeout=600,
-                     PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]), DISTILL_DUMP=str(dump))
+                     PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]), RLHF_TEST_DISTILL_DUMP=str(dump))
     assert p.returncode == 0, tail(p)
     assert f"{split[2:]}=2" in p.stdout + p.stderr  # the mesh line
     for r in (0, 1):

@@ -34,7 +34,7 @@ def test_grpo_with_routing_replay(ppo_setup, family_actors, tmp_path, layout):
                        "--generate_max_len": 4, "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None,
                        "--moe_routing_flip_interval": 1})
     p = run_torchrun(os.path.join(os.path.dirname(__file__), "_routing_worker.py"), 2, args, timeout=600,
-                     PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}", ROUTING_DUMP=str(dump))
+                     PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}", RLHF_TEST_ROUTING_DUMP=str(dump))
     assert p.returncode == 0, tail(p)
     hist = json.load(open(os.path.join(save, "ppo_result.json")))["history"]
     assert len(hist) == 1
