@@ -44,9 +44,11 @@ SET_IN_PROCESS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY",  # rl
                   "TORCHINDUCTOR_COMPILE_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK", "TRITON_CACHE_AUTOTUNING",
                   "TILELANG_CLEANUP_TEMP_FILES", "AITER_SITUV2_A4W4", "NUMEXPR_MAX_THREADS",  # importing vllm
                   "LD_LIBRARY_PATH",  # importing vLLM's engine (its cv2 import)
-                  "LD_PRELOAD")  # vLLM's CPU platform, at an engine's start
+                  "LD_PRELOAD",  # vLLM's CPU platform, at an engine's start
+                  "WANDB_SERVICE")  # an in-process W&B run's service (a job must not talk to it)
+SET_IN_PROCESS_PREFIXES = ("VLLM_", "TORCHINDUCTOR_", "NVTE_")  # vLLM's engine sets several (VLLM_DIST_IDENT, ...)
 """Variables that importing torch's companions or building a model or an engine sets in this process's environment
-(each seen in the suite's zygote summary, measured 2026-11-29)."""
+(each seen in the suite's zygote summary, 2026-11-29; no test passes one of them to a job on purpose)."""
 
 
 def test_env(**extra: str) -> dict:
@@ -59,7 +61,7 @@ def test_env(**extra: str) -> dict:
     from rlhf.distributed.env import env_without_launcher
 
     env = env_without_launcher()
-    for k in SET_IN_PROCESS:
+    for k in {*SET_IN_PROCESS, *(k for k in {*env, *_START_ENV} if k.startswith(SET_IN_PROCESS_PREFIXES))}:
         if k in _START_ENV:
             env[k] = _START_ENV[k]
         else:
