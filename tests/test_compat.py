@@ -97,16 +97,21 @@ def test_cpu_shm_names_get_the_job_tag(monkeypatch):
     assert "/" not in tag_b + plain.lstrip("/")
 
 
-def test_remove_dead_shm_keeps_live_and_foreign_segments(tmp_path):
-    from rlhf.compat.vllm_files import _host_id, remove_dead_shm
-
-    dead = 2 ** 22 + 12345  # above the default pid_max
+def _dead_pid() -> int:
+    """A pid no process has (above the default pid_max)."""
+    dead = 2 ** 22 + 12345
     while True:
         try:
             os.kill(dead, 0)
             dead += 1
         except ProcessLookupError:
-            break
+            return dead
+
+
+def test_remove_dead_shm_keeps_live_and_foreign_segments(tmp_path):
+    from rlhf.compat.vllm_files import _host_id, remove_dead_shm
+
+    dead = _dead_pid()
     host = _host_id()
     other = f"{(int(host, 16) + 1) & 0xffff:04x}"
     names = {f"rlhf{dead}h{host}x0123abcd--tp:0-[0-1]-cpushm_0": False,
@@ -223,13 +228,7 @@ def test_private_ipc_dir_keeps_the_users_setting_and_is_made_once(monkeypatch):
 def test_remove_dead_ipc_keeps_live_and_foreign_folders(tmp_path):
     from rlhf.compat.vllm_files import _host_id, remove_dead_ipc
 
-    dead = 2 ** 22 + 12345  # above the default pid_max
-    while True:
-        try:
-            os.kill(dead, 0)
-            dead += 1
-        except ProcessLookupError:
-            break
+    dead = _dead_pid()
     host = _host_id()
     other = f"{(int(host, 16) + 1) & 0xffff:04x}"
     names = {f"rlhf-ipc-{dead}h{host}": False, f"rlhf-ipc-{os.getpid()}h{host}": True,

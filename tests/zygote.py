@@ -141,7 +141,6 @@ def client(sock_path: str, argv: list[str]) -> None:
 # ------------------------------------------------------------------------------------------------------ server
 def _launcher(req: dict, fds: list[int], registry: str) -> None:
     """The forked child: becomes ``python -u -m rlhf.distributed.forkrun argv`` in the job's place. Never returns."""
-    code = 1
     try:
         os.setsid()
         for target, fd in zip((0, 1, 2), fds):
@@ -174,22 +173,16 @@ def _launcher(req: dict, fds: list[int], registry: str) -> None:
 
         sys.argv = [forkrun.__file__, *req["argv"]]
         forkrun.main_then_exit(req["argv"])  # ends the process as python -m rlhf.distributed.forkrun ends
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if e.code is not None and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-    except BaseException:
+    except BaseException:  # in the set-up above (or KeyboardInterrupt, which main_then_exit re-raises)
         import traceback
 
         traceback.print_exc()
-        code = 1
     finally:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            os._exit(code)
+            os._exit(1)
 
 
 def serve(sock_path: str, registry: str, modules: list[str]) -> None:

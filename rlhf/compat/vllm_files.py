@@ -50,14 +50,7 @@ def remove_dead_shm(shm_dir: str = SHM_DIR) -> list[str]:
     """Delete the vLLM segments of jobs whose tagging process ran on this machine and no longer exists: what a
     SIGKILLed job left behind. Returns the names removed."""
     removed = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for name in names:
-        m = re.match(r"rlhf(\d+)h([0-9a-f]{4})x[0-9a-f]+-.*-cpushm", name)
-        if m is None or m.group(2) != _host_id() or _pid_alive(int(m.group(1))):
-            continue
+    for name in _left_by_dead(shm_dir, r"rlhf(\d+)h([0-9a-f]{4})x[0-9a-f]+-.*-cpushm.*"):
         try:
             os.unlink(os.path.join(shm_dir, name))
             removed.append(name)
@@ -66,6 +59,21 @@ def remove_dead_shm(shm_dir: str = SHM_DIR) -> list[str]:
     if removed:
         log.info("removed %d shared-memory segment(s) left by killed vLLM jobs from %s", len(removed), shm_dir)
     return removed
+
+
+def _left_by_dead(folder: str, pattern: str) -> list[str]:
+    """The names in ``folder`` that match ``pattern`` (groups: the pid, the host id) and were made by a process of
+    this machine that no longer exists."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    dead = []
+    for name in names:
+        m = re.fullmatch(pattern, name)
+        if m is not None and m.group(2) == _host_id() and not _pid_alive(int(m.group(1))):
+            dead.append(name)
+    return dead
 
 
 def _pid_alive(pid: int) -> bool:
@@ -149,17 +157,9 @@ def remove_dead_ipc(base: str | None = None) -> list[str]:
     import tempfile
 
     base = base or tempfile.gettempdir()
-    removed = []
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return removed
-    for name in names:
-        m = re.fullmatch(re.escape(_IPC_PREFIX) + r"(\d+)h([0-9a-f]{4})", name)
-        if m is None or m.group(2) != _host_id() or _pid_alive(int(m.group(1))):
-            continue
+    removed = _left_by_dead(base, re.escape(_IPC_PREFIX) + r"(\d+)h([0-9a-f]{4})")
+    for name in removed:
         shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-        removed.append(name)
     if removed:
         log.info("removed %d vLLM socket folder(s) left by killed jobs from %s", len(removed), base)
     return removed
