@@ -15,6 +15,8 @@ torch.set_num_threads(1)
 
 import json  # noqa: E402
 
+from zygote import FALLBACK_LOG  # noqa: E402
+
 # tests/durations.json: every test's and file's seconds from a full run (tools/test_durations.py writes it; the
 # machine, date and commit are in it). pytest.ini runs the suite on 2 xdist workers a file at a time (--dist loadfile
 # --no-loadscope-reorder), in collection order: the heaviest files go first, so that the two workers end together
@@ -88,10 +90,10 @@ def pytest_runtest_logreport(report):
 def pytest_configure(config):
     # Where the zygote's clients note each job they ran through forkrun instead (tests/zygote.py): set once by the
     # controller, inherited by xdist's workers, read back in the summary below.
-    if not os.environ.get("RLHF_TEST_ZYGOTE_LOG"):
+    if not os.environ.get(FALLBACK_LOG):
         import tempfile
 
-        os.environ["RLHF_TEST_ZYGOTE_LOG"] = os.path.join(tempfile.mkdtemp(prefix="rlhf-zygote-log-"), "fallbacks")
+        os.environ[FALLBACK_LOG] = os.path.join(tempfile.mkdtemp(prefix="rlhf-zygote-log-"), "fallbacks")
         config._zygote_log_owner = True
 
 
@@ -100,7 +102,7 @@ def _zygote_fallbacks(terminalreporter) -> None:
     import collections
     import shutil
 
-    path = os.environ.get("RLHF_TEST_ZYGOTE_LOG", "")
+    path = os.environ.get(FALLBACK_LOG, "")
     if not getattr(terminalreporter.config, "_zygote_log_owner", False) or not path:
         return
     try:

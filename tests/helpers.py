@@ -38,15 +38,14 @@ def require(module: str, why: str = "") -> None:
 
 _START_ENV = dict(os.environ)  # at the first import, before any test of this process ran
 SET_IN_PROCESS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY",  # rlhf.compat.onednn.bound_onednn_caches
-                  "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN",  # megatron's LanguageModule.__init__
-                  "VLLM_ENABLE_V1_MULTIPROCESSING",  # rlhf.rollout.vllm_engine._export_launcher_env
-                  "TORCHINDUCTOR_CACHE_DIR",  # importing megatron.core
-                  "TORCHINDUCTOR_COMPILE_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK", "TRITON_CACHE_AUTOTUNING",
-                  "TILELANG_CLEANUP_TEMP_FILES", "AITER_SITUV2_A4W4", "NUMEXPR_MAX_THREADS",  # importing vllm
+                  "PYTORCH_NVML_BASED_CUDA_CHECK", "TRITON_CACHE_AUTOTUNING", "TILELANG_CLEANUP_TEMP_FILES",
+                  "AITER_SITUV2_A4W4", "NUMEXPR_MAX_THREADS",  # importing vllm
                   "LD_LIBRARY_PATH",  # importing vLLM's engine (its cv2 import)
                   "LD_PRELOAD",  # vLLM's CPU platform, at an engine's start
                   "WANDB_SERVICE")  # an in-process W&B run's service (a job must not talk to it)
-SET_IN_PROCESS_PREFIXES = ("VLLM_", "TORCHINDUCTOR_", "NVTE_")  # vLLM's engine sets several (VLLM_DIST_IDENT, ...)
+SET_IN_PROCESS_PREFIXES = ("VLLM_",  # vLLM's import and engine (VLLM_DIST_IDENT, ...); VLLM_ENABLE_V1_... ours
+                           "TORCHINDUCTOR_",  # importing megatron.core (_CACHE_DIR) and vllm (_COMPILE_THREADS)
+                           "NVTE_")  # megatron's LanguageModule.__init__ (NVTE_FLASH_ATTN, ...)
 """Variables that importing torch's companions or building a model or an engine sets in this process's environment
 (each seen in the suite's zygote summary, 2026-11-29; no test passes one of them to a job on purpose)."""
 

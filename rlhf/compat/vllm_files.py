@@ -89,6 +89,9 @@ def _pid_alive(pid: int) -> bool:
 # vLLM 0.32.0: the ZMQ sockets of its shared-memory broadcaster are files that outlive a process ended by os._exit.
 IPC_ENV = "VLLM_RPC_BASE_PATH"
 _IPC_PREFIX = "rlhf-ipc-"
+_IPC_DIRS: set[str] = set()  # this process's folders, each with its atexit handler
+_TOO_LONG: set[str] = set()  # the folders not used because a socket's path would not fit (warned once each)
+_SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux (zmq.IPC_PATH_MAX_LEN)
 
 
 def private_ipc_dir() -> str | None:
@@ -110,8 +113,8 @@ def private_ipc_dir() -> str | None:
         return None
     path = os.path.join(tempfile.gettempdir(), f"{_IPC_PREFIX}{os.getpid()}h{_host_id()}")
     if len(path) + 37 > _SUN_PATH_MAX:  # vLLM adds "/<uuid4>"; a longer path fails to bind where vLLM's own works
-        if path not in _IPC_DIRS:
-            _IPC_DIRS.add(path)
+        if path not in _TOO_LONG:
+            _TOO_LONG.add(path)
             log.warning("vLLM's socket files stay in %s: %s/<uuid> would pass the %d bytes of a Unix socket's path",
                         tempfile.gettempdir(), path, _SUN_PATH_MAX)
         return None
@@ -126,10 +129,6 @@ def private_ipc_dir() -> str | None:
 
         atexit.register(remove)
     return path
-
-
-_IPC_DIRS: set[str] = set()
-_SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux (zmq.IPC_PATH_MAX_LEN)
 
 
 @contextlib.contextmanager
