@@ -43,7 +43,7 @@ class CodeRewardConfig(Part):
     code_memory_mb: int = 512
     """(--code_memory_mb) memory limit of one test run"""
     code_sandbox_workers: int = 2
-    """(--code_sandbox_workers) sandboxed runs at once (each test of each reply is one run)"""
+    """(--code_sandbox_workers) sandboxes at once (one per reply, its tests one after another in it)"""
     code_sandbox_url: str | None = None
     """(--code_sandbox_url) a SandboxFusion service's run_code URL instead of the local sandbox"""
     code_allow_weaker: bool = False
@@ -57,7 +57,8 @@ class CodeRewardConfig(Part):
         g.add_argument("--code_timeout_s", type=float, default=5.0, help="--reward_fn code: seconds per test run")
         g.add_argument("--code_memory_mb", type=int, default=512, help="--reward_fn code: memory per test run")
         g.add_argument("--code_sandbox_workers", type=int, default=2,
-                       help="--reward_fn code: sandboxed test runs at once")
+                       help="--reward_fn code: sandboxes at once (one per reply; its tests run one after "
+                            "another in it)")
         g.add_argument("--code_sandbox_url", default=None,
                        help="--reward_fn code: a SandboxFusion run_code URL (http://host:8080/run_code) to run the "
                             "tests on instead of the local sandbox")
@@ -241,10 +242,16 @@ def grade(replies, labels, cfg: CodeRewardConfig | None = None):
             continue
         for t in tests:
             jobs.append((i, t, *_program_for(program, setup, t)))
+    # one sandbox per reply (its tests one after another in it, each a fresh interpreter with its own verdict);
+    # a SandboxFusion service takes one request per test
+    by_reply: dict[int, list] = {}
+    for j in jobs:
+        by_reply.setdefault(j[0], []).append(j)
     with ThreadPoolExecutor(max_workers=cfg.code_sandbox_workers, thread_name_prefix="rlhf-code") as pool:
-        results = list(pool.map(lambda j: runner(j[2], j[3], box), jobs))
-    for (i, t, _, _), r in zip(jobs, results):
-        verdicts[i].append(verdict(t, r))
+        batches = list(pool.map(lambda js: runner([(j[2], j[3]) for j in js], box), by_reply.values()))
+    for js, results in zip(by_reply.values(), batches):
+        for (i, t, _, _), r in zip(js, results):
+            verdicts[i].append(verdict(t, r))
     rewards = []
     for v in verdicts:
         passed = sum(x == "passed" for x in v)
@@ -256,14 +263,15 @@ def grade(replies, labels, cfg: CodeRewardConfig | None = None):
 
 
 def _runner(cfg: CodeRewardConfig):
+    """``run(list of (program, stdin), box) -> results``: the local sandbox (one per call), or the service."""
     if cfg.code_sandbox_url:
         from rlhf.sandbox.fusion import FusionClient
 
         client = FusionClient(cfg.code_sandbox_url)
-        return lambda program, stdin, box: client.run(program, stdin, box)
-    from rlhf.sandbox.core import run_program
+        return lambda runs, box: [client.run(program, stdin, box) for program, stdin in runs]
+    from rlhf.sandbox.core import Run, run_batch
 
-    return lambda program, stdin, box: run_program(program, stdin, box)
+    return lambda runs, box: run_batch([Run(program, stdin) for program, stdin in runs], box)
 
 
 def code_reward(prompts, responses, labels=None, **kwargs):

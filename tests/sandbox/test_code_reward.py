@@ -1,6 +1,7 @@
 """The code reward (``--reward_fn code``, rlhf.sandbox.code_reward) on the formats it reads, each checked against a
-hand-made verdict; the SandboxFusion client against a server of the same API (rlhf.sandbox.fusion; no SandboxFusion
-service can be started here: its runtimes are container images), which must give the local sandbox's verdicts; and
+hand-made verdict; the SandboxFusion client against responses as SandboxFusion's own server builds them, and this
+project's server of the same API (rlhf.sandbox.fusion; no SandboxFusion service can be started here: its runtimes
+are container images) against the local sandbox's verdicts and its own bounds; and
 the reward in a real PPO job (launch/ppo.py) with dynamic filtering and partial rollouts."""
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def test_formats_and_verdicts():
         ("def add(a, b):\n    raise ValueError", APPS_CALL, ["runtime_error"] * 2),
         ("import time\ndef add(a, b):\n    time.sleep(30)", APPS_CALL, ["timeout"] * 2),
         ("import os\nos._exit(0)", MBPP, ["wrong_answer"] * 3),  # exiting early passes no test, inside ones too
-        ("x = bytearray(8 << 30)", APPS_STDIN, ["memory"] * 2),
+        ("x = b'x' * (400 << 20)", APPS_STDIN, ["memory"] * 2),  # resident pages past the cgroup's 256 MB
+        ("x = bytearray(8 << 30)", APPS_STDIN, ["runtime_error"] * 2),  # the address space refuses: its own error
         ("", MBPP, ["no_code"] * 3),
     ]
     # 5 s (the flag's default): the limit counts the sandboxed interpreter's start, which took up to 3.2 s in a loaded
@@ -78,10 +80,84 @@ def test_reward_function_shape_and_counted_reasons():
         code_reward(["p"], [GOOD_FN])
 
 
-def test_sandboxfusion_client_gives_the_local_verdicts():
-    """The client speaks SandboxFusion's run_code (verl's request shape) to a server of that API here; both sides
-    agree with the local sandbox on ok, wrong, crash and timeout. Control: a client pointed at a closed port
-    reports the service's absence, not a verdict of the program."""
+# Responses as SandboxFusion's own server builds them (bytedance/SandboxFusion at 469de084): RunCodeResponse and
+# parse_run_status in sandbox/server/sandbox_api.py, CommandRunResult in sandbox/runners/types.py, the run's fields
+# as run_command_bare (sandbox/runners/base.py) fills them: a timeout has no return code and the output read so far,
+# a program's failure is a Failed response with a Finished run, a run's Error is the service's own failure (its
+# stderr the exception's message), asyncio reports a signal as a negative return code. The stdout/stderr texts are
+# those of its tests (sandbox/tests/runners/test_python.py: print(123), assert 1 == 2, int a = 1).
+def _fusion(status, run_status, rc, out="", err="", t=0.05, message=""):
+    return {"status": status, "message": message, "compile_result": None, "executor_pod_name": None, "files": {},
+            "run_result": {"status": run_status, "execution_time": t, "return_code": rc, "stdout": out,
+                           "stderr": err}}
+
+
+FUSION_RECORDED = {
+    "print(123)": _fusion("Success", "Finished", 0, "123\n"),
+    "assert 1 == 2": _fusion("Failed", "Finished", 1, "", 'Traceback (most recent call last):\n  File "/tmp/tmp'
+                             'abc/tmpdef.py", line 1, in <module>\n    assert 1 == 2\nAssertionError\n'),
+    "int a = 1": _fusion("Failed", "Finished", 1, "", '  File "/tmp/tmpabc/tmpdef.py", line 1\n    int a = 1\n'
+                         '        ^\nSyntaxError: invalid syntax\n'),
+    "import time; time.sleep(0.2)": _fusion("Failed", "TimeLimitExceeded", None, "", "", t=0.1003),
+    "killed": _fusion("Failed", "Finished", -9, "", ""),
+    "broken": _fusion("SandboxError", "Error", None, None, "exception on running command python3 x.py: [Errno 2] "
+                      "No such file or directory", t=None, message="exception on running command python3 x.py"),
+    "printed MemoryError": _fusion("Failed", "Finished", 1, "", "MemoryError\n"),
+}
+REQUEST_FIELDS = {"compile_timeout", "run_timeout", "memory_limit_MB", "code", "stdin", "language", "files",
+                  "fetch_files"}  # RunCodeRequest's fields (sandbox/server/sandbox_api.py at 469de084)
+
+
+def test_sandboxfusion_client_reads_sandboxfusions_own_responses():
+    """Against the responses above, served as recorded: the verdicts SandboxFusion's own reading gives (its
+    SandboxError is the service's failure: refused; a printed "MemoryError" is the program's error, not a memory
+    verdict), and every request the client sends has RunCodeRequest's fields only, with its required ones."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from rlhf.sandbox import SandboxConfig
+    from rlhf.sandbox.fusion import FusionClient
+
+    seen = []
+
+    class Recorded(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(req)
+            data = json.dumps(FUSION_RECORDED[req["code"]]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Recorded)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = FusionClient(f"http://127.0.0.1:{srv.server_address[1]}/run_code")
+        got = {code: client.run(code, "in", SandboxConfig(timeout_s=2.0, memory_mb=256)) for code in FUSION_RECORDED}
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert {k: (r.status, r.exit_code) for k, r in got.items()} == {
+        "print(123)": ("ok", 0), "assert 1 == 2": ("error", 1), "int a = 1": ("error", 1),
+        "import time; time.sleep(0.2)": ("timeout", None), "killed": ("error", -9), "broken": ("refused", None),
+        "printed MemoryError": ("error", 1)}, got
+    assert got["print(123)"].stdout == "123\n" and "No such file" in got["broken"].reason
+    from rlhf.sandbox.code_reward import Test, verdict
+
+    assert verdict(Test("stdin", "", "x"), got["int a = 1"]) == "compile_error"
+    assert verdict(Test("stdin", "", "x"), got["broken"]) == "sandbox_refused"
+    for req in seen:
+        assert set(req) <= REQUEST_FIELDS and {"code", "language"} <= set(req), req
+        assert req["language"] == "python" and req["stdin"] == "in" and req["run_timeout"] == 2.0
+
+
+def test_this_servers_answers_read_as_sandboxfusions_and_agree_with_the_local_sandbox():
+    """Our run_code server answers as SandboxFusion's parse_run_status would (a program's failure: Failed with a
+    Finished run), and the client reading it gives the local sandbox's verdicts. Control: a client pointed at a
+    closed port reports the service's absence, not a verdict of the program."""
     from rlhf.sandbox import SandboxConfig, run_program
     from rlhf.sandbox.fusion import FusionClient, make_server
 
@@ -98,6 +174,13 @@ def test_sandboxfusion_client_gives_the_local_verdicts():
             assert (remote.status, remote.exit_code, remote.stdout) == (local.status, local.exit_code,
                                                                        local.stdout), (program, remote, local)
             assert remote.isolation == [f"SandboxFusion {client.url}"]
+        import urllib.request
+
+        body = json.dumps({"code": "raise SystemExit(3)", "language": "python", "run_timeout": 5}).encode()
+        with urllib.request.urlopen(urllib.request.Request(client.url, data=body)) as resp:
+            answer = json.loads(resp.read())
+        assert answer["status"] == "Failed" and answer["run_result"]["status"] == "Finished" and \
+            answer["run_result"]["return_code"] == 3, answer
         rewards, verdicts = grade([GOOD_FN, "def add(a, b): return 0"], [MBPP, MBPP],
                                   CodeRewardConfig(code_sandbox_url=client.url, code_timeout_s=10.0))
         # 10 s: these programs end at once; a 2 s limit timed one out while the other pytest worker loaded the machine
@@ -111,3 +194,48 @@ def test_sandboxfusion_client_gives_the_local_verdicts():
     dead = FusionClient(f"http://127.0.0.1:{free_port()}/run_code", retries=1)
     r = dead.run("print(1)", "", SandboxConfig(timeout_s=1.0))
     assert r.status == "error" and r.exit_code is None and "did not answer" in r.reason, r
+
+
+def test_the_server_validates_and_bounds_every_field():
+    import base64
+    import urllib.error
+    import urllib.request
+
+    from rlhf.sandbox.fusion import ServerLimits, make_server
+
+    srv = make_server("127.0.0.1", 0, limits=ServerLimits(max_request_mb=1, max_timeout_s=5, max_memory_mb=512))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/run_code"
+
+    def post(obj=None, raw=None):
+        data = raw if raw is not None else json.dumps(obj).encode()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    ok = {"code": "print(open('data.txt').read())", "language": "python", "run_timeout": 5,
+          "files": {"data.txt": base64.b64encode(b"hello").decode()}}
+    try:
+        code, answer = post(ok)
+        assert code == 200 and answer["run_result"]["stdout"] == "hello\n", answer
+        cases = {"run_timeout": ({**ok, "run_timeout": 1e9}, 400), "memory_limit_MB": ({**ok, "memory_limit_MB":
+                 10 ** 6}, 400), "unknown field": ({**ok, "network": True}, 400), "language": ({**ok, "language":
+                 "cpp"}, 400), "fetch_files": ({**ok, "fetch_files": ["a"]}, 400), "files": ({**ok, "files":
+                 {"../x": ""}}, 400), "expected str": ({**ok, "code": 1}, 400), "not JSON": (b"{", 400)}
+        for word, (req, want) in cases.items():
+            code, answer = post(raw=req) if isinstance(req, bytes) else post(req)
+            assert code == want and answer["status"] == "SandboxError" and word in answer["message"], (word, answer)
+        import http.client  # a body over the bound is refused from its Content-Length, before it is read
+
+        conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30)
+        conn.putrequest("POST", "/run_code")
+        conn.putheader("Content-Length", str(2 << 20))
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 413 and "at most 1 MB" in json.loads(resp.read())["message"]
+        conn.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
