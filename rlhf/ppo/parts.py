@@ -275,6 +275,9 @@ class PPOLogging(LoggingPart):
 
     gold_reward_fn: str | None = None
     """(--gold_reward_fn) module:function scoring (prompts, replies); logged as gold_reward"""
+    dump_experience: str | None = None
+    """(--dump_experience) a folder: each step's experience and each training micro-batch's loss inputs and terms,
+    per rank (``rlhf.ppo.dump``)"""
 
     @classmethod
     def add_args(cls, g) -> None:
@@ -282,6 +285,10 @@ class PPOLogging(LoggingPart):
         g.add_argument("--gold_reward_fn", default=None,
                        help="module:function scoring (prompts, replies) with a rule; logged as gold_reward, never "
                             "optimized (e.g. rlhf.demo.sort_task:gold_rewards)")
+        g.add_argument("--dump_experience", default=None, metavar="DIR",
+                       help="write each step's experience (log-probs, rewards, KL, advantages, ...) and each training "
+                            "micro-batch's loss inputs and terms to DIR/step<N>_rank<R>.pt, to check a run against "
+                            "another implementation's formulas")
 
     def check(self) -> None:
         if self.logging_steps < 1:

@@ -338,10 +338,11 @@ def update_plans(B: int, batch, seed: int, dp: int, step: int) -> list[list[list
 
 
 def update(roles, exp: Experience, job, estimator, kl_coef: float, step: int, mesh,
-           pad_id: int, tokens: float, timer, after_actor_step=None, ptx=None) -> dict[str, float]:
+           pad_id: int, tokens: float, timer, after_actor_step=None, ptx=None, dump=None) -> dict[str, float]:
     """critic_update then actor_update over the same plans; metrics averaged over the optimizer steps.
     ``after_actor_step()`` runs after each actor optimizer step (--enable_ema); ``ptx`` (``rlhf.ppo.ptx.PtxData``)
-    adds its pretraining micro-batches and loss to each actor step."""
+    adds its pretraining micro-batches and loss to each actor step; ``dump`` (``rlhf.ppo.dump.ExperienceDump``,
+    --dump_experience) records each micro-batch's loss."""
     from rlhf.algo.ppo_losses import (ACTOR_METRICS, CRITIC_METRICS, ActorLossConfig, make_actor_loss,
                                       make_critic_loss)
     from rlhf.models.context_parallel import reads_local_tokens
@@ -359,14 +360,21 @@ def update(roles, exp: Experience, job, estimator, kl_coef: float, step: int, me
                                     pp=mesh.pp, pad_id=pad_id)
 
     sums: dict[str, float] = {}
+    keep = (lambda role, f: f) if dump is None else dump.loss  # noqa: E731
+    seen = (lambda role, f: f) if dump is None else dump.model  # noqa: E731
+    if dump is not None:
+        dump.plans("actor", plans)
+        dump.plans("critic", plans)
     if roles.critic is not None:
-        critic_loss = reads_local_tokens(make_critic_loss(response_values, value_clip=algo.value_clip))
+        critic_loss = reads_local_tokens(keep("critic", make_critic_loss(seen("critic", response_values),
+                                                                         value_clip=algo.value_clip)))
         _train_role(roles, "critic", plans, lambda plan: (microbatches(plan), critic_loss), CRITIC_METRICS, "head",
                     sums, tokens * epochs, timer)
     loss_cfg = ActorLossConfig.from_parts(algo, job.correction, estimator)
-    actor_loss = reads_local_tokens(make_actor_loss(  # rlhf.models.outputs' readers take a CP rank's own tokens
-        lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, job.generation.temperature, entropy=True),
-        loss_cfg, kl_coef=kl_coef))
+    actor_loss = reads_local_tokens(keep("actor", make_actor_loss(  # the readers take a CP rank's own tokens
+        seen("actor", lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, job.generation.temperature,
+                                                              entropy=True)),
+        loss_cfg, kl_coef=kl_coef)))
     keys = ACTOR_METRICS + (("kl_loss",) if loss_cfg.kl_in_loss else ()) + (
         ("rollout_logprob_drift", "rollout_logprob_drift_max") if algo.old_logprobs_source == "update" else ()
     ) + loss_cfg.correction.metric_keys()  # rlhf.algo.rollout_correction.METRICS

@@ -91,6 +91,11 @@ class PPOTrainer:
                                 remote_rm_timeout=r.remote_rm_timeout)
             self.evaluator = Evaluator(job.eval, job, tokenizer, rule, mesh)
         self.partial = build_partial(job)
+        self.dump = None
+        if job.logging.dump_experience:
+            from rlhf.ppo.dump import ExperienceDump
+
+            self.dump = ExperienceDump(job.logging.dump_experience, mesh)
         self.step = 0
         state = None
         if job.checkpoint.load_checkpoint:
@@ -131,6 +136,9 @@ class PPOTrainer:
         with timer.phase("advantages"):
             metrics.update(compute_advantages(exp, raw_rewards, self.estimator, self.kl_ctl.value, job, mesh))
             metrics.update(self.carried_tokens(exp))
+        if self.dump is not None:  # --dump_experience
+            self.dump.begin(self.step + 1)
+            self.dump.experience(exp, raw_rewards, self.kl_ctl.value)
         # Global means (the same on every rank): a non-finite reward or advantage skips this step's updates.
         bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
         if bad:
@@ -140,10 +148,13 @@ class PPOTrainer:
         else:
             metrics.update(update(roles, exp, job, self.estimator, self.kl_ctl.value, self.step, mesh,
                                   self.pad_id, rollout.tokens, timer,
-                                  after_actor_step=self.ema.update if self.ema else None, ptx=self.ptx))
+                                  after_actor_step=self.ema.update if self.ema else None, ptx=self.ptx,
+                                  dump=self.dump))
             self.actor_changed = True
             self.kl_ctl.update(metrics["kl"], len(rollout.samples))
         metrics.update(self.step_stats(rollout))
+        if self.dump is not None:
+            self.dump.save()
         return metrics
 
     def carried_tokens(self, exp) -> dict[str, float]:
