@@ -47,12 +47,11 @@ class ExperienceDump:
         self._seen: dict = {}
         self.step = 0
 
-    def begin(self, step: int) -> None:
+    def experience(self, exp, raw_rewards: torch.Tensor, kl_coef: float, step: int) -> None:
+        """Starts step ``step``'s records with its experience (after ``compute_advantages``)."""
         self.step = step
         self.records = {"step": step, "rank": self.mesh.rank, "dp_rank": self.mesh.dp_rank,
                         "tp_rank": self.mesh.tp_rank, "pp_rank": self.mesh.pp_rank, "actor": [], "critic": []}
-
-    def experience(self, exp, raw_rewards: torch.Tensor, kl_coef: float) -> None:
         rec = {k: _cpu(getattr(exp, k)) for k in EXPERIENCE_KEYS}
         rec.update({"raw_rewards": _cpu(raw_rewards), "kl_coef": float(kl_coef),
                     "prompt_index": torch.tensor([s.prompt_index for s in exp.samples]),

@@ -91,11 +91,9 @@ class PPOTrainer:
                                 remote_rm_timeout=r.remote_rm_timeout)
             self.evaluator = Evaluator(job.eval, job, tokenizer, rule, mesh)
         self.partial = build_partial(job)
-        self.dump = None
-        if job.logging.dump_experience:
-            from rlhf.ppo.dump import ExperienceDump
+        from rlhf.ppo.dump import ExperienceDump
 
-            self.dump = ExperienceDump(job.logging.dump_experience, mesh)
+        self.dump = ExperienceDump(job.logging.dump_experience, mesh) if job.logging.dump_experience else None
         self.step = 0
         state = None
         if job.checkpoint.load_checkpoint:
@@ -136,9 +134,7 @@ class PPOTrainer:
         with timer.phase("advantages"):
             metrics.update(compute_advantages(exp, raw_rewards, self.estimator, self.kl_ctl.value, job, mesh))
             metrics.update(self.carried_tokens(exp))
-        if self.dump is not None:  # --dump_experience
-            self.dump.begin(self.step + 1)
-            self.dump.experience(exp, raw_rewards, self.kl_ctl.value)
+        self.dump is None or self.dump.experience(exp, raw_rewards, self.kl_ctl.value, self.step + 1)
         # Global means (the same on every rank): a non-finite reward or advantage skips this step's updates.
         bad = ", ".join(f"{k}={metrics[k]}" for k in ("reward", "advantages_abs") if not math.isfinite(metrics[k]))
         if bad:
@@ -153,8 +149,6 @@ class PPOTrainer:
             self.actor_changed = True
             self.kl_ctl.update(metrics["kl"], len(rollout.samples))
         metrics.update(self.step_stats(rollout))
-        if self.dump is not None:
-            self.dump.save()
         return metrics
 
     def carried_tokens(self, exp) -> dict[str, float]:
@@ -243,6 +237,7 @@ class PPOTrainer:
             timer.reset()
             set_step(self.step + 1)
             m = self.train_step(timer)
+            self.dump is None or self.dump.save()  # --dump_experience: the step's records
             self.step += 1
             m.update(timer.metrics)
             m["time/step"] = sum(v for k, v in timer.metrics.items() if k.startswith("time/"))
