@@ -5,8 +5,12 @@ bench/README.md that starts a ``launch/*.py`` entry point is parsed with that en
 outside a flag's choices or type, or a required flag that a snippet leaves out without saying so (``...``) fails
 with the file, the line and the flag. Every ``tools/``, ``bench/`` and ``launch/`` script a command runs must
 exist; the tools whose parser can be taken without running them (``TOOL_PARSERS``) are parsed too. Also: every
-relative link resolves (file and ``#anchor``), the README's entry-point table names only flags its entry point
-has, and the README stays a guide (at most ``README_MAX_LINES`` lines).
+relative link resolves (file and ``#anchor``), the entry-point tables (README.md, docs/entry_points.md) name only
+flags their entry point has, docs/README.md indexes every page of docs/, and the pages stay readable: the README a
+guide (at most ``README_MAX_LINES`` lines and ``README_MAX_WORDS`` words, no dates or commit hashes: those live in
+docs/status.md, tests/README.md, bench/README.md and each page's results), no line of any of them wider than
+``MAX_COLUMNS`` (a table row of a page other than the README excepted: markdown cannot wrap one), and a page of
+docs/ dates a figure only in a results section (a heading that says "results") or in a table.
 
 Placeholders (``<actor HF dir>``, ``$MODEL``, ``...`` as a flag's value) become a value the flag accepts; a bare
 ``...`` stands for "more flags" and is dropped; ``[--flag value]`` is checked as if given; ``a|b`` is checked for
@@ -28,7 +32,14 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README_MAX_LINES = 350
+README_MAX_LINES = 150
+README_MAX_WORDS = 1500  # words as ``wc -w`` counts them: whitespace-separated
+MAX_COLUMNS = 120
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")  # hex with a letter and a digit
+# Pages other engineers were rewriting when the width and dates rules came (issue 70): held to every other rule
+# until they pass these two. Remove a page from this set once it does.
+PENDING = {"docs/code_rl.md"}
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
 PLACEHOLDER = "__PLACEHOLDER__"
 ELLIPSIS = "..."
@@ -48,8 +59,8 @@ LAUNCHERS = {"torchrun", "srun", "mpirun", "mpiexec"}
 
 
 def doc_files() -> list[str]:
-    files = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "bench", "README.md")]
-    return files + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    files = [os.path.join(ROOT, p) for p in ("README.md", "CHANGELOG.md", "bench/README.md", "tests/README.md")]
+    return [f for f in files if os.path.exists(f)] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
 
 def rel(path: str) -> str:
@@ -492,14 +503,118 @@ def test_wrappers_forward_to_their_entry_points():
     assert wrapper_entry("launch/demo.sh") is None
 
 
+def guide_problems(text: str) -> list[str]:
+    """What keeps ``text`` (the README) from being a guide: too long, too many words, a date or a commit hash."""
+    lines = text.split("\n")[:-1] if text.endswith("\n") else text.split("\n")
+    out = []
+    if len(lines) > README_MAX_LINES:
+        out.append(f"{len(lines)} lines (at most {README_MAX_LINES}): move details to docs/")
+    words = len(text.split())
+    if words > README_MAX_WORDS:
+        out.append(f"{words} words (at most {README_MAX_WORDS}): move details to docs/")
+    for n, line in enumerate(lines, 1):
+        for m in DATE.finditer(line):
+            out.append(f"line {n}: date {m.group()}: dated figures go to docs/status.md or the page they belong to")
+        for m in COMMIT.finditer(line):
+            out.append(f"line {n}: commit hash {m.group()}: the evidence goes to docs/status.md")
+    return out
+
+
+def wide_lines(text: str, tables_too: bool) -> list[int]:
+    """Line numbers wider than MAX_COLUMNS; table rows (``| ...``) outside fenced blocks only with ``tables_too``."""
+    out, fence = [], False
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        if len(line) > MAX_COLUMNS and (tables_too or fence or not line.lstrip().startswith("|")):
+            out.append(n)
+    return out
+
+
+def dates_outside_results(text: str) -> list[int]:
+    """Line numbers of dates outside a results section and outside a table. A results section is a heading whose
+    text says "results" (any case) and everything under it up to the next heading of its level or above; a heading
+    line belongs to the section it opens; a link's target is not prose."""
+    out, fence, stack = [], False, []  # stack: (level, is results) of the headings above the line
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        m = None if fence else re.match(r"(#{1,6})\s+(.*)", line)
+        if m:
+            level = len(m.group(1))
+            stack = [s for s in stack if s[0] < level] + [(level, "results" in m.group(2).lower())]
+        in_results = any(r for _, r in stack)
+        is_table = not fence and line.lstrip().startswith("|")
+        prose = re.sub(r"\]\([^)\s]*\)", "]", line)  # a link's target (CHANGELOG.md#2026-11-28) dates nothing
+        if DATE.search(prose) and not in_results and not is_table:
+            out.append(n)
+    return out
+
+
 def test_readme_is_a_guide():
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    n = len(text.split("\n")) - (1 if text.endswith("\n") else 0)
-    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move details to docs/"
+    problems = guide_problems(text)
+    assert not problems, "README.md:\n" + "\n".join(problems)
     for command in ("bash tools/setup_env.sh && bash launch/demo.sh",
-                    "bash tools/setup_env.sh && .venv/bin/python -m pytest tests -q"):
-        assert f"```bash\n{command}\n```" in text, command
+                    "bash tools/setup_env.sh && .venv/bin/python -m pytest tests -q",
+                    '.venv/bin/python -m pytest tests -q -m "not slow"'):
+        assert f"```bash\n{command}" in text, command
+
+
+def test_no_line_is_wider_than_the_cap():
+    bad = []
+    for path in doc_files():
+        if rel(path) in PENDING:
+            continue
+        with open(path) as f:
+            text = f.read()
+        bad += [f"{rel(path)}:{n}" for n in wide_lines(text, tables_too=rel(path) == "README.md")]
+    assert not bad, f"lines over {MAX_COLUMNS} columns (rewrap them):\n" + "\n".join(bad)
+
+
+def test_docs_date_figures_in_results_sections():
+    bad = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        if rel(path) in PENDING:
+            continue
+        with open(path) as f:
+            bad += [f"{rel(path)}:{n}" for n in dates_outside_results(f.read())]
+    assert not bad, ("dates outside a results section or a table (move the dated sentences into the page's closing "
+                     "'## Results' section):\n" + "\n".join(bad))
+
+
+def test_guide_rules_catch_what_they_forbid():
+    """Negative controls for the three rules above, on made-up pages."""
+    long = "\n".join(f"line {i} of a README" for i in range(README_MAX_LINES + 1)) + "\n"
+    assert any("lines" in p for p in guide_problems(long))
+    assert not guide_problems("\n".join(long.split("\n")[:README_MAX_LINES]) + "\n")
+    assert any("words" in p for p in guide_problems("word " * (README_MAX_WORDS + 1)))
+    dated = "Measured 2026-11-23 at commit 5d5ab36.\nA 0x70000000 uid, deadbeef, 1234567 and a facade.\n"
+    assert guide_problems(dated) == ["line 1: date 2026-11-23: dated figures go to docs/status.md or the page "
+                                     "they belong to", "line 1: commit hash 5d5ab36: the evidence goes to "
+                                     "docs/status.md"], guide_problems(dated)
+    page = "\n".join([
+        "# Page", "x" * (MAX_COLUMNS + 1), "| " + "y" * MAX_COLUMNS + " |", "```", "z" * (MAX_COLUMNS + 1), "```",
+        "Measured 2026-11-26.",  # 7: outside
+        "## Results: a real model", "Measured 2026-11-26.",  # 9: inside
+        "### Seed 2", "Run 2026-11-27.",  # 11: inside, under the results heading
+        "## Flags", "Until 2026-11-28 it failed.",  # 13: outside again
+        "| 2026-11-29 | 13.9 |",  # 14: a table row
+        "```", "## Results in a code block, not a heading", "```", "2026-11-30",  # 18: outside
+        "Before that ([CHANGELOG](../CHANGELOG.md#2026-11-28)) it hung.",  # 19: a link's target only
+    ])
+    assert wide_lines(page, tables_too=False) == [2, 5]
+    assert wide_lines(page, tables_too=True) == [2, 3, 5]
+    assert dates_outside_results(page) == [7, 13, 18], dates_outside_results(page)
+
+
+def test_docs_index_lists_every_page():
+    with open(os.path.join(ROOT, "docs", "README.md")) as f:
+        text = f.read()
+    linked = {os.path.normpath(m.group(1).partition("#")[0]) for m in re.finditer(r"\]\(([^)\s]+)\)", text)}
+    pages = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))} - {"README.md"}
+    assert pages <= linked, f"docs/README.md does not list: {sorted(pages - linked)}"
 
 
 def anchors(path: str) -> set[str]:
@@ -541,21 +656,23 @@ def test_relative_links_resolve():
 
 
 def test_readme_entry_point_table_names_real_flags():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        rows = [line for line in f if line.startswith("| `launch/")]
-    assert rows, "the README's entry-point table is gone"
-    bad, seen = [], set()
-    for row in rows:
-        m = re.match(r"\| `launch/(\w+)\.py`", row)
-        if not m:
-            continue
-        name = m.group(1)
-        seen.add(name)
-        parser = dschat_parser(1) if name == DSCHAT else entry_parser(name)
-        for flag in re.findall(r"`(--[\w.-]+)", row):
-            if flag not in parser._option_string_actions:
-                bad.append(f"README.md: launch/{name}.py row: {flag} is not a flag of it")
-    assert not bad, "\n".join(bad)
     launch = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "launch", "*.py"))}
-    assert launch <= seen, f"launch/*.py missing from the README's entry-point table: {sorted(launch - seen)}"
     assert launch <= set(ENTRY_POINTS) | {DSCHAT}, sorted(launch - set(ENTRY_POINTS) - {DSCHAT})
+    bad = []
+    for page in ("README.md", "docs/entry_points.md"):
+        with open(os.path.join(ROOT, page)) as f:
+            rows = [line for line in f if line.startswith("| `launch/")]
+        assert rows, f"the entry-point table of {page} is gone"
+        seen = set()
+        for row in rows:
+            m = re.match(r"\| `launch/(\w+)\.py`", row)
+            if not m:
+                continue
+            name = m.group(1)
+            seen.add(name)
+            parser = dschat_parser(1) if name == DSCHAT else entry_parser(name)
+            for flag in re.findall(r"`(--[\w.-]+)", row):
+                if flag not in parser._option_string_actions:
+                    bad.append(f"{page}: launch/{name}.py row: {flag} is not a flag of it")
+        assert launch <= seen, f"launch/*.py missing from the entry-point table of {page}: {sorted(launch - seen)}"
+    assert not bad, "\n".join(bad)
