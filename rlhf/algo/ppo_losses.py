@@ -305,6 +305,14 @@ class ActorLossConfig:
                    corrected_in_experience=getattr(algo, "old_logprobs_source", "forward") == "forward"
                    and (correction.rollout_rs is not None or correction.rollout_is is not None))
 
+    def correction_metric_keys(self) -> tuple[str, ...]:
+        """The correction's metrics the loss reports (``METRICS``): in verl's decoupled mode the rejection was
+        counted when the experience was made, so the loss reports the IS weight alone (and all of them when
+        --use_tis is corrected in the loss besides)."""
+        if not self.corrected_in_experience or self.correction.use_tis:
+            return self.correction.metric_keys()
+        return ("rollout_is_weight",) if self.correction.rollout_is is not None else ()
+
     @classmethod
     def from_args(cls, args, estimator) -> "ActorLossConfig":
         """From a parsed command line (its flat Namespace; a flag missing from a hand-built one takes its default)."""

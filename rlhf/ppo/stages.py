@@ -377,7 +377,7 @@ def update(roles, exp: Experience, job, estimator, kl_coef: float, step: int, me
         loss_cfg, kl_coef=kl_coef)))
     keys = ACTOR_METRICS + (("kl_loss",) if loss_cfg.kl_in_loss else ()) + (
         ("rollout_logprob_drift", "rollout_logprob_drift_max") if algo.old_logprobs_source == "update" else ()
-    ) + loss_cfg.correction.metric_keys()  # rlhf.algo.rollout_correction.METRICS
+    ) + loss_cfg.correction_metric_keys()  # rlhf.algo.rollout_correction.METRICS
 
     def actor_batches(plan: list[list[int]]) -> tuple[list[dict], object]:
         mbs = microbatches(plan)

@@ -13,44 +13,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from peer_math import SAFETY_BOUND, verl_is_weights, verl_masked_mean
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig, experience_correction
 
 F64 = torch.float64
-SAFETY_BOUND = 20.0
 
 
 # ---- verl, written out -------------------------------------------------------------------------------------------
-def verl_masked_mean(x, mask, axis=None):
-    return (x * mask).sum() / mask.sum() if axis is None else (x * mask).sum(axis) / mask.sum(axis)
-
-
 def verl_masked_whiten(values, mask):
     """verl/utils/torch_functional.py ``masked_whiten``: unbiased variance, ``rsqrt(var + 1e-8)``."""
     mean = verl_masked_mean(values, mask)
     var = verl_masked_mean((values - mean) ** 2, mask) * mask.sum() / (mask.sum() - 1)
     return (values - mean) * torch.rsqrt(var + 1e-8)
-
-
-def verl_is_weights(old, rollout, mask, level, threshold, normalize):
-    """``compute_rollout_correction_weights`` (TIS, one threshold), then its batch normalisation."""
-    log_ratio = old - rollout
-    if level == "token":
-        raw = torch.exp(torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND))
-    else:
-        s = (log_ratio * mask).sum(-1, keepdim=True)
-        raw = torch.exp(torch.clamp(s, min=-SAFETY_BOUND, max=SAFETY_BOUND)).expand_as(log_ratio)
-    raw = raw * mask
-    w = raw.clamp(max=threshold)
-    if normalize:
-        if level == "token":
-            mean = verl_masked_mean(w, mask)
-        else:
-            seq_w = verl_masked_mean(w, mask, axis=-1)
-            seq_mask = (mask.sum(-1) > 0).to(w.dtype)
-            mean = (seq_w * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8)
-        if mean > 1e-8:
-            w = w / mean
-    return w
 
 
 def verl_gae(token_level_rewards, values, response_mask, gamma, lam):
