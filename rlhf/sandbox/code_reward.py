@@ -3,16 +3,12 @@
 or 1 when it passes them all (``all_pass``). Compile errors, crashes, timeouts and limits score 0 for the test, and
 the reasons are counted in the step's metrics (``reward_extra/code_*``).
 
-Test formats (a label is a JSON object, or a string holding one):
-
-* APPS / TACO's ``input_output`` object: ``{"inputs": [...], "outputs": [...]}`` runs the program with each input
-  on stdin and compares its stdout with the output (lines stripped of trailing blanks, trailing blank lines
-  ignored); with ``"fn_name"`` each input is the argument list of a call to that function and the output its
-  return value (compared as JSON values).
-* MBPP's ``test_list`` (``{"test_list": ["assert f(1) == 2", ...], "test_setup_code": "..."}``): each assert of the
-  form ``assert <call> == <literal>`` becomes a call test (the expected value never enters the sandbox); any other
-  assert runs inside, with the program (counted as ``code_tests_in_sandbox``: a hostile program can read such a
-  test, since it shares the process).
+Test formats (``rlhf.sandbox.graders``, which names the peer files and commits): APPS / TACO's ``input_output``
+(stdin tests, or call tests whose inputs are argument lists or verl/PRIME's strings of JSON lines), graded as verl's
+prime_code ``run_test`` grades them; LiveCodeBench's records, graded as its ``grade_stdio`` / ``grade_call_based``;
+MBPP's ``test_list``, whose ``assert <call> == <literal>`` asserts become call tests and the others run inside, with
+the program (counted as ``code_tests_in_sandbox``: a hostile program can read such a test, since it shares the
+process). A label that cannot be read stops the step with a ``ValueError`` naming the prompt, never a silent 0.
 
 The expected outputs of stdin and call tests stay outside the sandbox: the program sees only its inputs. Tests of
 all replies run in parallel, at most ``--code_sandbox_workers`` sandboxes at once, locally or on a SandboxFusion
@@ -20,12 +16,15 @@ service (``--code_sandbox_url``, ``rlhf.sandbox.fusion``)."""
 from __future__ import annotations
 
 import ast
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from rlhf.part import Part
+from rlhf.sandbox.graders import PRELUDE, Test, parse_tests, stdout_matches, value_matches
+
+__all__ = ["CodeRewardConfig", "Test", "code_reward", "configure", "extract_program", "grade", "parse_tests",
+           "verdict"]
 
 MODES = ("pass_fraction", "all_pass")
 REASONS = ("passed", "wrong_answer", "runtime_error", "compile_error", "timeout", "memory", "output_limit",
@@ -87,92 +86,64 @@ def configure(cfg: CodeRewardConfig) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- the tests
-@dataclass(frozen=True)
-class Test:
-    kind: str
-    """stdin | call | inside"""
-    input: object = None
-    """stdin text; or the call's argument list; or, for ``call`` from an assert, the call's source"""
-    expected: object = None
-    fn_name: str = ""
-    code: str = ""
-    """an ``inside`` test's source (run after the program)"""
-
-
-def parse_tests(label) -> tuple[list[Test], str]:
-    """(tests, setup code) from a label; ValueError naming what is wrong."""
-    obj = json.loads(label) if isinstance(label, str) else label
-    if isinstance(obj, dict) and "input_output" in obj:  # a whole APPS / TACO record
-        io = obj["input_output"]
-        obj = json.loads(io) if isinstance(io, str) else io
-    if not isinstance(obj, dict):
-        raise ValueError(f"code tests: expected a JSON object, got {type(obj).__name__}")
-    if "inputs" in obj:
-        ins, outs = obj["inputs"], obj.get("outputs")
-        if not isinstance(ins, list) or not isinstance(outs, list) or len(ins) != len(outs):
-            raise ValueError("code tests: 'inputs' and 'outputs' must be lists of the same length")
-        fn = obj.get("fn_name")
-        if fn:
-            return [Test("call", list(i) if isinstance(i, list) else [i], o, fn) for i, o in zip(ins, outs)], ""
-        return [Test("stdin", i if isinstance(i, str) else "\n".join(map(str, i)), o) for i, o in zip(ins, outs)], ""
-    if "test_list" in obj:
-        tests = [_assert_test(t) for t in obj["test_list"]]
-        return tests, obj.get("test_setup_code", "") or ""
-    raise ValueError("code tests: expected APPS/TACO's {inputs, outputs[, fn_name]} or MBPP's {test_list}")
-
-
-def _assert_test(src: str) -> Test:
-    """``assert <call> == <literal>`` -> a call test (expected kept outside); anything else runs inside."""
-    try:
-        node = ast.parse(src.strip()).body[0]
-        if (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
-                and isinstance(node.test.ops[0], ast.Eq) and isinstance(node.test.left, ast.Call)):
-            expected = ast.literal_eval(node.test.comparators[0])
-            return Test("call", ast.unparse(node.test.left), _jsonable(expected))
-    except (SyntaxError, ValueError, IndexError):
-        pass
-    return Test("inside", code=src)
-
-
-def _jsonable(v):
-    if isinstance(v, (tuple, list)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (set, frozenset)):
-        return sorted(_jsonable(x) for x in v)
-    return v
-
-
 def extract_program(reply: str) -> str:
     """The last fenced code block of a reply (```python, ```py or a bare ```), else the whole reply."""
     blocks = re.findall(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", reply, flags=re.S)
     return blocks[-1] if blocks else reply
 
 
-_CALL_HARNESS = """
+# A call's value leaves the sandbox as a Python literal the host reads with ast.literal_eval (never evaluated, never
+# unpickled there): tuples, sets and int keys survive, as the peers compare them in-process. Written with the builtin
+# types' own __repr__ (a subclass's is not used), numpy scalars as their item(), big ints in hex (no digit limit), an
+# infinity as 1e999; anything else (NaN, objects of other classes) reads as no value: a wrong answer.
+_LITERAL = """
 
-import json as _rlhf_json, sys as _rlhf_sys
+def _rlhf_lit(v):
+    if v is None or v is True or v is False:
+        return repr(v)
+    if isinstance(v, int):
+        return int.__repr__(v) if -10 ** 18 < v < 10 ** 18 else hex(v)
+    if isinstance(v, float):
+        return float.__repr__(v) if v - v == 0 else ("1e999" if v > 0 else "-1e999" if v < 0 else "nan")
+    for t in (str, bytes, complex):
+        if isinstance(v, t):
+            return t.__repr__(v)
+    if isinstance(v, tuple):
+        return "(" + "".join(_rlhf_lit(x) + ", " for x in v) + ")"
+    if isinstance(v, list):
+        return "[" + ", ".join(map(_rlhf_lit, v)) + "]"
+    if isinstance(v, (set, frozenset)):
+        return "{" + ", ".join(map(_rlhf_lit, v)) + "}" if v else "set()"
+    if isinstance(v, dict):
+        return "{" + ", ".join(_rlhf_lit(k) + ": " + _rlhf_lit(x) for k, x in v.items()) + "}"
+    if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0:
+        return _rlhf_lit(v.item())
+    return "<" + type(v).__name__ + ">"
+"""
+_CALL = """
+import sys as _rlhf_sys
 _rlhf_value = {call}
-_rlhf_sys.stdout.write("\\n__RLHF_RESULT__" + _rlhf_json.dumps(_rlhf_value, default=repr) + "\\n")
+_rlhf_sys.stdout.write("\\n__RLHF_RESULT__" + _rlhf_lit(_rlhf_value) + "\\n")
 """
-_ARGS_HARNESS = """
-
-import json as _rlhf_json, sys as _rlhf_sys
-_rlhf_value = {fn}(*_rlhf_json.loads({args!r}))
-_rlhf_sys.stdout.write("\\n__RLHF_RESULT__" + _rlhf_json.dumps(_rlhf_value, default=repr) + "\\n")
-"""
+_RESULT = "\n__RLHF_RESULT__"
 
 
 def _program_for(program: str, setup: str, t: Test) -> tuple[str, str]:
-    """(source, stdin) of one test's run."""
-    body = (setup + "\n" if setup else "") + program
+    """(source, stdin) of one test's run. APPS and LiveCodeBench tests run after the imports their graders put first
+    (graders.PRELUDE); a call test's function is the program's, or its ``class Solution``'s method (the peers'
+    test: ``"class Solution" in`` the program); its arguments go in pickled (the host's own data, unpickled only in
+    the sandbox)."""
+    body = (setup + "\n" if setup else "") + (PRELUDE + "\n" if t.rule in ("apps", "lcb") else "") + program
     if t.kind == "stdin":
         return body, str(t.input)
     if t.kind == "call" and t.fn_name:
-        return body + _ARGS_HARNESS.format(fn=t.fn_name, args=json.dumps(t.input)), ""
+        import pickle
+
+        fn = f"Solution().{t.fn_name}" if "class Solution" in program else t.fn_name
+        call = f"{fn}(*__import__('pickle').loads({pickle.dumps(list(t.input), protocol=4)!r}))"
+        return body + _LITERAL + _CALL.format(call=call), ""
     if t.kind == "call":
-        return body + _CALL_HARNESS.format(call=t.input), ""
+        return body + _LITERAL + _CALL.format(call=t.input), ""
     return body + "\n\n" + t.code + "\nprint(" + repr(_INSIDE_MARK + _nonce(t)) + ")\n", ""
 
 
@@ -190,15 +161,8 @@ def _nonce(t: Test) -> str:
 _SALT = __import__("secrets").token_hex(8)  # per process: not guessable from the test alone
 
 
-def _normalize(text: str) -> list[str]:
-    lines = [ln.rstrip() for ln in str(text).replace("\r\n", "\n").split("\n")]
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
-
-
 def verdict(t: Test, result) -> str:
-    """One of ``REASONS`` for a test's sandbox result."""
+    """One of ``REASONS`` for a test's sandbox result; the output compared by the test's rule (graders)."""
     if result.status == "refused":
         return "sandbox_refused"
     if result.status in ("timeout", "memory", "output_limit"):
@@ -209,24 +173,22 @@ def verdict(t: Test, result) -> str:
     if t.kind == "inside":
         return "passed" if (_INSIDE_MARK + _nonce(t)) in result.stdout.splitlines() else "wrong_answer"
     if t.kind == "stdin":
-        return "passed" if _normalize(result.stdout) == _normalize(t.expected) else "wrong_answer"
-    marker = result.stdout.rfind("\n__RLHF_RESULT__")
+        return "passed" if stdout_matches(t, result.stdout) else "wrong_answer"
+    marker = result.stdout.rfind(_RESULT)
     if marker < 0:
         return "wrong_answer"
     try:
-        got = json.loads(result.stdout[marker + len("\n__RLHF_RESULT__"):].strip())
-    except ValueError:
+        got = ast.literal_eval(result.stdout[marker + len(_RESULT):].strip())
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # no literal: NaN, an object
         return "wrong_answer"
-    want = _jsonable(t.expected)
-    if isinstance(want, list) and len(want) == 1 and not isinstance(got, list):  # APPS wraps call outputs
-        want = want[0]
-    return "passed" if got == want else "wrong_answer"
+    return "passed" if value_matches(t, got) else "wrong_answer"
 
 
 # ----------------------------------------------------------------------------------------------- the reward
-def grade(replies, labels, cfg: CodeRewardConfig | None = None):
+def grade(replies, labels, cfg: CodeRewardConfig | None = None, prompts=None):
     """(rewards, per-reply verdict lists) for ``replies`` against their ``labels``' tests; every test of every
-    reply is one sandboxed run, ``cfg.code_sandbox_workers`` at a time."""
+    reply is one sandboxed run, ``cfg.code_sandbox_workers`` at a time. Every label is read before any runs: one
+    that cannot be read is a ValueError naming its prompt (``prompts``, when given) and what is wrong."""
     from rlhf.sandbox.core import SandboxConfig
 
     cfg = cfg or _config
@@ -234,8 +196,8 @@ def grade(replies, labels, cfg: CodeRewardConfig | None = None):
                         allow_weaker=cfg.code_allow_weaker)
     runner = _runner(cfg)
     jobs, verdicts = [], [[] for _ in replies]
-    for i, (reply, label) in enumerate(zip(replies, labels)):
-        tests, setup = parse_tests(label)
+    parsed = [read_label(label, i, prompts[i] if prompts is not None else None) for i, label in enumerate(labels)]
+    for i, (reply, (tests, setup)) in enumerate(zip(replies, parsed)):
         program = extract_program(reply)
         if not program.strip():
             verdicts[i] = ["no_code"] * max(len(tests), 1)
@@ -262,6 +224,21 @@ def grade(replies, labels, cfg: CodeRewardConfig | None = None):
     return rewards, verdicts
 
 
+def read_label(label, i: int, prompt=None) -> tuple[list[Test], str]:
+    """``parse_tests(label)``, its ValueError naming the record: the sample's index, its prompt's start, the label's."""
+    try:
+        return parse_tests(label)
+    except ValueError as e:
+        who = f"sample {i}" + (f" (prompt {_cut(prompt)!r})" if prompt is not None else "")
+        raise ValueError(f"--reward_fn code: the tests of {who} cannot be read: {e}; its label: {_cut(label)!r}") \
+            from None
+
+
+def _cut(v, n: int = 120) -> str:
+    text = v if isinstance(v, str) else repr(v)
+    return text if len(text) <= n else text[:n] + f"... ({len(text)} characters)"
+
+
 def _runner(cfg: CodeRewardConfig):
     """``run(list of (program, stdin), box) -> results``: the local sandbox (one per call), or the service."""
     if cfg.code_sandbox_url:
@@ -279,7 +256,7 @@ def code_reward(prompts, responses, labels=None, **kwargs):
     as shares of all test runs (``code_passed``, ``code_timeout``, ...) and ``code_tests_in_sandbox``."""
     if labels is None:
         raise ValueError("--reward_fn code needs each prompt's tests: pass --label_key (the field with them)")
-    rewards, verdicts = grade(responses, labels)
+    rewards, verdicts = grade(responses, labels, prompts=prompts)
     flat = [x for v in verdicts for x in v]
     n = max(len(flat), 1)
     extra = {f"code_{r}": sum(x == r for x in flat) / n for r in REASONS}
