@@ -12,7 +12,8 @@ implementation's formulas (the suite's job tests do: tests/ppo/test_job_formulas
 * ``"actor"`` / ``"critic"``: one record per training micro-batch, in the order the updates ran them (``microbatch``;
   ``"actor_plans"``/``"critic_plans"``: each optimizer step's micro-batches as rows of the experience): the loss's inputs from the batch (``old_logprobs``, ``advantages``,
   ``action_mask``, ...), what the model gave (``logprobs`` and ``entropy``, or ``values``), and the loss function's
-  own return: ``loss`` (its sum), ``count`` and each metric's ``[sum, count]``.
+  own return: ``loss`` (its sum), ``count`` and each metric's ``[sum, count]``; with --pretrain_data,
+  ``"actor_step"`` records the step's combined loss (policy and ptx micro-batches) the same way.
 
 Tensors are saved on the CPU, detached, in the dtype the trainer computed them in."""
 from __future__ import annotations
@@ -51,7 +52,8 @@ class ExperienceDump:
         """Starts step ``step``'s records with its experience (after ``compute_advantages``)."""
         self.step = step
         self.records = {"step": step, "rank": self.mesh.rank, "dp_rank": self.mesh.dp_rank,
-                        "tp_rank": self.mesh.tp_rank, "pp_rank": self.mesh.pp_rank, "actor": [], "critic": []}
+                        "tp_rank": self.mesh.tp_rank, "pp_rank": self.mesh.pp_rank, "actor": [], "critic": [],
+                        "actor_step": []}
         rec = {k: _cpu(getattr(exp, k)) for k in EXPERIENCE_KEYS}
         rec.update({"raw_rewards": _cpu(raw_rewards), "kl_coef": float(kl_coef),
                     "prompt_index": torch.tensor([s.prompt_index for s in exp.samples]),

@@ -2,7 +2,7 @@
 ``--unsupervised_dataset_name``/``--unsup_coef``): each actor optimizer step also takes one
 ``--micro_train_batch_size`` micro-batch per update micro-batch of plain text from ``--pretrain_data``
 (``--pretrain_input_key``), and the step's loss is ``policy_mean + ptx_coef * next-token NLL mean``
-(``rlhf.algo.ppo_losses.make_ptx_combined_loss``). Its sampler is checkpointed with the run."""
+(``rlhf.algo.ptx_loss.make_ptx_combined_loss``). Its sampler is checkpointed with the run."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,7 +92,7 @@ class PtxData:
 
     def combined_loss(self, actor_loss, policy_mbs: list[dict], ptx_mbs: list[dict], metric_keys: tuple):
         """The step's loss over ``policy_mbs + ptx_mbs``, with the token counts of the whole step (all DP ranks)."""
-        from rlhf.algo.ppo_losses import make_ptx_combined_loss
+        from rlhf.algo.ptx_loss import make_ptx_combined_loss
 
         counts = torch.tensor([float(sum(int(mb["action_mask"].sum()) for mb in policy_mbs)),
                                float(sum(int(mb["loss_mask"][:, 1:].sum()) for mb in ptx_mbs))],

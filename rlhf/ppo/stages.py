@@ -384,7 +384,7 @@ def update(roles, exp: Experience, job, estimator, kl_coef: float, step: int, me
         if ptx is None:
             return mbs, actor_loss
         extra = ptx.next_microbatches()
-        return mbs + extra, ptx.combined_loss(actor_loss, mbs, extra, keys)
+        return mbs + extra, keep("actor_step", ptx.combined_loss(actor_loss, mbs, extra, keys))
 
     _train_role(roles, "actor", plans, actor_batches, keys + (("ptx_loss",) if ptx else ()), "hidden", sums,
                 tokens * epochs, timer, after_step=after_actor_step)

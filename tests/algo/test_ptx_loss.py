@@ -2,7 +2,7 @@
 token counts (megatron's per-token contract) equal policy_mean + ptx_coef * ptx_mean."""
 import torch
 
-from rlhf.algo.ppo_losses import make_ptx_combined_loss
+from rlhf.algo.ptx_loss import make_ptx_combined_loss
 
 
 def test_step_loss_is_policy_mean_plus_coef_ptx_mean():

@@ -64,4 +64,8 @@ MUTANTS = [
            find='''                weights, base = None, batch["vllm_logprobs"]''', replace='''                weights, base = None, old''',
            claim="OpenRLHF's GSPO with IS correction takes the sequence ratio against the generator's log-probs",
            tests=(JOB + "test_gspo_with_openrlhfs_is_correction",)),
+    Mutant("ppo-ptx-coef-ignored", "rlhf/ppo/ptx.py",
+           find='''        self.coef = float(ptx.ptx_coef)''', replace='''        self.coef = 0.05''',
+           claim="--ptx_coef weighs the pretraining loss in the actor's step",
+           tests=("tests/ppo/test_ptx.py::test_ptx_coef_reaches_the_step_loss",)),
 ]
