@@ -29,3 +29,22 @@ def char_code_reward(prompts: list[str], responses: list[str]) -> list[float]:
     """(sum of the reply's character codes mod 7) / 6: almost surely different within a group, so every group has a
     nonzero advantage."""
     return [(sum(map(ord, r)) % 7) / 6.0 for r in responses]
+
+
+SCRIPTED_PROGRAMS = ("def f(a, b):\n    return a + b\n",  # passes the 3 tests
+                     "def f(a, b):\n    return a - b\n",  # passes 2 of them
+                     "def f(a, b) return a + b\n")        # does not compile
+"""The programs ``scripted_code_reward`` grades: one a reply's text picks (``scripted_program``)."""
+
+
+def scripted_program(reply: str) -> str:
+    return SCRIPTED_PROGRAMS[sum(map(ord, reply)) % 3]
+
+
+def scripted_code_reward(prompts, responses, labels=None, **kw):
+    """The code reward (``--reward_fn code``'s function, the real sandbox) on the program each reply's text picks:
+    rewards 1, 2/3 or 0 by reply, so a reward attached to another sample's row shows."""
+    from rlhf.sandbox.code_reward import code_reward
+
+    return code_reward(prompts, ["```python\n" + scripted_program(r) + "```" for r in responses], labels=labels,
+                       **kw)
