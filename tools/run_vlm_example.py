@@ -4,6 +4,7 @@ scratch to a middling accuracy, then GRPO with the exact-answer reward; held-out
 for each seed. docs/vlm.md has the figures.
 
     python tools/run_vlm_example.py --out outputs/vlm [--seeds 1,2,3] [--sft_epochs 10] [--grpo_steps 300]
+    python tools/run_vlm_example.py --out outputs/vlm_456 --seeds 4,5,6 --control   # and the negative control
 
 Per seed: the data (its own images), the model, ``launch/sft.py`` on 512 image/question/answer records (10 epochs:
 a middling accuracy; 20 overfit to about the model's limit, 8 stay near chance), ``launch/ppo.py`` (GRPO: 8 prompts
@@ -117,6 +118,10 @@ def main(argv=None) -> int:
                    help="the negative control: GRPO's prompts keep their images but take the answers of other "
                         "prompts (a permutation of the count answers among counts, colours among colours), so the "
                         "reward says nothing about the image")
+    p.add_argument("--control", action="store_true",
+                   help="per seed, GRPO with the true answers and then the negative control (--shuffled_labels) "
+                        "from the same SFT model: grpo/ and grpo_control/, summary entries s<seed> and "
+                        "s<seed>_control")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -139,17 +144,17 @@ def main(argv=None) -> int:
         run(sft_command(model, data["sft"], os.path.join(d, "sft"), seed, args.sft_epochs, args.nproc),
             os.path.join(d, "sft.log"))
         t_sft = time.time() - t0
-        if args.shuffled_labels:
-            data = dict(data, train=shuffle_labels(data["train"], seed))
-        run(ppo_command(grpo_flags(os.path.join(d, "sft"), data, os.path.join(d, "grpo"), seed, args.grpo_steps,
-                                   args.lr),
-                        args.nproc), os.path.join(d, "grpo.log"))
-        r = summarize(os.path.join(d, "grpo"))
-        r.update(seconds_sft=t_sft, seconds=time.time() - t0)
-        results[name] = r
-        print(f"   {name}: held-out accuracy after SFT {r['acc_before']:.3f} -> after GRPO {r['acc_after']:.3f} "
-              f"(pass@4 {r['pass4_before']:.3f} -> {r['pass4_after']:.3f}); {r['sec_per_step']:.2f} s/step; "
-              f"vLLM-trainer drift {r['drift_max']:.1e}", flush=True)
+        for sub, shuffled in [("grpo", args.shuffled_labels)] + ([("grpo_control", True)] if args.control else []):
+            t1 = time.time()
+            d_data = dict(data, train=shuffle_labels(data["train"], seed)) if shuffled else data
+            run(ppo_command(grpo_flags(os.path.join(d, "sft"), d_data, os.path.join(d, sub), seed, args.grpo_steps,
+                                       args.lr), args.nproc), os.path.join(d, f"{sub}.log"))
+            r = summarize(os.path.join(d, sub))
+            r.update(seconds_sft=t_sft, seconds=t_sft + time.time() - t1, shuffled_labels=shuffled)
+            results[name if sub == "grpo" else f"{name}_control"] = r
+            print(f"   {name}{' control' if shuffled else ''}: held-out accuracy after SFT {r['acc_before']:.3f} -> "
+                  f"after GRPO {r['acc_after']:.3f} (pass@4 {r['pass4_before']:.3f} -> {r['pass4_after']:.3f}); "
+                  f"{r['sec_per_step']:.2f} s/step; vLLM-trainer drift {r['drift_max']:.1e}", flush=True)
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
     plot(results, os.path.join(out, "vlm_curves.png"))
