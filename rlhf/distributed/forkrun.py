@@ -12,7 +12,8 @@ script in-process. A rank's work is the same as under torchrun; what it costs is
 What a forked rank gets, as a ``python -u script.py`` would: ``__main__`` is the script (``sys.modules`` too, so
 that what it defines pickles), ``sys.argv`` and ``sys.path[0]`` are the script's, stdout and stderr unbuffered
 (the launcher re-executes itself with ``-u``), the signal handlers the defaults (the agent's own handlers, set
-before it forks, are reset), its own ``random`` state, an unconfigured root logger. It ends as
+before it forks, are reset), its own ``random``, torch and numpy generator states, multiprocessing's start method
+unset, no fault handler, an unconfigured root logger. It ends as
 ``rlhf.distributed.failures.exit_process`` ends a launched job: threads joined, ``atexit`` handlers run, streams
 flushed, the exit code kept (a traceback and 1 for an exception, as the interpreter prints it); the agent counts a
 rank that exits 0 as done.
@@ -107,10 +108,28 @@ def fork_unsafe_reason() -> str | None:
     return None
 
 
+def _as_a_fresh_interpreter() -> None:
+    """What a rank inherits from the launcher that a fresh interpreter would not have: the generators' states
+    (``random``, torch's default generator and numpy's global one, each seeded anew from the OS, as a fresh process
+    of ours finds them seeded differently on every rank), multiprocessing's start method (set by the agent: a rank's
+    own ``set_start_method`` must work), the fault handler the launcher enabled."""
+    import faulthandler
+    import multiprocessing
+    import random
+
+    random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    multiprocessing.set_start_method(None, force=True)
+    if not (os.environ.get("PYTHONFAULTHANDLER") or "faulthandler" in sys._xoptions):
+        faulthandler.disable()
+
+
 def run_rank(script: str, *script_args: str) -> None:
     """A forked rank's life: ``script`` as ``__main__``, then ``exit_process`` with its exit code. Never returns."""
     import builtins
-    import random
     import signal
     import traceback
     import types
@@ -118,7 +137,7 @@ def run_rank(script: str, *script_args: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # the agent's handlers, inherited by the fork
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    random.seed()  # a fresh interpreter's state, not the launcher's copy
+    _as_a_fresh_interpreter()
     root = logging.getLogger()  # and an unconfigured root logger, as a fresh interpreter has (not the launcher's)
     for handler in list(root.handlers):
         root.removeHandler(handler)

@@ -101,3 +101,40 @@ def test_sigterm_reaches_the_launcher_and_the_client_ends_as_it_did(tmp_path):
         assert "Received 15 death signal" in out or "SIGTERM" in out, out[-3000:]
     finally:
         kill_job(tag, proc.pid)
+
+
+FULL_PROBE = os.path.join(REPO, "tests/distributed/_forkrun_probe_full.py")
+RANDOM = ("random", "torch_random", "hash")
+
+
+def test_with_the_full_preload_a_zygote_rank_is_a_fresh_rank(tmp_path):
+    """The preload list of a real job (torch, transformers, megatron-core through rlhf, vLLM's engine: 16 modules):
+    a rank forked from the zygote sees what a fresh torchrun rank that imported them itself sees: environment (what
+    the imports set), paths, signal handlers, torch's threads and defaults, logging, warnings filters,
+    multiprocessing's start method, the fault handler, umask, locale, interpreter flags. Each rank's ``random`` and
+    torch generators differ from the other rank's, as fresh ones do. Not the same: the string hash seed (a forked
+    interpreter keeps its parent's: the zygote's ranks and launches share one; fresh ranks each have their own)."""
+    import json
+
+    def probe(launcher, out):
+        os.makedirs(out, exist_ok=True)
+        base = test_env()
+        full = {**base, "RLHF_PROBE_BASE_ENV": ",".join([*base, "RLHF_PROBE_BASE_ENV"])}
+        proc = run_tagged(torchrun_cmd(FULL_PROBE, 2, [out], launcher=launcher), 300, full_env=full)
+        assert proc.returncode == 0, tail(proc)
+        return proc, [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+
+    def same(rep, out):
+        rep = {k: v for k, v in rep.items() if k not in RANDOM}
+        rep["env"] = {k: v for k, v in rep["env"].items() if k not in ("MASTER_PORT", "TORCHELASTIC_ERROR_FILE",
+                                                                        JOB_TAG)}
+        return json.loads(json.dumps(rep).replace(out, "OUT"))
+
+    _, fresh = probe("torchrun", str(tmp_path / "t"))
+    z_proc, zyg = probe("zygote", str(tmp_path / "z"))
+    assert "forkrun: preloaded 16 module(s)" in z_proc.stderr and NOT_USED not in z_proc.stderr, tail(z_proc)
+    for r in range(2):
+        assert same(zyg[r], str(tmp_path / "z")) == same(fresh[r], str(tmp_path / "t")), r
+    for rep in (fresh, zyg):
+        assert rep[0]["random"] != rep[1]["random"] and rep[0]["torch_random"] != rep[1]["torch_random"]
+    assert fresh[0]["hash"] != fresh[1]["hash"] and zyg[0]["hash"] == zyg[1]["hash"]  # the documented difference
