@@ -21,7 +21,7 @@ INSTALL_REQUIRES = [
     "pyarrow>=15",  # parquet datasets
     "datasets>=3.0",  # save_to_disk / Arrow datasets (rlhf/data/sources.py)
     "matplotlib>=3.8",  # the demo's reward plot
-    # rlhf/verifiers.py: HF's math answer checker (numeric and symbolic equivalence; TRL and open-r1 use it). Pure
+    # rlhf/rewards/verifiers.py: HF's math answer checker (numeric and symbolic equivalence; TRL and open-r1 use it). Pure
     # Python; pulls latex2sympy2_extended and antlr4-python3-runtime 4.13.2 (sympy is torch's already).
     "math-verify==0.9.0",
     "wandb==0.31.0",  # --use_wandb (offline without a key); OpenRLHF's logging companion

@@ -4,7 +4,7 @@
 
 The settings of ours in rlvr_vs_trl.py: 8 prompts x 8 generations per step (one process on every core, its usual
 CPU run: per-device batch 64, one gradient-accumulation step), up to 24 new tokens at temperature 1, the chat
-template, the same exact-answer reward (``rlhf.verifiers.math_reward``, imported from the repository), no KL
+template, the same exact-answer reward (``rlhf.rewards.verifiers.math_reward``, imported from the repository), no KL
 (TRL's default beta 0), TRL's default loss (``dapo``: the token mean over the batch) and group-scaled rewards,
 Adam(0.9, 0.999) at a constant --lr, one update per generation batch, fp32 (--bf16: TRL's bf16 setting), no
 gradient checkpointing (TRL defaults to it; ours does not recompute), transformers' ``generate`` (TRL's default
@@ -44,7 +44,7 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, REPO)
-    from rlhf.verifiers import math_reward  # the same verifier as ours (pure Python + math-verify)
+    from rlhf.rewards.verifiers import math_reward  # the same verifier as ours (pure Python + math-verify)
 
     transformers.logging.set_verbosity_error()
     rows = [json.loads(ln) for ln in open(args.train) if ln.strip()]

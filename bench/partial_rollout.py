@@ -34,7 +34,7 @@ CONFIGS = {
 
 
 def summarize(run_dir: str) -> dict:
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     tr = read_metrics_jsonl(os.path.join(run_dir, "metrics.jsonl"), "ppo")
     ev = read_metrics_jsonl(os.path.join(run_dir, "metrics.jsonl"), "eval")

@@ -43,7 +43,7 @@ def env(threads: int) -> dict:
 
 
 def run_ours(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool, lr: str) -> dict:
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
     from run_rlvr_example import ppo_command, ppo_flags
 
     cmd = ppo_command(ppo_flags(model, data, out, seed, steps, ["--bf16"] if bf16 else [], lr))
@@ -59,7 +59,7 @@ def run_ours(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool
 def reuse_ours(run_dir: str) -> dict:
     """--ours_from: a finished run of tools/run_rlvr_example.py with the same settings (its grpo_s<seed> folder):
     its metrics and exported model instead of training again."""
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     tr = read_metrics_jsonl(os.path.join(run_dir, "metrics.jsonl"), "ppo")
     if not tr or not os.path.exists(os.path.join(run_dir, "config.json")):

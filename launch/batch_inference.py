@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 launch/batch_inference.py --mode reward --reward_pretrain <rm> \
         --dataset gen.jsonl --input_key input --output_key output --output_path scored.jsonl
 
-See `python launch/batch_inference.py --help` and rlhf/batch_inference.py.
+See `python launch/batch_inference.py --help` and rlhf/offline/batch_inference.py.
 """
 import os
 import sys
@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def main(argv=None) -> int:
-    from rlhf.batch_inference import main as run_main
+    from rlhf.offline.batch_inference import main as run_main
 
     return run_main(argv)
 

@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
-    from rlhf import dpo
-    from rlhf.trainer import main as run_main
+    from rlhf.supervised import dpo
+    from rlhf.supervised.loop import main as run_main
 
     return run_main(dpo, argv)
 

@@ -8,7 +8,7 @@
 
 --data_split keeps DeepSpeed-Chat's meaning (each dataset shuffled with --seed and cut into three parts, one per
 step); the datasets are local paths or Hub names already in the HF cache. Flags without a meaning here are named
-in the error (rlhf/migration.py). The flags each step becomes are logged.
+in the error (rlhf/config/migration.py). The flags each step becomes are logged.
 """
 import os
 import sys
@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     import logging
 
     from rlhf.distributed.env import DistEnv
-    from rlhf.migration import DSCHAT_ENTRY, dschat_to_ours
+    from rlhf.config.migration import DSCHAT_ENTRY, dschat_to_ours
 
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -41,8 +41,9 @@ def main(argv=None) -> int:
         from rlhf.ppo import main as ppo_main
 
         return ppo_main(ours)
-    from rlhf import rm, sft
-    from rlhf.trainer import main as run_main
+    from rlhf.supervised import rm
+    from rlhf.supervised import sft
+    from rlhf.supervised.loop import main as run_main
 
     return run_main(sft if known.step == 1 else rm, ours)
 

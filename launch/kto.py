@@ -13,8 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
-    from rlhf import kto
-    from rlhf.trainer import main as run_main
+    from rlhf.supervised import kto
+    from rlhf.supervised.loop import main as run_main
 
     return run_main(kto, argv)
 

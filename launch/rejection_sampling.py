@@ -7,7 +7,7 @@ that launch/sft.py trains on directly (keys input/output, plus score).
         --output_path rs.jsonl [--tp 2]
     torchrun --nproc_per_node 2 launch/sft.py --pretrain <policy> --dataset rs.jsonl --save_path out/rs_sft ...
 
-See `python launch/rejection_sampling.py --help` and rlhf/rejection_sampling.py.
+See `python launch/rejection_sampling.py --help` and rlhf/offline/rejection_sampling.py.
 """
 import os
 import sys
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
-    from rlhf.rejection_sampling import main as run_main
+    from rlhf.offline.rejection_sampling import main as run_main
 
     return run_main(argv)
 

@@ -4,7 +4,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# PPO offloads for real on CPU too, so the tests exercise the CUDA path's copies (rlhf.offload.cpu_offload_moves)
+# PPO offloads for real on CPU too, so the tests exercise the CUDA path's copies (rlhf.runtime.offload.cpu_offload_moves)
 os.environ.setdefault("RLHF_OFFLOAD_ON_CPU", "1")
 
 import pytest  # noqa: E402

@@ -52,11 +52,11 @@ def test_check_versions_one_warning_per_mismatch_once(monkeypatch, caplog):
     assert not caplog.records
 
 
-def test_vllm_engine_drives_the_tested_release():
+def test_vllm_generator_drives_the_tested_release():
     from rlhf.compat.vllm import TESTED_VLLM
-    from rlhf.rollout import vllm_engine
+    from rlhf.rollout import vllm_generator
 
-    assert vllm_engine.TESTED_VLLM is TESTED_VLLM == compat.TESTED["vllm"]
+    assert vllm_generator.TESTED_VLLM is TESTED_VLLM == compat.TESTED["vllm"]
 
 
 def test_installed_releases_are_the_tested_ones():

@@ -10,8 +10,8 @@ from dataclasses import fields
 
 import pytest
 
-from rlhf.migration import LauncherPart
-from rlhf.part import Part
+from rlhf.config.migration import LauncherPart
+from rlhf.config.part import Part
 
 
 def _ppo():
@@ -24,9 +24,9 @@ def _ppo():
 def _supervised(name: str):
     import importlib
 
-    from rlhf.config import SupervisedJob
+    from rlhf.config.job import SupervisedJob
 
-    mod = importlib.import_module(f"rlhf.{name}")
+    mod = importlib.import_module(f"rlhf.supervised.{name}")
     parts = list(SupervisedJob.part_types().values()) + list(mod.TASK_PARTS.values()) + [LauncherPart]
     return mod.add_args, parts, ["--pretrain", "m", "--dataset", "d", "--save_path", "o"]
 
@@ -35,7 +35,7 @@ JOBS = {"ppo": _ppo, **{n: (lambda n=n: _supervised(n)) for n in ("sft", "rm", "
 
 
 def _parser(add_args) -> argparse.ArgumentParser:
-    """What ``rlhf.config.cli_main`` parses: the entry point's flags and the launchers'."""
+    """What ``rlhf.config.job.cli_main`` parses: the entry point's flags and the launchers'."""
     p = argparse.ArgumentParser()
     add_args(p)
     LauncherPart.add_args(p)
@@ -75,7 +75,7 @@ def test_an_orphan_flag_and_a_shared_one_are_found():
     orphans, doubles, _ = ownership(_dests(p), parts)
     assert orphans == ["not_in_any_part"]
     assert not doubles
-    from rlhf.parts import BatchPart
+    from rlhf.config.parts import BatchPart
 
     _, doubles, _ = ownership(_dests(p), parts + [BatchPart])  # PPOBatch already owns the batch flags
     assert set(doubles) == {"train_batch_size", "micro_train_batch_size", "max_epochs"}
@@ -100,7 +100,7 @@ def test_parts_hold_the_parsed_defaults(job, tmp_path, monkeypatch):
 
 
 def test_from_args_is_strict():
-    from rlhf.parts import ParallelPart
+    from rlhf.config.parts import ParallelPart
 
     with pytest.raises(TypeError, match="ParallelPart.pipeline_model_parallel_size"):
         ParallelPart.from_args(argparse.Namespace(tensor_model_parallel_size=1))
@@ -110,17 +110,17 @@ def test_from_args_is_strict():
 
 
 def _bad_parts():
-    from rlhf.config import DataPart, SupervisedBatch
-    from rlhf.dpo import DPOPart
-    from rlhf.kto import KTOPart
+    from rlhf.config.job import DataPart, SupervisedBatch
+    from rlhf.supervised.dpo import DPOPart
+    from rlhf.supervised.kto import KTOPart
     from rlhf.models.routing_replay import RouterReplayPart
-    from rlhf.parts import BatchPart, EnginePart
+    from rlhf.config.parts import BatchPart, EnginePart
     from rlhf.ppo.algo_args import AlgoPart
     from rlhf.ppo.ema import EmaPart
     from rlhf.ppo.evaluation import EvalConfig
     from rlhf.ppo.parts import GenerationPart, OffloadPart, PPOBatch, PPOLogging, PPOLora, PPOOptim, RolloutPart
     from rlhf.ppo.ptx import PtxPart
-    from rlhf.reference import ReferencePart
+    from rlhf.supervised.reference import ReferencePart
 
     return [
         (lambda: BatchPart(micro_train_batch_size=0), "--micro_train_batch_size must be >= 1, got 0"),

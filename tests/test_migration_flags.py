@@ -1,4 +1,4 @@
-"""Launcher and placement flags of the seed systems (rlhf/migration.py): torch.distributed.launch's --local-rank,
+"""Launcher and placement flags of the seed systems (rlhf/config/migration.py): torch.distributed.launch's --local-rank,
 DeepSpeed's --local_rank, AIAK-RLHF's node counts, OpenRLHF's Ray placement."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import REPO, free_port, run_tagged
 
-from rlhf.migration import add_launcher_args, add_placement_args, apply_launcher_args
+from rlhf.config.migration import add_launcher_args, add_placement_args, apply_launcher_args
 
 
 def parse(argv, ppo=False):

@@ -1,4 +1,4 @@
-"""OpenRLHF's command lines of today (its dotted flags; rlhf/openrlhf_cli.py): the flag lines of its own example
+"""OpenRLHF's command lines of today (its dotted flags; rlhf/config/openrlhf.py): the flag lines of its own example
 scripts (examples/scripts/train_*.sh at 3c3be6234e0c, tests/peers/openrlhf/example_commands.json) parse with our
 entry points' parsers, only the launcher changed, into the values they name; the flags without a meaning here are
 refused by name; a misspelled flag still fails (the control)."""
@@ -16,7 +16,9 @@ import pytest
 from helpers import REPO
 
 EXAMPLES = json.load(open(os.path.join(REPO, "tests", "peers", "openrlhf", "example_commands.json")))
-ENTRY = {"train_sft": "rlhf.sft", "train_rm": "rlhf.rm", "train_dpo": "rlhf.dpo", "train_ppo_ray": "rlhf.ppo.args"}
+ENTRY = {"train_sft": "rlhf.supervised.sft", "train_rm": "rlhf.supervised.rm", "train_dpo": "rlhf.supervised.dpo",
+         "train_ppo_ray": "rlhf.ppo.args"}
+
 REFUSED: dict[str, str] = {}
 """Scripts whose settings have no counterpart here: refused before anything runs, naming the flag and why."""
 
@@ -30,15 +32,15 @@ def flag_line(command: str, cli: str) -> list[str]:
 
 
 def parse(cli: str, argv: list[str]) -> argparse.Namespace:
-    """What rlhf.config.cli_main does before running: the entry point's parser, the launcher flags, translate."""
-    from rlhf.migration import add_launcher_args
-    from rlhf.openrlhf_cli import translate
+    """What rlhf.config.job.cli_main does before running: the entry point's parser, the launcher flags, translate."""
+    from rlhf.config.migration import add_launcher_args
+    from rlhf.config.openrlhf import entry_name, translate
 
     mod = importlib.import_module(ENTRY[cli])
     p = argparse.ArgumentParser()
     mod.add_args(p)
     add_launcher_args(p)
-    return p.parse_args(translate(argv, ENTRY[cli].split(".")[1], set(p._option_string_actions)))
+    return p.parse_args(translate(argv, entry_name(ENTRY[cli]), set(p._option_string_actions)))
 
 
 @pytest.mark.parametrize("script", sorted(EXAMPLES))
@@ -108,8 +110,8 @@ def test_a_misspelled_flag_still_fails():
 
 
 def test_the_docs_table_is_the_translation_table():
-    """docs/openrlhf_flags.md lists every flag of rlhf/openrlhf_cli.py's table under its entry point."""
-    from rlhf.openrlhf_cli import TABLE
+    """docs/openrlhf_flags.md lists every flag of rlhf/config/openrlhf.py's table under its entry point."""
+    from rlhf.config.openrlhf import TABLE
 
     doc = open(os.path.join(REPO, "docs", "openrlhf_flags.md")).read()
     sections = {s.split("\n", 1)[0]: s for s in doc.split("\n## ")[1:]}
@@ -132,22 +134,22 @@ def test_the_docs_table_is_the_translation_table():
 def test_ring_attention_size_is_context_parallelism(cli):
     """OpenRLHF's --ds.ring_attn_size N is --context_parallel_size N on every entry point (the example scripts that
     use it are refused for other flags)."""
-    from rlhf.openrlhf_cli import translate
+    from rlhf.config.openrlhf import entry_name, translate
 
     p = argparse.ArgumentParser()
     importlib.import_module(ENTRY[cli]).add_args(p)
-    argv = translate(["--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "4"], ENTRY[cli].split(".")[1],
+    argv = translate(["--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "4"], entry_name(ENTRY[cli]),
                      set(p._option_string_actions))
     assert argv == ["--context_parallel_size", "2"]
     assert p._option_string_actions["--context_parallel_size"].dest == "context_parallel_size"
 
 
 def translate_only(cli: str, argv: list[str]) -> list[str]:
-    from rlhf.openrlhf_cli import translate
+    from rlhf.config.openrlhf import entry_name, translate
 
     p = argparse.ArgumentParser()
     importlib.import_module(ENTRY[cli]).add_args(p)
-    return translate(argv, ENTRY[cli].split(".")[1], set(p._option_string_actions))
+    return translate(argv, entry_name(ENTRY[cli]), set(p._option_string_actions))
 
 
 @pytest.mark.parametrize("cli", sorted(ENTRY))
@@ -158,9 +160,9 @@ def test_no_effect_flags_leave_every_parsed_value_as_it_was(cli):
     Negative control: one flag with an effect (--train.seed) changes the namespace."""
     base = (["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p"] if cli == "train_ppo_ray" else
             ["--model.model_name_or_path", "m", "--data.dataset", "d"]) + ["--ckpt.output_dir", "o"]
-    from rlhf.openrlhf_cli import without_effect
+    from rlhf.config.openrlhf import entry_name, without_effect
 
-    extra = without_effect(ENTRY[cli].split(".")[1])
+    extra = without_effect(entry_name(ENTRY[cli]))
     assert translate_only(cli, extra) == []
     assert len(extra) >= 10, extra
     assert vars(parse(cli, base + extra)) == vars(parse(cli, base))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rlhf.profiling import StepProfiler, profile_range
+from rlhf.observability.profiling import StepProfiler, profile_range
 
 
 @pytest.mark.parametrize("spec,want", [("", None), ("3", (3, 3)), ("4-6", (4, 6))])

@@ -1,4 +1,4 @@
-"""Verifiable rewards (rlhf/verifiers.py) by hand cases, and OpenRLHF's own reward files (tests/peers/openrlhf, the
+"""Verifiable rewards (rlhf/rewards/verifiers.py) by hand cases, and OpenRLHF's own reward files (tests/peers/openrlhf, the
 math one with its import line changed) run through --remote_rm_url's file path: rewards, scores, extra logs."""
 import os
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import REPO
 
-from rlhf import verifiers as V
-from rlhf.rewards import call_remote_rm_full, check_remote_rm
+from rlhf.rewards import verifiers as V
+from rlhf.rewards.sources import call_remote_rm_full, check_remote_rm
 
 PEERS = os.path.join(REPO, "tests", "peers", "openrlhf")
 

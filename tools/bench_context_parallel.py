@@ -6,7 +6,7 @@ and with two ranks sharing it (CP2), and training tokens/s for one long sequence
 
 It makes a seeded tiny Llama (``rlhf.models.tiny``; long max_position_embeddings) in a temporary folder and
 starts itself under ``torchrun --nproc_per_node 2``. Each measurement is one optimizer step of the trainer's
-``ModelEngine.train_step`` (fp32, megatron DDP, the per-token next-token loss) on one sequence per replica:
+``ModelRole.train_step`` (fp32, megatron DDP, the per-token next-token loss) on one sequence per replica:
 
 * longest sequence: lengths doubling from ``--start_len``, then bisected to ``--granularity`` tokens; a length
   fits when rank 0's peak of live torch allocations during the step (``rlhf.planner.measure.allocation_peak``,
@@ -103,13 +103,13 @@ def worker(args) -> None:
 
     from rlhf.distributed import initialize_mesh
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.runtime.role import ModelRole, OptimConfig
 
     torch.set_num_threads(1)
     out = {}
     for cp in (1, 2):
         mesh = initialize_mesh(1, 1, cp=cp, seed=1)
-        engine = ModelEngine(mesh, args.worker, optim=OptimConfig(lr=1e-5, warmup_ratio=0.0, total_steps=1000),
+        engine = ModelRole(mesh, args.worker, optim=OptimConfig(lr=1e-5, warmup_ratio=0.0, total_steps=1000),
                              name=f"cp{cp}")
         peaks: dict = {}
         best = longest(engine, args, peaks)

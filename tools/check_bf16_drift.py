@@ -63,13 +63,13 @@ def main(argv=None) -> int:
     import transformers
 
     from rlhf.distributed import DistEnv, initialize_mesh
-    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.runtime.role import ModelRole, OptimConfig
     from rlhf.rollout import RolloutConfig, shutdown
-    from rlhf.rollout.vllm_engine import VLLMRollout
+    from rlhf.rollout.vllm_generator import VLLMRollout
     from rlhf.rollout.weight_sync import WeightSync, compare_engine_weights, engine_layout
 
     mesh = initialize_mesh(1, 1, DistEnv.from_environ(), seed=1)
-    actor = ModelEngine(mesh, hf_dir, optim=OptimConfig(lr=args.lr, warmup_ratio=0.0, scheduler="constant"),
+    actor = ModelRole(mesh, hf_dir, optim=OptimConfig(lr=args.lr, warmup_ratio=0.0, scheduler="constant"),
                         bf16=True, name="actor")
     spec = actor.spec
     cfg = RolloutConfig(tensor_parallel_size=1, kv_cache_bytes=64 << 20, max_model_len=256, backend="vllm",

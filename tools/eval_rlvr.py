@@ -4,7 +4,7 @@ own ``generate``: independent of both trainers, so ours and TRL's final models a
     python tools/eval_rlvr.py --model outputs/rlvr/grpo_s1 --heldout outputs/rlvr/data/heldout.jsonl [--k 4]
 
 ``--k`` replies per question at ``--temperature`` (0.6), up to ``--max_new_tokens`` (24), the chat template,
-scored by ``rlhf.verifiers.math_reward``; prints one JSON line: accuracy (mean over every reply) and pass@k (mean
+scored by ``rlhf.rewards.verifiers.math_reward``; prints one JSON line: accuracy (mean over every reply) and pass@k (mean
 over questions of the best of k).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ def evaluate(model_dir: str, heldout: str, k: int = 4, temperature: float = 0.6,
     import torch
     import transformers
 
-    from rlhf.verifiers import math_reward
+    from rlhf.rewards.verifiers import math_reward
 
     rows = [json.loads(ln) for ln in open(heldout) if ln.strip()]
     tok = transformers.AutoTokenizer.from_pretrained(model_dir, padding_side="left")

@@ -317,7 +317,7 @@ def make_assets(out: str) -> dict[str, str]:
 
 
 def last_metrics(save: str, prefix: str) -> dict[str, float]:
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     path = os.path.join(save, "metrics.jsonl")
     steps = read_metrics_jsonl(path, prefix) if os.path.exists(path) else {}
@@ -453,7 +453,7 @@ def check_resume(c: Check) -> None:
     if rc_b != 0:
         c.report.add("resume", False, f"the resumed run: rc={rc_b}", dict(rc=[rc_a, rc_b]), c.log("resume_resumed"))
         return
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     # A run that failed to load would start afresh and end equal too (same seed): it must have begun at step 3.
     first = min(read_metrics_jsonl(os.path.join(resumed, "metrics.jsonl"), "sft"), default=None)

@@ -33,7 +33,7 @@
 # Copy each part's files to bench/results/gpu_<part>_<file> (files directly under bench/results are tracked, its
 # folders are ignored) and give the machine back after the last call. The speed part (2026-11-28: 328 s) goes in a
 # call of its own with the wheels of tools/gpu_wheels (liger-kernel among them); it profiles our fused steps 9-10
-# into the results folder (rlhf/profiling.py).
+# into the results folder (rlhf/observability/profiling.py).
 #
 # For a machine with Python 3.12 and torch preinstalled but no package registry: what it lacks comes as wheels in
 # ${RLHF_WHEELS:-tools/gpu_wheels} (ignored by git; about 20 MB), installed with --no-index --no-deps into a

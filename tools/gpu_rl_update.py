@@ -1,7 +1,7 @@
 """The RL update side by side (issue 60 item 3): one actor update of GRPO's clipped policy loss on rows of 2048
 tokens (a 16-token prompt, a 2032-token response, every token trained), through
 
-* ``ours``: megatron's actor (``rlhf.engine.ModelEngine``, bf16, packed micro-batches as ``--packing_samples`` packs
+* ``ours``: megatron's actor (``rlhf.runtime.role.ModelRole``, bf16, packed micro-batches as ``--packing_samples`` packs
   them) with PPO's actor loss (``rlhf.algo.ppo_losses.make_actor_loss``, default clip 0.2, token mean) over the
   response log-probs of the fused vocab-parallel kernel (``rlhf.models.outputs.response_logprobs``), fused layer
   kernels on (``--use_liger_kernel``) or off;
@@ -60,14 +60,14 @@ def _peak(device) -> float:
 def run_ours(a) -> dict:
     from rlhf.algo.ppo_losses import ACTOR_METRICS, ActorLossConfig, make_actor_loss
     from rlhf.distributed import DistEnv, initialize_mesh
-    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.runtime.role import ModelRole, OptimConfig
     from rlhf.models import fused
     from rlhf.models.outputs import response_logprobs
     from rlhf.ppo.experience import forward_role, pack_microbatch
 
     fused.request(bool(a.fused))
     mesh = initialize_mesh(1, 1, DistEnv.from_environ(), seed=1)
-    actor = ModelEngine(mesh, a.model, optim=OptimConfig(lr=1e-6, warmup_ratio=0.0, scheduler="constant",
+    actor = ModelRole(mesh, a.model, optim=OptimConfig(lr=1e-6, warmup_ratio=0.0, scheduler="constant",
                                                          total_steps=a.steps), name="actor", bf16=True)
     ids, adv = rows_and_advantages(actor.spec.vocab_size, a.batch_rows, a.seq_len)
     t = a.seq_len - PROMPT

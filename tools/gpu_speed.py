@@ -14,7 +14,7 @@ bf16 peak, and the step's peak device memory (ours: ``mem/peak_gb``; HF: ``torch
 Rows for HF are the same texts tokenized the same way (prompt and text, cut at 2048 tokens); HF's loss covers every
 token, ours the response (all but the few prompt tokens). A check PASSes when ours reaches its goal against
 hf+liger (``GOALS``: tokens/s ratio, at no more peak memory); its line gives every figure either way. Ours-fused's
-steps 9-10 are profiled (rlhf/profiling.py) into the results folder, so a missed goal comes with its profile.
+steps 9-10 are profiled (rlhf/observability/profiling.py) into the results folder, so a missed goal comes with its profile.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _ours(c: gc.Check, name: str, model: str, data: str, shape: dict, fused: boo
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     path = os.path.join(save, "metrics.jsonl")
     per_step = read_metrics_jsonl(path, "sft") if os.path.exists(path) else {}

@@ -107,8 +107,8 @@ def config_from_args(args: argparse.Namespace):
               "teacher_offload",
               "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "weight_sync_bucket_mb",
               "vllm_max_num_seqs", "vllm_max_num_batched_tokens")
-    if args.zero_stage is None:  # launch/ppo.py's default (rlhf.config.resolve_zero_stage)
-        from rlhf.config import resolve_zero_stage
+    if args.zero_stage is None:  # launch/ppo.py's default (rlhf.config.job.resolve_zero_stage)
+        from rlhf.config.job import resolve_zero_stage
 
         resolve_zero_stage(args, args.nnodes * args.gpus_per_node // (args.tp * args.pp * args.cp), cuda=True)
     if args.vllm_tensor_parallel_size is None:  # launch/ppo.py's choice on CUDA

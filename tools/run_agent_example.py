@@ -42,7 +42,7 @@ def flags(model: str, train: str, out: str, seed: int, steps: int, lr: str, bf16
 
 
 def summarize(out: str) -> dict:
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     tr = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "ppo")
     steps = sorted(tr)

@@ -42,7 +42,7 @@ def flags(model: str, data: dict, out: str, seed: int, steps: int) -> list[str]:
 
 
 def summarize(out: str) -> dict:
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     ev = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "eval")
     tr = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "ppo")

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(REPO, "tools"))
 
 def heldout_curve(run_dir: str) -> dict[int, float]:
     """step -> held-out accuracy (the evaluator's mean exact-answer reward)."""
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     ev = read_metrics_jsonl(os.path.join(run_dir, "metrics.jsonl"), "eval")
     return {int(s): ev[s]["reward"] for s in sorted(ev)}

@@ -5,7 +5,7 @@ vLLM; held-out accuracy before and after each run.
     python tools/run_rlvr_example.py --out outputs/rlvr [--configs grpo,dapo] [--seeds 1,2,3] [--steps 30]
 
 Each run: 8 prompts x 8 replies of up to 24 tokens per step, one update per batch (the old log-probs are the
-update's own forward), the exact-answer reward ``rlhf.verifiers:math_reward`` (the reply's last number against
+update's own forward), the exact-answer reward ``rlhf.rewards.verifiers:math_reward`` (the reply's last number against
 the record's ``answer``), no KL penalty, Adam(0.9, 0.999) at a constant ``LR`` (TRL's GRPO settings otherwise). ``dapo``
 adds clip-higher (0.2 / 0.28), dynamic filtering (groups whose replies all score alike are replaced) and the
 overlong penalty (the last 8 tokens of 24, up to 0.5). Held-out: 64 questions never trained on, 4 replies each at temperature 0.6, at step 0 and after
@@ -43,7 +43,7 @@ LR = "1e-5"
 
 def ppo_flags(model: str, data: dict, out: str, seed: int, steps: int, extra: list[str], lr: str = LR) -> list[str]:
     return ["--pretrain", model, "--prompt_data", data["train"], "--input_key", "prompt", "--label_key", "answer",
-            "--apply_chat_template", "--reward_fn", "rlhf.verifiers:math_reward",
+            "--apply_chat_template", "--reward_fn", "rlhf.rewards.verifiers:math_reward",
             "--advantage_estimator", "group_norm", "--init_kl_coef", "0",
             "--rollout_batch_size", "8", "--n_samples_per_prompt", "8", "--train_batch_size", "64",
             "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "16", "--max_epochs", "1",
@@ -90,7 +90,7 @@ def run(cmd: list[str], log_path: str) -> None:
 
 
 def summarize(out: str) -> dict:
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     ev = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "eval")
     tr = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "ppo")

@@ -69,7 +69,7 @@ def shuffle_labels(path: str, seed: int) -> str:
     return out
 
 def summarize(out: str) -> dict:
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     ev = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "eval")
     tr = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "ppo")

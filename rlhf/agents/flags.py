@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 
 @dataclass

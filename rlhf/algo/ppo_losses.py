@@ -366,7 +366,7 @@ def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
         if cfg.old_from_update:
             drift = (upcast(lp.detach()) - upcast(batch["vllm_logprobs"])).abs()
             metrics["rollout_logprob_drift"] = [masked_sum(drift, resp), _count(resp)]
-            # a "*_max" metric: reduced by its maximum (rlhf.engine.ModelEngine.reduce_metrics)
+            # a "*_max" metric: reduced by its maximum (rlhf.runtime.role.ModelRole.reduce_metrics)
             metrics["rollout_logprob_drift_max"] = [torch.where(_bool_mask(resp), drift, 0).max(), _count(resp)]
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * aggregate(upcast(ent), mask, cfg.loss_agg_mode)[0]

@@ -3,7 +3,7 @@
 Inputs are *sequence* log-probs, ``log pi(y | x)`` summed over the response tokens, of the trained policy and of
 the frozen reference. The implicit reward of a response is ``beta * (logp - ref_logp)``.
 
-Every loss returns megatron's per-token contract, ``(loss_sum, n, {name: [sum, count]})`` (see rlhf/engine.py),
+Every loss returns megatron's per-token contract, ``(loss_sum, n, {name: [sum, count]})`` (see rlhf/runtime/role.py),
 so ``loss_sum / n`` summed over micro-batches and DP ranks is the mean over the global batch.
 
     loss_sum, n, metrics = PREFERENCE_LOSSES["dpo"](pc, pr, rc, rr, beta=0.1)

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
 ROLLOUT_IS_LEVELS = ("token", "sequence")

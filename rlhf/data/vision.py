@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 PLACEHOLDER = "<image>"
 VISION_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -1,5 +1,5 @@
 """A verifiable task for RL on a real small model (launch/rlvr_example.sh): short arithmetic questions whose answer
-is one number, checked by ``rlhf.verifiers:math_reward`` against the record's ``answer``.
+is one number, checked by ``rlhf.rewards.verifiers:math_reward`` against the record's ``answer``.
 
 Sums of two numbers up to 30 (40%), sums up to 99 (40%) and products up to 12 x 12 (20%). SmolLM2-135M-Instruct
 answered single-digit sums 31%, two-digit sums 8% and single-digit products 8% right at temperature 1 with 24 new

@@ -50,8 +50,8 @@ def evaluate(expression: str) -> int | None:
 
 
 def correct(reply: str, answer: str) -> bool:
-    """``rlhf.verifiers``' grading of the reply's answer (its last number), tool calls left out."""
-    from rlhf.verifiers import answer_of, grade_answer
+    """``rlhf.rewards.verifiers``' grading of the reply's answer (its last number), tool calls left out."""
+    from rlhf.rewards.verifiers import answer_of, grade_answer
 
     return grade_answer(answer_of(CALL.sub("", reply)), answer)
 

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 log = logging.getLogger(__name__)
 

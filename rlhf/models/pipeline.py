@@ -2,7 +2,7 @@
 
 The contract is megatron-core's per-token one: a loss function ``loss_fn(batch, output) -> (loss_sum,
 num_tokens, metrics)`` plugs in without touching pipeline code. With ``calculate_per_token_loss`` (set by
-``rlhf.engine``) megatron does not divide by the number of micro-batches: it divides the gradients by the
+``rlhf.runtime.role``) megatron does not divide by the number of micro-batches: it divides the gradients by the
 step's total token count over every micro-batch and DP rank. ``output`` is whatever the last stage's
 ``model(...)`` returns: vocab-parallel logits (B, S, V_local), values (B, S), or hidden states (B, S, H).
 """
@@ -18,7 +18,7 @@ from rlhf.models.vlm import VISION_KEYS
 
 LossFn = Callable[[dict, torch.Tensor], tuple]
 """``loss_fn(batch, output)``, megatron's per-token contract: ``(loss_sum, num_tokens, {name: [sum, count]})``;
-the schedule divides by the tokens of the whole step (``rlhf.engine``)."""
+the schedule divides by the tokens of the whole step (``rlhf.runtime.role``)."""
 ReadFn = Callable[[dict, torch.Tensor], torch.Tensor]
 """``read(batch, output) -> tensor``: what a forward without a loss keeps of each micro-batch's output."""
 
@@ -80,7 +80,7 @@ def run_microbatches(model: torch.nn.Module, microbatches: Sequence[dict], *, lo
     Returns, on the last pipeline stage, one metrics dict per micro-batch (``{"output": ...}`` when
     ``loss_fn`` is None: the output, or ``read(batch, output)``); an empty list on other stages. How losses
     combine is the loss function's contract
-    (``rlhf.engine``: per-token sums and counts, so the step's loss is the mean over the global batch).
+    (``rlhf.runtime.role``: per-token sums and counts, so the step's loss is the mean over the global batch).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

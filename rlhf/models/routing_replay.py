@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 MODES = ("off", "rollout", "train")
 ALIASES = {"disabled": "off", "R3": "rollout", "R2": "train"}

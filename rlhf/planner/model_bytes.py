@@ -1,7 +1,7 @@
 """Pre-flight memory planner for the colocated PPO schedule: bytes per role and phase on one device.
 
 Pure functions: model specs and flags in, numbers out (no process group, no device, no I/O). What is resident
-in each phase comes from ``rlhf.offload.plan_residency``, the same function the trainer's ``MemoryScheduler``
+in each phase comes from ``rlhf.runtime.offload.plan_residency``, the same function the trainer's ``MemoryScheduler``
 applies, so the planner cannot drift from the schedule. ``tools/plan_memory.py`` is the command line.
 
 Per rank, at the pipeline stage that needs most:

@@ -1,5 +1,5 @@
 """The memory planner's schedule: what each phase of the colocated PPO step holds on one device (the residency
-of ``rlhf.offload.plan_residency``), the peak, advice when a layout does not fit, and the printed tables. The
+of ``rlhf.runtime.offload.plan_residency``), the peak, advice when a layout does not fit, and the printed tables. The
 per-role byte counts are ``rlhf.planner.model_bytes``."""
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class Plan:
 
 
 def _phase(cfg: PlanConfig, phase: str, stage: int, vm: VLLMMemory) -> PhasePlan:
-    from rlhf.offload import plan_residency
+    from rlhf.runtime.offload import plan_residency
 
     roles = cfg.roles
     # The trainer builds every engine, then vLLM: at vLLM's start-up all four are fully resident.

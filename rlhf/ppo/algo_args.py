@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 log = logging.getLogger(__name__)
 

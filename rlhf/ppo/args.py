@@ -12,11 +12,11 @@ from typing import Any
 from rlhf.agents.flags import AgentPart
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig
 from rlhf.data.vision import VisionPart
-from rlhf.migration import PlacementPart
+from rlhf.config.migration import PlacementPart
 from rlhf.models.routing_replay import RouterReplayPart, check_router_replay
-from rlhf.part import Job
+from rlhf.config.part import Job
 from rlhf.rollout.partial import PartialRolloutConfig, check_partial
-from rlhf.parts import CheckpointPart, EnginePart, ParallelPart, TextPart
+from rlhf.config.parts import CheckpointPart, EnginePart, ParallelPart, TextPart
 from rlhf.ppo.algo_args import AlgoPart, add_algo_args, check_algo
 from rlhf.ppo.distill import DistillConfig, check_teacher
 from rlhf.ppo.ema import EmaPart
@@ -24,7 +24,7 @@ from rlhf.ppo.evaluation import EvalConfig
 from rlhf.ppo.parts import (GenerationPart, OffloadPart, PPOBatch, PPOLogging, PPOLora, PPOModels, PPOOptim,
                             PromptDataPart, RolloutPart)
 from rlhf.ppo.ptx import PtxPart
-from rlhf.rewards import RewardConfig
+from rlhf.rewards.sources import RewardConfig
 from rlhf.sandbox.code_reward import CodeRewardConfig
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class PPOJobConfig(Job):
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    """The parts' flags in the groups of ``--help``. ``rlhf.config.cli_main`` adds ``LauncherPart``'s, which it
+    """The parts' flags in the groups of ``--help``. ``rlhf.config.job.cli_main`` adds ``LauncherPart``'s, which it
     applies before the job is built (``apply_launcher_args``): no part of the job."""
     g = p.add_argument_group("models and data")
     PPOModels.add_args(g)
@@ -308,7 +308,7 @@ def _check_models(job: PPOJobConfig) -> dict[str, Any]:
 
 def log_compat(engine: EnginePart, dp: int, cuda: bool) -> None:
     """Resolves --zero_stage (``engine``: the job's ``EnginePart``) and logs what the compatibility flags map to."""
-    from rlhf.config import log_compat_mappings
+    from rlhf.config.job import log_compat_mappings
 
     log_compat_mappings(engine, dp, cuda)
     log.info("--colocate_all: actor, critic, reference, reward and vLLM share every rank (one SPMD job)")

@@ -24,7 +24,7 @@ def add_critic_optim_args(g) -> None:
 
 def check_critic_optim(args: argparse.Namespace) -> None:
     """The critic's own optimizer flags, checked as the shared ones are (``OptimConfig``), naming the flag."""
-    from rlhf.engine import OptimConfig
+    from rlhf.runtime.role import OptimConfig
 
     if args.critic_max_norm is not None and args.critic_max_norm < 0:
         raise ValueError(f"--critic_max_norm must be >= 0, got {args.critic_max_norm}")

@@ -2,7 +2,7 @@
 ``ema = beta * ema + (1 - beta) * actor`` after each actor optimizer step, exported as its own HF model under
 ``<save_path>/ema``.
 
-The average is a frozen ``ModelEngine`` of the actor's architecture and layout, so each rank averages its own
+The average is a frozen ``ModelRole`` of the actor's architecture and layout, so each rank averages its own
 shards, checkpoints carry it (role ``ema``) and a resumed run continues it exactly. Between updates its weights
 live in host memory when the device is a GPU (``OffloadManager``)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 
 @dataclass
@@ -40,11 +40,11 @@ class EmaPart(Part):
 class ActorEMA:
     def __init__(self, cfg: EmaPart, pretrain: str, engine, actor, mesh):
         """``engine``: the job's ``EnginePart`` (precision, layer implementation)."""
-        from rlhf.engine import ModelEngine
-        from rlhf.offload import OffloadManager, cpu_offload_moves
+        from rlhf.runtime.role import ModelRole
+        from rlhf.runtime.offload import OffloadManager, cpu_offload_moves
 
         self.beta = float(cfg.ema_beta)
-        self.engine = ModelEngine(mesh, pretrain, value_head=False, name="ema", bf16=engine.bf16,
+        self.engine = ModelRole(mesh, pretrain, value_head=False, name="ema", bf16=engine.bf16,
                                   transformer_impl=engine.transformer_impl)
         self.engine.ckpt_prefix = "ema."
         self.offload = OffloadManager(self.engine, name="ema") if (mesh.device.type != "cpu"
@@ -66,7 +66,7 @@ class ActorEMA:
         self._park()
 
     def export(self, args: argparse.Namespace, mesh, step: int) -> None:
-        from rlhf.checkpoint import export_hf
+        from rlhf.runtime.checkpoint import export_hf
 
         if self.offload is not None:
             self.offload.onload(params=True, grads=False, optimizer=False)

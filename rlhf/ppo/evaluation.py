@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 from rlhf.ppo.prompts import load_prompts
 
 
@@ -65,7 +65,7 @@ class EvalConfig(Part):
             raise ValueError(f"--eval_temperature must be > 0, got {self.temperature}")
         if self.steps == 0 or self.steps < -1:
             raise ValueError(f"--eval_steps must be >= 1 (or -1: at the start and the end only), got {self.steps}")
-        from rlhf.config import check_paths_exist
+        from rlhf.config.job import check_paths_exist
 
         check_paths_exist("--eval_dataset", self.dataset)
 

@@ -111,7 +111,7 @@ class Experience:
     vllm_logprobs: torch.Tensor
     """(B, T) the generator's log-probs of the sampled tokens (vLLM or the megatron fallback)"""
     rewards: torch.Tensor
-    """(B,) the combined reward being optimized (normalized where asked; rlhf/rewards.py)"""
+    """(B,) the combined reward being optimized (normalized where asked; rlhf/rewards/sources.py)"""
     ref_logprobs: torch.Tensor | None = None
     """(B, T) the reference model's, when --init_kl_coef > 0"""
     teacher_logprobs: torch.Tensor | None = None

@@ -1,16 +1,16 @@
-"""The parts of PPO's configuration that only PPO has (``rlhf.part.Part``): the models, the prompts, batching,
+"""The parts of PPO's configuration that only PPO has (``rlhf.config.part.Part``): the models, the prompts, batching,
 generation, the optimizers of the actor and the critic, offload, the generator's engines, logging. The other
-parts of ``PPOJobConfig`` live next to the code that reads them (``rlhf.parts`` for those shared with the
+parts of ``PPOJobConfig`` live next to the code that reads them (``rlhf.config.parts`` for those shared with the
 supervised workflows, ``algo_args.AlgoPart``, ``ptx.PtxPart``, ``ema.EmaPart``, ``evaluation.EvalConfig``,
-``rlhf.rewards.RewardConfig``, ``rlhf.agents.flags.AgentPart``, ``rlhf.algo.rollout_correction``)."""
+``rlhf.rewards.sources.RewardConfig``, ``rlhf.agents.flags.AgentPart``, ``rlhf.algo.rollout_correction``)."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
 from rlhf.models.lora import LoraPart
-from rlhf.part import Part
-from rlhf.parts import BatchPart, LoggingPart, ModelPart, OptimPart
+from rlhf.config.part import Part
+from rlhf.config.parts import BatchPart, LoggingPart, ModelPart, OptimPart
 
 
 @dataclass
@@ -70,7 +70,7 @@ class PromptDataPart(Part):
         g.add_argument("--label_key", default=None, help="optional field passed through with each prompt")
 
     def check(self) -> None:
-        from rlhf.config import check_paths_exist
+        from rlhf.config.job import check_paths_exist
 
         check_paths_exist("--prompt_data", self.prompt_data)
 
@@ -136,7 +136,7 @@ class GenerationPart(Part):
 
     @classmethod
     def add_args(cls, g) -> None:
-        from rlhf.config import add_sampling_args
+        from rlhf.config.job import add_sampling_args
 
         add_sampling_args(g)
         g.add_argument("--ignore_eos", action="store_true",
@@ -201,7 +201,7 @@ class PPOOptim(OptimPart):
 
 @dataclass
 class OffloadPart(Part):
-    """What lives on the host between uses (``rlhf.offload.MemoryScheduler``)."""
+    """What lives on the host between uses (``rlhf.runtime.offload.MemoryScheduler``)."""
 
     colocate_all: bool = True
     """(--colocate_all, --colocate_all_models) every role and vLLM on every rank (the only layout)"""
@@ -260,7 +260,7 @@ class RolloutPart(Part):
                        help="vLLM's automatic prefix caching: the replies of one prompt, and prompts sharing a start, "
                             "reuse its KV blocks; the cache is reset after every weight sync")
         g.add_argument("--weight_sync_bucket_mb", type=int, default=512)
-        from rlhf.config import add_rollout_backend_args
+        from rlhf.config.job import add_rollout_backend_args
 
         add_rollout_backend_args(g)  # --vllm_kv_cache_mb, --rollout_backend: rejection sampling's too
 

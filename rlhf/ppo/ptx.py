@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 
 @dataclass
@@ -41,7 +41,7 @@ class PtxPart(Part):
     def check(self) -> None:
         if not self.pretrain_data:
             return
-        from rlhf.config import check_paths_exist
+        from rlhf.config.job import check_paths_exist
 
         check_paths_exist("--pretrain_data", self.pretrain_data)
         if self.ptx_coef < 0:

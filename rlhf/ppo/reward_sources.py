@@ -1,5 +1,5 @@
 """The step's reward sources (``RewardSources``): reward-model scores, the rule function (``--reward_fn``), the
-agents' environment rewards and the remote reward (``--remote_rm_url``), combined as ``rlhf.rewards`` describes;
+agents' environment rewards and the remote reward (``--remote_rm_url``), combined as ``rlhf.rewards.sources`` describes;
 ``rollout`` arguments are ``rlhf.ppo.stages.Rollout``."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from rlhf.rollout.types import Sample
 
 class RewardSources:
     """The step's reward: reward-model scores and the rule function (``--reward_fn``), combined as
-    ``rlhf.rewards`` describes; the rule function reads the prompt texts and the decoded replies."""
+    ``rlhf.rewards.sources`` describes; the rule function reads the prompt texts and the decoded replies."""
 
     def __init__(self, cfg, sources: list, prompts: list, tokenizer, mesh):
-        from rlhf.rewards import load_reward_fn
+        from rlhf.rewards.sources import load_reward_fn
 
         self.cfg, self.prompts, self.tokenizer, self.mesh = cfg, prompts, tokenizer, mesh
         self.fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
@@ -29,7 +29,7 @@ class RewardSources:
               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """This rank's (optimized, raw) rewards (B,) from the reward models' scores (by role name), and each
         source's global mean as reward/rm<i>, reward/fn (when there is more than one, or normalization)."""
-        from rlhf.rewards import call_remote_rm_full, call_reward_fn_full, combine_rewards, source_metrics
+        from rlhf.rewards.sources import call_remote_rm_full, call_reward_fn_full, combine_rewards, source_metrics
 
         scores = dict(zip(self.cfg.rm_names, model_scores.values()))
         labels = [self.prompts[rollout.prompt_idx[s.prompt_index]].label for s in rollout.local]

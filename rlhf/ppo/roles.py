@@ -1,5 +1,5 @@
 """PPO's models on every rank: actor, critic, reference, reward models, the generator and the memory schedule
-that time-shares them (``rlhf.offload``). Built in the order that matters on CUDA: vLLM first (its start-up
+that time-shares them (``rlhf.runtime.offload``). Built in the order that matters on CUDA: vLLM first (its start-up
 claims a fraction of the memory free then), then the megatron engines."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ log = logging.getLogger("rlhf")
 @dataclass
 class PPORoles:
     actor: Any
-    """the trained policy (``ModelEngine``)"""
+    """the trained policy (``ModelRole``)"""
     critic: Any | None
     """the trained value model, when the estimator needs one"""
     ref: Any | None
@@ -98,10 +98,10 @@ def _vision_rollout(job, spec) -> dict | None:
 def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
     """Every role of the job (``PPOJobConfig``) on this rank, then the memory schedule; ``total_updates`` sizes the
     LR schedules."""
-    from rlhf.engine import ModelEngine
+    from rlhf.runtime.role import ModelRole
     from rlhf.rollout import build_rollout
     from rlhf.rollout.model_dir import vllm_model_dir
-    from rlhf.rollout.vllm_engine import vllm_available
+    from rlhf.rollout.vllm_generator import vllm_available
     from rlhf.rollout.weight_sync import WeightSync
 
     rcfg = rollout_config(job, setup.sources["--pretrain"]["spec"], mesh.world_size, mesh.device.type == "cuda")
@@ -124,19 +124,19 @@ def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
     # routes itself, replay or not: the KL is taken against the reference as it is, not forced onto the student's
     # experts (verl's compute_ref_log_prob runs with routing replay disabled, verl/workers/engine_workers.py at
     # 1dda039b; slime's reference forward falls through, slime/backends/megatron_utils/actor.py at 624b824a)
-    actor = ModelEngine(mesh, pretrain, optim=optim.actor_config(total_updates, sharded), value_head=False,
+    actor = ModelRole(mesh, pretrain, optim=optim.actor_config(total_updates, sharded), value_head=False,
                         name="actor", lora=lora.config(eng.seed), routing_replay=True,
                         freeze_vision=job.vision.freeze_vision_tower, **common, **impl)
-    ref = (ModelEngine(mesh, pretrain, value_head=False, name="ref", bf16=eng.bf16, **impl)
+    ref = (ModelRole(mesh, pretrain, value_head=False, name="ref", bf16=eng.bf16, **impl)
            if job.algo.init_kl_coef > 0 else None)
-    reward_models = {f"reward{i or ''}": ModelEngine(mesh, path, value_head=True, name=f"reward{i or ''}",
+    reward_models = {f"reward{i or ''}": ModelRole(mesh, path, value_head=True, name=f"reward{i or ''}",
                                                      bf16=eng.bf16, **impl)
                      for i, path in enumerate(setup.rewards.paths)}
-    critic = (ModelEngine(mesh, job.models.critic_pretrain or setup.rewards.paths[0], value_head=True, name="critic",
+    critic = (ModelRole(mesh, job.models.critic_pretrain or setup.rewards.paths[0], value_head=True, name="critic",
                           optim=optim.critic_config(total_updates, sharded), lora=lora.critic_config(eng.seed),
                           **common, **impl)
               if estimator.needs_critic else None)
-    teacher = (ModelEngine(mesh, job.distill.teacher_pretrain, value_head=False, name="teacher", bf16=eng.bf16,
+    teacher = (ModelRole(mesh, job.distill.teacher_pretrain, value_head=False, name="teacher", bf16=eng.bf16,
                            **impl) if job.distill.teacher_pretrain else None)
     if teacher is not None:  # its log-probs over the ids the student can sample (rlhf.ppo.distill.check_teacher)
         teacher.score_vocab = (setup.sources.get("--teacher_pretrain") or {}).get("score_vocab")
@@ -152,7 +152,7 @@ def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
 
 def _add_memory_schedule(roles: PPORoles, args, mesh, teacher_offload: bool = False) -> None:
     """``args``: the job's ``OffloadPart``; ``teacher_offload``: --teacher_offload."""
-    from rlhf.offload import MemoryScheduler, OffloadManager, cpu_offload_moves
+    from rlhf.runtime.offload import MemoryScheduler, OffloadManager, cpu_offload_moves
 
     roles.managers = {k: OffloadManager(v, name=k) for k, v in roles.engines.items()}
     moves = mesh.device.type != "cpu" or cpu_offload_moves()

@@ -2,7 +2,7 @@
 
 Each stage is a function of the roles (``rlhf.ppo.roles.PPORoles``), ``job`` (``rlhf.ppo.args.PPOJobConfig``, of
 which each stage reads the parts it needs) and the previous stage's record, timed by phase name, and enters its memory
-phase (``rlhf.offload``) before it runs."""
+phase (``rlhf.runtime.offload``) before it runs."""
 from __future__ import annotations
 
 import contextlib

@@ -22,7 +22,7 @@ log = logging.getLogger("rlhf")
 
 def load_gold_fn(spec: str):
     """``--gold_reward_fn module:function``; the function maps (prompt texts, reply texts) to floats."""
-    from rlhf.rewards import load_reward_fn
+    from rlhf.rewards.sources import load_reward_fn
 
     return load_reward_fn(spec, "--gold_reward_fn")
 
@@ -34,7 +34,7 @@ class PPOTrainer:
         logged configuration and the HF export."""
         from rlhf.algo.advantages import get_estimator
         from rlhf.algo.kl import make_kl_controller
-        from rlhf.checkpoint import Checkpointer
+        from rlhf.runtime.checkpoint import Checkpointer
         from rlhf.data import BatchConfig, DistributedBatchSampler, pad_token_id
         from rlhf.distributed import DistEnv, initialize_mesh
         from rlhf.distributed.health import check_config_consistency
@@ -83,7 +83,7 @@ class PPOTrainer:
         self.evaluator = None
         if job.eval.dataset:  # the rule reward only (reward models score training replies alone)
             from rlhf.ppo.evaluation import Evaluator
-            from rlhf.rewards import RewardConfig
+            from rlhf.rewards.sources import RewardConfig
 
             r = job.rewards
             rule = RewardConfig(reward_fn=r.reward_fn, reward_fn_weight=r.reward_fn_weight,
@@ -193,7 +193,7 @@ class PPOTrainer:
 
     def fit(self) -> dict[str, Any]:
         from rlhf.distributed.watchdog import set_phase, set_step
-        from rlhf.metrics import MetricsLogger, PhaseTimer
+        from rlhf.observability.metrics import MetricsLogger, PhaseTimer
 
         args, job, mesh = self.args, self.job, self.mesh
         if mesh.is_rank0:
@@ -256,7 +256,7 @@ class PPOTrainer:
 
     def evaluate(self, logger) -> None:
         """--eval_dataset: held-out reward and pass@k when due (step 0, every --eval_steps, the last step)."""
-        from rlhf.metrics import PhaseTimer
+        from rlhf.observability.metrics import PhaseTimer
 
         if self.evaluator is None or not self.evaluator.cfg.due(self.step, self.total_steps):
             return
@@ -267,7 +267,7 @@ class PPOTrainer:
         logger.log(self.step, self.evaluator.run(self.roles, self.step, timer), prefix="eval", progress=False)
 
     def export(self, history: list[dict[str, float]]) -> None:
-        from rlhf.checkpoint import export_hf
+        from rlhf.runtime.checkpoint import export_hf
 
         self.roles.all_on_device()
         export_hf(self.args, self.roles.actor, self.mesh, {"ppo_steps": self.step})
@@ -285,7 +285,7 @@ class PPOTrainer:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from rlhf.distributed import DistEnv
-    from rlhf.metrics import setup_logging
+    from rlhf.observability.metrics import setup_logging
     from rlhf.models.source import load_tokenizer
     from rlhf.ppo.args import validate
 
@@ -328,7 +328,7 @@ def _check_generator(job, setup, world_size: int) -> None:
     r = job.rollout
     if not setup.engines or r.rollout_backend == "megatron":
         return
-    from rlhf.rollout.vllm_engine import check_vllm_fit, vllm_available
+    from rlhf.rollout.vllm_generator import check_vllm_fit, vllm_available
 
     if vllm_available():
         from rlhf.rollout.types import RolloutConfig
@@ -341,7 +341,7 @@ def _check_generator(job, setup, world_size: int) -> None:
 
 
 def main(argv=None) -> int:
-    from rlhf.config import cli_main
+    from rlhf.config.job import cli_main
     from rlhf.ppo.args import add_args
 
     return cli_main(add_args, run, argv)

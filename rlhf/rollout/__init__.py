@@ -10,13 +10,13 @@ __all__ = ["RolloutConfig", "Sample", "build_rollout"]
 
 def build_rollout(mesh, actor, cfg: RolloutConfig, hf_dir: str):
     """vLLM when importable; otherwise the megatron fallback, announced loudly."""
-    from rlhf.rollout.vllm_engine import vllm_available
+    from rlhf.rollout.vllm_generator import vllm_available
 
     if cfg.backend == "vllm" or (cfg.backend == "auto" and vllm_available()):
-        from rlhf.rollout.vllm_engine import VLLMRollout
+        from rlhf.rollout.vllm_generator import VLLMRollout
 
         return VLLMRollout(mesh, actor, cfg, hf_dir)
-    from rlhf.rollout.megatron_engine import MegatronRollout
+    from rlhf.rollout.megatron_generator import MegatronRollout
 
     return MegatronRollout(mesh, actor, cfg)
 
@@ -42,10 +42,10 @@ def build_policy_generator(mesh, pretrain: str, source: dict, cfg: RolloutConfig
     import gc
     import os
 
-    from rlhf.engine import ModelEngine
+    from rlhf.runtime.role import ModelRole
 
     def policy():
-        return ModelEngine(mesh, pretrain, value_head=False, name="policy", bf16=bf16,
+        return ModelRole(mesh, pretrain, value_head=False, name="policy", bf16=bf16,
                            transformer_impl=transformer_impl)
 
     if not use_vllm:
@@ -71,7 +71,7 @@ def plan_policy_generator(args, world_size: int) -> tuple[dict, RolloutConfig, b
     from rlhf.models.spec import check_parallel_fit
     from rlhf.distributed.device import select_device
     from rlhf.rollout.types import generator_dtype, mb_to_bytes
-    from rlhf.rollout.vllm_engine import check_vllm_fit, vllm_available
+    from rlhf.rollout.vllm_generator import check_vllm_fit, vllm_available
 
     if args.temperature <= 0:
         raise ValueError(f"--temperature must be > 0 for sampling, got {args.temperature}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 
 @dataclass

@@ -20,7 +20,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 from rlhf.sandbox.graders import PRELUDE, Test, parse_tests, stdout_matches, value_matches
 
 __all__ = ["CodeRewardConfig", "Test", "code_reward", "configure", "extract_program", "grade", "parse_tests",

@@ -1,5 +1,5 @@
 """OpenRLHF's --algo.kl.use_loss and --reward.clip_range change a run here as they do in OpenRLHF: the flags go
-through the PPO parser (rlhf/openrlhf_cli.py), then this repo's advantage stage (rlhf.ppo.stages.compute_advantages)
+through the PPO parser (rlhf/config/openrlhf.py), then this repo's advantage stage (rlhf.ppo.stages.compute_advantages)
 and actor loss (rlhf.algo.ppo_losses.make_actor_loss), against OpenRLHF's formulas written out below in fp64 from its
 source at 3c3be6234e0c, not from ours:
 
@@ -89,8 +89,8 @@ def openrlhf_actor_loss(lp, old, adv, ref, mask, *, use_loss, kl_estimator, eps=
 
 # ---- ours: the PPO parser (OpenRLHF's flags translated), the advantage stage, the actor loss
 def ppo_args(extra: list[str]) -> argparse.Namespace:
-    from rlhf.migration import add_launcher_args
-    from rlhf.openrlhf_cli import translate
+    from rlhf.config.migration import add_launcher_args
+    from rlhf.config.openrlhf import translate
     from rlhf.ppo.args import add_args
 
     p = argparse.ArgumentParser()
@@ -204,7 +204,7 @@ def test_bad_values_name_the_flag(tmp_path):
     from rlhf.ppo.args import PPOJobConfig
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1 ="}\n')
-    args = ppo_args(["--reward.clip_range", "2", "-2", "--reward_fn", "rlhf.verifiers:math_reward"])
+    args = ppo_args(["--reward.clip_range", "2", "-2", "--reward_fn", "rlhf.rewards.verifiers:math_reward"])
     args.prompt_data = str(tmp_path / "p.jsonl")
     with pytest.raises(ValueError, match=r"--reward_clip_range 2 -2: LOW must be below HIGH"):
         check_algo(PPOJobConfig.from_args(args))  # the part's own check as the job is built, then the job's

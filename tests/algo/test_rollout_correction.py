@@ -42,15 +42,15 @@ def batch(seed=0, spread=0.35):
 
 def parse(extra: list[str]) -> argparse.Namespace:
     """launch/ppo.py's parser (rlhf.ppo.args.add_args with the launcher flags) after OpenRLHF's dotted flags."""
-    from rlhf.migration import add_launcher_args
-    from rlhf.openrlhf_cli import translate
+    from rlhf.config.migration import add_launcher_args
+    from rlhf.config.openrlhf import translate
     from rlhf.ppo.args import add_args
 
     p = argparse.ArgumentParser()
     add_args(p)
     add_launcher_args(p)
     return p.parse_args(translate(["--pretrain", "m", "--prompt_data", "p.jsonl", "--save_path", "o", "--reward_fn",
-                                   "rlhf.verifiers:math_reward", *extra], "ppo",
+                                   "rlhf.rewards.verifiers:math_reward", *extra], "ppo",
                                   set(p._option_string_actions)))
 
 

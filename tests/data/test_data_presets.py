@@ -54,7 +54,7 @@ def test_hub_name_from_the_local_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     cfg = DataConfig(dataset="someorg/prefs@test", input_key="i", output_key=None, dataset_format="plain")
     assert [r.data["i"] for r in read_source(cfg.specs[0])] == [10]
-    from rlhf.config import check_paths_exist
+    from rlhf.config.job import check_paths_exist
 
     check_paths_exist("--dataset", "someorg/prefs@test")
     with pytest.raises(ValueError, match=r"--prompt_data: not found: someorg/other \(nor a Hub dataset in the local HF "

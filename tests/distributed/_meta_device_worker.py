@@ -43,15 +43,15 @@ def main(hf_dir: str) -> None:
     from rlhf.data import SFTSample, collate_sft
     from rlhf.distributed import initialize_mesh
     from rlhf.distributed.device import to_device
-    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.runtime.role import ModelRole, OptimConfig
     from rlhf.ppo.experience import collate_sequences, forward_role, select_rows
     from rlhf.models import pipeline
     from rlhf.rollout.types import Sample
-    from rlhf.sft import SFTTask
+    from rlhf.supervised.sft import SFTTask
 
     mesh = dataclasses.replace(initialize_mesh(1, 1), device=META)
     redirect_cuda_to_meta()
-    sft = ModelEngine(mesh, hf_dir, optim=OptimConfig(lr=1e-3, total_steps=4, warmup_ratio=0.0), name="sft")
+    sft = ModelRole(mesh, hf_dir, optim=OptimConfig(lr=1e-3, total_steps=4, warmup_ratio=0.0), name="sft")
     sft.config.finalize_model_grads_func = None
     t = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     mb = collate_sft([SFTSample(t([5, 6, 7, 2, 9]), torch.tensor([0, 0, 1, 1, 1]).bool(), 2, "a"),
@@ -76,7 +76,7 @@ def main(hf_dir: str) -> None:
     batch = to_device(collate_sequences(samples, pad_id=0, T=4), mesh.device)  # as PPO does
     mbs = [select_rows(batch, [0, 1], trim=False)]
     found["actor_logprobs"] = str(forward_role(sft, "actor", mbs, 0.7).device)
-    rm = ModelEngine(mesh, hf_dir, value_head=True, name="reward")
+    rm = ModelRole(mesh, hf_dir, value_head=True, name="reward")
     found["reward_scores"] = str(forward_role(rm, "reward", mbs, 1.0).device)
     found["critic_values"] = str(forward_role(rm, "critic", mbs, 1.0).device)
     print("RESULT " + json.dumps(found), flush=True)

@@ -124,7 +124,7 @@ def test_to_device_moves_every_tensor_of_real_batches():
 
 
 def test_vllm_memory_kwargs():
-    from rlhf.rollout.vllm_engine import vllm_memory_kwargs
+    from rlhf.rollout.vllm_generator import vllm_memory_kwargs
 
     default, sized = RolloutConfig(), RolloutConfig(kv_cache_bytes=64 << 20, gpu_memory_utilization=0.4)
     # CPU: the KV cache size always, and whole-prompt scheduling (no chunked prefill: vLLM 0.32.0 rewinds a seeded
@@ -143,7 +143,7 @@ def test_vllm_memory_kwargs():
 
 
 def test_vllm_version_check(monkeypatch):
-    from rlhf.rollout import vllm_engine as ve
+    from rlhf.rollout import vllm_generator as ve
 
     monkeypatch.delenv(ve.ALLOW_VLLM_VERSION_ENV, raising=False)
     ve.check_vllm_version(ve.TESTED_VLLM)
@@ -172,7 +172,7 @@ def test_fp32_packed_attention_never_goes_to_flash_attn_or_te(monkeypatch):
 def test_rng_states_restore_only_on_the_device_type_that_saved_them():
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    from rlhf import checkpoint
+    from rlhf.runtime import checkpoint
     from rlhf.compat import cuda as cuda_shim
 
     cuda_shim.install()

@@ -15,7 +15,7 @@ KEYS = {"loss": 3e-6, "chosen_reward": 7e-5, "rejected_reward": 7e-5, "margin": 
 
 
 def test_dpo_cp2_equals_cp1_and_checkpoints_cross_cp_sizes(pref_setup, tmp_path):
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
     from rlhf.models.tiny import make_tiny_hf
 
     ref = str(tmp_path / "ref")  # a reference unlike the policy: the loss depends on both models' log-probs

@@ -1,4 +1,4 @@
-"""Every DPO/KTO coefficient flag reaches a real job's loss (the launchers' body, rlhf.trainer.main, in this process, one
+"""Every DPO/KTO coefficient flag reaches a real job's loss (the launchers' body, rlhf.supervised.loop.main, in this process, one
 rank, a few steps): each call of the loss records its inputs and output, and the output must be the peer's formula at
 the flag's value on those inputs: OpenRLHF's ``DPOLoss`` (openrlhf/models/loss.py at 3c3be6234e0c, tests/peer_math.py)
 for ``--beta``, cDPO's ``--label_smoothing`` and ``--ipo``; OpenRLHF's ``KTOLoss`` (openrlhf/models/loss.py at 04898500,
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 def _run(task, pref_setup, tmp_path, monkeypatch, extra: list[str]) -> None:
     from helpers import free_port
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.trainer import main
+    from rlhf.supervised.loop import main
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     data = pref_setup["kto"] if task.__name__.endswith("kto") else pref_setup["pref"]
@@ -56,7 +56,7 @@ def test_dpo_flags_reach_the_loss(pref_setup, tmp_path, monkeypatch, flags, want
     from rlhf.algo import preference_losses
 
     calls = _record(monkeypatch, preference_losses, "dpo_loss")
-    from rlhf import dpo
+    from rlhf.supervised import dpo
 
     _run(dpo, pref_setup, tmp_path, monkeypatch, flags)
     assert len(calls) >= 4  # 3 steps x 2 micro-batches
@@ -81,7 +81,7 @@ def test_kto_flags_reach_the_loss(pref_setup, tmp_path, monkeypatch):
     """``--beta 0.4 --desirable_loss_weight 1.5 --undesirable_loss_weight 0.7``: each call's loss is OpenRLHF's KTOLoss
     at those values on its inputs; the reference point is the recorded KL (``kto_kl_estimate``), recomputed here from
     the mismatched pairs' log-probs."""
-    import rlhf.kto as kto_mod
+    import rlhf.supervised.kto as kto_mod
     from rlhf.algo import preference_losses
 
     calls = _record(monkeypatch, kto_mod, "kto_loss")

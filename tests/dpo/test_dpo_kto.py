@@ -81,7 +81,7 @@ def test_dpo_tp2_equals_tp1_and_resume_continues(pref_setup, tmp_path):
     assert straight.returncode == 0, tail(straight)
     with pytest.raises(AssertionError, match="did not resume"):
         assert_resumed(straight.stdout + straight.stderr, "dpo", step=2)
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     # Full precision, from each run's metrics.jsonl (the progress line prints 4 digits); the resumed run appends
     # to the stopped run's file.
@@ -140,9 +140,10 @@ def test_bad_loss_type_exits_2(pref_setup, tmp_path):
     (KTO, ["--micro_train_batch_size", "1", "--train_batch_size", "2"], "--micro_train_batch_size"),
 ])
 def test_bad_input_names_the_flag(pref_setup, tmp_path, capsys, script, extra, needle):
-    """The launchers' body (rlhf.trainer.main) in this process: returns 2 with ``error:`` naming the flag."""
-    from rlhf import dpo, kto
-    from rlhf.trainer import main
+    """The launchers' body (rlhf.supervised.loop.main) in this process: returns 2 with ``error:`` naming the flag."""
+    from rlhf.supervised import dpo
+    from rlhf.supervised import kto
+    from rlhf.supervised.loop import main
 
     assert main(kto if script == KTO else dpo, _argv(pref_setup, tmp_path, script, extra)) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
@@ -152,14 +153,15 @@ def test_bad_input_names_the_flag(pref_setup, tmp_path, capsys, script, extra, n
 @pytest.mark.parametrize("script", [DPO, KTO])
 def test_overflowing_run_stops_with_one_line_and_saves_nothing(pref_setup, tmp_path, monkeypatch, capsys, script):
     """The non-finite guard in DPO and KTO: at a learning rate that overflows, the updates from step 2 on are
-    skipped, --max_skipped_steps 2 stop the entry point (rlhf.trainer.main, in this process) with exit 3 and one
+    skipped, --max_skipped_steps 2 stop the entry point (rlhf.supervised.loop.main, in this process) with exit 3 and one
     error line, and no HF model is exported."""
     import re
 
     from helpers import free_port
-    from rlhf import dpo, kto
+    from rlhf.supervised import dpo
+    from rlhf.supervised import kto
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.trainer import main
+    from rlhf.supervised.loop import main
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     out = tmp_path / "o"

@@ -53,19 +53,19 @@ def synthetic_experience(vocab: int, n: int, prompt_len: int, resp_len: int, see
 def measure(actor_dir: str, rm_dir: str, cfg: dict, mesh) -> dict:
     from megatron.core import parallel_state as ps
 
-    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.runtime.role import ModelRole, OptimConfig
     from rlhf.algo.ppo_losses import ActorLossConfig, make_actor_loss, make_critic_loss
     from rlhf.models.context_parallel import reads_local_tokens
     from rlhf.models.outputs import response_logprobs, response_values
-    from rlhf.offload import MemoryScheduler, OffloadManager
+    from rlhf.runtime.offload import MemoryScheduler, OffloadManager
     from rlhf.ppo.experience import forward_role, select_rows
 
     optim = OptimConfig(lr=1e-4, warmup_ratio=0.0, total_steps=10, use_distributed_optimizer=cfg["zero_stage"] >= 1)
     common = dict(bf16=cfg["bf16"], recompute=cfg["gradient_checkpointing"])
-    roles = {"actor": ModelEngine(mesh, actor_dir, optim=optim, value_head=False, name="actor", **common),
-             "critic": ModelEngine(mesh, rm_dir, optim=optim, value_head=True, name="critic", **common),
-             "ref": ModelEngine(mesh, actor_dir, value_head=False, name="ref", bf16=cfg["bf16"]),
-             "reward": ModelEngine(mesh, rm_dir, value_head=True, name="reward", bf16=cfg["bf16"])}
+    roles = {"actor": ModelRole(mesh, actor_dir, optim=optim, value_head=False, name="actor", **common),
+             "critic": ModelRole(mesh, rm_dir, optim=optim, value_head=True, name="critic", **common),
+             "ref": ModelRole(mesh, actor_dir, value_head=False, name="ref", bf16=cfg["bf16"]),
+             "reward": ModelRole(mesh, rm_dir, value_head=True, name="reward", bf16=cfg["bf16"])}
     managers = {k: OffloadManager(v, name=k) for k, v in roles.items()}
     # The planner models the CUDA schedule, where every role's grads have their own size; on CPU the scheduler
     # would by default hand the critic the actor's parked (up to 9/8 larger) gradient memory.

@@ -13,8 +13,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from rlhf import checkpoint, sft, trainer  # noqa: E402
-from rlhf.checkpoint import Checkpointer  # noqa: E402
+from rlhf.runtime import checkpoint  # noqa: E402
+from rlhf.supervised import sft
+from rlhf.supervised import loop as trainer
+from rlhf.runtime.checkpoint import Checkpointer  # noqa: E402
 
 
 def digest_instead_of_export(args, engine, mesh, extra) -> None:

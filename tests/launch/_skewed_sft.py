@@ -6,9 +6,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from rlhf import sft  # noqa: E402
+from rlhf.supervised import sft  # noqa: E402
 from rlhf.distributed import DistEnv  # noqa: E402
-from rlhf.trainer import main  # noqa: E402
+from rlhf.supervised.loop import main  # noqa: E402
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

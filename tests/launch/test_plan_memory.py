@@ -12,7 +12,7 @@ import helpers
 from helpers import REPO, free_port
 
 from rlhf.models.spec import load_hf_config, padded_vocab_size, spec_from_hf_config
-from rlhf.offload import plan_residency
+from rlhf.runtime.offload import plan_residency
 from rlhf.planner import (PlanConfig, activation_bytes, advise, ddp_buffer_numel, plan, role_state,
                           stage_param_numels)
 

@@ -5,7 +5,7 @@ the adapters; merged weights give the unmerged logits.
 
 1. For TP1 (each rank the whole model), TP2 and TP2 with activation recompute: the tiny model with adapters on
    every linear and a seeded non-zero B; loss and the TP-gathered gradients of every A and B of one backward.
-2. TP2 ModelEngine with LoRA: logits with B = 0 vs the base engine; 3 optimizer steps; which parameters moved;
+2. TP2 ModelRole with LoRA: logits with B = 0 vs the base engine; 3 optimizer steps; which parameters moved;
    logits of the merged weights in a plain model vs the adapted model; the same 3 steps at PP2.
 """
 import json
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from rlhf.models.convert import fill_from_hf  # noqa: E402
 from rlhf.distributed import initialize_mesh  # noqa: E402
-from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
+from rlhf.runtime.role import ModelRole, OptimConfig  # noqa: E402
 from rlhf.models.source import describe_source  # noqa: E402
 from rlhf.models.gpt import build_model  # noqa: E402
 from rlhf.models.hf_llama import full_from_tp_shards  # noqa: E402
@@ -96,9 +96,9 @@ def logits_of(module, ids):
 def engine_checks(hf, src, cfg, res):
     mesh = initialize_mesh(2, 1)
     ids = torch.randint(0, src["spec"].vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
-    base = ModelEngine(mesh, hf, name="base")
+    base = ModelRole(mesh, hf, name="base")
     base_logits = logits_of(base.module, ids)
-    eng = ModelEngine(mesh, hf, optim=OptimConfig(lr=2e-2, warmup_ratio=0.0, scheduler="constant"), lora=cfg,
+    eng = ModelRole(mesh, hf, optim=OptimConfig(lr=2e-2, warmup_ratio=0.0, scheduler="constant"), lora=cfg,
                       name="actor")
     res["counts"] = eng.lora_counts
     res["b0_vs_base"] = (logits_of(eng.module, ids) - base_logits).abs().max().item()
@@ -119,7 +119,7 @@ def engine_checks(hf, src, cfg, res):
     res["merged_vs_unmerged"] = (logits_of(base.module, ids) - unmerged).abs().max().item()
     # The same three steps at PP2 (adapters on both stages, the pipeline schedule): the same losses.
     mesh = initialize_mesh(1, 2)
-    eng = ModelEngine(mesh, hf, optim=OptimConfig(lr=2e-2, warmup_ratio=0.0, scheduler="constant"), lora=cfg,
+    eng = ModelRole(mesh, hf, optim=OptimConfig(lr=2e-2, warmup_ratio=0.0, scheduler="constant"), lora=cfg,
                       name="actor")
     res["pp2_losses"] = [eng.train_step([mb], sft_step_loss(eng), ("loss",))["loss"] for _ in range(3)]
 

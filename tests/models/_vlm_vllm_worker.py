@@ -20,7 +20,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
-from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
+from rlhf.runtime.role import ModelRole, OptimConfig  # noqa: E402
 from rlhf.ppo.experience import collate_sequences, forward_role, generator_logprobs, select_rows  # noqa: E402
 from rlhf.rollout import RolloutConfig, build_rollout  # noqa: E402
 from rlhf.rollout.weight_sync import WeightSync  # noqa: E402
@@ -29,7 +29,7 @@ work = sys.argv[1]
 hf = os.path.join(work, "hf")
 torch.set_num_threads(1)
 mesh = initialize_mesh(2, 1, DistEnv.from_environ(), seed=5)
-actor = ModelEngine(mesh, hf, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor")
+actor = ModelRole(mesh, hf, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor")
 from PIL import Image  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 

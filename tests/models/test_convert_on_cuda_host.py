@@ -1,4 +1,4 @@
-"""A CPU dry run of the HF export's converter subprocess on a GPU host: the subprocess that ``rlhf.export`` starts
+"""A CPU dry run of the HF export's converter subprocess on a GPU host: the subprocess that ``rlhf.runtime.export`` starts
 (``tools/convert_megatron_to_hf.py``, the environment it gets from a CUDA training job: no ``RLHF_DEVICE``) runs with
 ``torch.cuda.is_available()`` answering True on a "CUDA build", so the CPU shim takes the branch it takes beside a
 training job on a GPU. On this CPU-only build any real CUDA call still raises, so a converter that touched the GPU

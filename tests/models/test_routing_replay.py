@@ -15,9 +15,9 @@ def moe(tmp_path_factory, request):
     from helpers import free_port
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.engine import ModelEngine
+    from rlhf.runtime.role import ModelRole
     from rlhf.models.tiny import make_tiny_hf
-    from rlhf.rollout.megatron_engine import MegatronRollout
+    from rlhf.rollout.megatron_generator import MegatronRollout
     from rlhf.rollout.types import RolloutConfig
 
     work = tmp_path_factory.mktemp("routing_replay")
@@ -35,7 +35,7 @@ def moe(tmp_path_factory, request):
         path = make_tiny_hf(str(work / "qwen3_moe"), "qwen3_moe", seed=9, tokenizer_dir=tok, num_experts=4,
                             moe_intermediate_size=64, norm_topk_prob=False, head_dim=32, **dims)
     mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
-    actor = ModelEngine(mesh, path, value_head=False, name="actor", routing_replay=True)
+    actor = ModelRole(mesh, path, value_head=False, name="actor", routing_replay=True)
     gen = MegatronRollout(mesh, actor, RolloutConfig(backend="megatron"))
     prompts = [[1, 40, 41, 42, 43], [1, 50, 51], [1, 60, 61, 62]]
     samples = gen.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=3)
@@ -214,14 +214,14 @@ def test_recompute_replays_in_the_backward(moe, perturbed):
     reaches that recompute through RouterReplay's backward list, so the update's loss and gradient equal those
     without recompute (negative control: with the indices dropped after the forward, the recompute routes by itself
     and the gradient differs)."""
-    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.runtime.role import ModelRole, OptimConfig
     from rlhf.models.outputs import response_logprobs
 
     actor, samples, path = moe
     mbs = _mbs(_batch(samples), False)
     results = []
     for recompute, backward_replay in ((False, True), (True, True), (True, False)):
-        eng = ModelEngine(actor.mesh, path, optim=OptimConfig(lr=1e-6, total_steps=1, warmup_ratio=0.0),
+        eng = ModelRole(actor.mesh, path, optim=OptimConfig(lr=1e-6, total_steps=1, warmup_ratio=0.0),
                           value_head=False, name="actor", recompute=recompute, routing_replay=True)
         with torch.no_grad():  # the same perturbed routers as the fixture's actor
             for mine, theirs in zip(_routers(eng), _routers(actor)):
@@ -256,7 +256,7 @@ def test_partial_round_records_a_continued_samples_prompt_and_prefix(moe):
     recorded): the same routing without the prompt positions is told apart."""
     from rlhf.models.routing_replay import collate_routing, routing_flips
     from rlhf.ppo.experience import collate_sequences
-    from rlhf.rollout.megatron_engine import MegatronRollout
+    from rlhf.rollout.megatron_generator import MegatronRollout
     from rlhf.rollout.partial import PartialSample
     from rlhf.rollout.types import RolloutConfig
 

@@ -124,7 +124,7 @@ def test_moe_training_limits_refused_before_weights():
     refused by the engine before any weight is read; dense models ignore --ep."""
     from types import SimpleNamespace
 
-    from rlhf.engine import _check_moe
+    from rlhf.runtime.role import _check_moe
 
     m = spec_from_hf_config(MIXTRAL)
     mesh = SimpleNamespace(tp=2, ep=2, is_rank0=False)

@@ -129,8 +129,8 @@ def test_transformer_impl_resolution(monkeypatch):
 
 def test_the_flag_fails_before_any_model_loads(tmp_path, capsys):
     """The SFT entry point's body in this process: exit 2 and one error line naming the flag, nothing built."""
-    from rlhf import sft
-    from rlhf.trainer import main
+    from rlhf.supervised import sft
+    from rlhf.supervised.loop import main
 
     argv = ["--pretrain", str(tmp_path / "absent"), "--dataset", str(tmp_path / "absent.jsonl"), "--save_path",
             str(tmp_path / "out"), "--transformer_impl", "transformer_engine"]

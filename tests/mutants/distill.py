@@ -14,7 +14,7 @@ MUTANTS = [
            replace='''vocab_size=engine.spec.vocab_size)''',
            claim="a teacher with a wider head is renormalised over the student's rows",
            tests=(D + "test_a_wider_teacher_is_scored_over_the_students_ids",)),
-    Mutant("distill-moe-aux-loss-coef-ignored", "rlhf/engine.py",
+    Mutant("distill-moe-aux-loss-coef-ignored", "rlhf/runtime/role.py",
            find='''aux_loss_coef=optim.aux_loss_coef if optim is not None else 0.0,''',
            replace='''aux_loss_coef=0.0,''',
            claim="--aux_loss_coef turns megatron's load-balancing loss on at its value",

@@ -7,7 +7,7 @@ from tests.mutants import Mutant
 DP = "tests/ppo/test_vlm_dp.py::test_vision_tower_at_dp2_with_different_images_equals_one_rank"
 
 MUTANTS = [
-    Mutant("vlm-tower-outside-ddp", "rlhf/engine.py",
+    Mutant("vlm-tower-outside-ddp", "rlhf/runtime/role.py",
            find='''        self.ddp = wrap_ddp(self.module, use_distributed_optimizer=optim.use_distributed_optimizer)''',
            replace='''        tower = [p for n, p in self.model.named_parameters() if n.startswith("visual.") and p.requires_grad]
         for p in tower:  # out of DDP's buffers: the optimizer steps them on this rank's own .grad
@@ -17,7 +17,7 @@ MUTANTS = [
             p.requires_grad_(True)''',
            claim="the vision tower's gradients are all-reduced over data parallelism with the language model's",
            tests=(DP,)),
-    Mutant("vlm-tower-grad-averaged-over-dp", "rlhf/engine.py",
+    Mutant("vlm-tower-grad-averaged-over-dp", "rlhf/runtime/role.py",
            find='''        p.requires_grad_(not freeze)''',
            replace='''        p.requires_grad_(not freeze)
         if not freeze:  # averaged over the DP ranks on top of the loss's global per-token mean

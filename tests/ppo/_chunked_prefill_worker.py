@@ -13,7 +13,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from rlhf.rollout.types import RolloutConfig  # noqa: E402
-from rlhf.rollout.vllm_engine import vllm_memory_kwargs  # noqa: E402
+from rlhf.rollout.vllm_generator import vllm_memory_kwargs  # noqa: E402
 
 hf, mode = sys.argv[1], sys.argv[2]
 MAX_LEN = 256

@@ -27,14 +27,14 @@ a = p.parse_args()
 
 from rlhf.algo.losses import _masked_nll  # noqa: E402
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
-from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
+from rlhf.runtime.role import ModelRole, OptimConfig  # noqa: E402
 from rlhf.models.outputs import next_token_logprobs_from_hidden  # noqa: E402
 from rlhf.rollout import RolloutConfig, build_rollout, shutdown  # noqa: E402
-from rlhf.rollout import vllm_engine  # noqa: E402
+from rlhf.rollout import vllm_generator  # noqa: E402
 from rlhf.rollout.weight_sync import WeightSync, compare_engine_weights, engine_layout  # noqa: E402
 
 mesh = initialize_mesh(a.tp, 1, DistEnv.from_environ(), seed=5)
-actor = ModelEngine(mesh, a.actor, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor",
+actor = ModelRole(mesh, a.actor, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor",
                     bf16=True)
 cfg = RolloutConfig(tensor_parallel_size=a.vllm_tp, kv_cache_bytes=32 << 20, max_model_len=64, backend="vllm",
                     dtype=a.dtype)
@@ -81,10 +81,10 @@ sync.sync(Skipping(engine, a.skip))
 skipped = check()
 no_repack = None
 if actor.spec.tie_word_embeddings:
-    keep = vllm_engine.repack_cpu_lm_head
-    vllm_engine.repack_cpu_lm_head = lambda model: False
+    keep = vllm_generator.repack_cpu_lm_head
+    vllm_generator.repack_cpu_lm_head = lambda model: False
     sync.sync(engine)
-    vllm_engine.repack_cpu_lm_head = keep
+    vllm_generator.repack_cpu_lm_head = keep
     no_repack = check()
 sync.sync(engine)
 final = check()

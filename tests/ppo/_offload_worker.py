@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from rlhf.algo.losses import sft_loss  # noqa: E402
 from rlhf.distributed import initialize_mesh  # noqa: E402
 from rlhf.distributed.mesh import destroy_mesh  # noqa: E402
-from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
-from rlhf.offload import OffloadManager, torch_optimizers  # noqa: E402
+from rlhf.runtime.role import ModelRole, OptimConfig  # noqa: E402
+from rlhf.runtime.offload import OffloadManager, torch_optimizers  # noqa: E402
 
 RESULTS: dict[str, str] = {}
 
@@ -43,7 +43,7 @@ def loss_fn(engine):
 
 
 def tensors(engine) -> dict[str, torch.Tensor]:
-    """Everything an offload must free, found independently of rlhf.offload: params, main_grads, DDP buffers,
+    """Everything an offload must free, found independently of rlhf.runtime.offload: params, main_grads, DDP buffers,
     and each inner optimizer's param groups and state."""
     out = {}
     for n, p in engine.model.named_parameters():
@@ -115,8 +115,8 @@ def cycle_checks(tag: str, engine, man: OffloadManager) -> None:
 
 def trainable(mesh, hf_dir: str, tag: str, bf16: bool, dist_opt: bool) -> None:
     optim = OptimConfig(lr=1e-3, warmup_ratio=0.0, use_distributed_optimizer=dist_opt, total_steps=4)
-    cycled = ModelEngine(mesh, hf_dir, optim=optim, bf16=bf16, name=f"actor-{tag}")
-    twin = ModelEngine(mesh, hf_dir, optim=optim, bf16=bf16, name=f"twin-{tag}")
+    cycled = ModelRole(mesh, hf_dir, optim=optim, bf16=bf16, name=f"actor-{tag}")
+    twin = ModelRole(mesh, hf_dir, optim=optim, bf16=bf16, name=f"twin-{tag}")
     b1, b2 = batches(cycled.spec.vocab_size, 1), batches(cycled.spec.vocab_size, 2)
     m1 = cycled.train_step(b1, loss_fn(cycled), ["loss"])
     t1 = twin.train_step(b1, loss_fn(twin), ["loss"])
@@ -140,7 +140,7 @@ def trainable(mesh, hf_dir: str, tag: str, bf16: bool, dist_opt: bool) -> None:
 
 
 def frozen(mesh, hf_dir: str) -> None:
-    ref = ModelEngine(mesh, hf_dir, name="ref")
+    ref = ModelRole(mesh, hf_dir, name="ref")
     mb = batches(ref.spec.vocab_size, 3)
     out0 = ref.forward(mb)[0]["output"].clone()
     man = OffloadManager(ref)

@@ -15,7 +15,7 @@ a = p.parse_args()
 
 from rlhf.algo.ppo_losses import policy_loss, value_loss  # noqa: E402
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
-from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
+from rlhf.runtime.role import ModelRole, OptimConfig  # noqa: E402
 from rlhf.models.outputs import response_logprobs, response_values  # noqa: E402
 from rlhf.ppo.experience import collate_sequences, forward_role, prepare_microbatches, select_rows  # noqa: E402
 from rlhf.rollout.types import Sample  # noqa: E402
@@ -34,7 +34,7 @@ roles = {}
 opt = OptimConfig(lr=1e-2, warmup_ratio=0.0, scheduler="constant")
 for name in ("actor", "critic", "reward"):
     path = a.actor if name == "actor" else a.rm
-    eng_pair = [ModelEngine(mesh, path, optim=opt if name != "reward" else None, value_head=name != "actor",
+    eng_pair = [ModelRole(mesh, path, optim=opt if name != "reward" else None, value_head=name != "actor",
                             name=name) for _ in range(2)]
     roles[name] = eng_pair
     outs = [forward_role(e, name, mbs, 0.9) for e, mbs in zip(eng_pair, (padded, packed))]

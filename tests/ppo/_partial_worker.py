@@ -19,7 +19,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 
 from rlhf.rollout.partial import generate_partial, new_group  # noqa: E402
 from rlhf.rollout.types import RolloutConfig  # noqa: E402
-from rlhf.rollout.vllm_engine import vllm_memory_kwargs  # noqa: E402
+from rlhf.rollout.vllm_generator import vllm_memory_kwargs  # noqa: E402
 
 hf = sys.argv[1]
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ.get("PORT", "29611"), rank=0,

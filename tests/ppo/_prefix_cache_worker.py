@@ -17,17 +17,17 @@ import torch  # noqa: E402
 
 from rlhf.algo.losses import sft_loss  # noqa: E402
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
-from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
+from rlhf.runtime.role import ModelRole, OptimConfig  # noqa: E402
 from rlhf.ppo.experience import sampled_logprob_drift  # noqa: E402
 from rlhf.rollout import RolloutConfig, build_rollout, shutdown  # noqa: E402
 from rlhf.rollout.weight_sync import WeightSync  # noqa: E402
 
-from rlhf.metrics import setup_logging  # noqa: E402
+from rlhf.observability.metrics import setup_logging  # noqa: E402
 
 setup_logging(0)
 actor_dir = sys.argv[1]
 mesh = initialize_mesh(1, 1, DistEnv.from_environ(), seed=5)
-actor = ModelEngine(mesh, actor_dir, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor")
+actor = ModelRole(mesh, actor_dir, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor")
 cfg = RolloutConfig(tensor_parallel_size=1, kv_cache_bytes=32 << 20, max_model_len=160, backend="vllm",
                     enable_prefix_caching=True)
 engine = build_rollout(mesh, actor, cfg, actor_dir)

@@ -12,12 +12,12 @@ import sys
 
 import torch
 
-import rlhf.engine
+import rlhf.runtime.role
 
 COUNTS = {"replayed_flips": 0, "unreplayed_flips": 0, "tokens": 0, "replay_forward": 0, "replay_backward": 0,
           "ref_replay_routers": 0}
 """``replay_forward`` / ``replay_backward``: router calls under each action (the second: recomputes in backwards)"""
-_init = rlhf.engine.ModelEngine.__init__
+_init = rlhf.runtime.role.ModelRole.__init__
 
 
 def _sets(idx: torch.Tensor, experts: int) -> torch.Tensor:
@@ -73,7 +73,7 @@ def _dump() -> None:
         json.dump(COUNTS, f)
 
 
-rlhf.engine.ModelEngine.__init__ = _watched_init
+rlhf.runtime.role.ModelRole.__init__ = _watched_init
 
 if __name__ == "__main__":
     from rlhf.distributed.failures import exit_process

@@ -27,7 +27,7 @@ p.add_argument("--prompt_len", type=int, default=4, help="longer prompts reach p
 a = p.parse_args()
 
 from rlhf.distributed import DistEnv, initialize_mesh  # noqa: E402
-from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
+from rlhf.runtime.role import ModelRole, OptimConfig  # noqa: E402
 from rlhf.ppo.experience import sampled_logprob_drift  # noqa: E402
 from rlhf.rollout import RolloutConfig, build_rollout  # noqa: E402
 from rlhf.rollout.weight_sync import WeightSync  # noqa: E402
@@ -36,7 +36,7 @@ mesh = initialize_mesh(a.tp, a.pp, DistEnv.from_environ(), seed=5, ep=a.ep)
 from rlhf.models.lora import LoraConfig  # noqa: E402
 
 lora = LoraConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank) if a.lora_rank else None
-actor = ModelEngine(mesh, a.actor, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor",
+actor = ModelRole(mesh, a.actor, optim=OptimConfig(lr=5e-2, warmup_ratio=0.0, scheduler="constant"), name="actor",
                     lora=lora)
 cfg = RolloutConfig(tensor_parallel_size=2, kv_cache_bytes=32 << 20, max_model_len=64, backend="vllm")
 engine = build_rollout(mesh, actor, cfg, a.actor)

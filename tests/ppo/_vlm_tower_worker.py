@@ -20,9 +20,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from rlhf import engine  # noqa: E402
+from rlhf.runtime import role as engine  # noqa: E402
 
-_train_step = engine.ModelEngine.train_step
+_train_step = engine.ModelRole.train_step
 
 
 def _fingerprints(microbatches) -> list[tuple[float, float]]:
@@ -60,7 +60,7 @@ def train_step(self, microbatches, loss_fn, metric_keys, output="head"):
     return metrics
 
 
-engine.ModelEngine.train_step = train_step
+engine.ModelRole.train_step = train_step
 
 if __name__ == "__main__":
     script = os.path.join(REPO, "launch", "ppo.py")

@@ -206,7 +206,7 @@ class AgentExecutor(MultiTurnAgentExecutor):
 
 def _agent_run(ppo_setup, out, monkeypatch, capsys, agent, *extra, prompts=None, code=0, **kw):
     from helpers import free_port
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
     from rlhf.ppo import main
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -330,7 +330,7 @@ def test_one_turn_agent_is_the_plain_path_bit_for_bit(ppo_setup, tmp_path, monke
     (each trajectory's first turn is seeded as the plain path's sample), rewards and updates, to the last bit: every
     step's metrics and the final weights."""
     from helpers import free_port
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
     from rlhf.ppo import main
     from safetensors.torch import load_file
 
@@ -363,7 +363,7 @@ def test_two_ranks_vllm_trajectories_of_different_lengths(ppo_setup, tmp_path):
     engine's batched call); every sampled action token's log-prob agrees with the trainer's (fp32), the tool's tokens
     are masked, and the environments' extra logs are logged."""
     from helpers import REPO, run_torchrun, tail
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     save = tmp_path / "o"
     args = ppo_args(ppo_setup, str(save), **{**TINY_GRPO, "--vllm_tensor_parallel_size": "2", "--max_samples": "8",
@@ -392,13 +392,13 @@ def test_two_ranks_vllm_trajectories_of_different_lengths(ppo_setup, tmp_path):
     ({"--agent_func_path": "missing.py"}, "--agent_func_path missing.py: expected an existing .py file"),
 ])
 def test_agent_flags_are_checked_before_any_model(ppo_setup, tmp_path, capsys, monkeypatch, kw, needle):
-    from rlhf import engine
+    from rlhf.runtime import role as engine
     from rlhf.ppo import main
 
     def no_model(*a, **k):
         raise AssertionError("a model was built before the flags were checked")
 
-    monkeypatch.setattr(engine.ModelEngine, "__init__", no_model)
+    monkeypatch.setattr(engine.ModelRole, "__init__", no_model)
     agent = os.path.join(PEERS, "agent_func.py")
     kw = {k: {"AGENT": agent, "PROMPTS": ppo_setup["prompts"]}.get(v, v) for k, v in kw.items()}
     assert main(ppo_args(ppo_setup, str(tmp_path / "o"), **{**TINY_GRPO, **kw})) == 2

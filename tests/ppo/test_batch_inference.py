@@ -11,7 +11,7 @@ import torch
 
 def _run(argv, monkeypatch) -> int:
     from helpers import free_port
-    from rlhf.batch_inference import main
+    from rlhf.offline.batch_inference import main
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     return main(argv)

@@ -1,4 +1,4 @@
-"""Regression test of the vLLM CPU chunked-prefill crash (fixed in 1e6fcec, rlhf/rollout/vllm_engine.py::
+"""Regression test of the vLLM CPU chunked-prefill crash (fixed in 1e6fcec, rlhf/rollout/vllm_generator.py::
 vllm_memory_kwargs): vLLM 0.32.0 rewinds a partially prefilled request's seeded generator with
 ``Generator.set_offset``, which CPU generators refuse ("CPU Generator does not use offset"); the SmolLM2 calculator
 agent crashed at step 14 when its trajectories outgrew one step's token budget. The same engine and requests

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from helpers import REPO, require, run_torchrun, tail
-from rlhf.metrics import read_metrics_jsonl
+from rlhf.observability.metrics import read_metrics_jsonl
 
 from ppo_common import TINY_GRPO, ppo_args
 
@@ -19,7 +19,7 @@ require("vllm")
 
 def test_code_reward_with_dynamic_filtering_and_partial_rollouts(ppo_setup, tmp_path):
     from rlhf.demo.code_task import tasks
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     prompts = tmp_path / "code.jsonl"
     with open(prompts, "w") as f:

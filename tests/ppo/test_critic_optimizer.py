@@ -22,8 +22,8 @@ STEPS = 10
 
 
 def parse(extra: list[str]) -> argparse.Namespace:
-    from rlhf.migration import add_launcher_args
-    from rlhf.openrlhf_cli import translate
+    from rlhf.config.migration import add_launcher_args
+    from rlhf.config.openrlhf import translate
     from rlhf.ppo.args import add_args
 
     p = argparse.ArgumentParser()
@@ -57,14 +57,14 @@ def engines(ppo_setup, tmp_path_factory):
     from helpers import free_port
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.engine import ModelEngine
+    from rlhf.runtime.role import ModelRole
 
     mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
     args = parse(OPENRLHF)
     optim = optim_part(args, tmp_path_factory.mktemp("prompts"))
-    out = {"critic": ModelEngine(mesh, ppo_setup["rm"], value_head=True, name="critic",
+    out = {"critic": ModelRole(mesh, ppo_setup["rm"], value_head=True, name="critic",
                                  optim=optim.critic_config(STEPS, False)),
-           "actor": ModelEngine(mesh, ppo_setup["actor"], value_head=False, name="actor",
+           "actor": ModelRole(mesh, ppo_setup["actor"], value_head=False, name="actor",
                                 optim=optim.actor_config(STEPS, False)),
            "optim": optim}
     yield out

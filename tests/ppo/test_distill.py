@@ -60,7 +60,7 @@ def _run(setup, out, teacher, monkeypatch, *extra, capture=None, flags=None):
         monkeypatch.setattr(distill, "add_distill_advantages", spy)
     argv = ppo_args(setup, str(out), **{**PURE, "--teacher_pretrain": teacher, **(flags or {})}) + list(extra)
     assert main(argv) == 0
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     m = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "ppo")
     return [m[s] for s in sorted(m)], load_file(str(out / "model.safetensors"))
@@ -182,7 +182,7 @@ def test_resume_with_a_teacher_is_exact(ppo_setup, teachers, straight, tmp_path,
     teacher signal included) and ends with the straight run's weights. Control: a job that ignores
     ``--load_checkpoint`` (the load a no-op) ends with the same weights too (the straight run is deterministic), so
     only the log line and the first step tell the two apart: it computes 2 steps and says nothing."""
-    from rlhf.checkpoint import Checkpointer
+    from rlhf.runtime.checkpoint import Checkpointer
 
     save, hist, weights, straight_steps = straight
     capfd.readouterr()
@@ -206,13 +206,13 @@ def test_resume_with_a_teacher_is_exact(ppo_setup, teachers, straight, tmp_path,
 @pytest.mark.parametrize("which,needle", [("vocab", "vocabulary size: student"),
                                           ("eos", "special token ids: eos_token_id")])
 def test_another_tokenizer_is_refused_by_name(ppo_setup, teachers, tmp_path, monkeypatch, capsys, which, needle):
-    import rlhf.engine
+    import rlhf.runtime.role
     from rlhf.ppo import main
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the teacher was checked")
 
-    monkeypatch.setattr(rlhf.engine.ModelEngine, "__init__", boom)
+    monkeypatch.setattr(rlhf.runtime.role.ModelRole, "__init__", boom)
     argv = ppo_args(ppo_setup, str(tmp_path / "o"), **{**PURE, "--teacher_pretrain": teachers[which]})
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -252,10 +252,10 @@ def test_a_wider_teacher_is_scored_over_the_students_ids(ppo_setup, wide, tmp_pa
 def test_a_narrower_teacher_is_refused_by_name(ppo_setup, wide, tmp_path, monkeypatch, capsys):
     """A student whose head has 32 rows past the shared tokenizer and a teacher with the tokenizer's rows only: the
     student could sample ids the teacher cannot score; refused before any model loads."""
-    import rlhf.engine
+    import rlhf.runtime.role
     from rlhf.ppo import main
 
-    monkeypatch.setattr(rlhf.engine.ModelEngine, "__init__", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(rlhf.runtime.role.ModelRole, "__init__", lambda *a, **k: (_ for _ in ()).throw(
         AssertionError("a model was loaded before the teacher was checked")))
     argv = ppo_args({**ppo_setup, "actor": wide["student"]}, str(tmp_path / "o"),
                     **{**PURE, "--teacher_pretrain": ppo_setup["actor"]})

@@ -1,4 +1,4 @@
-"""rlhf.offload: megatron engines at TP2 survive an offload/onload cycle bit for bit and train on as if nothing
+"""rlhf.runtime.offload: megatron engines at TP2 survive an offload/onload cycle bit for bit and train on as if nothing
 happened (2 gloo ranks, tests/ppo/_offload_worker.py); the phase scheduler keeps the right parts resident."""
 import json
 import os
@@ -9,7 +9,7 @@ import torch
 import helpers
 from helpers import REPO, free_port
 
-from rlhf.offload import PHASES, MemoryScheduler, OffloadManager, Residency, plan_residency
+from rlhf.runtime.offload import PHASES, MemoryScheduler, OffloadManager, Residency, plan_residency
 
 WORKER = os.path.join(REPO, "tests/ppo/_offload_worker.py")
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -90,7 +90,7 @@ def test_plan_ref_reward_and_adam_offload():
 
 
 def _engine(name: str, trainable: bool, hidden: int = 8):
-    """Enough of a ModelEngine for OffloadManager: ``model``, and an optimizer whose ``.optimizer`` is torch's."""
+    """Enough of a ModelRole for OffloadManager: ``model``, and an optimizer whose ``.optimizer`` is torch's."""
     from types import SimpleNamespace
 
     torch.manual_seed(len(name))
@@ -208,7 +208,7 @@ def test_cpu_schedule_without_keep_parked_frees_between_phase_changes():
 def test_cpu_schedule_parks_only_what_every_dropped_role_fits():
     """Roles of different sizes keep no gradient memory between phases (the actor's would be held through the
     critic's update for nothing), and a parked storage is kept for a role up to 9/8 of its size."""
-    from rlhf.offload import _park
+    from rlhf.runtime.offload import _park
 
     engines = {r: _engine(r, r in ("actor", "critic"), hidden=64 if r == "critic" else 8) for r in ROLES}
     sched = MemoryScheduler({r: OffloadManager(e) for r, e in engines.items()}, move=False)
@@ -230,7 +230,7 @@ def test_cpu_schedule_parks_only_what_every_dropped_role_fits():
 
 
 def test_unpark_takes_the_smallest_fit_only():
-    from rlhf.offload import _park, _unpark
+    from rlhf.runtime.offload import _park, _unpark
 
     spare = [_park(torch.ones(n, dtype=torch.uint8).untyped_storage()) for n in (100, 130, 108)]
     empty = torch.UntypedStorage(0)

@@ -124,8 +124,8 @@ def test_bad_values_name_the_flag(flags, msg):
 def test_combinations_not_built_are_refused_by_name(flags, needle, tmp_path):
     """The job's check (``check_partial`` on the typed job, as ``validate`` runs it before any model); OpenRLHF's
     dotted flags reach the same flags."""
-    from rlhf.migration import add_launcher_args
-    from rlhf.openrlhf_cli import translate
+    from rlhf.config.migration import add_launcher_args
+    from rlhf.config.openrlhf import translate
     from rlhf.ppo.args import PPOJobConfig, add_args
     from rlhf.rollout.partial import check_partial
 
@@ -137,7 +137,7 @@ def test_combinations_not_built_are_refused_by_name(flags, needle, tmp_path):
     def job(extra):
         return PPOJobConfig.from_args(p.parse_args(translate(
             ["--pretrain", "m", "--prompt_data", str(tmp_path / "p.jsonl"), "--save_path", "o", "--reward_fn",
-             "rlhf.verifiers:math_reward", "--rollout_batch_size", "4", *extra], "ppo", set(p._option_string_actions))))
+             "rlhf.rewards.verifiers:math_reward", "--rollout_batch_size", "4", *extra], "ppo", set(p._option_string_actions))))
 
     with pytest.raises(ValueError, match=needle):
         check_partial(job(["--partial_rollout", *flags]))
@@ -162,7 +162,7 @@ def _fake_megatron_rollout(monkeypatch, vocab=13, eos=(3, 7)):
     import torch
 
     import rlhf.models.pipeline
-    from rlhf.rollout.megatron_engine import MegatronRollout
+    from rlhf.rollout.megatron_generator import MegatronRollout
 
     monkeypatch.setattr(rlhf.models.pipeline, "gather_vocab_parallel", lambda x: x)  # TP 1, no megatron groups
     emb = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -230,8 +230,8 @@ def test_megatron_fallback_round_matches_samples_generated_alone(monkeypatch, ne
 
 
 def _job(tmp_path, extra):
-    from rlhf.migration import add_launcher_args
-    from rlhf.openrlhf_cli import translate
+    from rlhf.config.migration import add_launcher_args
+    from rlhf.config.openrlhf import translate
     from rlhf.ppo.args import PPOJobConfig, add_args
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "1 + 1 ="}\n')
@@ -240,7 +240,7 @@ def _job(tmp_path, extra):
     add_launcher_args(p)
     return PPOJobConfig.from_args(p.parse_args(translate(
         ["--pretrain", "m", "--prompt_data", str(tmp_path / "p.jsonl"), "--save_path", "o", "--reward_fn",
-         "rlhf.verifiers:math_reward", "--rollout_batch_size", "4", *extra], "ppo", set(p._option_string_actions))))
+         "rlhf.rewards.verifiers:math_reward", "--rollout_batch_size", "4", *extra], "ppo", set(p._option_string_actions))))
 
 
 @pytest.mark.parametrize("flags,used,weights", [
@@ -272,7 +272,7 @@ def test_openrlhf_async_alone_is_one_step_off_whole_batches(tmp_path, caplog):
 
     from rlhf.rollout.partial import check_partial
 
-    caplog.set_level(logging.INFO, logger="rlhf.openrlhf_cli")
+    caplog.set_level(logging.INFO, logger="rlhf.config.openrlhf")
     job = _job(tmp_path, ["--train.async_enable", "--train.async_queue_size", "2"])
     check_partial(job)
     p = job.partial

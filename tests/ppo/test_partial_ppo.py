@@ -50,7 +50,7 @@ def _run(ppo_setup, actor, save, *extra, timeout=600, nproc=1):
     args = _args(ppo_setup, actor, save, *extra)
     p = run_torchrun(PPO, nproc, args, timeout=timeout, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
     assert p.returncode == 0, tail(p)
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     m = read_metrics_jsonl(os.path.join(save, "metrics.jsonl"), "ppo")
     return [m[s] for s in sorted(m)], p
@@ -148,7 +148,7 @@ def _from_step_1(save, dst, drop_carried=False):
     """A copy of the straight run standing where a job stopped after step 1 would stand (later checkpoints and the
     export removed, ``latest`` naming step 1); ``drop_carried`` empties that checkpoint's carried samples (its
     manifest rewritten), for the negative control."""
-    from rlhf.checkpoint import write_ckpt_manifest
+    from rlhf.runtime.checkpoint import write_ckpt_manifest
 
     shutil.copytree(save, dst)
     ckpt = dst / "checkpoints"

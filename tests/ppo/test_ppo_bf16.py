@@ -15,7 +15,7 @@ import pytest
 from helpers import REPO, require, run_torchrun, tail
 from ppo_common import ppo_args
 
-from rlhf.metrics import metric_series
+from rlhf.observability.metrics import metric_series
 
 PPO = os.path.join(REPO, "launch/ppo.py")
 require("vllm")

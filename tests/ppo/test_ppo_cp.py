@@ -26,7 +26,7 @@ def run(setup, save, cp, *extra, steps=2, launcher=(PPO,)):
                      ["--context_parallel_size", str(cp), "--teacher_pretrain", setup["actor_tied"],
                       "--distill_coef", "0.5", *extra], timeout=900)
     assert p.returncode == 0, tail(p)
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     return p, read_metrics_jsonl(os.path.join(save, "metrics.jsonl"), "ppo")
 

@@ -14,7 +14,7 @@ from ppo_common import TINY_GRPO, ppo_args
 
 def test_ptx_loss_trains_the_actor(ppo_setup, tmp_path, monkeypatch):
     from helpers import free_port
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
     from rlhf.ppo import main
 
     texts = tmp_path / "wiki.jsonl"

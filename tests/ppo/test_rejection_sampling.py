@@ -78,7 +78,7 @@ def test_conditional_sft_trains_on_the_output(sampled, ppo_setup, reward_pair):
     reward model on 2 ranks, one step: the exported bucket edges are the quantiles of HF's scores of the rows."""
     import transformers
 
-    from rlhf.conditional import quantile_edges
+    from rlhf.supervised.conditional import quantile_edges
     from rlhf.data import DataConfig, build_sft_dataset
 
     tok = transformers.AutoTokenizer.from_pretrained(ppo_setup["actor"])
@@ -104,13 +104,13 @@ def test_conditional_sft_trains_on_the_output(sampled, ppo_setup, reward_pair):
 
 
 def test_bad_input_before_any_model(ppo_setup, reward_pair, tmp_path, monkeypatch, capsys):
-    import rlhf.engine
-    from rlhf.rejection_sampling import main
+    import rlhf.runtime.role
+    from rlhf.offline.rejection_sampling import main
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(rlhf.engine.ModelEngine, "__init__", boom)
+    monkeypatch.setattr(rlhf.runtime.role.ModelRole, "__init__", boom)
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(k, v)
     out = {"prompts": write_prompts(tmp_path / "p.jsonl", 4), "rows": str(tmp_path / "r.jsonl"),

@@ -56,7 +56,7 @@ def server():
 
 
 def test_request_and_response_shape_and_retries(server):
-    from rlhf.rewards import call_remote_rm
+    from rlhf.rewards.sources import call_remote_rm
 
     server.fail = 2  # two 503s, then an answer
     got = call_remote_rm(server.url, ["ab", "abcdefgh"], ["a", "abc"], ["x", None], backoff=0.01)
@@ -66,7 +66,7 @@ def test_request_and_response_shape_and_retries(server):
 
 
 def test_server_down_is_a_clear_error(server):
-    from rlhf.rewards import call_remote_rm, check_remote_rm
+    from rlhf.rewards.sources import call_remote_rm, check_remote_rm
 
     url = server.url
     server.close()
@@ -81,7 +81,7 @@ def test_server_down_is_a_clear_error(server):
 
 def test_ppo_with_only_a_remote_reward(ppo_setup, server, tmp_path, monkeypatch):
     from helpers import free_port
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
     from rlhf.ppo import main
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

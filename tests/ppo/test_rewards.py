@@ -1,4 +1,4 @@
-"""rlhf/rewards.py: the weighted combination against hand numbers, --reward_fn loading and checks, and PPO's bad
+"""rlhf/rewards/sources.py: the weighted combination against hand numbers, --reward_fn loading and checks, and PPO's bad
 reward flags (an ``error:`` naming the flag, exit 2, no model loaded)."""
 import os
 
@@ -10,7 +10,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_combine_rewards_by_hand():
-    from rlhf.rewards import combine_rewards
+    from rlhf.rewards.sources import combine_rewards
 
     scores = {"rm0": torch.tensor([1.0, 2.0]), "rm1": torch.tensor([3.0, -1.0]), "fn": torch.tensor([1.0, 0.0])}
     weights = {"rm0": 0.5, "rm1": 0.25, "fn": 2.0}
@@ -23,7 +23,7 @@ def test_combine_rewards_by_hand():
 
 
 def test_reward_config_weights_and_sources():
-    from rlhf.rewards import RewardConfig
+    from rlhf.rewards.sources import RewardConfig
 
     cfg = RewardConfig(reward_pretrain="a,b", reward_fn="m:f", reward_fn_weight=0.5)
     assert cfg.source_weights == {"rm0": 1.0, "rm1": 1.0, "fn": 0.5}  # default: a plain sum
@@ -38,7 +38,7 @@ def test_reward_config_weights_and_sources():
 
 
 def test_load_and_call_reward_fn(monkeypatch):
-    from rlhf.rewards import call_reward_fn, load_reward_fn
+    from rlhf.rewards.sources import call_reward_fn, load_reward_fn
 
     monkeypatch.syspath_prepend(HERE)
     fn = load_reward_fn("_rule_reward:length_reward")
@@ -55,12 +55,12 @@ def test_load_and_call_reward_fn(monkeypatch):
 
 @pytest.fixture
 def no_models(monkeypatch):
-    import rlhf.engine
+    import rlhf.runtime.role
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(rlhf.engine.ModelEngine, "__init__", boom)
+    monkeypatch.setattr(rlhf.runtime.role.ModelRole, "__init__", boom)
     monkeypatch.syspath_prepend(HERE)
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(k, v)

@@ -29,7 +29,7 @@ def _run(setup, out, monkeypatch, capsys, low_high, **flags):
                                         "--entropy_coef": "0.01", "--max_epochs": "2",
                                         "--actor_learning_rate": "1e-5", **flags}) + ["--eps_clip_low_high", *low_high]
     assert main(argv) == 0
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     m = read_metrics_jsonl(str(out / "metrics.jsonl"), "ppo")
     return [m[s] for s in sorted(m)], capsys.readouterr().err
@@ -110,7 +110,7 @@ def test_dynamic_filtering_fills_the_batch_and_resumes_exactly(ppo_setup, tmp_pa
 
     straight = tmp_path / "straight"
     run(straight, "--stop_after_steps", "3")
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     m = read_metrics_jsonl(str(straight / "metrics.jsonl"), "ppo")
     assert sorted(m) == [1, 2, 3]
@@ -124,7 +124,7 @@ def test_dynamic_filtering_fills_the_batch_and_resumes_exactly(ppo_setup, tmp_pa
     assert any(m[s]["dynamic_filtering/filled"] == 0 for s in m), m
     resumed = tmp_path / "resumed"
     run(resumed, "--stop_after_steps", "1")
-    from rlhf.openrlhf_cli import without_effect
+    from rlhf.config.openrlhf import without_effect
 
     # with every OpenRLHF flag accepted as "no effect here" (tests/test_openrlhf_cli.py): the metrics below show it
     log = run(resumed, "--load_checkpoint", "--stop_after_steps", "2", *without_effect("ppo"))
@@ -195,7 +195,7 @@ def test_rollout_correction_reaches_the_update(ppo_setup, tmp_path, monkeypatch,
         assert main(argv + ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_threshold",
                             "0.8", "1.25", "--algo.advantage.is_correction_type", kind]) == 0
         capsys.readouterr()
-        from rlhf.metrics import read_metrics_jsonl
+        from rlhf.observability.metrics import read_metrics_jsonl
 
         return read_metrics_jsonl(str(tmp_path / kind / "metrics.jsonl"), "ppo")[1]
 
@@ -217,7 +217,7 @@ def test_openrlhf_reward_file_and_its_extra_logs(ppo_setup, tmp_path, monkeypatc
     from helpers import REPO, free_port
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
     from rlhf.ppo import main
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -236,7 +236,7 @@ def test_openrlhf_reward_file_and_its_extra_logs(ppo_setup, tmp_path, monkeypatc
 
 
 def _sample_like_the_fallback_generator(model, prompt_ids, k, temperature, max_tokens, eos, seed):
-    """k replies to one prompt from a transformers model, drawn as rlhf/rollout/megatron_engine.py documents its
+    """k replies to one prompt from a transformers model, drawn as rlhf/rollout/megatron_generator.py documents its
     sampling (one CPU generator per prompt; every step, one multinomial draw per reply from the float64 softmax of
     logits / temperature; each reply cut after its EOS): independent of the trainer's model, data and reward code."""
     gen = torch.Generator().manual_seed(seed)
@@ -317,7 +317,7 @@ def test_dynamic_filtering_regenerates_with_vllm(ppo_setup, tmp_path, monkeypatc
     """With vLLM on CPU the engine releases its weights after each rollout; dynamic filtering's further rounds within
     a step must sync them again (once failed: "vLLM's weights were freed after the last rollout")."""
     from helpers import free_port
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
     from rlhf.ppo import main
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

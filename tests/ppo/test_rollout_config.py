@@ -9,7 +9,7 @@ from rlhf.models.spec import spec_from_hf_config
 from rlhf.ppo.roles import rollout_config
 from rlhf.rollout.types import (CPU_KV_CACHE_BYTES, MIN_CPU_KV_CACHE_BYTES, RolloutConfig,
                                 choose_tensor_parallel_size, kv_cache_bytes_for_batch)
-from rlhf.rollout.vllm_engine import vllm_memory_kwargs
+from rlhf.rollout.vllm_generator import vllm_memory_kwargs
 
 SPEC = spec_from_hf_config(dict(model_type="llama", vocab_size=1000, hidden_size=512, intermediate_size=1376,
                                 num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8))
@@ -35,7 +35,7 @@ def _job(**kw):
     """The parts of ``PPOJobConfig`` that ``rollout_config`` reads, from ``_args``'s flags."""
     from rlhf.agents.flags import AgentPart
     from rlhf.models.routing_replay import RouterReplayPart
-    from rlhf.parts import EnginePart
+    from rlhf.config.parts import EnginePart
     from rlhf.ppo.parts import GenerationPart, PPOBatch, RolloutPart
 
     a = vars(_args(**kw))
@@ -103,7 +103,7 @@ def test_resolve_vllm_tp(monkeypatch):
 
 
 def test_zero_stage_default_is_one_when_data_parallel_on_cuda():
-    from rlhf.config import resolve_zero_stage
+    from rlhf.config.job import resolve_zero_stage
 
     for given, dp, cuda, want in ((None, 2, True, 1), (None, 1, True, 0), (0, 4, True, 0), (1, 1, True, 1),
                                   (None, 2, False, 0), (1, 2, False, 1)):

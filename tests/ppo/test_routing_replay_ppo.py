@@ -54,13 +54,13 @@ def test_grpo_with_routing_replay(ppo_setup, family_actors, tmp_path, layout):
 
 
 def _refused(ppo_setup, tmp_path, capsys, monkeypatch, actor, **flags):
-    import rlhf.engine
+    import rlhf.runtime.role
     from rlhf.ppo import main
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(rlhf.engine.ModelEngine, "__init__", boom)
+    monkeypatch.setattr(rlhf.runtime.role.ModelRole, "__init__", boom)
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
         monkeypatch.setenv(k, v)
     argv = ppo_args({**ppo_setup, "actor": actor}, str(tmp_path / "o"),

@@ -10,10 +10,10 @@ def engines(ppo_setup):
     from helpers import free_port
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.engine import ModelEngine
+    from rlhf.runtime.role import ModelRole
 
     mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
-    yield ModelEngine(mesh, ppo_setup["rm"], value_head=True, name="reward")
+    yield ModelRole(mesh, ppo_setup["rm"], value_head=True, name="reward")
     destroy_mesh()
 
 
@@ -95,16 +95,16 @@ def test_openrlhf_format_reward_model_scores_as_hf(ppo_setup, engines, tmp_path)
     with its own mean/std; our converter takes it to our format and back without changing a weight."""
     from safetensors.torch import load_file
 
-    from rlhf.engine import ModelEngine
+    from rlhf.runtime.role import ModelRole
     from rlhf.models.reward_format import from_openrlhf, to_openrlhf
     from rlhf.models.spec import load_hf_config
-    from rlhf.rewards import RewardConfig, combine_rewards, score_sequences
+    from rlhf.rewards.sources import RewardConfig, combine_rewards, score_sequences
 
     path = _openrlhf_by_hand(ppo_setup["rm"], tmp_path / "openrlhf_rm")
     cfg = RewardConfig(reward_pretrain=path, normalize_reward=True)
     norms = cfg.norms(cfg.validate_models(1, 1))
     assert norms == {"rm0": (0.3, 2.0)}
-    eng = ModelEngine(engines.mesh, path, value_head=True, name="reward1")
+    eng = ModelRole(engines.mesh, path, value_head=True, name="reward1")
     samples = _samples(eng.spec.vocab_size)
     scores = score_sequences(eng, [s.prompt_ids + s.response_ids for s in samples], pad_id=0, micro_batch_size=2)
     want = torch.stack([r[-1] for r in _hf_scores(ppo_setup["rm"], samples)])

@@ -3,7 +3,7 @@ vision tower's weights are the same on both ranks, and the tower's weights and g
 the two ranks' samples together.
 
 The vehicle is the RL job itself, not an SFT step: vLLM seeds each prompt's samples from its index in the global
-rollout (``rlhf.rollout.vllm_engine``), so the one-rank job (one engine, the same global prompts) draws the two
+rollout (``rlhf.rollout.vllm_generator``), so the one-rank job (one engine, the same global prompts) draws the two
 ranks' replies token for token; the test asserts it on the jobs' dumps (``--dump_experience``) rather than
 assuming it. The ranks' towers are read by a test hook after each optimizer step (tests/ppo/_vlm_tower_worker.py:
 a checkpoint holds one replica of a replicated tensor); the jobs' own exports are compared too. Gradients are

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/train/_bf16_worker.py MODEL SFT_JSONL RM_JSONL KTO_JSONL WORK OUT_JSON
 
-Each run is the real trainer (``rlhf.trainer.run``, the body of ``launch/*.py``) on flags parsed by the task's own
+Each run is the real trainer (``rlhf.supervised.loop.run``, the body of ``launch/*.py``) on flags parsed by the task's own
 ``add_args``, a few steps from the same model, data and seed, once without and once with ``--bf16``. Per-step
 metrics come from the run's TensorBoard scalars (full precision; the progress line has 4 digits). The SFT bf16
 run goes to the end (checkpoint + HF export); the rest stop after STEPS steps (``--stop_after_steps``). Rank 0
@@ -21,9 +21,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import rlhf.distributed.mesh as mesh_mod  # noqa: E402
-from rlhf import dpo, kto, rm, sft, trainer  # noqa: E402
-from rlhf.config import cli_main  # noqa: E402
-from rlhf.metrics import metric_series  # noqa: E402
+from rlhf.supervised import dpo  # noqa: E402
+from rlhf.supervised import kto
+from rlhf.supervised import rm
+from rlhf.supervised import sft
+from rlhf.supervised import loop as trainer
+from rlhf.config.job import cli_main  # noqa: E402
+from rlhf.observability.metrics import metric_series  # noqa: E402
 
 STEPS = 2  # compared; each run has one more (a run stopped at its last step would still export)
 

@@ -10,10 +10,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from rlhf.checkpoint import Checkpointer  # noqa: E402
+from rlhf.runtime.checkpoint import Checkpointer  # noqa: E402
 from rlhf.distributed import initialize_mesh  # noqa: E402
 from rlhf.distributed.mesh import destroy_mesh  # noqa: E402
-from rlhf.engine import ModelEngine  # noqa: E402
+from rlhf.runtime.role import ModelRole  # noqa: E402
 from rlhf.models.lora import LoraConfig, save_peft_adapter  # noqa: E402
 from rlhf.models.pipeline import gather_vocab_parallel  # noqa: E402
 
@@ -22,7 +22,7 @@ def main():
     pretrain, ckpt, role, out = sys.argv[1:5]
     torch.set_num_threads(1)
     mesh = initialize_mesh(2, 1)
-    eng = ModelEngine(mesh, pretrain, lora=LoraConfig(rank=8, alpha=16.0), name=role)
+    eng = ModelRole(mesh, pretrain, lora=LoraConfig(rank=8, alpha=16.0), name=role)
     Checkpointer(mesh, ckpt).load({role: eng})
     ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46, 47, 48]])
     logits = gather_vocab_parallel(eng.forward([{"input_ids": ids}])[0]["output"])[..., : eng.spec.vocab_size]

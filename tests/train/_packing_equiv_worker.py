@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 tests/train/_packing_equiv_worker.py MODEL SFT_JSONL RM_JSONL OUT_JSON [tp1,tp2,pp2]
 
 For each layout and task, two engines load the same weights; one steps on padded micro-batches, the other on
-the same samples packed, both built by ``rlhf.trainer.make_microbatches`` and scored by the task's own loss
+the same samples packed, both built by ``rlhf.supervised.loop.make_microbatches`` and scored by the task's own loss
 (as the trainer does). No gradient clipping, so the gradients are compared raw; a large Adam eps keeps the
 step close to lr * gradient, so the weights after it compare tightly too. Rank 0 writes the worst
 differences over ranks: the step's loss, every gradient (relative to its largest entry) and every weight
@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from rlhf import rm, sft  # noqa: E402
+from rlhf.supervised import rm  # noqa: E402
+from rlhf.supervised import sft
 from rlhf.distributed import destroy_mesh, initialize_mesh  # noqa: E402
-from rlhf.engine import ModelEngine, OptimConfig  # noqa: E402
-from rlhf.trainer import make_microbatches  # noqa: E402
+from rlhf.runtime.role import ModelRole, OptimConfig  # noqa: E402
+from rlhf.supervised.loop import make_microbatches  # noqa: E402
 
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 SAMPLES_PER_RANK, PER_MICROBATCH = 6, 3
@@ -33,7 +34,7 @@ def load_samples(task_mod, model: str, data: str, tokenizer) -> list:
     p = argparse.ArgumentParser()
     task_mod.add_args(p)
     args = p.parse_args(["--pretrain", model, "--dataset", data, "--save_path", "unused", "--max_len", "64"])
-    from rlhf.trainer import build_job
+    from rlhf.supervised.loop import build_job
 
     task = task_mod.TASK()
     train, _, _ = task.load_data(build_job(args, task), tokenizer)
@@ -46,7 +47,7 @@ def step(mesh, model: str, task, groups: list, tokenizer, packing: bool):
     # turns rounding noise in near-zero gradients into full-size weight differences. eps=1 keeps it ~ lr * g.
     optim = OptimConfig(lr=1e-2, warmup_ratio=0.0, scheduler="constant", clip_grad=0.0, adam_eps=1.0,
                         total_steps=1)
-    engine = ModelEngine(mesh, model, optim=optim, value_head=task.value_head, name=task.name)
+    engine = ModelRole(mesh, model, optim=optim, value_head=task.value_head, name=task.name)
     mbs = make_microbatches(task, groups, tokenizer, packing=packing, same_shape=mesh.pp > 1)
     m = engine.train_step(mbs, task.loss_fn(engine), task.metric_keys, output=task.output)
     grads = {n: p.main_grad.detach().clone() for n, p in engine.model.named_parameters()}

@@ -1,4 +1,4 @@
-"""--aux_loss_coef reaches a real SFT job on a tiny Mixtral (the launcher's body, rlhf.trainer.main, in this process,
+"""--aux_loss_coef reaches a real SFT job on a tiny Mixtral (the launcher's body, rlhf.supervised.loop.main, in this process,
 one rank): from the same initial weights and data, two steps at 0.05 end with other router weights than at 0 (the
 load-balancing loss moved them), and at 0.05 twice with the same ones (the difference is the flag's, not noise). The
 gradients the loss gives, its CP invariance and its effect on them: tests/models/test_context_parallel.py; megatron's
@@ -18,9 +18,9 @@ def _sft(train_setup, model, out, monkeypatch, coef: str) -> dict:
     from safetensors.torch import load_file
 
     from helpers import free_port
-    from rlhf import sft
+    from rlhf.supervised import sft
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.trainer import main
+    from rlhf.supervised.loop import main
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     argv = ["--pretrain", model, "--dataset", train_setup["sft"], "--save_path", str(out), "--train_batch_size", "8",

@@ -32,8 +32,8 @@ def test_transformers_builds_an_empty_tokenizer_there(vocabless):
 
 
 def test_the_folder_is_refused_before_anything_loads(vocabless, tmp_path, capsys):
-    from rlhf import sft
-    from rlhf.trainer import main
+    from rlhf.supervised import sft
+    from rlhf.supervised.loop import main
 
     data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(16, 0))
     out = tmp_path / "out"

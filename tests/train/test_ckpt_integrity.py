@@ -13,20 +13,20 @@ import torch
 def ckpt_run(tmp_path_factory):
     """Checkpoints at steps 1 and 2 of an engine whose weights change between them; their weights."""
     from helpers import free_port
-    from rlhf.checkpoint import Checkpointer
+    from rlhf.runtime.checkpoint import Checkpointer
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.runtime.role import ModelRole, OptimConfig
     from rlhf.models.tiny import make_tiny_hf
 
     work = tmp_path_factory.mktemp("ckpt")
     make_tiny_hf(str(work / "hf"), "llama", seed=0, num_hidden_layers=2, hidden_size=64)
     mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
-    eng = ModelEngine(mesh, str(work / "hf"), optim=OptimConfig(lr=1e-3, total_steps=4, warmup_ratio=0.0),
+    eng = ModelRole(mesh, str(work / "hf"), optim=OptimConfig(lr=1e-3, total_steps=4, warmup_ratio=0.0),
                       name="sft")
     ckpt = Checkpointer(mesh, str(work / "ckpts"), max_ckpt_num=3)
     from rlhf.data import SFTSample, collate_sft
-    from rlhf.sft import SFTTask
+    from rlhf.supervised.sft import SFTTask
 
     t = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     mb = collate_sft([SFTSample(t([5, 6, 7, 2, 9]), torch.tensor([0, 0, 1, 1, 1]).bool(), 2, "a")], 0)
@@ -72,7 +72,7 @@ def test_roles_are_saved_one_at_a_time_and_the_older_layout_loads(ckpt_run):
     before the next role's); a checkpoint written before that, every role in state/ itself, still resumes."""
     import shutil
 
-    from rlhf.checkpoint import write_ckpt_manifest
+    from rlhf.runtime.checkpoint import write_ckpt_manifest
 
     path = ckpt_run["path"]
     folder = os.path.join(path, "iter_0000002")
@@ -96,7 +96,7 @@ def test_roles_are_saved_one_at_a_time_and_the_older_layout_loads(ckpt_run):
 
 @pytest.mark.parametrize("damage", ["truncated", "missing", "changed", "garbage_latest"])
 def test_damaged_latest_falls_back_with_a_warning(ckpt_run, damage, caplog):
-    from rlhf.checkpoint import verify_ckpt
+    from rlhf.runtime.checkpoint import verify_ckpt
 
     path = ckpt_run["path"]
     folder = os.path.join(path, "iter_0000002")
@@ -122,7 +122,7 @@ def test_damaged_latest_falls_back_with_a_warning(ckpt_run, damage, caplog):
                 f.write(b"\x00\xffnot a checkpoint")
         problem = verify_ckpt(folder)
         assert (problem is None) == (damage == "garbage_latest"), problem
-        with caplog.at_level(logging.WARNING, logger="rlhf.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="rlhf.runtime.checkpoint"):
             expect = 2 if damage == "garbage_latest" else 1
             assert ckpt_run["ckpt"].resolve() == os.path.join(path, f"iter_000000{expect}")
             _load(ckpt_run, expect)
@@ -139,7 +139,7 @@ def test_damaged_latest_falls_back_with_a_warning(ckpt_run, damage, caplog):
 
 
 def test_nothing_intact_is_a_clear_error(ckpt_run, tmp_path):
-    from rlhf.checkpoint import Checkpointer
+    from rlhf.runtime.checkpoint import Checkpointer
 
     empty = Checkpointer(ckpt_run["mesh"], str(tmp_path / "none"))
     with pytest.raises(ValueError, match=r"--load_checkpoint: no intact checkpoint under --ckpt_path"):
@@ -159,7 +159,7 @@ def test_nothing_intact_is_a_clear_error(ckpt_run, tmp_path):
 def test_a_failed_save_keeps_the_previous_checkpoint(ckpt_run, monkeypatch):
     """A full disk during a save: the error surfaces, nothing is published, `latest` still names step 2, its
     temporary folder is gone, and the previous checkpoint still loads."""
-    import rlhf.checkpoint as ck
+    import rlhf.runtime.checkpoint as ck
 
     real_save = torch.save
 
@@ -191,7 +191,7 @@ def test_saves_leave_no_helper_process(ckpt_run):
 
 def test_the_first_save_size_is_estimated_before_writing(ckpt_run):
     """Before the first checkpoint the free-space check uses the engines' bytes: within 25% of what was written."""
-    from rlhf.checkpoint import saved_bytes
+    from rlhf.runtime.checkpoint import saved_bytes
     from rlhf.models.checkpoint_io import folder_bytes
 
     written = folder_bytes(os.path.join(ckpt_run["path"], "iter_0000001"))
@@ -227,7 +227,7 @@ def test_an_export_that_cannot_fit_writes_nothing(ckpt_run, tmp_path, monkeypatc
     import collections
     import shutil
 
-    from rlhf.checkpoint import export_hf
+    from rlhf.runtime.checkpoint import export_hf
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2 ** 40, 2 ** 40, 2 ** 10))
@@ -248,7 +248,7 @@ def test_the_estimate_counts_each_replica_group_once(ckpt_run, dp, ep, cp, expec
     process, so the sum over ranks is this rank's share."""
     from types import SimpleNamespace
 
-    from rlhf.checkpoint import saved_bytes
+    from rlhf.runtime.checkpoint import saved_bytes
 
     model = torch.nn.Module()
     model.dense, model.expert = torch.nn.Parameter(torch.zeros(100)), torch.nn.Parameter(torch.zeros(60))

@@ -15,7 +15,7 @@ BUCKETS = [0, 3, 1, 2, 3, 0, 2, 1]
 
 
 def test_quantile_edges_and_buckets_by_hand():
-    from rlhf.conditional import bucket_of, quantile_edges
+    from rlhf.supervised.conditional import bucket_of, quantile_edges
 
     assert quantile_edges(SCORES, 4) == pytest.approx(EDGES, abs=1e-12)
     assert [bucket_of(s, EDGES) for s in SCORES] == BUCKETS
@@ -24,7 +24,7 @@ def test_quantile_edges_and_buckets_by_hand():
 
 
 def sft_args(argv):
-    from rlhf.sft import add_args
+    from rlhf.supervised.sft import add_args
 
     p = argparse.ArgumentParser()
     add_args(p)
@@ -34,8 +34,8 @@ def sft_args(argv):
 def test_prefix_in_prompt_not_in_loss_and_eval_on_train_edges(train_setup, tmp_path):
     from transformers import AutoTokenizer
 
-    from rlhf.conditional import load_conditional_split
-    from rlhf.sft import SFTTask
+    from rlhf.supervised.conditional import load_conditional_split
+    from rlhf.supervised.sft import SFTTask
 
     rows = [{"input": f"repeat: w{i} =", "output": f" w{i}", "score": s} for i, s in enumerate(SCORES)]
     data = write_jsonl(tmp_path / "scored.jsonl", rows)
@@ -43,7 +43,7 @@ def test_prefix_in_prompt_not_in_loss_and_eval_on_train_edges(train_setup, tmp_p
                                                   {"input": "repeat: lo =", "output": " lo", "score": -5.0}])
     args = sft_args(["--pretrain", train_setup["model"], "--dataset", data, "--eval_dataset", evals, "--save_path",
                      str(tmp_path / "o"), "--conditional", "--score_key", "score", "--reward_buckets", "4"])
-    from rlhf.trainer import build_job
+    from rlhf.supervised.loop import build_job
 
     job = build_job(args, SFTTask())  # the flags' own checks
     SFTTask().validate(job)
@@ -63,7 +63,7 @@ def test_prefix_in_prompt_not_in_loss_and_eval_on_train_edges(train_setup, tmp_p
 
 
 def test_prefix_of_a_message_list():
-    from rlhf.conditional import prefix_prompt
+    from rlhf.supervised.conditional import prefix_prompt
 
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert prefix_prompt(msgs, "<rm_score>: 4 ")[1]["content"] == "<rm_score>: 4 hi"
@@ -74,12 +74,12 @@ def test_prefix_of_a_message_list():
 def no_models(monkeypatch):
     import rlhf.distributed
     import rlhf.distributed.mesh
-    import rlhf.engine
+    import rlhf.runtime.role
 
     def boom(*a, **k):
         raise AssertionError("a model or process group was built before the input was checked")
 
-    monkeypatch.setattr(rlhf.engine.ModelEngine, "__init__", boom)
+    monkeypatch.setattr(rlhf.runtime.role.ModelRole, "__init__", boom)
     monkeypatch.setattr(rlhf.distributed.mesh, "initialize_mesh", boom)
     monkeypatch.setattr(rlhf.distributed, "initialize_mesh", boom)
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
@@ -98,9 +98,9 @@ def no_models(monkeypatch):
     (["--conditional", "--score_key", "nokey"], "--score_key 'nokey' must be a number"),
 ])
 def test_bad_input(train_setup, tmp_path, no_models, capsys, flags, needle):
-    from rlhf import sft
+    from rlhf.supervised import sft
     from rlhf.models.tiny import make_tiny_hf
-    from rlhf.trainer import main
+    from rlhf.supervised.loop import main
 
     rm = make_tiny_hf(str(tmp_path / "rm"), "llama", seq_cls=True, tokenizer_dir=train_setup["model"],
                       num_hidden_layers=1, hidden_size=64)

@@ -1,5 +1,5 @@
 """The seed systems' own launch commands: launch/dschat.py (DeepSpeed-Chat's steps mapped onto ours by
-rlhf/migration.py: the flags, its --data_split, the flags refused by name, and its three steps chained end to end
+rlhf/config/migration.py: the flags, its --data_split, the flags refused by name, and its three steps chained end to end
 on a Hub-named dataset from the local HF cache), and AIAK-RLHF's reward-model launch through
 ``python -m torch.distributed.launch``."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhf.migration import dschat_to_ours, split_parts
+from rlhf.config.migration import dschat_to_ours, split_parts
 
 
 def _flag(argv, name):

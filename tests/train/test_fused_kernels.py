@@ -1,5 +1,5 @@
 """``--use_liger_kernel`` (rlhf.models.fused) on the CPU: SFT's loss from the hidden states with the head fused
-(``rlhf.sft.fused_head_loss``) against the logits path (``sft_loss``, ``packed_sft_loss``) that the CPU runs by
+(``rlhf.supervised.sft.fused_head_loss``) against the logits path (``sft_loss``, ``packed_sft_loss``) that the CPU runs by
 default, and the flag's rules. The CUDA kernels themselves are compared with fp64 in tests/kernels/triton_cases.py
 (Triton's interpreter here; Liger's kernels on a GPU, in the GPU check)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from rlhf.algo.losses import packed_sft_loss, sft_loss
 from rlhf.models import fused
-from rlhf.sft import fused_head_loss
+from rlhf.supervised.sft import fused_head_loss
 
 
 def _engine(weight):

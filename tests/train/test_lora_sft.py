@@ -129,7 +129,7 @@ def test_lora_packed_sft_at_cp2_matches_cp1(train_setup, lora_base, tmp_path):
     loss read on each rank's own tokens) against one rank. Measured (Intel Xeon with AMX): losses within 4e-8 and
     grad norms within 7e-8 relative; bound 1e-6, fp32 reduction order only. Negative control: counting each
     micro-batch's tokens on both CP ranks (rlhf.models.pipeline.once_per_cp_group off) halves the step-1 grad norm."""
-    from rlhf.metrics import read_metrics_jsonl
+    from rlhf.observability.metrics import read_metrics_jsonl
 
     got = {}
     for cp in (1, 2):

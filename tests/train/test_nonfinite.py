@@ -1,7 +1,7 @@
 """The non-finite guard: an update whose loss or grad norm is not finite is skipped (parameters, optimizer state
 and scheduler untouched) and counted; --max_skipped_steps in a row stop the job with a one-line error; nothing
 non-finite is checkpointed or exported. Engine-level checks on one in-process rank, then the real SFT and RM
-entry points (rlhf.trainer.main, in this process) at a learning rate that overflows."""
+entry points (rlhf.supervised.loop.main, in this process) at a learning rate that overflows."""
 import math
 import os
 
@@ -14,13 +14,13 @@ def engine(tmp_path_factory):
     from helpers import free_port
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.engine import ModelEngine, OptimConfig
+    from rlhf.runtime.role import ModelRole, OptimConfig
     from rlhf.models.tiny import make_tiny_hf
 
     work = tmp_path_factory.mktemp("nonfinite")
     make_tiny_hf(str(work / "hf"), "llama", seed=0, num_hidden_layers=2, hidden_size=64)
     mesh = initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"))
-    eng = ModelEngine(mesh, str(work / "hf"), optim=OptimConfig(lr=1e-3, total_steps=10, warmup_ratio=0.0,
+    eng = ModelRole(mesh, str(work / "hf"), optim=OptimConfig(lr=1e-3, total_steps=10, warmup_ratio=0.0,
                                                                 max_skipped_steps=3), name="sft")
     yield eng, mesh, work
     destroy_mesh()
@@ -53,8 +53,8 @@ def _same(a, b) -> bool:
 
 
 def test_non_finite_updates_are_skipped_then_stop(engine):
-    from rlhf.engine import TrainingDiverged
-    from rlhf.sft import SFTTask
+    from rlhf.runtime.role import TrainingDiverged
+    from rlhf.supervised.sft import SFTTask
 
     eng, _, _ = engine
     sft = SFTTask().loss_fn(eng)
@@ -90,8 +90,8 @@ def test_a_step_without_loss_tokens_is_not_a_divergence(engine):
     as a non-finite loss, nothing moves, and --max_skipped_steps in a row stop the job advising to check the data
     (not to lower the learning rate). A micro-batch without loss tokens beside one with some trains normally."""
     from rlhf.data import SFTSample, collate_sft
-    from rlhf.engine import TrainingDiverged
-    from rlhf.sft import SFTTask
+    from rlhf.runtime.role import TrainingDiverged
+    from rlhf.supervised.sft import SFTTask
 
     eng, _, _ = engine
     sft = SFTTask().loss_fn(eng)
@@ -114,8 +114,8 @@ def test_a_step_without_loss_tokens_is_not_a_divergence(engine):
 
 
 def test_non_finite_weights_are_never_saved(engine):
-    from rlhf.checkpoint import Checkpointer
-    from rlhf.engine import TrainingDiverged
+    from rlhf.runtime.checkpoint import Checkpointer
+    from rlhf.runtime.role import TrainingDiverged
 
     eng, mesh, work = engine
     w = eng.model.decoder.final_layernorm.weight
@@ -138,9 +138,10 @@ def test_overflowing_run_stops_with_one_line_and_saves_nothing(train_setup, tmp_
     are skipped, and after --max_skipped_steps 2 the entry point returns 3 with one ``error:`` line; no checkpoint
     and no HF model were written."""
     from helpers import free_port
-    from rlhf import rm, sft
+    from rlhf.supervised import rm
+    from rlhf.supervised import sft
     from rlhf.distributed.mesh import destroy_mesh
-    from rlhf.trainer import main
+    from rlhf.supervised.loop import main
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     data = ["--dataset", train_setup["sft"], "--input_key", "input", "--output_key", "output"] if task == "sft" \

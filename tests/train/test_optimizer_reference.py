@@ -28,12 +28,12 @@ def _batch(i: int):
 
 def _rank(rank: int, port: int, hf: str, out: str) -> None:
     torch.set_num_threads(1)
-    from rlhf.checkpoint import uses_distributed_optimizer
+    from rlhf.runtime.checkpoint import uses_distributed_optimizer
     from rlhf.compat.megatron import inner_optimizers
     from rlhf.compat.onednn import _forward_impl as onednn_forward
     from rlhf.distributed import DistEnv, initialize_mesh
-    from rlhf.engine import ModelEngine, OptimConfig
-    from rlhf.sft import SFTTask
+    from rlhf.runtime.role import ModelRole, OptimConfig
+    from rlhf.supervised.sft import SFTTask
 
     mesh = initialize_mesh(1, 1, DistEnv(rank, 2, rank, "127.0.0.1", port, "torchrun"))
     result = {}
@@ -41,7 +41,7 @@ def _rank(rank: int, port: int, hf: str, out: str) -> None:
         os.environ["RLHF_CPU_LINEAR"] = kernel
         optim = OptimConfig(lr=LR, total_steps=STEPS, warmup_ratio=0.0, scheduler="constant",
                             adam_betas=(0.9, 0.999), clip_grad=1.0, use_distributed_optimizer=zero >= 1)
-        eng = ModelEngine(mesh, hf, optim=optim, name=f"sft_{kernel}_zero{zero}")
+        eng = ModelRole(mesh, hf, optim=optim, name=f"sft_{kernel}_zero{zero}")
         mine = [_batch(2 * rank), _batch(2 * rank + 1)]
         norms = [eng.train_step(mine, SFTTask().loss_fn(eng), ("loss",))["grad_norm"] for _ in range(STEPS)]
         logits = [o["output"][..., :eng.spec.vocab_size].detach().double() for o in eng.forward(mine)]

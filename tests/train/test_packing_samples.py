@@ -73,8 +73,8 @@ def test_flag_reaches_the_trainer_pp2(train_setup, tmp_path):
 
 
 def test_sliding_window_model_is_refused(tmp_path):
-    from rlhf import sft
-    from rlhf.config import SupervisedJob, validate_common
+    from rlhf.supervised import sft
+    from rlhf.config.job import SupervisedJob, validate_common
     from rlhf.models.tiny import make_tiny_hf
 
     model = make_tiny_hf(str(tmp_path / "mistral"), "mistral", num_hidden_layers=1, sliding_window=16)

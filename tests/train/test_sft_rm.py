@@ -41,7 +41,7 @@ def test_sft_loss_falls_tp2(train_setup, tmp_path):
 
 
 def _same_as_the_converter(save: str, hf: str, out) -> None:
-    """The HF export written in the job (rlhf/export.py: the weight sync's gather, in process) holds the tensors and
+    """The HF export written in the job (rlhf/runtime/export.py: the weight sync's gather, in process) holds the tensors and
     config that tools/convert_megatron_to_hf.py makes of the job's megatron copy (``<save>/megatron``), bit for bit
     (the converter ran at every export until 2026-11-28; here in this process, its own one-rank mesh)."""
     from safetensors.torch import load_file

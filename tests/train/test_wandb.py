@@ -48,8 +48,8 @@ def test_wandb_offline_logs_as_tensorboard_and_resume_continues_the_run(train_se
     from helpers import free_port
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from rlhf import sft
-    from rlhf.trainer import main as run_main
+    from rlhf.supervised import sft
+    from rlhf.supervised.loop import main as run_main
 
     def main(argv):
         return run_main(sft, argv)

@@ -7,7 +7,7 @@ from typing import List
 
 import torch
 
-from rlhf.verifiers import extract_boxed_answer, grade_answer
+from rlhf.rewards.verifiers import extract_boxed_answer, grade_answer
 
 
 def reward_func(queries: List[str], prompts: List[str], labels: List[str], **kwargs) -> dict:

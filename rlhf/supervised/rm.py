@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf.algo.losses import packed_sequence_rewards, pairwise_loss, sequence_rewards
-from rlhf.part import Part
-from rlhf.parts import KeysPart
+from rlhf.config.part import Part
+from rlhf.config.parts import KeysPart
 
 
 def rewards_of(batch: dict, values: torch.Tensor) -> torch.Tensor:
@@ -29,7 +29,7 @@ class RMTask:
 
     def load_data(self, job, tokenizer):
         from rlhf.data import build_rm_dataset
-        from rlhf.trainer import load_split
+        from rlhf.supervised.loop import load_split
 
         return load_split(job, tokenizer, build_rm_dataset)
 
@@ -90,11 +90,11 @@ class RMPart(Part):
 
 
 TASK_PARTS = {"keys": KeysPart, "rm": RMPart}
-"""RM's own parts of ``rlhf.config.SupervisedJob``"""
+"""RM's own parts of ``rlhf.config.job.SupervisedJob``"""
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_common_args
+    from rlhf.config.job import add_common_args
 
     add_common_args(p, lr=9e-6, epochs=1)
     KeysPart.add_args(p, pairs=True)

@@ -1,6 +1,6 @@
 """KTO (Kahneman-Tversky optimization) on unpaired desirable / undesirable samples, on the shared trainer loop.
 
-The reference and its per-step log-probs work as for DPO (rlhf/reference.py). KTO's reference point, the KL
+The reference and its per-step log-probs work as for DPO (rlhf/supervised/reference.py). KTO's reference point, the KL
 estimate, is computed per micro-batch: each micro-batch also carries its mismatched pairs (prompt ``b`` with the
 completion of sample ``b + 1``, rlhf/data/preference.py::collate_kto); the policy's and the reference's log-probs
 of those rows give ``mean(logp - ref_logp)``, clamped at 0 and detached (TRL and OpenRLHF do the same over their
@@ -18,9 +18,9 @@ from functools import partial
 import torch
 
 from rlhf.algo.preference_losses import kto_kl_estimate, kto_loss
-from rlhf.part import Part
-from rlhf.parts import KeysPart
-from rlhf.reference import ReferencePart, ReferenceTask, sequence_logprobs
+from rlhf.config.part import Part
+from rlhf.config.parts import KeysPart
+from rlhf.supervised.reference import ReferencePart, ReferenceTask, sequence_logprobs
 
 
 class KTOTask(ReferenceTask):
@@ -37,7 +37,7 @@ class KTOTask(ReferenceTask):
 
     def load_data(self, job, tokenizer):
         from rlhf.data.preference import build_kto_dataset
-        from rlhf.trainer import load_split
+        from rlhf.supervised.loop import load_split
 
         self.max_len = job.batch.max_len
         return load_split(job, tokenizer, partial(build_kto_dataset, label_key=job.task["kto"].label_key))
@@ -109,11 +109,11 @@ class KTOPart(Part):
 
 
 TASK_PARTS = {"reference": ReferencePart, "kto": KTOPart, "keys": KeysPart}
-"""KTO's own parts of ``rlhf.config.SupervisedJob``"""
+"""KTO's own parts of ``rlhf.config.job.SupervisedJob``"""
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_common_args
+    from rlhf.config.job import add_common_args
 
     add_common_args(p, lr=5e-7, epochs=1)
     ReferencePart.add_args(p)

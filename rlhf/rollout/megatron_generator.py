@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.rollout.types import RolloutConfig, Sample
-from rlhf.rollout.vllm_engine import gather_samples
+from rlhf.rollout.vllm_generator import gather_samples
 
 log = logging.getLogger(__name__)
 

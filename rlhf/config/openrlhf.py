@@ -269,6 +269,13 @@ def without_effect(entry: str) -> list[str]:
     return out
 
 
+def entry_name(module: str) -> str:
+    """The translation table's name of the entry point whose flags ``module`` defines: ``rlhf.supervised.dpo`` ->
+    dpo, ``rlhf.offline.rejection_sampling`` -> rejection_sampling, ``rlhf.ppo.args`` -> ppo."""
+    parts = module.removeprefix("rlhf.").split(".")
+    return parts[1] if parts[0] in ("supervised", "offline") and len(parts) > 1 else parts[0]
+
+
 def translate(argv: list[str], entry: str, known: set[str]) -> list[str]:
     """``argv`` with OpenRLHF's dotted flags (not in ``known``, the parser's own option strings) rewritten into
     ours; ``--flag=value`` forms too. ValueError naming a refused flag, or a value that has no counterpart."""

@@ -1,6 +1,6 @@
-"""The frozen reference of the preference workflows (DPO, KTO), on the shared trainer loop (rlhf/trainer.py).
+"""The frozen reference of the preference workflows (DPO, KTO), on the shared trainer loop (rlhf/supervised/loop.py).
 
-The reference is a second, frozen ``ModelEngine`` with the policy's TP/PP layout, from ``--ref_pretrain``
+The reference is a second, frozen ``ModelRole`` with the policy's TP/PP layout, from ``--ref_pretrain``
 (default ``--pretrain``). Its sequence log-probs are computed once per step, forward only, before the policy's
 train step (``before_step``), and attached to the micro-batches; eval batches get theirs once (the reference
 is frozen). With PP both engines' last stages are the same ranks, which is where the loss reads them.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rlhf.algo.losses import next_token_logprobs
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 log = logging.getLogger("rlhf")
 
@@ -63,19 +63,19 @@ def sequence_logprobs(engine, batch: dict, logits: torch.Tensor, inplace_backwar
 
 class Reference:
     """The frozen reference engine and its log-probs. ``--ref_offload``: its weights live in host memory between
-    its forwards (``rlhf.offload.OffloadManager``; on a CPU device only with ``RLHF_OFFLOAD_ON_CPU=1``)."""
+    its forwards (``rlhf.runtime.offload.OffloadManager``; on a CPU device only with ``RLHF_OFFLOAD_ON_CPU=1``)."""
 
     def __init__(self, job, mesh) -> None:
         """``job``: the ``SupervisedJob``, whose ``task["reference"]`` is the ``ReferencePart``."""
-        from rlhf.engine import ModelEngine
+        from rlhf.runtime.role import ModelRole
 
         ref = job.task["reference"]
         path = ref.ref_pretrain or job.model.pretrain
-        self.engine = ModelEngine(mesh, path, value_head=False, bf16=job.engine.bf16, name="ref",
+        self.engine = ModelRole(mesh, path, value_head=False, bf16=job.engine.bf16, name="ref",
                                   transformer_impl=job.engine.transformer_impl)
         self.offload = None
         if ref.ref_offload:
-            from rlhf.offload import OffloadManager, cpu_offload_moves
+            from rlhf.runtime.offload import OffloadManager, cpu_offload_moves
 
             # As PPO does: on a CPU device the host is the device, so a copy cannot lower peak memory and nothing
             # moves unless RLHF_OFFLOAD_ON_CPU=1 (which the tests set, so the CUDA code path runs on CPU).

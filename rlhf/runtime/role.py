@@ -1,6 +1,6 @@
 """One model role on the megatron stack: build, load, optimizer, scheduler, train step, forward, checkpoint state.
 
-SFT, the reward model and each PPO role are a ``ModelEngine``. The trainer loops only see
+SFT, the reward model and each PPO role are a ``ModelRole``. The trainer loops only see
 ``engine.train_step(microbatches, loss_fn)`` and ``engine.forward(microbatches)``.
 
 Losses follow megatron's per-token contract (``calculate_per_token_loss``): a loss function returns
@@ -125,7 +125,7 @@ def _set_vision_trainable(model, freeze: bool, mesh: ParallelMesh, name: str) ->
         log.info("%s: vision tower (%d parameters on this rank) %s", name, sum(p.numel() for p in tower),
                  "frozen (--freeze_vision_tower)" if freeze else "trained, replicated over TP, data-parallel")
 
-class ModelEngine:
+class ModelRole:
     """A (possibly trainable) megatron model for one role, at this rank's TP/PP position."""
 
     def __init__(self, mesh: ParallelMesh, ckpt_dir: str, *, optim: OptimConfig | None = None,

@@ -34,7 +34,7 @@ class Task(Protocol):
 
     def export_extra(self, engine, batches: list[dict]) -> dict[str, Any]: ...
 
-    # ``job``: the ``SupervisedJob`` (rlhf.config): the shared parts, and the task's own in ``job.task``.
+    # ``job``: the ``SupervisedJob`` (rlhf.config.job): the shared parts, and the task's own in ``job.task``.
     # Optional hooks (DPO/KTO use them; SFT/RM do not define them):
     #   validate(job)                       task flag checks, before the process group and any model
     #   setup(job, mesh, engine)            after the trained engine is built, e.g. a frozen reference engine
@@ -45,7 +45,7 @@ class Task(Protocol):
 
 def load_split(job, tokenizer, build) -> tuple[list, list, dict[str, float]]:
     """Train samples from --dataset; eval samples from --eval_dataset, or the last --eval_split of --dataset."""
-    from rlhf.config import data_configs, hold_out
+    from rlhf.config.job import data_configs, hold_out
 
     cfg, eval_cfg = data_configs(job)
     train, stats = build(cfg, tokenizer)
@@ -111,7 +111,7 @@ def prepare(args: argparse.Namespace, task: Task, world_size: int, task_parts: d
     """Every check on the flags and the data before the process group and any model: the job's configuration
     (``SupervisedJob``, built here once: each part checks its own values), the tokenizer, the train and eval
     samples, the data statistics and the number of optimizer steps."""
-    from rlhf.config import validate_common
+    from rlhf.config.job import validate_common
 
     job = build_job(args, task, task_parts)
     validate_common(job, world_size)
@@ -138,7 +138,7 @@ def build_job(args: argparse.Namespace, task: Task, task_parts: dict | None = No
     ``TASK_PARTS`` of the task's module), each checking its own values as it is built."""
     import sys
 
-    from rlhf.config import SupervisedJob
+    from rlhf.config.job import SupervisedJob
 
     if task_parts is None:  # the task's module says which parts are its own
         task_parts = getattr(sys.modules[type(task).__module__], "TASK_PARTS", {})
@@ -149,12 +149,12 @@ def run(args: argparse.Namespace, task: Task, task_parts: dict | None = None) ->
     """The job from the flags (``prepare``), then the mesh, the engine, the sampler and the checkpoints from its
     parts; the task's hooks take the job. ``args`` (the parsed flags) remain for the ranks' consistency check, the
     logged configuration and the HF export, which take every flag by name."""
-    from rlhf.checkpoint import Checkpointer
-    from rlhf.config import log_compat_mappings
+    from rlhf.runtime.checkpoint import Checkpointer
+    from rlhf.config.job import log_compat_mappings
     from rlhf.data import BatchConfig, DistributedBatchSampler
     from rlhf.distributed import DistEnv, initialize_mesh
-    from rlhf.engine import ModelEngine
-    from rlhf.metrics import setup_logging
+    from rlhf.runtime.role import ModelRole
+    from rlhf.observability.metrics import setup_logging
 
     env = DistEnv.from_environ()
     setup_logging(env.rank)
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace, task: Task, task_parts: dict | None = None) ->
         log.info("%s: %d train / %d eval samples (%s); %d steps of %d samples on dp=%d tp=%d pp=%d", task.name,
                  len(train), len(evals), ", ".join(f"{k}={v:g}" for k, v in stats.items()), total_steps,
                  batch.train_batch_size, mesh.dp, mesh.tp, mesh.pp)
-    engine = ModelEngine(mesh, job.model.pretrain,
+    engine = ModelRole(mesh, job.model.pretrain,
                          optim=job.optim.config(job.optim.learning_rate, total_steps, eng.zero_stage >= 1),
                          value_head=task.value_head, bf16=eng.bf16, transformer_impl=eng.transformer_impl,
                          recompute=eng.gradient_checkpointing, name=task.name, lora=job.lora.config(eng.seed),
@@ -203,7 +203,7 @@ class SupervisedLoop:
                  total_steps: int):
         """``job``: the ``SupervisedJob`` (batching, checkpoints, logging; the task's hooks take it); ``args``: the
         parsed flags, for the HF export and the run's logged config."""
-        from rlhf.metrics import MetricsLogger
+        from rlhf.observability.metrics import MetricsLogger
 
         self.job, self.args, self.task, self.tokenizer, self.engine = job, args, task, tokenizer, engine
         self.sampler, self.ckpt, self.total_steps, self.mesh = sampler, ckpt, total_steps, engine.mesh
@@ -226,7 +226,7 @@ class SupervisedLoop:
         result: dict[str, Any] = {}
         loss_fn = task.loss_fn(engine)
         start_step = step
-        from rlhf.profiling import StepProfiler
+        from rlhf.observability.profiling import StepProfiler
 
         profiler = StepProfiler(self.job.checkpoint.save_path, mesh.is_rank0)
         set_phase("train")  # between the named phases below
@@ -257,7 +257,7 @@ class SupervisedLoop:
         task, engine, mesh = self.task, self.engine, self.mesh
         microbatches = self.batches([[train[i] for i in idx] for idx in self.sampler.next_step()])
         cuda = mesh.device.type == "cuda"
-        if cuda:  # the step's peak device memory, as PPO's phases log theirs (rlhf.metrics.PhaseTimer)
+        if cuda:  # the step's peak device memory, as PPO's phases log theirs (rlhf.observability.metrics.PhaseTimer)
             torch.cuda.reset_peak_memory_stats(mesh.device)
         t0 = time.time()
         pre = task.before_step(engine, microbatches) if hasattr(task, "before_step") else {}
@@ -276,7 +276,7 @@ class SupervisedLoop:
 
     def export(self, train: list, result: dict[str, Any]) -> dict[str, Any]:
         """The task's statistics over the training data (e.g. reward mean/std), then the HF export."""
-        from rlhf.checkpoint import export_hf
+        from rlhf.runtime.checkpoint import export_hf
 
         args, mesh, mbs = self.args, self.mesh, self.job.batch.micro_train_batch_size
         train_batches = self.batches([train[i:i + mbs] for i in range(0, len(train), mbs)])
@@ -295,6 +295,6 @@ class SupervisedLoop:
 def main(task_mod, argv=None) -> int:
     """The body of ``launch/sft.py`` and ``launch/rm.py``: flags of ``task_mod``, run its task, ``error:`` line
     and exit 2 on bad input."""
-    from rlhf.config import cli_main
+    from rlhf.config.job import cli_main
 
     return cli_main(task_mod.add_args, lambda args: run(args, task_mod.TASK(), task_mod.TASK_PARTS), argv)

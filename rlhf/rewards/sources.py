@@ -13,7 +13,7 @@ A rule function is ``fn(prompts: list[str], responses: list[str]) -> list[float]
 signature as ``--gold_reward_fn``): ``prompts`` are the prompt texts as the model saw them (template applied),
 ``responses`` the decoded replies without special tokens.
 
-The reward models are frozen megatron engines (``rlhf.engine.ModelEngine`` with a value head); the score of a
+The reward models are frozen megatron engines (``rlhf.runtime.role.ModelRole`` with a value head); the score of a
 sequence is the head's output at its last token, as HF ``*ForSequenceClassification`` computes it.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from rlhf.models.reward_format import reward_stats
-from rlhf.part import Part
-from rlhf.remote_rm import (RemoteRewards, call_remote_rm, call_remote_rm_full,  # noqa: F401 (re-exported)
+from rlhf.config.part import Part
+from rlhf.rewards.remote import (RemoteRewards, call_remote_rm, call_remote_rm_full,  # noqa: F401 (re-exported)
                             check_remote_rm, is_reward_file, load_reward_file)
 
 RewardFn = Callable[[list, list], list]
@@ -67,7 +67,7 @@ def takes_labels(fn) -> bool:
 def call_reward_fn(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
                    flag: str = "--reward_fn", labels: Sequence | None = None) -> torch.Tensor:
     """One float per response, checked. (N,) fp32. A function with a ``labels`` parameter also gets ``labels``
-    (e.g. ``rlhf.verifiers:math_reward``)."""
+    (e.g. ``rlhf.rewards.verifiers:math_reward``)."""
     return call_reward_fn_full(fn, prompts, responses, flag, labels)[0]
 
 
@@ -96,7 +96,7 @@ def add_reward_args(g) -> None:
     """The reward sources of PPO and rejection sampling (``RewardConfig``)."""
     g.add_argument("--reward_pretrain", default=None,
                    help="reward model(s), comma-separated: HF *ForSequenceClassification folders or megatron "
-                        "checkpoints (rlhf/rewards.py)")
+                        "checkpoints (rlhf/rewards/sources.py)")
     g.add_argument("--reward_weights", default=None, help="one weight per reward model (default 1.0 each: a sum)")
     g.add_argument("--reward_fn", default=None,
                    help="rule reward module:function, fn(prompts, responses) -> list[float]; alone or added; "
@@ -317,11 +317,11 @@ def score_with_models(cfg: RewardConfig, seqs: Sequence[Sequence[int]], pad_id: 
     time, data-parallel (``score_sequences``)."""
     import gc
 
-    from rlhf.engine import ModelEngine
+    from rlhf.runtime.role import ModelRole
 
     scores: dict[str, torch.Tensor] = {}
     for name, path in zip(cfg.rm_names, cfg.paths):
-        rm = ModelEngine(mesh, path, value_head=True, name=name, bf16=bf16, transformer_impl=transformer_impl)
+        rm = ModelRole(mesh, path, value_head=True, name=name, bf16=bf16, transformer_impl=transformer_impl)
         scores[name] = score_sequences(rm, seqs, pad_id, micro_batch_size).cpu()
         del rm
         gc.collect()

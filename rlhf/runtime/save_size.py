@@ -1,5 +1,5 @@
 """What a save writes, counted before it is written: ``saved_bytes`` (summed over ranks) lets a checkpoint save
-(``rlhf.checkpoint``) and the final HF export (``rlhf.export``) refuse one that cannot fit on the disk."""
+(``rlhf.runtime.checkpoint``) and the final HF export (``rlhf.runtime.export``) refuse one that cannot fit on the disk."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -12,7 +12,7 @@ def saved_bytes(engines: Mapping[str, Any], mesh: Any, optimizer: bool = True) -
     """What a save of ``engines`` writes, summed over ranks (a collective): each parameter shard once per
     data-parallel group (expert weights once per expert-data-parallel group), and with ``optimizer`` the optimizer
     states and fp32 main params once (sharded with ZeRO-1, else replicated like their parameter)."""
-    from rlhf.offload import torch_optimizers
+    from rlhf.runtime.offload import torch_optimizers
 
     def replicas(p) -> int:  # megatron marks expert weights under EP > 1 allreduce=False: replicated dp/ep times
         return mesh.dp * mesh.cp if getattr(p, "allreduce", True) else max(1, mesh.dp // mesh.ep)

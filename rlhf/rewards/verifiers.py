@@ -1,6 +1,6 @@
 """Verifiable rewards: the answer of a reply, checked against a reference answer (``--label_key``).
 
-    --reward_fn rlhf.verifiers:math_reward --label_key answer
+    --reward_fn rlhf.rewards.verifiers:math_reward --label_key answer
 
 * ``extract_boxed_answer(text)``: the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces
   included; ``extract_last_number(text)``: the last number written in the text (``-3``, ``1,234``, ``0.5``, ``3/4``).
@@ -13,7 +13,7 @@
   to the label, else 0.0; a ``--reward_fn`` that takes labels.
 
 OpenRLHF's reward files that import ``extract_boxed_answer, grade_answer`` from ``openrlhf.utils`` run here with
-that import line changed to ``from rlhf.verifiers import extract_boxed_answer, grade_answer``.
+that import line changed to ``from rlhf.rewards.verifiers import extract_boxed_answer, grade_answer``.
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def answer_of(response: str) -> str | None:
 
 def math_reward(prompts: Sequence[str], responses: Sequence[str], labels: Sequence) -> list[float]:
     """1.0 for a reply whose answer (``answer_of``) grades equal to its label, else 0.0 (``--reward_fn
-    rlhf.verifiers:math_reward --label_key <the answer field>``)."""
+    rlhf.rewards.verifiers:math_reward --label_key <the answer field>``)."""
     if labels is None or any(lb is None for lb in labels):
-        raise ValueError("rlhf.verifiers:math_reward needs each prompt's answer: set --label_key")
+        raise ValueError("rlhf.rewards.verifiers:math_reward needs each prompt's answer: set --label_key")
     return [1.0 if grade_answer(answer_of(r), str(lb)) else 0.0 for r, lb in zip(responses, labels)]

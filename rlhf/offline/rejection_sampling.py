@@ -1,5 +1,5 @@
 """Rejection sampling (best-of-N): sample N responses per prompt with the colocated vLLM engine, score them with
-one or more reward models (and/or a rule function, ``rlhf/rewards.py``), keep the best per prompt and write a
+one or more reward models (and/or a rule function, ``rlhf/rewards/sources.py``), keep the best per prompt and write a
 jsonl that ``launch/sft.py`` trains on as it is.
 
     torchrun --nproc_per_node 2 launch/rejection_sampling.py --pretrain <policy> --reward_pretrain rm_a,rm_b \
@@ -32,9 +32,9 @@ log = logging.getLogger("rlhf")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_parallel_args, add_rollout_backend_args, add_sampling_args, add_text_args
-    from rlhf.parts import add_precision_seed_args
-    from rlhf.rewards import add_reward_args
+    from rlhf.config.job import add_parallel_args, add_rollout_backend_args, add_sampling_args, add_text_args
+    from rlhf.config.parts import add_precision_seed_args
+    from rlhf.rewards.sources import add_reward_args
 
     g = p.add_argument_group("models")
     g.add_argument("--pretrain", required=True, help="the policy: HF folder or megatron checkpoint")
@@ -57,9 +57,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def validate(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     """Flags and model configs, before any process group or model."""
-    from rlhf.config import check_paths_exist
+    from rlhf.config.job import check_paths_exist
     from rlhf.distributed.mesh import validate_layout
-    from rlhf.rewards import RewardConfig
+    from rlhf.rewards.sources import RewardConfig
     from rlhf.rollout import plan_policy_generator
 
     tp = args.tensor_model_parallel_size
@@ -103,8 +103,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rlhf.models.source import load_tokenizer
     from rlhf.distributed import DistEnv, initialize_mesh
     from rlhf.distributed.health import check_config_consistency
-    from rlhf.metrics import setup_logging
-    from rlhf.rewards import score_with_models
+    from rlhf.observability.metrics import setup_logging
+    from rlhf.rewards.sources import score_with_models
     from rlhf.rollout import build_policy_generator
 
     env = DistEnv.from_environ()
@@ -149,7 +149,7 @@ def write_best(args: argparse.Namespace, v: dict, samples: list, scores: dict, p
                tokenizer) -> dict[str, float]:
     """Rank 0: the rule reward, the combined score, the best sample per prompt -> --output_path (and every
     sample -> --candidates_path). Returns the mean scores."""
-    from rlhf.rewards import call_remote_rm, call_reward_fn, combine_rewards, load_reward_fn
+    from rlhf.rewards.sources import call_remote_rm, call_reward_fn, combine_rewards, load_reward_fn
 
     rewards = v["rewards"]
     replies = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
@@ -179,6 +179,6 @@ def write_best(args: argparse.Namespace, v: dict, samples: list, scores: dict, p
 
 
 def main(argv=None) -> int:
-    from rlhf.config import cli_main
+    from rlhf.config.job import cli_main
 
     return cli_main(add_args, run, argv)

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from rlhf.distributed.mesh import ParallelMesh
-from rlhf.export import export_hf as _export_hf
+from rlhf.runtime.export import export_hf as _export_hf
 from rlhf.models.checkpoint_io import folder_bytes, require_free_space
-from rlhf.save_size import saved_bytes, uses_distributed_optimizer
+from rlhf.runtime.save_size import saved_bytes, uses_distributed_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -337,9 +337,9 @@ DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
 def engine_sharded_state_dict(engine: Any, is_loading: bool = False) -> dict:
     """``engine.sharded_state_dict()``, with the distributed optimizer's state in a format that can be saved.
 
-    TODO: once ``ModelEngine.sharded_state_dict`` takes a ``metadata`` argument and passes it to
+    TODO: once ``ModelRole.sharded_state_dict`` takes a ``metadata`` argument and passes it to
     ``optimizer.sharded_state_dict``, call that with ``DIST_OPTIM_METADATA`` instead of rebuilding the optimizer
-    part here (rlhf/engine.py belongs to the PPO work).
+    part here (rlhf/runtime/role.py belongs to the PPO work).
     """
     if not uses_distributed_optimizer(engine):
         return engine.sharded_state_dict(is_loading=is_loading)
@@ -362,5 +362,5 @@ def _json_default(o: Any) -> Any:
 
 
 def export_hf(args: argparse.Namespace, engine, mesh, extra: dict[str, Any]) -> None:
-    """The final HF export (``rlhf.export.export_hf``), where every workflow takes it from."""
+    """The final HF export (``rlhf.runtime.export.export_hf``), where every workflow takes it from."""
     _export_hf(args, engine, mesh, extra)

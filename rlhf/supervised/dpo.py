@@ -1,7 +1,7 @@
-"""Direct preference optimization (DPO, IPO, cDPO) on the shared trainer loop (rlhf/trainer.py).
+"""Direct preference optimization (DPO, IPO, cDPO) on the shared trainer loop (rlhf/supervised/loop.py).
 
 The policy is the trainer's engine, built as for SFT (so everything the trainer applies to its engine applies
-here). The frozen reference and its per-step log-probs are ``rlhf.reference`` (shared with KTO).
+here). The frozen reference and its per-step log-probs are ``rlhf.supervised.reference`` (shared with KTO).
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.algo.preference_losses import PREFERENCE_LOSSES
-from rlhf.part import Part
-from rlhf.parts import KeysPart
-from rlhf.reference import ReferencePart, ReferenceTask, sequence_logprobs
+from rlhf.config.part import Part
+from rlhf.config.parts import KeysPart
+from rlhf.supervised.reference import ReferencePart, ReferenceTask, sequence_logprobs
 
 log = logging.getLogger("rlhf")
 
@@ -25,7 +25,7 @@ class DPOTask(ReferenceTask):
 
     def load_data(self, job, tokenizer):
         from rlhf.data.preference import build_dpo_dataset
-        from rlhf.trainer import load_split
+        from rlhf.supervised.loop import load_split
 
         return load_split(job, tokenizer, build_dpo_dataset)
 
@@ -41,7 +41,7 @@ class DPOTask(ReferenceTask):
         cfg, beta = self.job.task["dpo"], self.job.task["reference"].beta
         loss, eps = PREFERENCE_LOSSES[cfg.loss_type], cfg.label_smoothing
 
-        # The logits are read by this loss only, so their storage takes their gradient (see rlhf/sft.py).
+        # The logits are read by this loss only, so their storage takes their gradient (see rlhf/supervised/sft.py).
         @reads_local_tokens  # sequence_logprobs reads the logits of a CP rank's own tokens
         def fn(batch: dict, logits: torch.Tensor):
             logps = sequence_logprobs(engine, batch, logits, inplace_backward=True)  # (2B,)
@@ -83,11 +83,11 @@ class DPOPart(Part):
 
 
 TASK_PARTS = {"reference": ReferencePart, "dpo": DPOPart, "keys": KeysPart}
-"""DPO's own parts of ``rlhf.config.SupervisedJob``"""
+"""DPO's own parts of ``rlhf.config.job.SupervisedJob``"""
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_common_args
+    from rlhf.config.job import add_common_args
 
     add_common_args(p, lr=5e-7, epochs=1)
     ReferencePart.add_args(p)

@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 
 from rlhf.data.vision import VisionPart
 from rlhf.models.lora import LoraPart
-from rlhf.part import Job, Part
-from rlhf.parts import (BatchPart, CheckpointPart, EnginePart, LoggingPart, ModelPart, OptimPart, ParallelPart,
+from rlhf.config.part import Job, Part
+from rlhf.config.parts import (BatchPart, CheckpointPart, EnginePart, LoggingPart, ModelPart, OptimPart, ParallelPart,
                         TextPart)
 
 log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------- flag groups
-# Each flag is declared once, by the part that holds it (``rlhf.parts``, and the parts of the supervised jobs
+# Each flag is declared once, by the part that holds it (``rlhf.config.parts``, and the parts of the supervised jobs
 # below); every entry point composes the parts it needs (tests/cli freezes the result, tests/test_config_parts.py
 # checks that each flag belongs to one part). Defaults that differ per workflow are parameters.
 
@@ -119,8 +119,8 @@ class SupervisedOptim(OptimPart):
 @dataclass
 class SupervisedJob(Job):
     """The configuration of SFT, RM, DPO and KTO: the shared parts, and the task's own (``TASK_PARTS`` of its
-    module: the record keys, the reference, the loss's options), built once by ``rlhf.trainer.prepare``. The
-    launchers' flags (``rlhf.migration.LauncherPart``) are applied by ``cli_main`` before, and are no part of it."""
+    module: the record keys, the reference, the loss's options), built once by ``rlhf.supervised.loop.prepare``. The
+    launchers' flags (``rlhf.config.migration.LauncherPart``) are applied by ``cli_main`` before, and are no part of it."""
 
     model: ModelPart
     checkpoint: CheckpointPart
@@ -289,16 +289,16 @@ def cli_main(add_args, run, argv=None) -> int:
     p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
-    from rlhf.migration import add_launcher_args, apply_launcher_args
+    from rlhf.config.migration import add_launcher_args, apply_launcher_args
 
     add_launcher_args(p)
     from rlhf.distributed.env import DistEnv
-    from rlhf.metrics import setup_logging
-    from rlhf.openrlhf_cli import translate
+    from rlhf.observability.metrics import setup_logging
+    from rlhf.config.openrlhf import entry_name, translate
 
     setup_logging(DistEnv.from_environ().rank)  # the translation's lines (rank 0's; its warnings on every rank)
-    try:  # OpenRLHF's dotted flags of today (rlhf/openrlhf_cli.py) -> ours, before argparse
-        argv = translate(list(sys.argv[1:] if argv is None else argv), add_args.__module__.split(".")[1],
+    try:  # OpenRLHF's dotted flags of today (rlhf/config/openrlhf.py) -> ours, before argparse
+        argv = translate(list(sys.argv[1:] if argv is None else argv), entry_name(add_args.__module__),
                          set(p._option_string_actions))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -306,7 +306,7 @@ def cli_main(add_args, run, argv=None) -> int:
     args = p.parse_args(argv)
     from rlhf.compat.onednn import bound_onednn_caches
     from rlhf.agents import TooManyAgentFailures
-    from rlhf.engine import TrainingDiverged
+    from rlhf.runtime.role import TrainingDiverged
 
     bound_onednn_caches()  # before the first oneDNN call, which reads the capacities
     from rlhf.distributed import failures, watchdog

@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ ROLES = ("actor", "critic", "ref", "reward")
 
 @dataclass
 class LauncherPart(Part):
-    """Flags that launchers of the seed systems add; every entry point takes them (``rlhf.config.cli_main``) and
+    """Flags that launchers of the seed systems add; every entry point takes them (``rlhf.config.job.cli_main``) and
     ``apply_launcher_args`` acts on them before anything else."""
 
     local_rank: int | None = None

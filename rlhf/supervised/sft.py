@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from rlhf.algo.losses import packed_sft_loss, sft_loss
-from rlhf.conditional import ConditionalPart
-from rlhf.part import Part
-from rlhf.parts import KeysPart
+from rlhf.supervised.conditional import ConditionalPart
+from rlhf.config.part import Part
+from rlhf.config.parts import KeysPart
 
 
 class SFTTask:
@@ -22,14 +22,14 @@ class SFTTask:
     conditional: dict | None = None  # --conditional: bucket edges etc., exported under config.json "rlhf"
 
     def validate(self, job) -> None:
-        from rlhf.conditional import validate
+        from rlhf.supervised.conditional import validate
 
         validate(job)
 
     def load_data(self, job, tokenizer):
-        from rlhf.conditional import load_conditional_split
+        from rlhf.supervised.conditional import load_conditional_split
         from rlhf.data import build_sft_dataset
-        from rlhf.trainer import load_split
+        from rlhf.supervised.loop import load_split
 
         if job.task["conditional"].conditional:
             train, evals, stats, self.conditional = load_conditional_split(job, tokenizer)
@@ -120,11 +120,11 @@ class SFTPart(Part):
 
 
 TASK_PARTS = {"keys": KeysPart, "sft": SFTPart, "conditional": ConditionalPart}
-"""SFT's own parts of ``rlhf.config.SupervisedJob``"""
+"""SFT's own parts of ``rlhf.config.job.SupervisedJob``"""
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_common_args
+    from rlhf.config.job import add_common_args
 
     add_common_args(p, lr=5e-6, epochs=2)
     KeysPart.add_args(p, pairs=False)

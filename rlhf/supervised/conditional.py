@@ -13,7 +13,7 @@ linear interpolation; a score equal to an edge goes to the upper bucket), 0 = wo
 (``--eval_dataset`` / ``--eval_split``) are bucketed with the training edges.
 Prefix: ``--conditional_template`` (default ``"<rm_score>: {bucket} "``) is put in front of the prompt field
 before any template (a list of messages: in front of its first user message). It is part of the prompt, so it
-is never in the loss. The export's config.json gets ``rlhf.conditional``: template, edges, top bucket and the
+is never in the loss. The export's config.json gets ``rlhf.supervised.conditional``: template, edges, top bucket and the
 prefix to prompt with.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 log = logging.getLogger("rlhf")
 
@@ -93,7 +93,7 @@ def validate(job) -> None:
     (``ConditionalPart.check`` checked the flags' own values)."""
     c = job.task["conditional"]
     if c.conditional and c.reward_pretrain:
-        from rlhf.rewards import RewardConfig
+        from rlhf.rewards.sources import RewardConfig
 
         RewardConfig(reward_pretrain=c.reward_pretrain).validate_models(job.parallel.tensor_model_parallel_size,
                                                                         job.parallel.pipeline_model_parallel_size)
@@ -143,8 +143,8 @@ def _rm_scores(job, cfg, records: list) -> list[float]:
     from rlhf.models.source import load_tokenizer
     from rlhf.data.formatting import sft_sample
     from rlhf.distributed import DistEnv, initialize_mesh
-    from rlhf.engine import ModelEngine
-    from rlhf.rewards import score_sequences
+    from rlhf.runtime.role import ModelRole
+    from rlhf.rewards.sources import score_sequences
 
     path, par, eng = job.task["conditional"].reward_pretrain, job.parallel, job.engine
     tok = load_tokenizer(path, "--reward_pretrain")
@@ -152,7 +152,7 @@ def _rm_scores(job, cfg, records: list) -> list[float]:
     mesh = initialize_mesh(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, DistEnv.from_environ(),
                            seed=eng.seed, ep=par.expert_model_parallel_size, timeout_s=par.dist_timeout_s,
                            cp=par.context_parallel_size)
-    rm = ModelEngine(mesh, path, value_head=True, name="reward", bf16=eng.bf16, transformer_impl=eng.transformer_impl)
+    rm = ModelRole(mesh, path, value_head=True, name="reward", bf16=eng.bf16, transformer_impl=eng.transformer_impl)
     scores = score_sequences(rm, seqs, pad_token_id(tok), job.batch.micro_train_batch_size).tolist()
     del rm
     gc.collect()
@@ -160,9 +160,9 @@ def _rm_scores(job, cfg, records: list) -> list[float]:
 
 
 def load_conditional_split(job, tokenizer) -> tuple[list, list, dict[str, float], dict]:
-    """Like ``rlhf.trainer.load_split`` for SFT, with bucket prefixes. Returns (train, evals, data stats, the
-    ``rlhf.conditional`` entry of the exported config)."""
-    from rlhf.config import data_configs, hold_out
+    """Like ``rlhf.supervised.loop.load_split`` for SFT, with bucket prefixes. Returns (train, evals, data stats, the
+    ``rlhf.supervised.conditional`` entry of the exported config)."""
+    from rlhf.config.job import data_configs, hold_out
     from rlhf.data import build_sft_dataset
     from rlhf.data.build import load_records
 

@@ -121,7 +121,7 @@ def _unpark(storage: torch.UntypedStorage, nbytes: int, spare: list[torch.Untype
 
 
 class OffloadManager:
-    """Moves one ``ModelEngine``'s params / grads / optimizer states between its device and host buffers.
+    """Moves one ``ModelRole``'s params / grads / optimizer states between its device and host buffers.
 
     Calls are idempotent: offloading a part that is already on host (or onloading one on device) does nothing.
     Grads and optimizer are empty parts for a frozen engine.

@@ -29,9 +29,9 @@ log = logging.getLogger("rlhf")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from rlhf.config import add_parallel_args, add_rollout_backend_args, add_sampling_args, add_text_args
-    from rlhf.parts import add_precision_seed_args
-    from rlhf.rewards import add_reward_args
+    from rlhf.config.job import add_parallel_args, add_rollout_backend_args, add_sampling_args, add_text_args
+    from rlhf.config.parts import add_precision_seed_args
+    from rlhf.rewards.sources import add_reward_args
 
     g = p.add_argument_group("job")
     g.add_argument("--mode", choices=["generate", "reward"], required=True)
@@ -59,9 +59,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def validate(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     """Flags, data paths and model configs, before any process group or model."""
-    from rlhf.config import check_paths_exist
+    from rlhf.config.job import check_paths_exist
     from rlhf.distributed.mesh import validate_layout
-    from rlhf.rewards import RewardConfig
+    from rlhf.rewards.sources import RewardConfig
 
     validate_layout(world_size, args.tensor_model_parallel_size, 1)
     for name in ("chunk_size", "n_samples_per_prompt", "max_new_tokens", "prompt_max_len", "micro_batch_size",
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rlhf.data import DataConfig
     from rlhf.models.source import load_tokenizer
     from rlhf.distributed import DistEnv, initialize_mesh
-    from rlhf.metrics import setup_logging
+    from rlhf.observability.metrics import setup_logging
 
     env = DistEnv.from_environ()
     setup_logging(env.rank)
@@ -180,13 +180,13 @@ def reward_chunks(args: argparse.Namespace, v: dict, cfg, tokenizer, mesh) -> di
     from rlhf.data import pad_token_id
     from rlhf.data.build import load_records
     from rlhf.data.formatting import sft_sample
-    from rlhf.engine import ModelEngine
-    from rlhf.rewards import call_remote_rm, call_reward_fn, combine_rewards, load_reward_fn, score_sequences
+    from rlhf.runtime.role import ModelRole
+    from rlhf.rewards.sources import call_remote_rm, call_reward_fn, combine_rewards, load_reward_fn, score_sequences
 
     rewards = v["rewards"]
     records, _ = load_records(cfg, "sft")
     done = _agreed(resume_point(args.output_path, args.chunk_size) if mesh.is_rank0 else 0)
-    engines = {name: ModelEngine(mesh, path, value_head=True, name=name, bf16=args.bf16)
+    engines = {name: ModelRole(mesh, path, value_head=True, name=name, bf16=args.bf16)
                for name, path in zip(rewards.rm_names, rewards.paths)}
     fn = load_reward_fn(rewards.reward_fn) if rewards.reward_fn else None
     norms = rewards.norms(v["rm_sources"])
@@ -216,6 +216,6 @@ def reward_chunks(args: argparse.Namespace, v: dict, cfg, tokenizer, mesh) -> di
 
 
 def main(argv=None) -> int:
-    from rlhf.config import cli_main
+    from rlhf.config.job import cli_main
 
     return cli_main(add_args, run, argv)

@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from rlhf.models.checkpoint_io import require_free_space
-from rlhf.save_size import saved_bytes
+from rlhf.runtime.save_size import saved_bytes
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """OpenRLHF's remote rewards (``--remote_rm_url``): a Python file's ``reward_func`` or an HTTP reward server, and
-the answer forms they give (``rlhf.rewards`` combines them with the other sources)."""
+the answer forms they give (``rlhf.rewards.sources`` combines them with the other sources)."""
 from __future__ import annotations
 
 import os

@@ -1,15 +1,15 @@
-"""The parts of a job's configuration that several entry points share (``rlhf.part.Part``): the parallel layout,
+"""The parts of a job's configuration that several entry points share (``rlhf.config.part.Part``): the parallel layout,
 how the megatron models run, the model source, the supervised data, batching, the optimizer, checkpoints and
 logging. Each declares its flags (``add_args``), is built once from the parsed flags at the entry point
 (``from_args``) and checks its own values (``check``); checks that need several parts or the model's config stay in
-the workflow's ``validate``. ``rlhf.config`` composes them into the supervised entry points' flags."""
+the workflow's ``validate``. ``rlhf.config.job`` composes them into the supervised entry points' flags."""
 from __future__ import annotations
 
 import argparse
 import os
 from dataclasses import dataclass
 
-from rlhf.part import Part
+from rlhf.config.part import Part
 
 
 @dataclass
@@ -74,7 +74,7 @@ class EnginePart(Part):
     transformer_impl: str | None = None
     """(--transformer_impl) local | transformer_engine; None: TE where it imports on CUDA"""
     zero_stage: int | None = None
-    """(--zero_stage) >= 1: megatron's distributed optimizer; None until ``rlhf.config.resolve_zero_stage``"""
+    """(--zero_stage) >= 1: megatron's distributed optimizer; None until ``rlhf.config.job.resolve_zero_stage``"""
     flash_attn: bool = False
     """(--flash_attn) compatibility only"""
     packing_samples: bool = False
@@ -258,7 +258,7 @@ class OptimPart(Part):
 
     def config(self, lr: float, total_steps: int, distributed: bool):
         """The ``OptimConfig`` of a trained role; ``distributed``: megatron's distributed optimizer (ZeRO-1)."""
-        from rlhf.engine import OptimConfig
+        from rlhf.runtime.role import OptimConfig
 
         return OptimConfig(lr=lr, weight_decay=self.l2, adam_betas=tuple(self.adam_betas), clip_grad=self.max_norm,
                            max_skipped_steps=self.max_skipped_steps, warmup_ratio=self.lr_warmup_ratio,

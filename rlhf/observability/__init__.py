@@ -1,0 +1,1 @@
+"""What a run reports: metrics, logging and phase timers (``metrics``), profiling (``profiling``)."""
