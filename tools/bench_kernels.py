@@ -106,7 +106,7 @@ def _naive_logprobs(logits, targets, temperature: float):
 
 
 def _step(variant: str, inputs, targets, grad_lp, grad_ent, temperature: float, chunk_size: int | None) -> None:
-    import kernels
+    import rlhf.kernels as kernels
 
     if variant == "naive_logprobs":
         lp, ent = _naive_logprobs(inputs[0], targets, temperature)
@@ -232,7 +232,7 @@ def _part_b_microbatch(variant: str, group: list):
     packed: the sequences in one THD row, no padding."""
     import torch
 
-    import kernels
+    import rlhf.kernels as kernels
     from rlhf.models.packing import make_packed_batch
 
     if variant == "packed":
@@ -257,7 +257,7 @@ def run_part_b(args: argparse.Namespace) -> None:
         sys.path.insert(0, str(REPO))
     import torch
 
-    import kernels
+    import rlhf.kernels as kernels
     from rlhf.models.pipeline import run_microbatches
 
     spec, model = _part_b_model(args)

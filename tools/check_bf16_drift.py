@@ -172,7 +172,7 @@ def per_layer(engine, actor, hf_dir: str, seqs: list[list[int]], prompt_lens: li
     import transformers
     from vllm import SamplingParams
 
-    import kernels
+    import rlhf.kernels as kernels
 
     n_layers = actor.spec.num_layers
     res: dict = {}

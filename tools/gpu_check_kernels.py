@@ -24,7 +24,7 @@ def timed(fn, reps: int = 5) -> float:
 def check_logprobs(report: Report) -> None:
     import torch
 
-    import kernels
+    import rlhf.kernels as kernels
 
     N, V, H, T = 4096, 32000, 1024, 0.8
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
@@ -78,7 +78,7 @@ def _attention_reference(q, k, v, cu, scale):
 def check_varlen_attention(report: Report) -> None:
     import torch
 
-    import kernels
+    import rlhf.kernels as kernels
 
     lengths = [1024, 517, 63, 1, 300]
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")

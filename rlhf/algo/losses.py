@@ -18,7 +18,7 @@ def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, tp_gro
     ``cp``: a context-parallel split (``rlhf.models.context_parallel.CPLayout``); logits are then this rank's
     tokens (B, S_local, V_local), and the log-probs are gathered over its group into (B, S-1).
     """
-    import kernels
+    import rlhf.kernels as kernels
 
     targets = torch.zeros_like(input_ids)  # (B, S): the last position's target is a dummy, its log-prob dropped
     targets[:, :-1] = input_ids[:, 1:]
@@ -65,7 +65,7 @@ def packed_sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: to
     padding included, i.e. ``packed_seq_params.cu_seqlens_q``). The last token of each sequence predicts
     nothing: a target never crosses into the next sequence.
     """
-    import kernels
+    import rlhf.kernels as kernels
 
     targets, mask = packed_sft_targets(input_ids, loss_mask, cu_seqlens)  # (T,), (T,) bool
     if cp is not None:  # logits (1, T_local, V_local): this rank's tokens; the log-probs gathered back to (T,)
@@ -82,7 +82,7 @@ def packed_sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: to
 def packed_sft_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor):
     """A packed micro-batch's next-token targets (T,) and which positions are scored (T,) bool: position t iff
     token t + 1 is a response token of the same sequence (``packed_sft_loss``, and SFT's fused head)."""
-    import kernels
+    import rlhf.kernels as kernels
 
     targets, valid = kernels.packed_next_tokens(input_ids[0], cu_seqlens)  # (T,), (T,) bool
     mask = torch.zeros_like(valid)

@@ -235,7 +235,7 @@ def rotary_half_rope() -> None:
         rope_utils._apply_rotary_pos_emb_thd = getattr(rope_utils._apply_rotary_pos_emb_thd, "__wrapped__",
                                                        rope_utils._apply_rotary_pos_emb_thd)
         return
-    from kernels.rope import rotary_half
+    from rlhf.kernels.rope import rotary_half
     from rlhf.models import fused
 
     def bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
@@ -244,7 +244,7 @@ def rotary_half_rope() -> None:
         rot = freqs.shape[-1]
         if fused.active_for(t, "rope") and t.dim() == 4 and rot == t.shape[-1] and freqs.shape[0] == t.shape[0] \
                 and freqs[0].numel() == rot:  # --use_liger_kernel on CUDA (rlhf.models.fused)
-            from kernels import rope_triton
+            from rlhf.kernels import rope_triton
 
             return rope_triton.rope_triton(t, freqs, mscale)
         cos, sin = ((f(freqs) * mscale).to(t.dtype) for f in (torch.cos, torch.sin))  # as megatron computes them
@@ -266,7 +266,7 @@ def rotary_half_rope() -> None:
                 or multi_latent_attention:
             return orig_thd(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
         if cache[0] is not cu_seqlens or cache[1] is not freqs:
-            from kernels.packing import position_ids_from_cu_seqlens
+            from rlhf.kernels.packing import position_ids_from_cu_seqlens
 
             packed = freqs[:t.shape[0]] if freqs.size(0) == t.shape[0] else \
                 freqs[position_ids_from_cu_seqlens(cu_seqlens, t.shape[0])]
@@ -298,7 +298,7 @@ def swiglu_function() -> None:
     off); FP8 input stores and activation offload go to megatron's own."""
     from megatron.core.transformer import mlp
 
-    from kernels.swiglu import swiglu
+    from rlhf.kernels.swiglu import swiglu
 
     orig = getattr(mlp.bias_swiglu_impl, "__wrapped__", mlp.bias_swiglu_impl)
 
@@ -309,7 +309,7 @@ def swiglu_function() -> None:
             return orig(input, bias, fp8_input_store, cpu_offload_input)
         y = input if bias is None else input + bias
         if fused.active_for(y, "swiglu"):  # --use_liger_kernel on CUDA (rlhf.models.fused): a Triton kernel each way
-            from kernels.swiglu_triton import swiglu_triton
+            from rlhf.kernels.swiglu_triton import swiglu_triton
 
             return swiglu_triton(y)
         return swiglu(y)

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-import kernels
+import rlhf.kernels as kernels
 
 log = logging.getLogger(__name__)
 _state: dict[str, Any] = {}

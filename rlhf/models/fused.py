@@ -154,6 +154,6 @@ def head_nll_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
         loss = LigerFusedLinearCrossEntropyFunction.apply(
             hidden, w, targets, None, None, -100, 0.0, 0.0, "sum", None, False, torch.float32)
         return (loss[0] if isinstance(loss, tuple) else loss).float()
-    import kernels
+    import rlhf.kernels as kernels
 
     return -kernels.fused_linear_logprobs(hidden, weight, targets, tp_group=tp_group, vocab_size=vocab_size).sum()

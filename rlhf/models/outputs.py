@@ -63,7 +63,7 @@ def sequence_scores(values: torch.Tensor, batch: dict) -> torch.Tensor:
 def response_logprobs(engine, batch: dict, hidden: torch.Tensor, temperature: float, entropy: bool = False):
     """log p(response token) at ``temperature`` from the final hidden states, through the fused vocab-parallel
     kernel (the [tokens, vocab] logits are never whole in memory). Returns (B, T) fp32 (and the entropy (B, T))."""
-    import kernels
+    import rlhf.kernels as kernels
 
     mesh = engine.mesh
     weight = engine.model.output_weight()
@@ -87,7 +87,7 @@ def response_logprobs(engine, batch: dict, hidden: torch.Tensor, temperature: fl
 def next_token_logprobs_from_hidden(engine, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
     """log p(input_ids[:, t+1] | ...) from the final hidden states of a padded batch (B, S, H), through the fused
     vocab-parallel kernel. Returns (B, S-1) fp32."""
-    import kernels
+    import rlhf.kernels as kernels
 
     from rlhf.models.context_parallel import current_layout, gather_tokens, split_input
 

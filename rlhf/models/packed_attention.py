@@ -27,7 +27,7 @@ import logging
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-import kernels
+import rlhf.kernels as kernels
 
 log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()

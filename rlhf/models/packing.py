@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from kernels import cu_seqlens_from_lengths, pack_padded, pack_sequences, position_ids_from_cu_seqlens
+from rlhf.kernels import cu_seqlens_from_lengths, pack_padded, pack_sequences, position_ids_from_cu_seqlens
 
 # Dummy padding is split into sequences of at most max(longest real sequence, this): attention over the
 # padding costs O(pad * chunk) instead of O(pad^2), and max_seqlen (RoPE tables, kernel grids) stays small.

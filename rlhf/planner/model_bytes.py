@@ -34,7 +34,7 @@ from rlhf.models.spec import ModelSpec, padded_vocab_size
 GiB = 2 ** 30
 LAYER_IMPLS = ("te", "local")
 SCHEDULE = ("rollout", "weight_sync", "make_experience", "critic_update", "actor_update")
-# Chunk of fp32 logits the fused log-prob kernel holds (kernels/logprobs.py: FUSED_CUDA/CPU_CHUNK_ELEMS).
+# Chunk of fp32 logits the fused log-prob kernel holds (rlhf/kernels/logprobs.py: FUSED_CUDA/CPU_CHUNK_ELEMS).
 LOGIT_CHUNK_ELEMS = {"te": 1 << 25, "local": 1 << 23}
 LOGIT_CHUNK_MIN_ROWS = 256
 

@@ -163,7 +163,7 @@ def token_budget_groups(batch: dict, rows: list[int], max_tokens: int) -> list[l
     ``--max_tokens_per_gpu`` prompt + response tokens each, about equal (``kernels.balance_microbatches``), each in
     row order. The step's loss is a sum over tokens (or sequences) divided by the step's global count, so the
     gradient does not depend on how the rows are grouped (tests/ppo/test_dynamic_batch.py)."""
-    import kernels
+    import rlhf.kernels as kernels
 
     lens = batch["attention_mask"][rows].sum(dim=1).tolist()
     try:

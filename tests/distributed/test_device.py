@@ -156,7 +156,7 @@ def test_vllm_version_check(monkeypatch):
 
 
 def test_fp32_packed_attention_never_goes_to_flash_attn_or_te(monkeypatch):
-    import kernels
+    import rlhf.kernels as kernels
 
     seen = []
     real = kernels._select

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import rlhf.kernels as kernels
 from _kernels_testlib import ATTN_TOL, packed_qkv, padded_attention
-from kernels.reference import varlen_attention_reference
+from rlhf.kernels.reference import varlen_attention_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -37,7 +37,7 @@ def test_packed_matches_padded(dtype, lens, hq, hkv, d):
 def test_batched_torch_path_matches_fp64(dtype, lens, hq, hkv, monkeypatch):
     """Close lengths take the padded-batch path (one SDPA call); it must equal the fp64 padded reference and the
     per-sequence loop, outputs and all three grads, padding rows never leaking into real ones."""
-    from kernels import attention_torch
+    from rlhf.kernels import attention_torch
 
     assert attention_torch.padding_pays(lens)
     calls = []
@@ -62,7 +62,7 @@ def test_batched_torch_path_matches_fp64(dtype, lens, hq, hkv, monkeypatch):
 
 
 def test_padding_pays_only_for_close_lengths():
-    from kernels.attention_torch import padding_pays
+    from rlhf.kernels.attention_torch import padding_pays
 
     assert padding_pays([58, 61, 55, 60]) and padding_pays([10, 0, 11])
     assert not padding_pays([300, 20, 25, 30]) and not padding_pays([40]) and not padding_pays([0, 0])

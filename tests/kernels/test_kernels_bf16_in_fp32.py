@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import rlhf.kernels as kernels
 from _kernels_testlib import ATTN_TOL, naive_logprobs, packed_qkv, padded_attention
 
 

@@ -1,4 +1,4 @@
-"""`import kernels` (and running its torch paths) must not import triton."""
+"""`import rlhf.kernels` (and running its torch paths) must not import triton."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 CODE = """
-import sys, torch, kernels
+import sys, torch
+import rlhf.kernels as kernels
 assert "triton" not in sys.modules, "import kernels pulled in triton"
 logits, targets = torch.randn(3, 8, requires_grad=True), torch.zeros(3, dtype=torch.long)
 kernels.token_logprobs(logits, targets, return_entropy=True)[0].sum().backward()
@@ -24,7 +25,8 @@ def test_import_does_not_pull_triton(child_env):
 
 
 BROKEN = """
-import sys, types, logging, torch, kernels
+import sys, types, logging, torch
+import rlhf.kernels as kernels
 logging.basicConfig(level=logging.INFO)
 t = types.SimpleNamespace(is_cuda=True, device=torch.device("cpu"), dtype=torch.bfloat16)  # a CUDA tensor's looks
 print("PATH", kernels._select("varlen_attention", t, fast_paths=("flash_attn",)))

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-import kernels
+import rlhf.kernels as kernels
 from _kernels_testlib import FWD_TOL, GRAD_TOL
 from _kernels_testlib import grads_of as _grads
 from _kernels_testlib import naive_logprobs as naive
@@ -84,7 +84,7 @@ def test_chunk_size_does_not_change_results(chunk_size):
     (30, 8, 75000, 74990, 16)])
 def test_fused_linear_matches_naive(dtype, n, h, v, vocab_size, chunk_size, keep, monkeypatch):
     """Both backwards: from the logits the CPU forward kept, and recomputed (past FUSED_CPU_KEEP_BYTES)."""
-    from kernels import logprobs
+    from rlhf.kernels import logprobs
 
     if not keep:
         monkeypatch.setattr(logprobs, "FUSED_CPU_KEEP_BYTES", 0)
@@ -153,7 +153,7 @@ def test_user_errors():
 def test_dispatch_logs_path_once(caplog, monkeypatch):
     monkeypatch.setattr(kernels, "_logged", set())
     logits, targets = torch.randn(3, 8), torch.zeros(3, dtype=torch.long)
-    with caplog.at_level(logging.INFO, logger="kernels"):
+    with caplog.at_level(logging.INFO, logger="rlhf.kernels"):
         kernels.token_logprobs(logits, targets)
         kernels.token_logprobs(logits, targets)
     msgs = [r.getMessage() for r in caplog.records if "token_logprobs" in r.getMessage()]

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-import kernels
-from kernels import (
+import rlhf.kernels as kernels
+from rlhf.kernels import (
     balance_microbatches,
     pack_padded,
     pack_sequences,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_rope
 
-from kernels.rope import rotary_half
+from rlhf.kernels.rope import rotary_half
 
 
 def _cos_sin(seq: int, dim: int, dtype=torch.float64):
@@ -41,7 +41,7 @@ def test_megatron_unfused_rope_goes_through_it(monkeypatch):
     megatron restores it), partial rotary dims too; and the patch really runs."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    from kernels import rope as rope_mod
+    from rlhf.kernels import rope as rope_mod
     from rlhf.compat.megatron import rotary_half_rope
 
     monkeypatch.setenv("RLHF_ROPE_IMPL", "megatron")

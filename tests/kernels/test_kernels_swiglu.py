@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.swiglu import swiglu
+from rlhf.kernels.swiglu import swiglu
 
 
 def _unfused(y):  # megatron-core 0.16.1 mlp.py's glu with glu_linear_offset 0.0
@@ -42,7 +42,7 @@ def test_megatron_mlp_runs_it(monkeypatch):
     calls kernels.swiglu; RLHF_SWIGLU_IMPL=megatron turns it off, anything else is refused."""
     from megatron.core.transformer import mlp
 
-    import kernels.swiglu as ks
+    import rlhf.kernels.swiglu as ks
     from rlhf.compat.megatron import swiglu_function
     from rlhf.models.gpt import fused_swiglu
     from rlhf.models.spec import spec_from_hf_config

@@ -32,7 +32,7 @@ def _full_and_shard(fn, full_inputs, shard_inputs, gl, ge):
 
 
 def _worker(rank: int, world: int, port: int) -> None:
-    import kernels  # imported in the child: spawn starts a fresh interpreter
+    import rlhf.kernels as kernels  # imported in the child: spawn starts a fresh interpreter
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from kernels import attention_triton, logprobs_triton, rope_triton, swiglu_triton  # noqa: E402
+from rlhf.kernels import attention_triton, logprobs_triton, rope_triton, swiglu_triton  # noqa: E402
 
 MODULES = (logprobs_triton, attention_triton, swiglu_triton, rope_triton)
 SPECS = {name: spec for mod in MODULES for name, spec in mod.AOT_SPECS.items()}

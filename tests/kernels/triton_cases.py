@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-import kernels
+import rlhf.kernels as kernels
 from _kernels_testlib import ATTN_TOL, FWD_TOL, GRAD_TOL, grads_of, naive_logprobs, packed_qkv, padded_attention
-from kernels import reference
+from rlhf.kernels import reference
 
 DEVICE = torch.device(os.environ.get("KERNELS_TEST_DEVICE", "cpu"))
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -83,7 +83,7 @@ def test_token_logprobs_inplace_backward(dtype):
 @pytest.mark.parametrize("n_valid", [0, 70, 128])
 def test_shard_ops_match_reference(n_valid):
     """The per-shard ops as tensor parallelism calls them: foreign targets (-1), partial and empty shards."""
-    from kernels.logprobs_triton import logprob_chunk_grad_triton, logprob_chunk_stats_triton
+    from rlhf.kernels.logprobs_triton import logprob_chunk_grad_triton, logprob_chunk_stats_triton
 
     g = torch.Generator().manual_seed(n_valid)
     logits = torch.randn(4, 128, generator=g).to(DEVICE)
@@ -150,8 +150,8 @@ LAYER_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(ato
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_triton_matches_fp64(dtype):
-    from kernels.swiglu import swiglu
-    from kernels.swiglu_triton import swiglu_triton
+    from rlhf.kernels.swiglu import swiglu
+    from rlhf.kernels.swiglu_triton import swiglu_triton
 
     g = torch.Generator().manual_seed(0)
     y = (torch.randn(3, 5, 2 * 20, generator=g) * 2).to(dtype)
@@ -165,8 +165,8 @@ def test_swiglu_triton_matches_fp64(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("strided", [False, True])
 def test_rope_triton_matches_fp64(dtype, strided):
-    from kernels.rope import rotary_half
-    from kernels.rope_triton import rope_triton
+    from rlhf.kernels.rope import rotary_half
+    from rlhf.kernels.rope_triton import rope_triton
 
     s, b, h, d = 7, 2, 3, 16
     g = torch.Generator().manual_seed(1)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import kernels  # noqa: E402
+import rlhf.kernels as kernels  # noqa: E402
 from rlhf.models.convert import fill_from_hf  # noqa: E402
 from rlhf.distributed import destroy_mesh, initialize_mesh  # noqa: E402
 from rlhf.models import gpt  # noqa: E402

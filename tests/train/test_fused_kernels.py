@@ -97,8 +97,8 @@ def test_thd_rope_fast_path_takes_megatrons_angles(monkeypatch, rows):
     cases (``freqs`` over each sequence's positions from 0, or one row per packed token)."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    import kernels.rope_triton as rt
-    from kernels.rope import rotary_half
+    import rlhf.kernels.rope_triton as rt
+    from rlhf.kernels.rope import rotary_half
     from rlhf.compat.megatron import rotary_half_rope
 
     rotary_half_rope()

@@ -18,7 +18,7 @@ import logging
 import torch
 from torch import Tensor
 
-logger = logging.getLogger("kernels")
+logger = logging.getLogger("rlhf.kernels")
 
 
 class TorchFlashVarlen(torch.autograd.Function):

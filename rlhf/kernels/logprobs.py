@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kernels import reference
-from kernels.reference import RowStats
+from rlhf.kernels import reference
+from rlhf.kernels.reference import RowStats
 
 # fp32 elements of one chunk of logits for `token_logprobs` on CPU. Tuned with tools/bench_kernels.py
 # (N=4096, V=32000, 1 thread; 8 to 128 rows all run within 10%): cache-sized, and large enough that the

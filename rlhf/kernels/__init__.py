@@ -1,6 +1,6 @@
 """Fused kernels for RLHF training: token log-probs / entropy, packing, varlen attention.
 
-Layering (as in Liger-Kernel): `kernels.reference` is the pure-torch source of truth, `kernels/*_triton.py`
+Layering (as in Liger-Kernel): `kernels.reference` is the pure-torch source of truth, `rlhf/kernels/*_triton.py`
 hold the Triton kernels, and this module dispatches between them.
 
 Dispatch, per call, from the first tensor argument:
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kernels.logprobs import (
+from rlhf.kernels.logprobs import (
     TORCH_OPS,
     FusedLinearLogprobsFunction,
     LogprobOps,
@@ -38,7 +38,7 @@ from kernels.logprobs import (
     default_chunk_rows,
     fused_chunk_rows,
 )
-from kernels.packing import (
+from rlhf.kernels.packing import (
     PackedBatch,
     balance_microbatches,
     cu_seqlens_from_lengths,
@@ -49,8 +49,8 @@ from kernels.packing import (
     unpack_padded,
     unpack_sequences,
 )
-from kernels.attention_torch import padding_pays, varlen_attention_padded
-from kernels.reference import varlen_attention_reference
+from rlhf.kernels.attention_torch import padding_pays, varlen_attention_padded
+from rlhf.kernels.reference import varlen_attention_reference
 
 __all__ = [
     "PackedBatch",
@@ -120,7 +120,7 @@ def _usable(module: str) -> bool:
 
 
 def _torch_flash_usable(t: Tensor) -> bool:
-    from kernels.attention_flash import usable
+    from rlhf.kernels.attention_flash import usable
 
     return usable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
@@ -159,7 +159,7 @@ def _select(op: str, t: Tensor, fast_paths: tuple[str, ...] = ()) -> str:
 
 def _logprob_ops(op: str, t: Tensor) -> LogprobOps:
     if _select(op, t) == "triton":
-        from kernels.logprobs_triton import TRITON_OPS
+        from rlhf.kernels.logprobs_triton import TRITON_OPS
 
         return TRITON_OPS
     return TORCH_OPS
@@ -330,7 +330,7 @@ def varlen_attention(
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
     if path == "torch_flash":
-        from kernels.attention_flash import flash_varlen_attention
+        from rlhf.kernels.attention_flash import flash_varlen_attention
 
         return flash_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     if path == "transformer_engine":
@@ -339,7 +339,7 @@ def varlen_attention(
         out = attn(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
         return out.view(q.shape)  # TE returns [T, Hq * D]
     if path == "triton":
-        from kernels.attention_triton import varlen_attention_triton
+        from rlhf.kernels.attention_triton import varlen_attention_triton
 
         return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale)
     if _in_fp32(q, k, v):

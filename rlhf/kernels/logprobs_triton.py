@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.logprobs import LogprobOps
-from kernels.reference import RowStats
+from rlhf.kernels.logprobs import LogprobOps
+from rlhf.kernels.reference import RowStats
 
 # Below -1e30 acts as -inf but keeps (m_old - m_new) * s finite (0 * -inf would be NaN).
 _NEG_BIG = tl.constexpr(-1.0e30)
