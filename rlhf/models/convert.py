@@ -66,12 +66,19 @@ def fill_from_hf(model: torch.nn.Module, hf_dir: str, spec: ModelSpec, padded_vo
     """
     reader = HFCheckpointReader(hf_dir)
     check_hf_names(reader.keys(), spec, hf_dir)
+    get = reader.get
+    if spec.mxfp4:  # GPT-OSS's MXFP4 experts, dequantized as they are read (rlhf.models.mxfp4)
+        from rlhf.models.mxfp4 import dequantizing_getter
+
+        get = dequantizing_getter(reader.get, reader.keys())
     layer_offset = pp_rank * (spec.num_layers // pp)
+    from rlhf.models.hf_families import mapped_buffers
+
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *mapped_buffers(model)]:
             if skip_head and name == "output_layer.weight":
                 continue
-            shard = megatron_shard_from_hf(name, reader.get, spec, tp_rank=tp_rank, tp=tp,
+            shard = megatron_shard_from_hf(name, get, spec, tp_rank=tp_rank, tp=tp,
                                            layer_offset=layer_offset, padded_vocab=padded_vocab, ep_rank=ep_rank,
                                            ep=ep)
             if tuple(shard.shape) != tuple(param.shape):
@@ -145,6 +152,9 @@ def convert_hf_to_megatron(plan: HFToMegatronPlan, overwrite: bool = False) -> f
                  nprocs, method)
         mp.start_processes(_spawned, args=(plan, tmp, free_port()), nprocs=nprocs, join=True, start_method=method)
         copy_tokenizer_files(plan.hf, tmp)
+        from rlhf.models.mtp import keep_mtp
+
+        keep_mtp(plan.hf, tmp, plan.spec)  # DeepSeek's / GLM's MTP layers, verbatim (rlhf.models.mtp)
         write_manifest(tmp, spec=plan.spec, hf_config=plan.hf_config, padded_vocab=plan.padded_vocab,
                        source=os.path.abspath(plan.hf), tp=plan.tp, pp=plan.pp, dtype=plan.dtype,
                        extra={"saved_at_ep": plan.ep})
@@ -170,15 +180,12 @@ def megatron_to_hf(ckpt: str, out: str, overwrite: bool = False, max_shard_bytes
         load_model(model, os.path.join(ckpt, "model"))
         with atomic_dir(out, overwrite=overwrite) as tmp:
             writer = HFShardedWriter(tmp, max_shard_bytes)
-            params = dict(model.named_parameters())
+            _write_hf_tensors(model, spec, dtype, writer, ckpt)
             del model
-            for name in list(params):
-                tensor = params.pop(name).detach()
-                for hf_name, t in hf_from_megatron(name, tensor, spec):
-                    writer.add(hf_name, t.to(dtype).clone())
-                del tensor
             writer.finalize()
             cfg = dict(manifest["hf_config"])
+            if spec.mxfp4:  # the experts are written dequantized, in the checkpoint's dtype
+                cfg.pop("quantization_config", None)
             arch = SEQ_CLS_ARCHS if spec.is_seq_cls else CAUSAL_LM_ARCHS
             cfg["architectures"] = [arch[spec.model_type]]
             for key in ("rlhf",):
@@ -192,6 +199,22 @@ def megatron_to_hf(ckpt: str, out: str, overwrite: bool = False, max_shard_bytes
     finally:
         destroy_mesh()
     return time.time() - t0
+
+
+def _write_hf_tensors(model, spec: ModelSpec, dtype: torch.dtype, writer, ckpt: str) -> None:
+    """Every parameter and mapped buffer of a TP=1 model as HF tensors (gpt_oss's experts fused per layer, the
+    expert-bias correction kept in fp32 as transformers keeps it), then the checkpoint's MTP tensors as they are."""
+    from rlhf.models.hf_families import fuse_experts, mapped_buffers
+    from rlhf.models.mtp import mtp_tensors
+
+    def tensors():
+        for name, tensor in [*model.named_parameters(), *mapped_buffers(model)]:
+            yield from hf_from_megatron(name, tensor.detach(), spec)
+
+    for hf_name, t in fuse_experts(tensors(), spec):
+        writer.add(hf_name, (t if hf_name.endswith("e_score_correction_bias") else t.to(dtype)).clone())
+    for hf_name, t in mtp_tensors(ckpt, spec).items():
+        writer.add(hf_name, t)
 
 
 __all__ = ["plan_hf_to_megatron", "convert_hf_to_megatron", "megatron_to_hf", "MANIFEST"]

@@ -86,8 +86,9 @@ def without_extra_state(sharded_state_dict: dict) -> dict:
     return {k: v for k, v in sharded_state_dict.items() if "_extra_state" not in k}
 
 
-def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_experts: int = 0):
-    """transformer-engine spec when TE and CUDA are there, megatron's local (torch) spec otherwise."""
+def layer_spec(config, spec: ModelSpec, use_te: bool | None = None):
+    """transformer-engine spec when TE and CUDA are there, megatron's local (torch) layers otherwise
+    (``rlhf.models.layer_specs``: one spec per layer, sequence-parallel norms, the packed/CP core attention)."""
     global _SPEC_LOGGED
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -97,13 +98,25 @@ def layer_spec(use_te: bool | None = None, qk_layernorm: bool = False, num_exper
                  "or no CUDA; packed THD batches via kernels.varlen_attention)")
         _SPEC_LOGGED = True
     if use_te:
-        # MoE: TE's grouped GEMM (TEGroupedMLP; its experts are linear_fc1.weightJ, see rlhf.models.hf_llama)
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, num_experts=num_experts or None,
-                                                          moe_grouped_gemm=bool(num_experts))
-    # Packed (THD) sequences without TE: megatron's local spec with a varlen core attention (see that module).
-    from rlhf.models.packed_attention import local_spec_with_packed_attention
+        from rlhf.models.families import is_family
 
-    return local_spec_with_packed_attention(qk_layernorm=qk_layernorm, num_experts=num_experts)
+        if is_family(spec):
+            raise ValueError(f"{spec.model_type} runs megatron's local layers here (its TE layer names are not "
+                             "mapped yet): use --transformer_impl local")
+        # MoE: TE's grouped GEMM (TEGroupedMLP; its experts are linear_fc1.weightJ, see rlhf.models.hf_llama)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm,
+                                                          num_experts=spec.num_experts or None,
+                                                          moe_grouped_gemm=bool(spec.num_experts))
+    from rlhf.models.layer_specs import local_block_spec
+
+    return local_block_spec(config)
+
+
+def sequence_parallel(spec: ModelSpec, tp: int) -> bool:
+    """Sequence parallelism: MoE models at TP > 1 (megatron's MoE layer refuses to train at TP > 1 without it, and
+    its token dispatcher and aux loss expect each TP rank to hold its own slice of the sequence); dense models keep
+    whole sequences on every TP rank."""
+    return tp > 1 and bool(spec.num_experts)
 
 
 def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0, grouped_gemm: bool = False,
@@ -143,23 +156,13 @@ def fused_swiglu(spec: ModelSpec, use_te: bool) -> bool:
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch.dtype = torch.float32,
                        bf16: bool = False, init_weights: bool = False, recompute: bool = False, ep: int = 1,
-                       aux_loss_coef: float = 0.0, use_te: bool = False, routing_replay: bool = False):
-    """The megatron ``TransformerConfig`` equivalent to an HF Llama-family config (MoE: ``moe_config``)."""
-    from megatron.core.transformer import TransformerConfig
+                       aux_loss_coef: float = 0.0, use_te: bool = False, routing_replay: bool = False,
+                       expert_bias_update_rate: float = 0.0):
+    """The megatron ``TransformerConfig`` equivalent to an HF config (MoE: ``moe_config``; the families of
+    ``rlhf.models.families``: their own fields, and ``MLATransformerConfig`` for multi-latent attention)."""
+    from rlhf.models import families
 
-    kwargs = {}
-    if spec.sliding_window is not None:
-        # HF: query i sees keys j with i - j < W; megatron's window (left, right) allows i - j <= left.
-        kwargs["window_size"] = (spec.sliding_window - 1, 0)
-    if recompute:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    factor = rope.attention_factor(spec.rope_scaling)
-    if factor != 1.0:  # YaRN scales cos and sin, i.e. q and k: the scores by factor**2 (rlhf.models.rope)
-        kwargs["softmax_scale"] = factor * factor / math.sqrt(spec.head_dim)
-    kwargs.update(moe_config(spec, tp, ep, aux_loss_coef, grouped_gemm=use_te, routing_replay=routing_replay))
-    if spec.mrope_section is not None:  # vision-language models: megatron's MultimodalRotaryEmbedding
-        kwargs["mrope_section"] = list(spec.mrope_section)
-    return TransformerConfig(
+    kwargs = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
         normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, gated_linear_unit=True,
@@ -170,7 +173,20 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch
         pipeline_dtype=params_dtype, bf16=bf16, use_cpu_initialization=True, perform_initialization=init_weights,
         bias_activation_fusion=fused_swiglu(spec, use_te), masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
-        sequence_parallel=False, **kwargs)
+        sequence_parallel=sequence_parallel(spec, tp))
+    if spec.sliding_window is not None:
+        # HF: query i sees keys j with i - j < W; megatron's window (left, right) allows i - j <= left.
+        kwargs["window_size"] = (spec.sliding_window - 1, 0)
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    factor = rope.attention_factor(spec.rope_scaling)
+    if factor != 1.0 and spec.mla is None:  # YaRN scales cos and sin, i.e. q and k: the scores by factor**2
+        kwargs["softmax_scale"] = factor * factor / math.sqrt(spec.head_dim)  # (rlhf.models.rope; MLA: its own)
+    kwargs.update(moe_config(spec, tp, ep, aux_loss_coef, grouped_gemm=use_te, routing_replay=routing_replay))
+    if spec.mrope_section is not None:  # vision-language models: megatron's MultimodalRotaryEmbedding
+        kwargs["mrope_section"] = list(spec.mrope_section)
+    kwargs.update(families.family_config(spec, expert_bias_update_rate))
+    return families.config_class(spec)(**kwargs)
 
 
 class ScoreHead(torch.nn.Module):
@@ -189,6 +205,27 @@ class ScoreHead(torch.nn.Module):
         return F.linear(hidden_states, self.weight if weight is None else weight), None  # (S, B, 1)
 
 
+def _model_head(self, hidden, output, seq: int | None = None):
+    """hidden (S, B, H); under context parallelism this rank's tokens only (S_local), and so is what the
+    head returns (rlhf.models.context_parallel); under sequence parallelism this rank's S_pad / TP positions,
+    and the head returns the first ``seq`` of the whole sequence."""
+    if not self.post_process:
+        return hidden
+    if self.config.sequence_parallel and (output == "hidden" or self.value_head):
+        from rlhf.models.sequence_parallel import gather_sequence
+
+        hidden = gather_sequence(hidden)  # (S_pad, B, H); the LM head's own linear gathers its input
+    if output == "hidden":
+        return hidden[:seq].transpose(0, 1)  # (B, S, H)
+    if self.value_head:
+        values, _ = self.output_layer(hidden[:seq])
+        return values.squeeze(-1).transpose(0, 1).contiguous()  # (B, S)
+    weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+    logits, _ = self.output_layer(hidden, weight=weight)
+    # Mask in megatron's (S, B, V) layout, then transpose: every TP rank returns the same memory layout.
+    return mask_padded_vocab(logits[:seq], self.true_vocab_size).transpose(0, 1)  # (B, S, V_local)
+
+
 def _gpt_model_class():
     from megatron.core.models.gpt import GPTModel
 
@@ -198,13 +235,15 @@ def _gpt_model_class():
         def __init__(self, spec: ModelSpec, config, padded_vocab: int, pre_process: bool, post_process: bool,
                      value_head: bool, use_te: bool | None = None, position_embedding_type: str = "rope"):
             super().__init__(config=config, vocab_size=padded_vocab,
-                             transformer_layer_spec=layer_spec(use_te, spec.qk_norm, spec.num_experts),
+                             transformer_layer_spec=layer_spec(config, spec, use_te),
                              max_sequence_length=spec.max_position_embeddings, pre_process=pre_process,
                              post_process=post_process, parallel_output=True,
                              share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
-                             position_embedding_type=position_embedding_type, rotary_base=spec.rope_theta)
-            if spec.rope_scaling is not None:  # megatron's own inv_freq is plain RoPE (rlhf.models.rope)
-                self.rotary_pos_emb.inv_freq = rope.inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+                             position_embedding_type=position_embedding_type, rotary_base=spec.rope_theta,
+                             rotary_percent=spec.rotary_percent)
+            if spec.rope_scaling is not None and spec.mla is None:  # megatron's own inv_freq is plain RoPE
+                self.rotary_pos_emb.inv_freq = rope.inv_freq(int(spec.head_dim * spec.rotary_percent),  # (rope.py;
+                                                             spec.rope_theta, spec.rope_scaling)  # MLA: its own)
             self.spec = spec
             self.value_head = value_head
             self.true_vocab_size = spec.vocab_size
@@ -227,6 +266,12 @@ def _gpt_model_class():
             layout = cpm.layout_for_batch(input_ids, packed_seq_params)
             if layout is not None:
                 return self._head(cpm.decoder_forward(self, input_ids, attention_mask, layout), output)
+            seq = input_ids.shape[1]
+            if self.config.sequence_parallel:  # each TP rank holds S / TP positions (rlhf.models.sequence_parallel)
+                from rlhf.models.sequence_parallel import pad_inputs
+
+                input_ids, position_ids, packed_seq_params = pad_inputs(
+                    input_ids, position_ids, packed_seq_params, self.config.tensor_model_parallel_size)
             pre = self._preprocess(input_ids=input_ids, position_ids=position_ids,
                                    packed_seq_params=packed_seq_params)
             decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = pre[:5]
@@ -234,22 +279,9 @@ def _gpt_model_class():
                                   rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                                   rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
                                   sequence_len_offset=sequence_len_offset)
-            return self._head(hidden, output)
+            return self._head(hidden, output, seq)
 
-        def _head(self, hidden, output):
-            """hidden (S, B, H); under context parallelism this rank's tokens only (S_local), and so is what the
-            head returns (rlhf.models.context_parallel)."""
-            if not self.post_process:
-                return hidden
-            if output == "hidden":
-                return hidden.transpose(0, 1)  # (B, S, H)
-            if self.value_head:
-                values, _ = self.output_layer(hidden)
-                return values.squeeze(-1).transpose(0, 1).contiguous()  # (B, S)
-            weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-            logits, _ = self.output_layer(hidden, weight=weight)
-            # Mask in megatron's (S, B, V) layout, then transpose: every TP rank returns the same memory layout.
-            return mask_padded_vocab(logits, self.true_vocab_size).transpose(0, 1)  # (B, S, V_local)
+        _head = _model_head
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
             return without_extra_state(super().sharded_state_dict(prefix, sharded_offsets, metadata))
@@ -279,7 +311,7 @@ def mask_padded_vocab(logits: torch.Tensor, true_vocab: int) -> torch.Tensor:
 def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: bool | None = None,
                 params_dtype: torch.dtype = torch.float32, bf16: bool = False, init_weights: bool = False,
                 recompute: bool = False, padded_vocab: int | None = None, use_te: bool | None = None, ep: int = 1,
-                aux_loss_coef: float = 0.0, routing_replay: bool = False):
+                aux_loss_coef: float = 0.0, routing_replay: bool = False, expert_bias_update_rate: float = 0.0):
     """One pipeline stage of the model for the current rank (megatron's parallel state must be initialised).
 
     ``init_weights=False`` leaves parameters uninitialised (they are about to be loaded from a checkpoint);
@@ -294,14 +326,26 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
 
     if use_te and cp_group_of_job() is not None:
         raise ValueError("context parallelism runs megatron's local layers (TE's CP attention is not wired yet)")
+    if cp_group_of_job() is not None and sequence_parallel(spec, tp):
+        raise ValueError(f"context parallelism with an MoE model ({spec.model_type}) at --tp {tp}: sequence "
+                         "parallelism and the context-parallel split are not combined yet; use --tp 1 with CP")
     config = transformer_config(spec, tp, pp, params_dtype=params_dtype, bf16=bf16, init_weights=init_weights,
                                 recompute=recompute, ep=ep, aux_loss_coef=aux_loss_coef, use_te=use_te,
+                                expert_bias_update_rate=expert_bias_update_rate,
                                 routing_replay=routing_replay)
     if spec.num_experts:
         from rlhf.compat.megatron import expert_bias_only_when_enabled, moe_without_te
 
         moe_without_te()
         expert_bias_only_when_enabled()
+        if sequence_parallel(spec, tp):
+            from rlhf.compat.megatron import uneven_gather_on_cpu
+
+            uneven_gather_on_cpu()
+    if spec.mla is not None:
+        from rlhf.compat.megatron import mla_without_te
+
+        mla_without_te()
     cls = _gpt_model_class()
     if spec.vision is not None:
         from rlhf.models.vlm import check_vlm_layout, vlm_model_class
@@ -318,6 +362,13 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
                                       swiglu_function)
 
     ensure_tp_attributes(model, te_available())
+    from rlhf.models.families import mark_tp_params
+
+    mark_tp_params(model)
+    if spec.linear_bias and spec.num_experts:
+        from rlhf.compat.megatron import expert_fc2_bias
+
+        expert_fc2_bias(model)
     recompute_in_forward_context()
     rotary_half_rope()
     swiglu_function()

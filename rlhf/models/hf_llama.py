@@ -58,7 +58,7 @@ def _shard_rows(n: int, tp_rank: int, tp: int) -> tuple[int, int]:
 
 # An expert's linears: megatron's SequentialMLP (local spec) ``local_experts.J.linear_fc1.weight``, or TE's grouped
 # GEMM (TEGroupedMLP, one GroupedLinear per projection) ``linear_fc1.weightJ``; J is the local expert index.
-_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(?P<j>\d+)\.(?P<fc>linear_fc[12])\.weight|"
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(?P<j>\d+)\.(?P<fc>linear_fc[12])\.(?:weight|bias)|"
                      r"(?P<fc_g>linear_fc[12])\.weight(?P<j_g>\d+))$")
 
 
@@ -77,7 +77,7 @@ def is_expert_param(name: str) -> bool:
 
 def is_glu_fc1(name: str) -> bool:
     """``linear_fc1`` of the dense MLP or of an expert (grouped: ``weightJ``): each TP shard is ``[gate; up]``."""
-    return re.search(r"linear_fc1\.weight\d*$", name) is not None
+    return re.search(r"linear_fc1\.(weight\d*|bias)$", name) is not None
 
 
 def _moe_prefix(spec: ModelSpec) -> str:
@@ -121,6 +121,13 @@ def megatron_shard_from_hf(name: str, get: HFGetter, spec: ModelSpec, *, tp_rank
         raise ValueError(f"unknown megatron parameter {name!r}")
     layer, rest = int(m.group(1)) + layer_offset, m.group(2)
     p = f"model.layers.{layer}."
+    if spec.mla is not None or spec.router is not None:  # deepseek_v3, glm4_moe, gpt_oss (rlhf.models.hf_families)
+        from rlhf.models import hf_families
+
+        out = hf_families.shard_from_hf(rest, p, get, spec, tp_rank=tp_rank, tp=tp,
+                                        expert_offset=ep_rank * (spec.num_experts // ep))
+        if out is not None:
+            return out
     if rest in _LAYER_SIMPLE:
         return get(p + _LAYER_SIMPLE[rest])
     groups, per_group = spec.num_kv_heads, spec.num_attention_heads // spec.num_kv_heads
@@ -194,6 +201,13 @@ def hf_from_megatron(name: str, tensor: torch.Tensor, spec: ModelSpec, *, layer_
         raise ValueError(f"unknown megatron parameter {name!r}")
     layer, rest = int(m.group(1)) + layer_offset, m.group(2)
     p = f"model.layers.{layer}."
+    if spec.mla is not None or spec.router is not None:  # deepseek_v3, glm4_moe, gpt_oss (rlhf.models.hf_families)
+        from rlhf.models import hf_families
+
+        out = hf_families.hf_from_megatron(rest, p, tensor, spec, expert_offset)
+        if out is not None:
+            yield from out
+            return
     if rest in _LAYER_SIMPLE:
         yield p + _LAYER_SIMPLE[rest], tensor
         return
@@ -240,6 +254,10 @@ def expected_hf_names(spec: ModelSpec) -> set[str]:
         names.add(hf_head_name(spec))
     elif not spec.tie_word_embeddings:
         names.add("lm_head.weight")
+    if spec.mla is not None or spec.router is not None:
+        from rlhf.models.hf_families import layer_hf_names
+
+        return names.union(*(layer_hf_names(spec, i) for i in range(spec.num_layers)))
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
@@ -268,6 +286,10 @@ def check_hf_names(found: set[str], spec: ModelSpec, source: str) -> None:
     # A tied model may still carry an lm_head copy (some exporters write it); it must then equal the embedding.
     optional = {"lm_head.weight"} if (spec.tie_word_embeddings and not spec.is_seq_cls) else set()
     optional |= {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(spec.num_layers)}
+    if spec.mtp_layers:  # DeepSeek's / GLM's MTP layers: kept beside the checkpoint (rlhf.models.mtp)
+        from rlhf.models.hf_families import is_mtp_name
+
+        optional |= {n for n in found if is_mtp_name(n, spec)}
     unknown = sorted(found - expected - optional)
     if unknown:
         raise ValueError(f"{source}: unknown checkpoint key(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")

@@ -101,6 +101,10 @@ def run_microbatches(model: torch.nn.Module, microbatches: Sequence[dict], *, lo
             cp_stream = s if ps.get_pipeline_model_parallel_world_size() > 1 else None
         else:
             s = padded_length(s, cp)
+    if model.config.sequence_parallel:  # the stages exchange this rank's S_pad / TP positions
+        from rlhf.models.sequence_parallel import padded_length as sp_padded
+
+        s = sp_padded(s, model.config.tensor_model_parallel_size)
     fixed_seq_lengths(model)
     fb = get_forward_backward_func()
     device = device if device is not None else next(model.parameters()).device

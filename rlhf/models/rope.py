@@ -37,9 +37,10 @@ _REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "hig
 _COMMON = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
 
-def parse_rope(cfg: dict[str, Any], source: str = "config.json") -> tuple[float, dict | None]:
+def parse_rope(cfg: dict[str, Any], source: str = "config.json", partial_ok: bool = False) -> tuple[float, dict | None]:
     """(rope_theta, scaling) from an HF config dict; ``scaling`` is None for plain RoPE, else a dict with
-    ``rope_type`` and every parameter of that type filled in. Raises ValueError naming the field."""
+    ``rope_type`` and every parameter of that type filled in. Raises ValueError naming the field.
+    ``partial_ok``: the family reads ``partial_rotary_factor`` itself (glm4_moe: ``rlhf.models.spec_families``)."""
     theta = float(cfg.get("rope_theta", 10000.0))
     scaling: dict | None = None
     for name in ("rope_scaling", "rope_parameters"):
@@ -55,7 +56,7 @@ def parse_rope(cfg: dict[str, Any], source: str = "config.json") -> tuple[float,
         extra = sorted(set(block) - _COMMON - _ALLOWED[rope_type])
         if extra:
             raise ValueError(f"{source}: unsupported config field(s) {name}.{extra} for rope_type={rope_type!r}")
-        if float(block.get("partial_rotary_factor", 1.0)) != 1.0:
+        if float(block.get("partial_rotary_factor", 1.0)) != 1.0 and not partial_ok:
             raise ValueError(f"{source}: unsupported config field {name}.partial_rotary_factor="
                              f"{block['partial_rotary_factor']} (only 1.0)")
         for key in _REQUIRED.get(rope_type, ()):

@@ -189,6 +189,10 @@ def routing_for_forward(model: torch.nn.Module, batch: dict) -> Iterator[Callabl
         from rlhf.models.context_parallel import split_input
 
         routed = split_input(routed, layout, dim=1)  # (B, S_local, layers, K): this rank's tokens, 0 at padding
+    if routed is not None and model.config.sequence_parallel:
+        from rlhf.models.sequence_parallel import local_slice
+
+        routed = local_slice(routed, dim=1)  # (B, S_pad / TP, layers, K): this TP rank's positions
     for layer, rr in routers:
         if routed is not None:
             rr.set_target_indices(_layer_targets(routed, layer))
@@ -234,9 +238,17 @@ class RoutingRecorder:
         B, S = ids.shape
         K = routers[0][1].recorded_topk_idx.shape[-1]
         n = S if layout is None else layout.local.numel()  # the tokens this rank's routers saw
+        sp = self.model.config.sequence_parallel
+        if sp:  # this TP rank's S_pad / TP positions (rlhf.models.sequence_parallel)
+            n = routers[0][1].recorded_topk_idx.shape[0] // B
         out = torch.zeros(B, n, self.num_layers, K, dtype=torch.int32)
         for layer, rr in routers:
             out[:, :, layer] = rr.recorded_topk_idx.detach().view(n, B, K).transpose(0, 1).to("cpu", torch.int32) + 1
+        if sp:
+            from rlhf.models.sequence_parallel import gather_slices
+
+            device = rr.recorded_topk_idx.device
+            out = gather_slices(out.to(device), S, dim=1).cpu()  # (B, S, layers, K): every TP rank's positions
         if layout is not None:
             from rlhf.models.context_parallel import gather_tokens
 

@@ -14,11 +14,15 @@ from typing import Any
 
 from rlhf.models.reward_config import head_prefix, is_openrlhf_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_5_vl")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_5_vl", "deepseek_v3",
+                         "glm4_moe", "gpt_oss")
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+"""MoE families whose fields ``_moe_fields`` reads; deepseek_v3, glm4_moe and gpt_oss: rlhf.models.spec_families"""
 CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                    "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                   "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+                   "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                   "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                   "gpt_oss": "GptOssForCausalLM"}
 SEQ_CLS_ARCHS = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                  "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
                  "mixtral": "MixtralForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification"}
@@ -86,6 +90,23 @@ class ModelSpec:
     vision: dict | None = None
     """vision-language models: ``vision_config`` (transformers' fields) and the image/video/vision-start/end token
     ids; None for a text model"""
+    # The families of rlhf.models.spec_families; the defaults are the Llama layout.
+    mla: dict | None = None
+    """deepseek_v3's multi-latent attention: q_lora_rank (None: a plain q projection), kv_lora_rank,
+    qk_nope_head_dim, qk_rope_head_dim, v_head_dim (``head_dim`` is then the q/k head width, nope + rope)"""
+    router: dict | None = None
+    """an MoE router beyond mixtral's: score (``softmax`` | ``sigmoid``), expert_bias (DeepSeek's
+    e_score_correction_bias), num_groups / group_topk (group-limited top-k; None: off), scaling
+    (routed_scaling_factor), bias (gpt_oss: the router's linear has a bias); None: mixtral's softmax router"""
+    shared_expert_size: int = 0  # n_shared_experts * moe_intermediate_size; 0: no shared experts
+    dense_layers: int = 0  # first_k_dense_replace: the first N layers have a dense MLP of intermediate_size
+    rotary_percent: float = 1.0  # glm4_moe's partial_rotary_factor: RoPE on the first part of each head
+    attention_sinks: bool = False  # gpt_oss: a learned logit per head in every softmax's denominator
+    window_layers: tuple | None = None  # gpt_oss: per layer, True where it attends within ``sliding_window``
+    linear_bias: bool = False  # gpt_oss: every linear (q, k, v, o, router, experts) has a bias
+    swiglu: tuple | None = None  # gpt_oss: (alpha, limit) of its clamped SwiGLU, (up + 1) * g * sigmoid(alpha g)
+    mtp_layers: int = 0  # num_nextn_predict_layers: read; their tensors are kept through a round trip, untrained
+    mxfp4: bool = False  # gpt_oss: the HF folder stores the experts as MXFP4 blocks and scales
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +118,10 @@ class ModelSpec:
     def num_params(self) -> int:
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        if self.mla is not None or self.router is not None:
+            from rlhf.models.spec_families import layer_params
+
+            return sum(layer_params(self, i) for i in range(self.num_layers)) + self.vocab_size * h * 2 + h
         mlp = 3 * h * self.intermediate_size
         if self.num_experts:
             mlp = self.num_experts * (3 * h * self.moe_ffn_hidden_size + h)  # experts + router
@@ -129,12 +154,17 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         from dataclasses import replace
 
         return replace(lm, model_type=model_type, mrope_section=tuple(mrope), vision=vision)
-    unknown = sorted(set(cfg) - _BENIGN_KEYS)
+    from rlhf.models.spec_families import FAMILY_KEYS, family_fields
+
+    unknown = sorted(set(cfg) - _BENIGN_KEYS - FAMILY_KEYS.get(model_type, set()))
     if unknown:
         raise ValueError(f"{source}: unknown config field(s) {unknown} for model_type={model_type!r}")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in cfg:
             raise ValueError(f"{source}: missing required config field {key!r}")
+    family = family_fields(cfg, source) if model_type in FAMILY_KEYS else None
+    if family is not None:
+        return _family_spec(cfg, family, source)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: unsupported config field hidden_act={cfg['hidden_act']!r} (only 'silu')")
     if cfg.get("mlp_bias"):
@@ -169,6 +199,39 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
                      pad_token_id=cfg.get("pad_token_id"), is_seq_cls=is_seq_cls, torch_dtype=str(dtype), **moe,
                      extra={**{k: cfg[k] for k in ("bos_token_id", "eos_token_id", "rlhf") if k in cfg},
                             **({"score_head": head_prefix(cfg)} if is_seq_cls else {})})
+
+
+def _family_spec(cfg: dict[str, Any], family: dict[str, Any], source: str) -> ModelSpec:
+    """A deepseek_v3 / glm4_moe / gpt_oss config: the fields every family shares, then the family's own
+    (``family``: ``rlhf.models.spec_families.family_fields``)."""
+    model_type = cfg["model_type"]
+    if any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or []) or \
+            is_openrlhf_config(cfg):
+        raise ValueError(f"{source}: a sequence-classification head on {model_type} is not supported (a reward model "
+                         "or critic of this family); use a rule reward and a group estimator (--advantage_estimator "
+                         "group_norm, rloo, reinforce_baseline)")
+    if model_type != "gpt_oss" and (cfg.get("use_sliding_window") or cfg.get("sliding_window") or
+                                    any(t != "full_attention" for t in cfg.get("layer_types") or [])):
+        raise ValueError(f"{source}: unsupported config field sliding_window / layer_types for {model_type}")
+    from rlhf.models.rope import parse_rope
+
+    rope_theta, rope_scaling = parse_rope(cfg, source, partial_ok=model_type == "glm4_moe")
+    if family.get("mla") is not None and rope_scaling is not None and rope_scaling["rope_type"] != "yarn":
+        raise ValueError(f"{source}: unsupported config field rope_type={rope_scaling['rope_type']!r} with "
+                         "multi-latent attention (megatron's MLA RoPE: default or yarn)")
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    head_dim = family.pop("head_dim", None) or int(cfg.get("head_dim") or hidden // heads)
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    return ModelSpec(model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+                     intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+                     num_attention_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                     head_dim=head_dim, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+                     rope_scaling=rope_scaling, max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                     tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                     attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
+                     initializer_range=float(cfg.get("initializer_range", 0.02)), pad_token_id=cfg.get("pad_token_id"),
+                     torch_dtype=str(dtype), **family,
+                     extra={k: cfg[k] for k in ("bos_token_id", "eos_token_id", "rlhf") if k in cfg})
 
 
 def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
@@ -258,6 +321,10 @@ def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, padded_vocab: int | No
         raise ValueError(f"--tp {tp} does not divide intermediate_size={spec.intermediate_size}")
     if spec.num_layers % pp:
         raise ValueError(f"--pp {pp} does not divide num_hidden_layers={spec.num_layers}")
+    if spec.mla is not None or spec.router is not None:
+        from rlhf.models.spec_families import check_family_fit
+
+        check_family_fit(spec, tp)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128) -> int:

@@ -53,7 +53,9 @@ def make_tiny_hf(out: str, model_type: str = "llama", seq_cls: bool = False, see
     dims.setdefault("vocab_size", len(tok))
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
-               "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[model_type]
+               "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+               "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
+               "gpt_oss": transformers.GptOssConfig}[model_type]
     cfg = cfg_cls(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   **dims)
     if seq_cls:
@@ -61,13 +63,100 @@ def make_tiny_hf(out: str, model_type: str = "llama", seq_cls: bool = False, see
     torch.manual_seed(seed)
     cls = transformers.AutoModelForSequenceClassification if seq_cls else transformers.AutoModelForCausalLM
     model = cls.from_config(cfg, dtype=dtype)
-    with torch.no_grad():  # HF zero-inits some tensors (biases); random values make the tests sharper
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith(".gate.weight") and "experts" not in name:  # an MoE router (HF: zeros for qwen3_moe)
-                p.copy_(torch.randn_like(p))  # logits far apart: the top-k choice is not a rounding coin toss
+    _randomize(model, sigmoid_router=model_type in ("deepseek_v3", "glm4_moe"))
     model.save_pretrained(out)
+    if model_type == "deepseek_v3":  # as DeepSeek's released config.json says (vLLM reads it for the expert bias)
+        import json
+
+        with open(os.path.join(out, "config.json")) as f:
+            saved = json.load(f)
+        saved.setdefault("topk_method", "noaux_tc")
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(saved, f, indent=2)
+    return out
+
+
+def _randomize(model, sigmoid_router: bool = False) -> None:
+    """Draw the tensors transformers initialises to zeros or ones (biases, norms, GPT-OSS's sinks, DeepSeek's expert
+    bias correction, the routers) at random, so that a missing term changes the output (tests' controls)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or name.endswith("sinks"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith((".gate.weight", ".router.weight")) and "experts" not in name:  # an MoE router
+                # softmax: logits far apart, so the top-k choice is not a rounding coin toss; sigmoid: logits of
+                # about unit spread, so the scores do not saturate at 1 (ties) and the bias correction moves choices
+                p.copy_(torch.randn_like(p) * (1.6 / p.shape[1] ** 0.5 if sigmoid_router else 1.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's / GLM's load-balancing bias (HF: zeros)
+                b.copy_(torch.randn_like(b) * 0.2)
+
+
+_FAMILY_COMMON = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+TINY_FAMILIES = {
+    # MLA (q LoRA 48, kv LoRA 32, 32 + 32 q/k head dims, v 32), YaRN as DeepSeek's (mscale = mscale_all_dim = 1:
+    # the softmax scaled by mscale**2), 8 experts in 4 groups of 2, top 4 of the 2 best groups, 1 shared expert,
+    # the first layer dense, one MTP layer (its tensors added by make_tiny_family)
+    "deepseek_v3": ("deepseek_v3", dict(num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=32,
+                                        n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+                                        qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                                        routed_scaling_factor=2.5, num_nextn_predict_layers=1,
+                                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                         "original_max_position_embeddings": 16, "mscale": 1.0,
+                                                         "mscale_all_dim": 1.0, "beta_fast": 32.0,
+                                                         "beta_slow": 1.0})),
+    # DeepSeek-V2-Lite-style: no q LoRA (a plain q projection), plain RoPE, one group
+    "deepseek_v3-noqlora": ("deepseek_v3", dict(num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=32,
+                                                n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                                n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=32,
+                                                q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                                                v_head_dim=16, routed_scaling_factor=1.5,
+                                                num_nextn_predict_layers=0)),
+    # partial rotary (half of each 64-wide head), q/k norms, q/k/v biases, 8 experts top 2, 1 shared, the first
+    # layer dense
+    "glm4_moe": ("glm4_moe", dict(num_key_value_heads=1, head_dim=64, intermediate_size=96, moe_intermediate_size=32,
+                                  n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                  first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+                                  routed_scaling_factor=2.0, num_nextn_predict_layers=0,
+                                  partial_rotary_factor=0.5)),
+    # sinks, a sliding layer (window 8) then a full one, YaRN (truncate False, as released), 4 experts top 2 with
+    # biases; swiglu_limit 0.1 so that the clamp acts on these small activations (the released value is 7); 2 KV
+    # heads of 4 (vLLM 0.32's gpt_oss splits the KV heads over its TP ranks without replicating them)
+    "gpt_oss": ("gpt_oss", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=64,
+                                num_local_experts=4,
+                                num_experts_per_tok=2, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.1,
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0,
+                                                 "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False})),
+}
+"""Tiny models of the families of rlhf.models.spec_families, built by transformers' own classes: name ->
+(model_type, overrides of ``make_tiny_hf``). Sequences of 24 tokens run past the window (8) and the original
+contexts (16)."""
+
+
+def make_tiny_family(out: str, name: str, seed: int = 0, tokenizer_dir: str | None = None, **overrides: Any) -> str:
+    """``make_tiny_hf`` of ``TINY_FAMILIES[name]``; a model with ``num_nextn_predict_layers`` also gets random MTP
+    tensors (DeepSeek's names: ``model.layers.N.{enorm,hnorm,eh_proj,shared_head.norm}`` and a decoder layer's
+    norms), which transformers ignores and a round trip must keep (``rlhf.models.mtp``)."""
+    model_type, kw = TINY_FAMILIES[name]
+    make_tiny_hf(out, model_type, seed=seed, tokenizer_dir=tokenizer_dir, **{**_FAMILY_COMMON, **kw, **overrides})
+    mtp = {**kw, **overrides}.get("num_nextn_predict_layers", 0)
+    if mtp:
+        from safetensors.torch import load_file, save_file
+
+        path = os.path.join(out, "model.safetensors")
+        tensors = load_file(path)
+        g = torch.Generator().manual_seed(seed + 101)
+        h, n = _FAMILY_COMMON["hidden_size"], _FAMILY_COMMON["num_hidden_layers"]
+        for i in range(n, n + mtp):
+            p = f"model.layers.{i}."
+            for k, shape in (("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
+                             ("shared_head.norm.weight", (h,)), ("input_layernorm.weight", (h,))):
+                tensors[p + k] = torch.randn(shape, generator=g).to(next(iter(tensors.values())).dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
     return out
 
 

@@ -96,7 +96,12 @@ def check_vllm_fit(spec, cfg: RolloutConfig, world_size: int) -> None:
         raise ValueError(f"--vllm_tensor_parallel_size {tp} must divide num_attention_heads="
                          f"{spec.num_attention_heads}, and divide num_key_value_heads={spec.num_kv_heads} or be a "
                          "multiple of it (vLLM replicates KV heads)")
-    if not torch.cuda.is_available() and spec.head_dim not in CPU_HEAD_SIZES:
+    from rlhf.models.spec_families import vllm_refusal
+
+    refusal = vllm_refusal(spec, tp, cfg.dtype, torch.cuda.is_available())  # the 2026 families (spec_families)
+    if refusal:
+        raise ValueError(refusal)
+    if not torch.cuda.is_available() and spec.head_dim not in CPU_HEAD_SIZES and spec.mla is None:
         raise ValueError(f"vLLM's CPU attention does not support head_dim={spec.head_dim} (supported: "
                          f"{list(CPU_HEAD_SIZES)}); use --rollout_backend megatron or another model")
 

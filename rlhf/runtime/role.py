@@ -95,10 +95,6 @@ def _check_moe(spec: ModelSpec, mesh: ParallelMesh, name: str, *, trained: bool,
         if mesh.ep > 1 and mesh.is_rank0:
             log.info("%s: a dense model; --expert_model_parallel_size %d applies to MoE models only", name, mesh.ep)
         return 1
-    if trained and mesh.tp > 1:
-        raise ValueError(f"{name}: training an MoE model ({spec.model_type}) at --tp {mesh.tp} needs sequence "
-                         "parallelism, which megatron's local layer spec lacks: use --tp 1 and spread the experts "
-                         "with --expert_model_parallel_size")
     if lora:
         raise ValueError(f"{name}: --lora_rank with an MoE model ({spec.model_type}) is not supported")
     return mesh.ep

@@ -138,8 +138,8 @@ def check_list_input_and_errors(work, mesh):
             (ref[i, : s.shape[0]] - s).abs().max().item() for i, s in enumerate(split_packed(mb, out)) if s.numel())
         # The same weights under megatron's plain local spec: the unpacked path must not change at all.
         orig = gpt.layer_spec
-        gpt.layer_spec = lambda use_te=None, qk_layernorm=False, num_experts=0: get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        gpt.layer_spec = lambda config, spec, use_te=None: get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=spec.qk_norm)
         try:
             _, plain = load(work, "llama", mesh)
         finally:

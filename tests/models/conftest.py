@@ -45,3 +45,21 @@ def tiny_models(tmp_path_factory):
     for name, (arch, kw) in EXTRA_MODELS.items():
         make_tiny_hf(os.path.join(work, "hf", name), arch, name.endswith("-cls"), seed=4, tokenizer_dir=tok, **kw)
     return work
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """Tiny HF folders of the newer families (transformers' own classes, biases, sinks and the expert-bias
+    correction drawn non-zero; DeepSeek with one MTP layer's tensors) and a 2-layer mixtral: WORK/hf/NAME."""
+    from rlhf.models.tiny import make_tiny_family, make_tiny_hf, make_tokenizer
+
+    work = tmp_path_factory.mktemp("families")
+    tok = os.path.join(work, "tok")
+    make_tokenizer(tok)
+    from rlhf.models.tiny import TINY_FAMILIES
+
+    for i, name in enumerate(TINY_FAMILIES):
+        make_tiny_family(os.path.join(work, "hf", name), name, seed=10 + i, tokenizer_dir=tok)
+    make_tiny_hf(os.path.join(work, "hf", "mixtral"), "mixtral", seed=4, tokenizer_dir=tok, num_hidden_layers=2,
+                 num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, tie_word_embeddings=False)
+    return work
