@@ -112,3 +112,11 @@ def mark_tp_params(model: torch.nn.Module) -> None:
     for name, p in model.named_parameters():
         if name.endswith("core_attention.softmax_offset") and not hasattr(p, "tensor_model_parallel"):
             mtp.set_tensor_model_parallel_attributes(p, True, 0, 1)
+
+
+def check_family_layout(spec: ModelSpec, cp: int) -> None:
+    """Layouts the families do not run in yet, refused by name before any weight is read."""
+    if is_family(spec) and cp > 1:
+        raise ValueError(f"--context_parallel_size {cp} with {spec.model_type}: context parallelism is not wired for "
+                         "its attention yet (MLA's latent keys, GPT-OSS's sinks and windows); use "
+                         "--context_parallel_size 1")

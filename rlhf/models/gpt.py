@@ -326,6 +326,9 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
 
     if use_te and cp_group_of_job() is not None:
         raise ValueError("context parallelism runs megatron's local layers (TE's CP attention is not wired yet)")
+    from rlhf.models.families import check_family_layout
+
+    check_family_layout(spec, 1 if cp_group_of_job() is None else cp_group_of_job().size())
     if cp_group_of_job() is not None and sequence_parallel(spec, tp):
         raise ValueError(f"context parallelism with an MoE model ({spec.model_type}) at --tp {tp}: sequence "
                          "parallelism and the context-parallel split are not combined yet; use --tp 1 with CP")

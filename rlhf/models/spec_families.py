@@ -223,19 +223,20 @@ def check_family_fit(spec, tp: int) -> None:
 
 
 def vllm_refusal(spec, tp: int, dtype: str, on_cuda: bool) -> str | None:
-    """Why vLLM 0.32 cannot generate for this family here (None: it can), measured on its CPU build:
+    """Why vLLM 0.32 cannot be this family's generator here (None: it can), measured on its CPU build:
 
-    * gpt_oss: its MoE activation takes alpha 1.702 and limit 7.0 whatever the config says (``SWIGLUOAI`` in
+    * gpt_oss: ``reload_weights`` does not refresh its experts and sinks. Its loader (``_load_weights_other`` in
+      vllm/model_executor/models/gpt_oss.py) copies them with ``param.copy_`` past the weight loaders the layerwise
+      reload counts, which then logs "GptOssRoutedExperts: Failed to load weights" and puts the old tensors back: the
+      generator keeps its first weights (measured: log-probs 0.28 off the trainer's after one update). Besides, its
+      MoE activation takes alpha 1.702 and limit 7.0 whatever the config says (``SWIGLUOAI`` in
       vllm/model_executor/layers/fused_moe/activation.py), and it splits the KV heads over its TP ranks without
-      replicating them (``num_key_value_heads // tp_size``: a ZeroDivisionError below one head a rank);
+      replicating them.
     * deepseek_v3 on CPU: its MLA backend takes bf16 weights only ("expect weight to be bfloat16, float16, int8,
       fp8_e4m3 or uint8")."""
-    if spec.model_type == "gpt_oss" and spec.swiglu != (GPT_OSS_SWIGLU_ALPHA, 7.0):
-        return (f"vLLM computes gpt_oss's SwiGLU with alpha 1.702 and limit 7.0, this config has swiglu_alpha / "
-                f"swiglu_limit = {spec.swiglu}: use --rollout_backend megatron")
-    if spec.model_type == "gpt_oss" and tp > spec.num_kv_heads:
-        return (f"--vllm_tensor_parallel_size {tp} exceeds gpt_oss's num_key_value_heads={spec.num_kv_heads} "
-                "(vLLM does not replicate its KV heads)")
+    if spec.model_type == "gpt_oss":
+        return ("vLLM 0.32 does not refresh gpt_oss's experts and sinks on a weight sync (its reload logs "
+                "'GptOssRoutedExperts: Failed to load weights' and keeps the old ones): use --rollout_backend megatron")
     if spec.mla is not None and not on_cuda and dtype != "bfloat16":
         return (f"vLLM's CPU multi-latent attention takes bf16 weights only ({spec.model_type} at {dtype}): use "
                 "--bf16 or --rollout_backend megatron")
