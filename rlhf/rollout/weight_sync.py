@@ -143,16 +143,22 @@ class WeightSync:
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) for the whole actor, bucket by bucket (a collective per bucket)."""
         t0, nbytes = time.perf_counter(), 0
+        from rlhf.models.hf_families import fuse_experts, iter_hf_buffers
+
+        for hf_name, hf_tensor in fuse_experts(self._iter_buckets(), self.spec):  # gpt_oss: a layer's experts fused
+            nbytes += hf_tensor.numel() * hf_tensor.element_size()
+            yield hf_name, hf_tensor
+        yield from iter_hf_buffers(self.actor.model, self.mesh, self.spec)  # DeepSeek's expert-bias correction
+        self.last_stats = {"weight_sync/gather_s": time.perf_counter() - t0, "weight_sync/bytes": float(nbytes),
+                           "weight_sync/buckets": float(len(self.buckets))}
+
+    def _iter_buckets(self) -> Iterator[tuple[str, torch.Tensor]]:
         for stage, params in self.buckets:
             full = self._gather_bucket(stage, params)
             for name, tensor, expert_offset in full:
-                for hf_name, hf_tensor in hf_from_megatron(name, tensor, self.spec, expert_offset=expert_offset,
-                                                           layer_offset=self.layer_offsets[stage]):
-                    nbytes += hf_tensor.numel() * hf_tensor.element_size()
-                    yield hf_name, hf_tensor
+                yield from hf_from_megatron(name, tensor, self.spec, expert_offset=expert_offset,
+                                            layer_offset=self.layer_offsets[stage])
             del full
-        self.last_stats = {"weight_sync/gather_s": time.perf_counter() - t0, "weight_sync/bytes": float(nbytes),
-                           "weight_sync/buckets": float(len(self.buckets))}
 
     def tp_local(self, engine) -> bool:
         """Whether ``engine`` reads exactly this rank's TP shard of every tensor (see the module doc)."""

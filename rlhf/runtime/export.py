@@ -66,14 +66,20 @@ def _write_hf_in_process(engine, mesh, spec, cfg: dict, tokenizer_src: str, out:
     from rlhf.models.spec import CAUSAL_LM_ARCHS, SEQ_CLS_ARCHS
     from rlhf.rollout.weight_sync import WeightSync
 
+    from rlhf.models.mtp import mtp_tensors
+
     writer = HFShardedWriter(out) if mesh.is_rank0 else None
     for name, tensor in WeightSync(engine, mesh, spec=spec).iter_hf_tensors():
         if writer is not None:
             writer.add(name, tensor.to(torch.float32).clone())
     if writer is None:
         return
+    for name, tensor in mtp_tensors(tokenizer_src, spec).items():  # DeepSeek's MTP layers (the source folder's)
+        writer.add(name, tensor)
     writer.finalize()
     cfg = dict(cfg)
+    if spec.mxfp4:  # GPT-OSS's experts are written dequantized
+        cfg.pop("quantization_config", None)
     cfg["architectures"] = [(SEQ_CLS_ARCHS if spec.is_seq_cls else CAUSAL_LM_ARCHS)[spec.model_type]]
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)

@@ -67,3 +67,17 @@ def family_actors(ppo_setup):
                              **{**dims, "tie_word_embeddings": False}, num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=64, norm_topk_prob=False)
     return {"qwen3_yarn_kv1": qwen3, "llama3_rope": llama3, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
+
+
+@pytest.fixture(scope="session")
+def moe_family_actors(ppo_setup):
+    """Tiny actors of the 2026 families (rlhf.models.tiny.TINY_FAMILIES: DeepSeek-V3 with MLA, its sigmoid router,
+    expert-bias correction, groups, a shared expert, a dense first layer and one MTP layer's tensors; GLM-4.5;
+    GPT-OSS at the released swiglu_limit 7, the one vLLM 0.32 computes), with the base actor's tokenizer."""
+    from rlhf.models.tiny import make_tiny_family
+
+    work, tok = ppo_setup["work"], ppo_setup["actor"]
+    extra = {"gpt_oss": {"swiglu_limit": 7.0}}
+    names = ("deepseek_v3", "glm4_moe", "gpt_oss")
+    return {name: make_tiny_family(os.path.join(work, name), name, seed=20 + i, tokenizer_dir=tok,
+                                   **extra.get(name, {})) for i, name in enumerate(names)}
