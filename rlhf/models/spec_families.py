@@ -241,3 +241,43 @@ def vllm_refusal(spec, tp: int, dtype: str, on_cuda: bool) -> str | None:
         return (f"vLLM's CPU multi-latent attention takes bf16 weights only ({spec.model_type} at {dtype}): use "
                 "--bf16 or --rollout_backend megatron")
     return None
+
+
+def layer_numels(spec, tp: int, ep: int, layer: int) -> list[int]:
+    """Elements of each parameter of decoder layer ``layer`` (0-based) one TP rank holds, in megatron's module order
+    (the memory planner's ``stage_param_numels``): MLA's replicated down projections and LoRA norms, its up
+    projections split over TP by heads; or q/k/v/o with biases, q/k norms and sinks; a dense MLP, or the router (its
+    bias), this EP rank's ``num_experts / ep`` experts (their biases) and the shared experts, TP-sharded."""
+    h, heads, bias = spec.hidden_size, spec.num_attention_heads // tp, spec.linear_bias
+    out = [h]  # input norm
+    if spec.mla is not None:
+        m = spec.mla
+        qh, ql, kvl = m["qk_nope_head_dim"] + m["qk_rope_head_dim"], m["q_lora_rank"], m["kv_lora_rank"]
+        out += [h * ql, ql, ql * heads * qh] if ql else [h * heads * qh]
+        out += [h * (kvl + m["qk_rope_head_dim"]), kvl, kvl * heads * (m["qk_nope_head_dim"] + m["v_head_dim"])]
+        out += [heads * m["v_head_dim"] * h]
+    else:
+        d = spec.head_dim
+        qkv = (spec.num_attention_heads + 2 * spec.num_kv_heads) * d // tp
+        out += [qkv * h] + ([qkv] if spec.qkv_bias else []) + [heads * d * h] + ([h] if bias else [])
+        out += ([d, d] if spec.qk_norm else []) + ([heads] if spec.attention_sinks else [])
+    out.append(h)  # pre-MLP norm
+    if layer < spec.dense_layers:
+        i = spec.intermediate_size // tp
+        return out + [2 * i * h, i * h]
+    f = spec.moe_ffn_hidden_size // tp
+    out += [spec.num_experts * h] + ([spec.num_experts] if bias else [])
+    out += ([2 * f * h, 2 * f, f * h, h] if bias else [2 * f * h, f * h]) * (spec.num_experts // ep)
+    if spec.shared_expert_size:
+        s = spec.shared_expert_size // tp
+        out += [2 * s * h, s * h]
+    return out
+
+
+def attention_widths(spec, tp: int) -> tuple[float, float]:
+    """(q, kv) widths per token on one TP rank for the planner's activation estimates: MLA's q heads are
+    nope + rope wide, its expanded keys and values (nope + rope + v) / 2 on average."""
+    m = spec.mla
+    qh = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+    heads = spec.num_attention_heads / tp
+    return heads * qh, heads * (qh + m["v_head_dim"]) / 2

@@ -158,8 +158,11 @@ class PlanConfig:
 
 # ------------------------------------------------------------------------------------------ model state
 def mlp_width(spec: ModelSpec) -> int:
-    """The MLP intermediate width one token passes through: an MoE token goes through ``top-k`` experts."""
-    return spec.moe_ffn_hidden_size * spec.moe_topk if spec.num_experts else spec.intermediate_size
+    """The MLP intermediate width one token passes through: an MoE token goes through ``top-k`` experts (and the
+    shared experts, DeepSeek's and GLM's)."""
+    if not spec.num_experts:
+        return spec.intermediate_size
+    return spec.moe_ffn_hidden_size * spec.moe_topk + spec.shared_expert_size
 
 
 def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, value_head: bool,
@@ -172,7 +175,12 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, value_head
     out: list[int] = []
     if stage == 0:
         out.append(vocab * h)  # word embeddings (vocab-parallel)
-    for _ in range(spec.num_layers // pp):
+    for i in range(spec.num_layers // pp):
+        if spec.mla is not None or spec.router is not None:  # deepseek_v3, glm4_moe, gpt_oss
+            from rlhf.models.spec_families import layer_numels
+
+            out += layer_numels(spec, tp, ep, stage * (spec.num_layers // pp) + i)
+            continue
         out += [h, qkv * h] + ([qkv] if spec.qkv_bias else []) + [spec.num_attention_heads * d // tp * h]
         out += [d, d] if spec.qk_norm else []  # qwen3's q/k norms, replicated over TP
         if spec.num_experts:
@@ -229,6 +237,16 @@ def role_state(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: bool, t
 
 
 # ------------------------------------------------------------------------------------------- activations
+def _attention_widths(spec: ModelSpec, tp: int) -> tuple[float, float]:
+    """(q, kv) widths per token on one TP rank: GQA's KV heads replicated past TP; MLA's (rlhf.models.spec_families)."""
+    if spec.mla is not None:
+        from rlhf.models.spec_families import attention_widths
+
+        return attention_widths(spec, tp)
+    return spec.num_attention_heads * spec.head_dim / tp, max(spec.num_kv_heads / tp, 1) * spec.head_dim
+
+
+
 def layer_saved_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_bytes: int, impl: str) -> float:
     """Bytes one transformer layer saves for backward per token (no sequence parallelism: the h-wide tensors
     are whole on every TP rank).
@@ -241,8 +259,8 @@ def layer_saved_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_by
            parameter dtype: megatron's softmax sees the model before ``Float16Module`` and does not upcast);
            the same MLP tensors.
     """
-    h, d, i = spec.hidden_size, spec.head_dim, mlp_width(spec) / tp
-    q, kv = spec.num_attention_heads * d / tp, max(spec.num_kv_heads / tp, 1) * d  # KV heads replicated past TP
+    h, i = spec.hidden_size, mlp_width(spec) / tp
+    q, kv = _attention_widths(spec, tp)
     heads = spec.num_attention_heads / tp
     e = dtype_bytes
     if impl == "te":
@@ -257,8 +275,8 @@ def layer_working_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_
     GQA-expanded K and V; with ``local`` the [S, S] scores and probabilities per head), the MLP block (with
     ``local`` five h-wide tensors the layer still references: input, attention output, residual sum, normed
     copies; then fc1 output, SiLU output, gated product) and, with ``local``, an RMSNorm computing in fp32."""
-    h, d, i = spec.hidden_size, spec.head_dim, mlp_width(spec) / tp
-    q, kv = spec.num_attention_heads * d / tp, max(spec.num_kv_heads / tp, 1) * d  # KV heads replicated past TP
+    h, i = spec.hidden_size, mlp_width(spec) / tp
+    q, kv = _attention_widths(spec, tp)
     heads = spec.num_attention_heads / tp
     e = dtype_bytes
     if impl == "te":

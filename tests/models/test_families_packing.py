@@ -1,7 +1,7 @@
 """Packed (THD) micro-batches of the 2026 families, one in-process rank: DeepSeek-V3's MLA (its keys 64 wide, values
 32: LatentCoreAttention pads them to one width for the varlen kernel) and GLM-4.5's partial rotary give, packed, the
 logits of the padded batch, and their gradients; GPT-OSS (sinks, a sliding window) is refused by name when packed,
-and context parallelism by name for all three."""
+and context parallelism by name for all three. The memory planner counts each model's tensors."""
 import pytest
 import torch
 
@@ -65,6 +65,20 @@ def test_packed_equals_padded(mesh_and_models, name):
     rel = max((p.grad - ref[k]).abs().max().item() / (ref[k].abs().max().item() + 1e-12)
               for k, p in model.named_parameters() if k in ref)
     assert rel <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe", "gpt_oss"])
+def test_memory_planner_counts_the_models_parameters(mesh_and_models, name):
+    """The planner's per-rank tensors (rlhf.planner.stage_param_numels) are the megatron model's, one by one; at EP 2
+    half the experts."""
+    from rlhf.planner import stage_param_numels
+
+    spec, model = _load(mesh_and_models[1][name])
+    ours = [p.numel() for p in model.parameters()]
+    planned = stage_param_numels(spec, 1, 1, 0, False)
+    assert sorted(planned) == sorted(ours)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".local_experts." in n)
+    assert sum(stage_param_numels(spec, 1, 1, 0, False, ep=2)) == sum(ours) - experts // 2
 
 
 def test_gpt_oss_packed_and_families_under_cp_are_refused(mesh_and_models):
