@@ -25,10 +25,10 @@ from rlhf.models.hf_llama import full_from_tp_shards, hf_from_megatron, tp_parti
 from rlhf.models.pipeline import gather_vocab_parallel, run_microbatches  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp) on 4 ranks: DP4, DP2xTP2, DP2xPP2, TP2xPP2
-# MoE (tp, pp, ep): converted at TP2xEP2, loaded at DP4, EP2, EP4, TP2xEP2, PP2xEP2. Training MoE at TP > 1 is
-# refused (megatron's local spec has no sequence parallelism), so the gradient layouts keep TP 1.
+# MoE (tp, pp, ep): converted at TP2xEP2, loaded at DP4, EP2, EP4, TP2xEP2, PP2xEP2; trained at TP 2 x EP 2 too
+# (sequence parallelism: rlhf.models.sequence_parallel).
 MOE_LAYOUTS = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)]
-MOE_GRAD_LAYOUTS = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 2)]
+MOE_GRAD_LAYOUTS = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 2), (2, 1, 2)]
 MODELS = ["llama", "llama-cls", "qwen2", "qwen2-cls", "mistral", "mistral-cls",
           # conftest.EXTRA_MODELS: scaled RoPE, qwen3, one KV head (replicated over TP)
           "llama-llama3", "llama-linear", "qwen2-yarn", "qwen3", "qwen3-cls", "llama-kv1", "mixtral", "qwen3_moe"]

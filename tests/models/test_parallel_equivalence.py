@@ -14,7 +14,7 @@ MODELS = ["llama", "llama-cls", "qwen2", "qwen2-cls", "mistral", "mistral-cls",
           "llama-llama3", "llama-linear", "qwen2-yarn", "qwen3", "qwen3-cls", "llama-kv1"]
 MOE_MODELS = ["mixtral", "qwen3_moe"]  # renormalised top-2 routing; qwen3_moe with norm_topk_prob=False
 MOE_LAYOUTS = ["tp1pp1", "tp1pp1ep2", "tp1pp1ep4", "tp2pp1ep2", "tp1pp2ep2"]
-MOE_GRAD_LAYOUTS = ["tp1pp1", "tp1pp1ep2", "tp1pp1ep4", "tp1pp2ep2"]
+MOE_GRAD_LAYOUTS = ["tp1pp1", "tp1pp1ep2", "tp1pp1ep4", "tp1pp2ep2", "tp2pp1ep2"]  # TP 2: sequence parallelism
 
 
 @pytest.fixture(scope="module")
