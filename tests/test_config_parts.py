@@ -175,7 +175,8 @@ def _field_flags(part_cls: type[Part]) -> dict[str, str]:
             src = inspect.getsource(klass)
         except (OSError, TypeError):
             continue
-        for m in re.finditer(r"^    (\w+): [^\n=]+(?:= [^\n]+)?\n    [rR]?\"\"\"\(?(--[\w.-]+)", src, re.M):
+        # a field's line, its continuation lines (a multi-line ``flag(...)``), then its docstring
+        for m in re.finditer(r"^    (\w+): [^\n]+(?:\n {5,}[^\n]*)*\n    [rR]?\"\"\"\(?(--[\w.-]+)", src, re.M):
             out[m.group(1)] = m.group(2)
     return out
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 
 @dataclass
@@ -11,45 +11,35 @@ class AgentPart(Part):
     """Multi-turn agents (``rlhf.agents.rollout.AgentConfig`` is built of it once ``validate`` has filled
     ``max_len``)."""
 
-    agent_func_path: str | None = None
+    agent_func_path: str | None = flag("--agent_func_path", "--train.agent_func_path", dest="agent_func_path",
+                                       default=None,
+                                       help="a Python file defining OpenRLHF's AgentExecutor (rlhf.agents): "
+                                            "multi-turn trajectories with an environment; its rewards are the step's "
+                                            "reward")
     """(--agent_func_path) a Python file defining OpenRLHF's AgentExecutor"""
-    max_turns: int | None = None
+    max_turns: int | None = flag(type=int, default=None,
+                                 help="--agent_func_path: at most this many model turns per trajectory (default: "
+                                      "until done or the token budget)")
     """(--max_turns) model turns per trajectory at most"""
-    max_len: int | None = None
+    max_len: int | None = flag("--max_len", "--data.max_len", dest="max_len", type=int, default=None,
+                               help="prompt and reply tokens together (OpenRLHF's): prompts keep at most --max_len - "
+                                    "--generate_max_len; with --agent_func_path a trajectory's token budget (default "
+                                    "--prompt_max_len + --generate_max_len), each turn at most --generate_max_len")
     """(--max_len, --data.max_len) prompt and reply tokens together; filled by ``check_agent_args``"""
-    agent_timeout_s: float = 60.0
+    agent_timeout_s: float = flag(type=float, default=60.0,
+                                  help="--agent_func_path: seconds an environment's reset or step may take before "
+                                       "its trajectory fails (reward 0)")
     """(--agent_timeout_s) seconds an environment's reset or step may take"""
-    max_agent_failures: int = 0
+    max_agent_failures: int = flag(type=int, default=0,
+                                   help="--agent_func_path: failed trajectories tolerated per step (reward 0, "
+                                        "counted); more stop the job")
     """(--max_agent_failures) failed trajectories tolerated per step"""
-
-    @classmethod
-    def add_args(cls, g) -> None:
-        add_agent_args(g)
 
     def config(self):
         from rlhf.agents.rollout import AgentConfig
 
         return AgentConfig(path=self.agent_func_path, max_len=self.max_len, max_turns=self.max_turns,
                            timeout_s=self.agent_timeout_s, max_failures=self.max_agent_failures)
-
-
-def add_agent_args(g) -> None:
-    g.add_argument("--agent_func_path", "--train.agent_func_path", dest="agent_func_path", default=None,
-                   help="a Python file defining OpenRLHF's AgentExecutor (rlhf.agents): multi-turn trajectories "
-                        "with an environment; its rewards are the step's reward")
-    g.add_argument("--max_turns", type=int, default=None,
-                   help="--agent_func_path: at most this many model turns per trajectory (default: until done or "
-                        "the token budget)")
-    g.add_argument("--max_len", "--data.max_len", dest="max_len", type=int, default=None,
-                   help="prompt and reply tokens together (OpenRLHF's): prompts keep at most --max_len - "
-                        "--generate_max_len; with --agent_func_path a trajectory's token budget (default "
-                        "--prompt_max_len + --generate_max_len), each turn at most --generate_max_len")
-    g.add_argument("--agent_timeout_s", type=float, default=60.0,
-                   help="--agent_func_path: seconds an environment's reset or step may take before its trajectory "
-                        "fails (reward 0)")
-    g.add_argument("--max_agent_failures", type=int, default=0,
-                   help="--agent_func_path: failed trajectories tolerated per step (reward 0, counted); more stop "
-                        "the job")
 
 
 def check_agent_args(job) -> None:

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
 ROLLOUT_IS_LEVELS = ("token", "sequence")
@@ -65,61 +65,56 @@ class RolloutCorrectionConfig(Part):
     """The rollout corrections, from --use_tis, --tis_cap, --tis_floor, --is_correction_type, --rollout_rs and
     --rollout_rs_threshold."""
 
-    use_tis: bool = False
+    use_tis: bool = flag(action="store_true", help="truncated importance sampling: weight the policy loss by "
+                                                   "min(p_trainer/p_vllm, --tis_cap)", default=False)
     """--use_tis: the per-token loss weighted by w = p_trainer / p_rollout as --is_correction_type says"""
-    tis_cap: float = 2.0
+    tis_cap: float = flag(type=float, default=2.0)
     """--tis_cap: HIGH of OpenRLHF's --algo.advantage.is_correction_threshold LOW HIGH"""
-    tis_floor: float | None = None
+    tis_floor: float | None = flag(type=float, help="--use_tis: the weight is at least this too (OpenRLHF's "
+                                                    "--algo.advantage.is_correction_threshold LOW HIGH is "
+                                                    "--tis_floor LOW --tis_cap HIGH; default: no lower bound)",
+                                   default=None)
     """--tis_floor: LOW (None: no lower bound, i.e. 0)"""
-    is_correction_type: str = "tis"
+    is_correction_type: str = flag(choices=IS_CORRECTION_TYPES, help="--use_tis, OpenRLHF's "
+                                                                     "--algo.advantage.is_correction_type: tis "
+                                                                     "clamps w = p_trainer/p_vllm to [--tis_floor, "
+                                                                     "--tis_cap]; icepop zeroes the tokens whose w "
+                                                                     "is outside; seq-mask-tis zeroes the sequences "
+                                                                     "whose geometric mean of w is outside (w "
+                                                                     "unclamped)", default="tis")
     """--is_correction_type tis | icepop | seq-mask-tis (OpenRLHF's --algo.advantage.is_correction_type)"""
-    rollout_rs: str | None = None
+    rollout_rs: str | None = flag(help="verl's rollout rejection (algorithm.rollout_correction.rollout_rs): comma-separated "
+                            f"options from {', '.join(ROLLOUT_RS_OPTIONS)}; a token or sequence failing one leaves "
+                            "the loss",
+                                  default=None)
     """--rollout_rs: verl's rejection options, comma separated (all must pass)"""
-    rollout_rs_threshold: str | None = None
+    rollout_rs_threshold: str | None = flag(help="--rollout_rs's thresholds (verl's rollout_rs_threshold): one, or "
+                                                 "one per option, comma-separated; k1 options take LOWER_UPPER ratio "
+                                                 "bounds (or UPPER, LOWER = 1/UPPER), the others an upper bound on "
+                                                 "the divergence", default=None)
     """--rollout_rs_threshold: verl's spec, one entry or one per option; k1: LOWER_UPPER or UPPER (LOWER = 1/UPPER)"""
-    rollout_is: str | None = None
+    rollout_is: str | None = flag(choices=ROLLOUT_IS_LEVELS, help="verl's importance weights "
+                                                                  "(algorithm.rollout_correction.rollout_is): token, "
+                                                                  "min(p_trainer/p_vllm, C) per token, or sequence, "
+                                                                  "min(prod_t p_trainer/p_vllm, C) on every token of "
+                                                                  "the row; they multiply the policy loss",
+                                  default=None)
     """--rollout_is: verl's importance weights, token | sequence"""
-    rollout_is_threshold: float = 2.0
+    rollout_is_threshold: float = flag(type=float, help="--rollout_is's truncation C (verl's rollout_is_threshold)",
+                                       default=2.0)
     """--rollout_is_threshold: verl's truncation C (weights above it become C)"""
-    rollout_is_batch_normalize: bool = False
+    rollout_is_batch_normalize: bool = flag(action="store_true", help="--rollout_is: divide the weights by their "
+                                                                      "mean over the batch (verl's "
+                                                                      "rollout_is_batch_normalize: over tokens, over "
+                                                                      "sequences for sequence)", default=False)
     """--rollout_is_batch_normalize: verl's division of the weights by their mean over the batch"""
-    rollout_correction_loss_type: str = "ppo_clip"
+    rollout_correction_loss_type: str = flag(choices=BYPASS_LOSS_TYPES,
+                                             help="verl's bypass mode (--use_rollout_logprobs with --rollout_is / "
+                                                  "--rollout_rs): ppo_clip clips the ratio against the generator's "
+                                                  "log-probs (the weights are not applied), reinforce is -A * logp * "
+                                                  "w, unclipped", default="ppo_clip")
     """--rollout_correction_loss_type: verl's bypass-mode loss (with --use_rollout_logprobs): ppo_clip | reinforce"""
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--use_tis", action="store_true",
-                       help="truncated importance sampling: weight the policy loss by min(p_trainer/p_vllm, --tis_cap)")
-        g.add_argument("--tis_cap", type=float, default=2.0)
-        g.add_argument("--tis_floor", type=float, default=None,
-                       help="--use_tis: the weight is at least this too (OpenRLHF's "
-                            "--algo.advantage.is_correction_threshold LOW HIGH is --tis_floor LOW --tis_cap HIGH; "
-                            "default: no lower bound)")
-        g.add_argument("--is_correction_type", default="tis", choices=IS_CORRECTION_TYPES,
-                       help="--use_tis, OpenRLHF's --algo.advantage.is_correction_type: tis clamps w = p_trainer/"
-                            "p_vllm to [--tis_floor, --tis_cap]; icepop zeroes the tokens whose w is outside; "
-                            "seq-mask-tis zeroes the sequences whose geometric mean of w is outside (w unclamped)")
-        g.add_argument("--rollout_rs", default=None,
-                       help="verl's rollout rejection (algorithm.rollout_correction.rollout_rs): comma-separated "
-                            f"options from {', '.join(ROLLOUT_RS_OPTIONS)}; a token or sequence failing one leaves "
-                            "the loss")
-        g.add_argument("--rollout_is", default=None, choices=ROLLOUT_IS_LEVELS,
-                       help="verl's importance weights (algorithm.rollout_correction.rollout_is): token, "
-                            "min(p_trainer/p_vllm, C) per token, or sequence, min(prod_t p_trainer/p_vllm, C) on every "
-                            "token of the row; they multiply the policy loss")
-        g.add_argument("--rollout_is_threshold", type=float, default=2.0,
-                       help="--rollout_is's truncation C (verl's rollout_is_threshold)")
-        g.add_argument("--rollout_is_batch_normalize", action="store_true",
-                       help="--rollout_is: divide the weights by their mean over the batch (verl's "
-                            "rollout_is_batch_normalize: over tokens, over sequences for sequence)")
-        g.add_argument("--rollout_correction_loss_type", default="ppo_clip", choices=BYPASS_LOSS_TYPES,
-                       help="verl's bypass mode (--use_rollout_logprobs with --rollout_is / --rollout_rs): ppo_clip "
-                            "clips the ratio against the generator's log-probs (the weights are not applied), "
-                            "reinforce is -A * logp * w, unclipped")
-        g.add_argument("--rollout_rs_threshold", default=None,
-                       help="--rollout_rs's thresholds (verl's rollout_rs_threshold): one, or one per option, "
-                            "comma-separated; k1 options take LOWER_UPPER ratio bounds (or UPPER, LOWER = 1/UPPER), "
-                            "the others an upper bound on the divergence")
 
     def check(self) -> None:
         if self.tis_floor is not None and not 0 <= self.tis_floor < self.tis_cap:

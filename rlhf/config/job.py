@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from rlhf.data.vision import VisionPart
 from rlhf.models.lora import LoraPart
-from rlhf.config.part import Job, Part
-from rlhf.config.parts import (BatchPart, CheckpointPart, EnginePart, LoggingPart, ModelPart, OptimPart, ParallelPart,
-                        TextPart)
+from rlhf.config.part import Job, Part, flag
+from rlhf.config.parts import (BatchPart, CheckpointPart, EnginePart, GeneratorPart, LoggingPart, ModelPart, OptimPart,
+                               ParallelPart, SamplingPart, TextPart)
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +38,11 @@ def add_text_args(g, *, input_key: bool = False) -> None:
 
 
 def add_sampling_args(g, *, max_new_tokens: str = "--generate_max_len") -> None:
-    """Generation (PPO's rollout, rejection sampling)."""
-    g.add_argument(max_new_tokens, type=int, default=1024, help="new tokens per response at most")
-    g.add_argument("--prompt_max_len", type=int, default=1024, help="longer prompts keep their last tokens")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top_p", type=float, default=1.0)
+    """Generation (PPO's rollout, rejection sampling): ``SamplingPart``'s flags, the first named ``max_new_tokens``."""
+    SamplingPart.add_args(g, generate_max_len={"names": (max_new_tokens,)})
 
 
-def add_rollout_backend_args(g) -> None:
-    g.add_argument("--vllm_kv_cache_mb", type=int, default=None,
-                   help="vLLM KV cache per rank in MB (vLLM's kv_cache_memory_bytes). Default: 256 on CPU; on CUDA "
-                        "--vllm_gpu_memory_utilization decides, and this flag, when given, replaces it")
-    g.add_argument("--rollout_backend", default="auto", help="auto (vLLM if installed) | vllm | megatron (fallback)")
+add_rollout_backend_args = GeneratorPart.add_args
 
 
 add_parallel_args = ParallelPart.add_args
@@ -59,24 +52,17 @@ add_parallel_args = ParallelPart.add_args
 class DataPart(Part):
     """The supervised workflows' data: files, mixing, the held-out set and when it is evaluated."""
 
-    dataset: str = ""
+    dataset: str = flag(required=True, help="comma-separated files/folders", default=None)
     """(--dataset) comma-separated files/folders"""
-    dataset_probs: str | None = None
+    dataset_probs: str | None = flag(help="comma-separated mixing probabilities", default=None)
     """(--dataset_probs) comma-separated mixing probabilities"""
-    eval_dataset: str | None = None
+    eval_dataset: str | None = flag(help="held-out data (default: none)", default=None)
     """(--eval_dataset) held-out data"""
-    eval_split: float = 0.0
+    eval_split: float = flag(type=float, help="hold out this fraction of --dataset for eval", default=0.0)
     """(--eval_split) hold out this fraction of --dataset"""
-    eval_steps: int = -1
+    eval_steps: int = flag(type=int, help="evaluate every N steps (-1: at the end)", default=-1)
     """(--eval_steps) evaluate every N steps (-1: at the end)"""
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--dataset", required=True, help="comma-separated files/folders")
-        g.add_argument("--dataset_probs", default=None, help="comma-separated mixing probabilities")
-        g.add_argument("--eval_dataset", default=None, help="held-out data (default: none)")
-        g.add_argument("--eval_split", type=float, default=0.0, help="hold out this fraction of --dataset for eval")
-        g.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: at the end)")
 
     def check(self) -> None:
         check_paths_exist("--dataset", self.dataset)
@@ -89,13 +75,8 @@ class DataPart(Part):
 class SupervisedBatch(BatchPart):
     """``BatchPart`` and the sequence length of the supervised workflows."""
 
-    max_len: int = 512
+    max_len: int = flag(type=int, default=512)
     """(--max_len) tokens per sample at most"""
-
-    @classmethod
-    def add_args(cls, g, *, micro_bs: int = 8, epochs: int = 1) -> None:
-        super().add_args(g, micro_bs=micro_bs, epochs=epochs)
-        g.add_argument("--max_len", type=int, default=512)
 
     def check(self) -> None:
         super().check()
@@ -107,13 +88,12 @@ class SupervisedBatch(BatchPart):
 class SupervisedOptim(OptimPart):
     """``OptimPart`` with the one trained model's learning rate."""
 
-    learning_rate: float = 1e-5
+    learning_rate: float = flag(type=float, default=1e-5)
     """(--learning_rate)"""
 
     @classmethod
     def add_args(cls, g, *, lr: float = 1e-5) -> None:
-        g.add_argument("--learning_rate", type=float, default=lr)
-        super().add_args(g)
+        super().add_args(g, learning_rate={"default": lr})
 
 
 @dataclass

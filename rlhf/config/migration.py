@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +27,16 @@ class LauncherPart(Part):
     """Flags that launchers of the seed systems add; every entry point takes them (``rlhf.config.job.cli_main``) and
     ``apply_launcher_args`` acts on them before anything else."""
 
-    local_rank: int | None = None
-    """(--local-rank, --local_rank) torch.distributed.launch / deepspeed; LOCAL_RANK wins"""
-    num_nodes: int | None = None
-    """(--num_nodes) AIAK-RLHF: nodes of the job (checked)"""
-    num_gpus_per_node: int | None = None
-    """(--num_gpus_per_node) AIAK-RLHF: ranks per node (checked)"""
+    GROUP = "launchers (compatibility)"
 
-    @classmethod
-    def add_args(cls, p: argparse.ArgumentParser) -> None:
-        g = p.add_argument_group("launchers (compatibility)")
-        g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
-                       help="added by torch.distributed.launch / deepspeed; LOCAL_RANK in the environment wins")
-        g.add_argument("--num_nodes", type=int, default=None, help="AIAK-RLHF: nodes of the job (checked)")
-        g.add_argument("--num_gpus_per_node", type=int, default=None, help="AIAK-RLHF: ranks per node (checked)")
+    local_rank: int | None = flag("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
+                                  help="added by torch.distributed.launch / deepspeed; LOCAL_RANK in the environment "
+                                       "wins")
+    """(--local-rank, --local_rank) torch.distributed.launch / deepspeed; LOCAL_RANK wins"""
+    num_nodes: int | None = flag(type=int, default=None, help="AIAK-RLHF: nodes of the job (checked)")
+    """(--num_nodes) AIAK-RLHF: nodes of the job (checked)"""
+    num_gpus_per_node: int | None = flag(type=int, default=None, help="AIAK-RLHF: ranks per node (checked)")
+    """(--num_gpus_per_node) AIAK-RLHF: ranks per node (checked)"""
 
 
 add_launcher_args = LauncherPart.add_args
@@ -50,24 +46,17 @@ add_launcher_args = LauncherPart.add_args
 class PlacementPart(Part):
     """OpenRLHF's Ray placement flags (PPO), hidden: checked, then every role is on every rank."""
 
-    actor_num_nodes: int | None = None
-    actor_num_gpus_per_node: int | None = None
-    critic_num_nodes: int | None = None
-    critic_num_gpus_per_node: int | None = None
-    ref_num_nodes: int | None = None
-    ref_num_gpus_per_node: int | None = None
-    reward_num_nodes: int | None = None
-    reward_num_gpus_per_node: int | None = None
-    colocate_actor_ref: bool = False
-    colocate_critic_reward: bool = False
+    actor_num_nodes: int | None = flag(type=int, help=argparse.SUPPRESS, default=None)
+    actor_num_gpus_per_node: int | None = flag(type=int, help=argparse.SUPPRESS, default=None)
+    critic_num_nodes: int | None = flag(type=int, help=argparse.SUPPRESS, default=None)
+    critic_num_gpus_per_node: int | None = flag(type=int, help=argparse.SUPPRESS, default=None)
+    ref_num_nodes: int | None = flag(type=int, help=argparse.SUPPRESS, default=None)
+    ref_num_gpus_per_node: int | None = flag(type=int, help=argparse.SUPPRESS, default=None)
+    reward_num_nodes: int | None = flag(type=int, help=argparse.SUPPRESS, default=None)
+    reward_num_gpus_per_node: int | None = flag(type=int, help=argparse.SUPPRESS, default=None)
+    colocate_actor_ref: bool = flag(action="store_true", help=argparse.SUPPRESS, default=False)
+    colocate_critic_reward: bool = flag(action="store_true", help=argparse.SUPPRESS, default=False)
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        for role in ROLES:
-            g.add_argument(f"--{role}_num_nodes", type=int, default=None, help=argparse.SUPPRESS)
-            g.add_argument(f"--{role}_num_gpus_per_node", type=int, default=None, help=argparse.SUPPRESS)
-        g.add_argument("--colocate_actor_ref", action="store_true", help=argparse.SUPPRESS)
-        g.add_argument("--colocate_critic_reward", action="store_true", help=argparse.SUPPRESS)
 
 
 add_placement_args = PlacementPart.add_args

@@ -4,16 +4,28 @@ of torchtitan's ``JobConfig`` sections or megatron's ``TransformerConfig``.
 A part is a dataclass that declares its own flags (``add_args``), is built once from the parsed flags at the entry
 point (``from_args``: one field per flag ``dest``, plus values derived there), and checks its own values
 (``check``: a ``ValueError`` naming the flag and its value). A component receives the part it needs, never the
-argparse ``Namespace``. Adding a flag touches the part's ``add_args``, one field, and the component that reads it.
+argparse ``Namespace``. A flag is one field (``flag``: its names, default and help together); adding one touches
+that field and the component that reads it.
 """
 from __future__ import annotations
 
 import argparse
 import typing
-from dataclasses import fields
+from dataclasses import MISSING, field, fields
 from typing import Any, TypeVar
 
 P = TypeVar("P", bound="Part")
+
+
+def flag(*names: str, default: Any = MISSING, default_factory: Any = MISSING, **argparse_kwargs: Any) -> Any:
+    """A part's field that is a command-line flag, defined once: its option strings (``names``; default
+    ``--<field name>``), its default (the field's and the flag's), and the rest of ``add_argument``'s keywords (help,
+    type, choices, action, nargs, metavar, const). ``Part.add_args`` declares it from here, as megatron's
+    ``megatron/training/argument_utils.py`` builds argparse from its dataclasses' fields."""
+    meta = {"flag": {"names": names, **argparse_kwargs}}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 class Part:
@@ -26,9 +38,30 @@ class Part:
     RESOLVED: tuple[str, ...] = ()
     """non-init fields the job's checks resolve (e.g. PPO's old log-probs' source), shown in ``Job.namespace``"""
 
+    GROUP: str | None = None
+    """the title of this part's group in ``--help`` (None: the group the entry point passes)"""
+
     @classmethod
-    def add_args(cls, g: Any) -> None:
-        """Declare this part's flags on an argparse group (parts built only from other parts' flags declare none)."""
+    def add_args(cls, g: Any, *, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None,
+                 **changes: dict) -> None:
+        """Declare this part's flags on an argparse group: each ``flag`` field, in field order (parts built only from
+        other parts' flags declare none). ``skip`` / ``only``: the fields an entry point does not / does take;
+        ``changes``: field -> keywords an entry point sets otherwise (a default, a help text, ``names``). A part with a
+        ``GROUP`` title declares its flags in that group of the parser."""
+        if cls.GROUP and isinstance(g, argparse.ArgumentParser):
+            g = g.add_argument_group(cls.GROUP)
+        for f in fields(cls):  # type: ignore[arg-type]
+            spec = f.metadata.get("flag")
+            if spec is None or f.name in skip or (only is not None and f.name not in only):
+                continue
+            kw = {k: v for k, v in spec.items() if k != "names"}
+            if f.default is not MISSING:
+                kw["default"] = f.default
+            elif f.default_factory is not MISSING:  # type: ignore[misc]
+                kw["default"] = f.default_factory()  # type: ignore[misc]
+            kw.update(changes.get(f.name, {}))
+            names = kw.pop("names", None) or spec["names"] or (f"--{f.name}",)
+            g.add_argument(*names, **kw)
 
     @classmethod
     def from_args(cls: type[P], ns: argparse.Namespace, **derived: Any) -> P:

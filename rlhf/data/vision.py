@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 PLACEHOLDER = "<image>"
 VISION_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -41,34 +41,24 @@ _SPLIT = re.compile(r"(<image>)")
 class VisionPart(Part):
     """Images in prompts, for vision-language models (``--pretrain`` of model_type qwen2_5_vl)."""
 
-    image_key: str = "images"
+    image_key: str = flag(help="vision-language models: the record field with the prompt's images (paths, bytes, "
+                               "{bytes, path} dicts, data: URIs)", default="images")
     """(--image_key) the record field holding its images (OpenRLHF's --data.image_key, verl's data.image_key)"""
-    max_images_per_prompt: int = 1
+    max_images_per_prompt: int = flag(type=int, help="vision-language models: the most images one prompt may hold "
+                                                     "(0: text-only prompts)", default=1)
     """(--max_images_per_prompt) the most images one prompt may hold (OpenRLHF's --data.max_images_per_prompt; 0:
     text-only prompts); the generator reserves room for this many"""
-    min_pixels: int | None = None
+    min_pixels: int | None = flag(type=int, help="vision-language models: scale smaller images up to this many "
+                                                 "pixels (default: the model's preprocessor_config.json)", default=None)
     """(--min_pixels) images smaller than this many pixels are scaled up (default: the model's preprocessor)"""
-    max_pixels: int | None = None
+    max_pixels: int | None = flag(type=int, help="vision-language models: scale larger images down to this many "
+                                                 "pixels (default: the model's preprocessor_config.json)", default=None)
     """(--max_pixels) images larger than this many pixels are scaled down (default: the model's preprocessor)"""
-    freeze_vision_tower: bool = False
+    freeze_vision_tower: bool = flag(action="store_true", help="vision-language models: train the language model "
+                                                               "only, the vision tower frozen", default=False)
     """(--freeze_vision_tower) train the language model only (verl's actor.freeze_vision_tower, OpenRLHF's
     --actor.freeze_visual_encoder)"""
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--image_key", default="images",
-                       help="vision-language models: the record field with the prompt's images (paths, bytes, "
-                            "{bytes, path} dicts, data: URIs)")
-        g.add_argument("--max_images_per_prompt", type=int, default=1,
-                       help="vision-language models: the most images one prompt may hold (0: text-only prompts)")
-        g.add_argument("--min_pixels", type=int, default=None,
-                       help="vision-language models: scale smaller images up to this many pixels (default: the "
-                            "model's preprocessor_config.json)")
-        g.add_argument("--max_pixels", type=int, default=None,
-                       help="vision-language models: scale larger images down to this many pixels (default: the "
-                            "model's preprocessor_config.json)")
-        g.add_argument("--freeze_vision_tower", action="store_true",
-                       help="vision-language models: train the language model only, the vision tower frozen")
 
     def check(self) -> None:
         if not self.image_key:

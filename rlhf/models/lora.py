@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 log = logging.getLogger(__name__)
 
@@ -119,30 +119,21 @@ class LoraConfig:
 class LoraPart(Part):
     """The LoRA flags (SFT, RM, DPO, KTO, PPO's actor; PPO's critic has its own rank, sharing the rest)."""
 
-    lora_rank: int = 0
-    """(--lora_rank) 0: full fine-tuning"""
-    lora_alpha: float = 16.0
-    """(--lora_alpha)"""
-    target_modules: str = "all-linear"
-    """(--target_modules)"""
-    lora_dropout: float = 0.0
-    """(--lora_dropout)"""
-    lora_export: str = "merged"
-    """(--lora_export) merged | adapter"""
+    GROUP = "LoRA"
 
-    @classmethod
-    def add_args(cls, p: argparse.ArgumentParser) -> None:
-        """``--lora_rank/--lora_alpha/--target_modules/--lora_dropout/--lora_export`` in their own group."""
-        g = p.add_argument_group("LoRA")
-        g.add_argument("--lora_rank", type=int, default=0, help="LoRA rank r (0: full fine-tuning)")
-        g.add_argument("--lora_alpha", type=float, default=16.0,
-                       help="LoRA scale alpha (the update is alpha/r * BA)")
-        g.add_argument("--target_modules", default="all-linear",
-                       help="comma-separated: linear_qkv,linear_proj,linear_fc1,linear_fc2, the HF names "
-                            "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or all-linear")
-        g.add_argument("--lora_dropout", type=float, default=0.0)
-        g.add_argument("--lora_export", default="merged", choices=["merged", "adapter"],
-                       help="final export with LoRA: a merged HF model, or a PEFT adapter folder")
+    lora_rank: int = flag(type=int, help="LoRA rank r (0: full fine-tuning)", default=0)
+    """(--lora_rank) 0: full fine-tuning"""
+    lora_alpha: float = flag(type=float, help="LoRA scale alpha (the update is alpha/r * BA)", default=16.0)
+    """(--lora_alpha)"""
+    target_modules: str = flag(help="comma-separated: linear_qkv,linear_proj,linear_fc1,linear_fc2, the HF names "
+                                    "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or all-linear",
+                               default="all-linear")
+    """(--target_modules)"""
+    lora_dropout: float = flag(type=float, default=0.0)
+    """(--lora_dropout)"""
+    lora_export: str = flag(choices=["merged", "adapter"],
+                            help="final export with LoRA: a merged HF model, or a PEFT adapter folder", default="merged")
+    """(--lora_export) merged | adapter"""
 
     def config(self, seed: int, rank: int | None = None, flag: str = "--lora_rank") -> LoraConfig | None:
         """The ``LoraConfig`` of ``rank`` (default ``--lora_rank``; PPO's critic passes ``--critic_lora_rank``),

@@ -21,40 +21,57 @@ import argparse
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
+from rlhf.config.part import Part, flag
+
 log = logging.getLogger("rlhf")
+
+
+@dataclass
+class BatchInferencePart(Part):
+    """Batch inference's own flags (the rest: ``RewardConfig``, ``SamplingPart``, ``ParallelPart``, ...)."""
+
+    mode: str | None = flag(choices=["generate", "reward"], required=True, default=None)
+    pretrain: str | None = flag(default=None, help="generate: the policy; reward: the tokenizer (default: the first "
+                                                   "--reward_pretrain)")
+    dataset: str | None = flag(required=True, default=None,
+                               help="comma-separated prompt (generate) or prompt+response files")
+    dataset_probs: str | None = flag(default=None)
+    output_key: str = flag(default="output", help="reward: the response field")
+    output_path: str | None = flag(required=True, default=None,
+                                   help="jsonl, appended chunk by chunk (resumable)")
+    chunk_size: int = flag(type=int, default=256, help="prompts (generate) or rows (reward) per chunk")
+    stop_after_chunks: int = flag(type=int, default=-1, help="stop (as if killed) after N chunks; tests")
+    n_samples_per_prompt: int = flag(type=int, default=1)
+    micro_batch_size: int = flag(type=int, default=16, help="sequences per reward-model forward per rank")
+    max_len: int = flag(type=int, default=2048, help="reward: longer prompt+response keep their start")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     from rlhf.config.job import add_parallel_args, add_rollout_backend_args, add_sampling_args, add_text_args
-    from rlhf.config.parts import add_precision_seed_args
-    from rlhf.rewards.sources import add_reward_args
+    from rlhf.config.parts import EnginePart
+    from rlhf.rewards.sources import RewardConfig
 
+    own = BatchInferencePart.add_args
     g = p.add_argument_group("job")
-    g.add_argument("--mode", choices=["generate", "reward"], required=True)
-    g.add_argument("--pretrain", default=None, help="generate: the policy; reward: the tokenizer (default: the "
-                                                     "first --reward_pretrain)")
-    add_reward_args(g)
+    own(g, only=("mode", "pretrain"))
+    RewardConfig.add_args(g)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", required=True, help="comma-separated prompt (generate) or prompt+response files")
-    g.add_argument("--dataset_probs", default=None)
+    own(g, only=("dataset", "dataset_probs"))
     add_text_args(g, input_key=True)
-    g.add_argument("--output_key", default="output", help="reward: the response field")
-    g.add_argument("--output_path", required=True, help="jsonl, appended chunk by chunk (resumable)")
-    g.add_argument("--chunk_size", type=int, default=256, help="prompts (generate) or rows (reward) per chunk")
-    g.add_argument("--stop_after_chunks", type=int, default=-1, help="stop (as if killed) after N chunks; tests")
+    own(g, only=("output_key", "output_path", "chunk_size", "stop_after_chunks"))
     g = p.add_argument_group("generation")
-    g.add_argument("--n_samples_per_prompt", type=int, default=1)
+    own(g, only=("n_samples_per_prompt",))
     add_sampling_args(g, max_new_tokens="--max_new_tokens")
     g = p.add_argument_group("placement")
     add_parallel_args(g, pp=False, tp_help="TP of the vLLM engines and of the megatron models", cp=False)
-    g.add_argument("--micro_batch_size", type=int, default=16, help="sequences per reward-model forward per rank")
-    g.add_argument("--max_len", type=int, default=2048, help="reward: longer prompt+response keep their start")
+    own(g, only=("micro_batch_size", "max_len"))
     add_rollout_backend_args(g)
-    add_precision_seed_args(g)
+    EnginePart.add_args(g, only=("bf16", "seed"))
 
 
 def validate(args: argparse.Namespace, world_size: int) -> dict[str, Any]:

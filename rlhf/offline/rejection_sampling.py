@@ -24,35 +24,51 @@ import gc
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rlhf.config.part import Part, flag
+
 log = logging.getLogger("rlhf")
+
+
+@dataclass
+class RejectionSamplingPart(Part):
+    """Rejection sampling's own flags (the rest: ``RewardConfig``, ``SamplingPart``, ``ParallelPart``, ...)."""
+
+    pretrain: str | None = flag(required=True, default=None, help="the policy: HF folder or megatron checkpoint")
+    dataset: str | None = flag(required=True, default=None, help="comma-separated prompt files/folders")
+    dataset_probs: str | None = flag(default=None)
+    output_path: str | None = flag(required=True, default=None,
+                                   help="jsonl: one row per prompt, the best response")
+    candidates_path: str | None = flag(default=None, help="optional jsonl with every sample and its scores")
+    best_of_n: int = flag(type=int, default=4, help="samples per prompt")
+    micro_batch_size: int = flag(type=int, default=16, help="sequences per reward-model forward per rank")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     from rlhf.config.job import add_parallel_args, add_rollout_backend_args, add_sampling_args, add_text_args
-    from rlhf.config.parts import add_precision_seed_args
-    from rlhf.rewards.sources import add_reward_args
+    from rlhf.config.parts import EnginePart
+    from rlhf.rewards.sources import RewardConfig
 
+    own = RejectionSamplingPart.add_args
     g = p.add_argument_group("models")
-    g.add_argument("--pretrain", required=True, help="the policy: HF folder or megatron checkpoint")
-    add_reward_args(g)
+    own(g, only=("pretrain",))
+    RewardConfig.add_args(g)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", required=True, help="comma-separated prompt files/folders")
-    g.add_argument("--dataset_probs", default=None)
+    own(g, only=("dataset", "dataset_probs"))
     add_text_args(g, input_key=True)
-    g.add_argument("--output_path", required=True, help="jsonl: one row per prompt, the best response")
-    g.add_argument("--candidates_path", default=None, help="optional jsonl with every sample and its scores")
+    own(g, only=("output_path", "candidates_path"))
     g = p.add_argument_group("sampling")
-    g.add_argument("--best_of_n", type=int, default=4, help="samples per prompt")
+    own(g, only=("best_of_n",))
     add_sampling_args(g, max_new_tokens="--max_new_tokens")
     g = p.add_argument_group("placement")
     add_parallel_args(g, pp=False, tp_help="TP of the vLLM engines and of the megatron models", cp=False)
-    g.add_argument("--micro_batch_size", type=int, default=16, help="sequences per reward-model forward per rank")
+    own(g, only=("micro_batch_size",))
     add_rollout_backend_args(g)
-    add_precision_seed_args(g)
+    EnginePart.add_args(g, only=("bf16", "seed"))
 
 
 def validate(args: argparse.Namespace, world_size: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 log = logging.getLogger(__name__)
 
@@ -20,130 +20,113 @@ class AlgoPart(Part):
     corrections (``RolloutCorrectionConfig``), ptx (``PtxPart``), EMA (``EmaPart``)."""
 
     RESOLVED = ("old_logprobs_source", "old_logprobs_reason")
-    init_kl_coef: float = 0.01
+    init_kl_coef: float = flag(type=float, default=0.01)
     """(--init_kl_coef)"""
-    kl_target: float | None = None
+    kl_target: float | None = flag(type=float, help="adaptive KL target (default: fixed coefficient)", default=None)
     """(--kl_target) adaptive KL target"""
-    kl_horizon: float = 10000
+    kl_horizon: float = flag(type=float, default=10000)
     """(--kl_horizon)"""
-    kl_estimator: str = "k1"
+    kl_estimator: str = flag(choices=["k1", "k2", "k3"], default="k1")
     """(--kl_estimator) k1 | k2 | k3"""
-    use_kl_loss: bool | None = None
+    use_kl_loss: bool | None = flag(action=argparse.BooleanOptionalAction,
+                                    help="the KL penalty (--init_kl_coef x --kl_estimator) in the actor's loss for "
+                                         "any estimator (OpenRLHF's --algo.kl.use_loss; k2 or k3 recommended there); "
+                                         "--no-use_kl_loss: in the reward for any estimator (OpenRLHF without the "
+                                         "flag, which an OpenRLHF command line gets). Default: in the loss for grpo, "
+                                         "dr_grpo and group_norm, in the reward otherwise", default=None)
     """(--use_kl_loss) the KL in the loss (True), in the reward (False), by estimator (None)"""
-    reward_clip_range: tuple | None = None
+    reward_clip_range: tuple | None = flag(type=float, nargs=2, metavar=("LOW", "HIGH"),
+                                           help="clamp each sample's reward to [LOW, HIGH] after its group baseline, "
+                                                "before the KL term (OpenRLHF's --reward.clip_range). Default: no "
+                                                "clipping; an OpenRLHF command line gets OpenRLHF's -10 10",
+                                           default=None)
     """(--reward_clip_range) LOW HIGH"""
-    eps_clip: float = 0.2
+    eps_clip: float = flag("--eps_clip", "--actor.eps_clip", type=float, default=0.2)
     """(--eps_clip, --actor.eps_clip)"""
-    eps_clip_low_high: tuple | None = None
+    eps_clip_low_high: tuple | None = flag("--eps_clip_low_high", "--actor.eps_clip_low_high", type=float, nargs=2,
+                                           metavar=("LOW", "HIGH"),
+                                           help="asymmetric clipping (DAPO's clip-higher): ratios clipped to [1 - "
+                                                "LOW, 1 + HIGH]; default: --eps_clip on both sides", default=None)
     """(--eps_clip_low_high) LOW HIGH"""
-    dual_clip: float | None = None
+    dual_clip: float | None = flag("--dual_clip", "--actor.dual_clip", type=float,
+                                   help="dual-clip PPO: for negative advantages the loss is at most -C * A (C > 1)",
+                                   default=None)
     """(--dual_clip)"""
-    policy_loss_type: str = "ppo"
+    policy_loss_type: str = flag("--policy_loss_type", "--actor.policy_loss_type", choices=["ppo", "gspo"],
+                                 help="gspo: one length-normalised importance ratio per sequence (GSPO), "
+                                      "sequence-level loss", default="ppo")
     """(--policy_loss_type) ppo | gspo"""
-    loss_agg_mode: str | None = None
+    loss_agg_mode: str | None = flag(choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"],
+                                     help="how per-token losses make the step's loss: token_mean (default; DAPO's "
+                                          "token-level loss), seq_mean_token_mean (GRPO's original; the default with "
+                                          "gspo), seq_mean_token_sum", default=None)
     """(--loss_agg_mode) None: token_mean (seq_mean_token_mean with gspo)"""
-    entropy_coef: float | None = None
+    entropy_coef: float | None = flag("--entropy_coef", "--actor.entropy_coef", type=float,
+                                      help="entropy bonus: - coef * entropy joins the actor's loss (aggregated as it)",
+                                      default=None)
     """(--entropy_coef)"""
-    value_clip: float = 0.2
+    value_clip: float = flag(type=float, default=0.2)
     """(--value_clip)"""
-    gamma: float = 1.0
+    gamma: float = flag(type=float, default=1.0)
     """(--gamma)"""
-    lambd: float = 1.0
+    lambd: float = flag(type=float, default=1.0)
     """(--lambd)"""
-    advantage_estimator: str = "gae"
+    advantage_estimator: str = flag("--advantage_estimator", "--algo.advantage.estimator",
+                                    help="gae | grpo (= group_norm, OpenRLHF's name) | dr_grpo | rloo | "
+                                         "reinforce_baseline | reinforce_plus_plus (= reinforce)", default="gae")
     """(--advantage_estimator) OpenRLHF's "reinforce" becomes "reinforce_plus_plus" in ``check``"""
-    no_std_norm: bool = False
+    no_std_norm: bool = flag("--no_std_norm", "--algo.advantage.no_std_norm", action="store_true",
+                             help="gae, reinforce_plus_plus, reinforce_baseline: normalise advantages by the batch "
+                                  "mean only, not the std", default=False)
     """(--no_std_norm)"""
-    overlong_buffer_len: float | None = None
+    overlong_buffer_len: float | None = flag("--overlong_buffer_len", "--reward.overlong_buffer_len", type=float,
+                                             help="DAPO's overlong penalty: a reply longer than --generate_max_len "
+                                                  "minus this many tokens loses up to --overlong_penalty_factor, "
+                                                  "linearly", default=None)
     """(--overlong_buffer_len) DAPO's overlong penalty"""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = flag("--overlong_penalty_factor", "--reward.overlong_penalty_factor", type=float,
+                                          default=1.0)
     """(--overlong_penalty_factor)"""
-    stop_properly_penalty_coef: float | None = None
+    stop_properly_penalty_coef: float | None = flag("--stop_properly_penalty_coef",
+                                                    "--reward.stop_properly_penalty_coef", type=float,
+                                                    help="ProRL: the reward of a reply cut at --generate_max_len is "
+                                                         "scaled by this (in [0, 1]), or replaced by it when "
+                                                         "negative", default=None)
     """(--stop_properly_penalty_coef) ProRL"""
-    dynamic_filtering: bool = False
+    dynamic_filtering: bool = flag("--dynamic_filtering", "--algo.dynamic_filtering_enable", action="store_true",
+                                   help="DAPO's dynamic sampling: drop prompts whose replies all score alike or "
+                                        "whose mean score is outside --dynamic_filtering_range, and generate for "
+                                        "more prompts until the batch is full", default=False)
     """(--dynamic_filtering) DAPO's dynamic sampling"""
-    dynamic_filtering_range: tuple = (0.0, 1.0)
+    dynamic_filtering_range: tuple = flag("--dynamic_filtering_range", "--algo.dynamic_filtering_range", type=float,
+                                          nargs=2, metavar=("LO", "HI"),
+                                          help="a group is kept when LO < its mean score < HI (OpenRLHF's default: 0 "
+                                               "1)", default=(0.0, 1.0))
     """(--dynamic_filtering_range) LO HI"""
-    dynamic_filtering_max_rounds: int = 4
+    dynamic_filtering_max_rounds: int = flag(type=int, help="rollouts per step at most under --dynamic_filtering; a "
+                                                            "batch still short after them is filled with the last "
+                                                            "groups filtered out (counted)", default=4)
     """(--dynamic_filtering_max_rounds)"""
-    old_logprobs_forward: str = "auto"
+    old_logprobs_forward: str = flag(choices=["auto", "always"], help="auto: when each batch gets exactly one update "
+                                                                      "(--max_epochs 1, --train_batch_size = the "
+                                                                      "step's samples) and the KL is not in the "
+                                                                      "reward, the policy that generated the batch "
+                                                                      "is the one being trained, so its old "
+                                                                      "log-probs are the update's own forward, "
+                                                                      "detached (TRL does the same): no actor "
+                                                                      "forward in make_experience. always: keep that "
+                                                                      "forward", default="auto")
     """(--old_logprobs_forward) auto | always"""
-    use_rollout_logprobs: bool = False
+    use_rollout_logprobs: bool = flag(action="store_true", help="the generator's log-probs are PPO's old log-probs: "
+                                                                "no actor forward in make_experience (TRL reuses its "
+                                                                "generation logits the same way); the drift metric "
+                                                                "is then not measured", default=False)
     """(--use_rollout_logprobs) the generator's log-probs are the old ones"""
     old_logprobs_source: str = field(default="", init=False)
     """update | forward | rollout: set by ``validate`` (``rlhf.ppo.args.old_logprobs_source``)"""
     old_logprobs_reason: str = field(default="", init=False)
     """why, for the log"""
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--init_kl_coef", type=float, default=0.01)
-        g.add_argument("--kl_target", type=float, default=None, help="adaptive KL target (default: fixed coefficient)")
-        g.add_argument("--kl_horizon", type=float, default=10000)
-        g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"])
-        g.add_argument("--use_kl_loss", action=argparse.BooleanOptionalAction, default=None,
-                       help="the KL penalty (--init_kl_coef x --kl_estimator) in the actor's loss for any estimator "
-                            "(OpenRLHF's --algo.kl.use_loss; k2 or k3 recommended there); --no-use_kl_loss: in the "
-                            "reward for any estimator (OpenRLHF without the flag, which an OpenRLHF command line "
-                            "gets). Default: in the loss for grpo, dr_grpo and group_norm, in the reward otherwise")
-        g.add_argument("--reward_clip_range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
-                       help="clamp each sample's reward to [LOW, HIGH] after its group baseline, before the KL term "
-                            "(OpenRLHF's --reward.clip_range). Default: no clipping; an OpenRLHF command line gets "
-                            "OpenRLHF's -10 10")
-        g.add_argument("--eps_clip", "--actor.eps_clip", dest="eps_clip", type=float, default=0.2)
-        g.add_argument("--eps_clip_low_high", "--actor.eps_clip_low_high", dest="eps_clip_low_high", type=float,
-                       nargs=2, default=None, metavar=("LOW", "HIGH"),
-                       help="asymmetric clipping (DAPO's clip-higher): ratios clipped to [1 - LOW, 1 + HIGH]; "
-                            "default: --eps_clip on both sides")
-        g.add_argument("--dual_clip", "--actor.dual_clip", dest="dual_clip", type=float, default=None,
-                       help="dual-clip PPO: for negative advantages the loss is at most -C * A (C > 1)")
-        g.add_argument("--policy_loss_type", "--actor.policy_loss_type", dest="policy_loss_type", default="ppo",
-                       choices=["ppo", "gspo"],
-                       help="gspo: one length-normalised importance ratio per sequence (GSPO), sequence-level loss")
-        g.add_argument("--loss_agg_mode", default=None,
-                       choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"],
-                       help="how per-token losses make the step's loss: token_mean (default; DAPO's token-level "
-                            "loss), seq_mean_token_mean (GRPO's original; the default with gspo), seq_mean_token_sum")
-        g.add_argument("--entropy_coef", "--actor.entropy_coef", dest="entropy_coef", type=float, default=None,
-                       help="entropy bonus: - coef * entropy joins the actor's loss (aggregated as it)")
-        g.add_argument("--value_clip", type=float, default=0.2)
-        g.add_argument("--gamma", type=float, default=1.0)
-        g.add_argument("--lambd", type=float, default=1.0)
-        g.add_argument("--advantage_estimator", "--algo.advantage.estimator", dest="advantage_estimator", default="gae",
-                       help="gae | grpo (= group_norm, OpenRLHF's name) | dr_grpo | rloo | reinforce_baseline | "
-                            "reinforce_plus_plus (= reinforce)")
-        g.add_argument("--no_std_norm", "--algo.advantage.no_std_norm", dest="no_std_norm", action="store_true",
-                       help="gae, reinforce_plus_plus, reinforce_baseline: normalise advantages by the batch mean "
-                            "only, not the std")
-        g.add_argument("--overlong_buffer_len", "--reward.overlong_buffer_len", dest="overlong_buffer_len",
-                       type=float, default=None,
-                       help="DAPO's overlong penalty: a reply longer than --generate_max_len minus this many tokens "
-                            "loses up to --overlong_penalty_factor, linearly")
-        g.add_argument("--overlong_penalty_factor", "--reward.overlong_penalty_factor", dest="overlong_penalty_factor",
-                       type=float, default=1.0)
-        g.add_argument("--stop_properly_penalty_coef", "--reward.stop_properly_penalty_coef",
-                       dest="stop_properly_penalty_coef", type=float, default=None,
-                       help="ProRL: the reward of a reply cut at --generate_max_len is scaled by this (in [0, 1]), or "
-                            "replaced by it when negative")
-        g.add_argument("--dynamic_filtering", "--algo.dynamic_filtering_enable", dest="dynamic_filtering",
-                       action="store_true",
-                       help="DAPO's dynamic sampling: drop prompts whose replies all score alike or whose mean score "
-                            "is outside --dynamic_filtering_range, and generate for more prompts until the batch is "
-                            "full")
-        g.add_argument("--dynamic_filtering_range", "--algo.dynamic_filtering_range", dest="dynamic_filtering_range",
-                       type=float, nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"),
-                       help="a group is kept when LO < its mean score < HI (OpenRLHF's default: 0 1)")
-        g.add_argument("--dynamic_filtering_max_rounds", type=int, default=4,
-                       help="rollouts per step at most under --dynamic_filtering; a batch still short after them is "
-                            "filled with the last groups filtered out (counted)")
-        g.add_argument("--old_logprobs_forward", choices=["auto", "always"], default="auto",
-                       help="auto: when each batch gets exactly one update (--max_epochs 1, --train_batch_size = the "
-                            "step's samples) and the KL is not in the reward, the policy that generated the batch is "
-                            "the one being trained, so its old log-probs are the update's own forward, detached (TRL "
-                            "does the same): no actor forward in make_experience. always: keep that forward")
-        g.add_argument("--use_rollout_logprobs", action="store_true",
-                       help="the generator's log-probs are PPO's old log-probs: no actor forward in make_experience "
-                            "(TRL reuses its generation logits the same way); the drift metric is then not measured")
 
     def check(self) -> None:
         """The algorithm's own flags; ``check_algo`` checks them against the batch, the rewards and the rest."""

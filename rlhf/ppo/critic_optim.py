@@ -1,6 +1,6 @@
 """The critic's own optimizer flags (OpenRLHF's ``--critic.adam.*``, ``--critic.lr_scheduler``, ...): each replaces,
-for the critic alone, the shared flag it names (``rlhf.ppo.parts.PPOOptim.critic_config`` applies them); the flags
-and their check."""
+for the critic alone, the shared flag it names (``rlhf.ppo.parts.PPOOptim.critic_config`` applies them); the flags'
+check."""
 from __future__ import annotations
 
 import argparse
@@ -9,17 +9,6 @@ import argparse
 CRITIC_OPTIM_FLAGS = {"critic_adam_betas": "adam_betas", "critic_l2": "l2", "critic_lr_scheduler": "lr_scheduler",
                       "critic_lr_warmup_ratio": "lr_warmup_ratio", "critic_max_norm": "max_norm"}
 """The critic's own optimizer flag -> the shared flag it replaces for the critic (OpenRLHF's ``--critic.*``)."""
-
-
-def add_critic_optim_args(g) -> None:
-    g.add_argument("--critic_adam_betas", type=float, nargs=2, default=None, metavar=("BETA1", "BETA2"),
-                   help="the critic's Adam betas (default: --adam_betas)")
-    g.add_argument("--critic_l2", type=float, default=None, help="the critic's weight decay (default: --l2)")
-    g.add_argument("--critic_lr_scheduler", default=None, help="the critic's schedule (default: --lr_scheduler)")
-    g.add_argument("--critic_lr_warmup_ratio", type=float, default=None,
-                   help="the critic's warmup ratio (default: --lr_warmup_ratio)")
-    g.add_argument("--critic_max_norm", type=float, default=None,
-                   help="the critic's gradient clipping (default: --max_norm)")
 
 
 def check_critic_optim(args: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
@@ -18,36 +18,28 @@ SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"
 class DistillConfig(Part):
     """The teacher and the weights of the two advantage terms (``rlhf.algo.distill``)."""
 
-    teacher_pretrain: str | None = None
+    teacher_pretrain: str | None = flag(help="on-policy distillation: the teacher (HF folder or megatron checkpoint) "
+                                             "scores each sampled token; same tokenizer as --pretrain (a larger "
+                                             "model is fine)", default=None)
     """(--teacher_pretrain) the teacher: HF folder or converted megatron checkpoint, with the student's tokenizer"""
-    teacher_offload: bool = False
+    teacher_offload: bool = flag(action="store_true", help="keep the teacher's weights on host outside "
+                                                           "make_experience", default=False)
     """(--teacher_offload) the teacher's weights on host outside make_experience"""
-    distill_coef: float | None = None
+    distill_coef: float | None = flag(type=float, help="weight of the per-token advantage -(log p_student - log "
+                                                       "p_teacher) (default 1.0 with --teacher_pretrain)", default=None)
     """(--distill_coef) weight of the per-token reverse-KL advantage; 1.0 when a teacher is given"""
-    task_reward_coef: float = 1.0
+    task_reward_coef: float = flag(type=float, help="with --teacher_pretrain: weight of the task reward's advantages "
+                                                    "(0: pure distillation, which needs no reward source; a reward "
+                                                    "given is still logged and evaluated)", default=1.0)
     """(--task_reward_coef) weight of the task reward's advantages beside it; 0: pure on-policy distillation (the
     reward is still computed, logged and used by the held-out evaluation when there is one; none is needed)"""
-    distill_kl_discount: float = 0.0
+    distill_kl_discount: float = flag(type=float, help="with --teacher_pretrain: each token's distillation advantage "
+                                                       "is the discounted sum of the reverse KL at and after it, "
+                                                       "with this factor in [0, 1) (tinker's kl_discount_factor; 0: "
+                                                       "the token's own)", default=0.0)
     """(--distill_kl_discount) the per-token term as the discounted sum of the signal at and after each token
     (tinker's kl_discount_factor); 0: each token's own signal"""
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--teacher_pretrain", default=None,
-                       help="on-policy distillation: the teacher (HF folder or megatron checkpoint) scores each "
-                            "sampled token; same tokenizer as --pretrain (a larger model is fine)")
-        g.add_argument("--teacher_offload", action="store_true",
-                       help="keep the teacher's weights on host outside make_experience")
-        g.add_argument("--distill_coef", type=float, default=None,
-                       help="weight of the per-token advantage -(log p_student - log p_teacher) (default 1.0 with "
-                            "--teacher_pretrain)")
-        g.add_argument("--task_reward_coef", type=float, default=1.0,
-                       help="with --teacher_pretrain: weight of the task reward's advantages (0: pure distillation, "
-                            "which needs no reward source; a reward given is still logged and evaluated)")
-        g.add_argument("--distill_kl_discount", type=float, default=0.0,
-                       help="with --teacher_pretrain: each token's distillation advantage is the discounted sum of "
-                            "the reverse KL at and after it, with this factor in [0, 1) (tinker's "
-                            "kl_discount_factor; 0: the token's own)")
 
     def check(self) -> None:
         if self.teacher_pretrain is None:

@@ -13,24 +13,19 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 
 @dataclass
 class EmaPart(Part):
     """--enable_ema: the moving average of the actor."""
 
-    enable_ema: bool = False
+    enable_ema: bool = flag(action="store_true", help="keep an exponential moving average of the actor; exported to "
+                                                      "<save_path>/ema", default=False)
     """(--enable_ema) exported to <save_path>/ema"""
-    ema_beta: float = 0.992
+    ema_beta: float = flag(type=float, help="--enable_ema: ema = beta * ema + (1 - beta) * actor", default=0.992)
     """(--ema_beta) ema = beta * ema + (1 - beta) * actor"""
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--enable_ema", action="store_true",
-                       help="keep an exponential moving average of the actor; exported to <save_path>/ema")
-        g.add_argument("--ema_beta", type=float, default=0.992,
-                       help="--enable_ema: ema = beta * ema + (1 - beta) * actor")
 
     def check(self) -> None:
         if self.enable_ema and not 0.0 <= self.ema_beta <= 1.0:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 from rlhf.ppo.prompts import load_prompts
 
 
@@ -28,30 +28,24 @@ class EvalConfig(Part):
 
     DESTS = {"dataset": "eval_dataset", "steps": "eval_steps", "n_samples_per_prompt": "eval_n_samples_per_prompt",
              "temperature": "eval_temperature", "max_samples": "eval_max_samples"}
-    dataset: str | None = None
+    dataset: str | None = flag("--eval_dataset", "--eval.dataset", help="held-out prompts, scored by the rule reward "
+                                                                        "(--reward_fn / --remote_rm_url, "
+                                                                        "--label_key) at step 0, every --eval_steps "
+                                                                        "and at the end: eval/reward and eval/pass@k",
+                               default=None)
     """--eval_dataset (None: no evaluation)"""
-    steps: int = -1
+    steps: int = flag("--eval_steps", "--eval.steps", type=int, help="evaluate every N steps (-1: at the start and "
+                                                                     "the end only)", default=-1)
     """--eval_steps: every this many steps (and at step 0 and after the last); -1: at step 0 and the end only"""
-    n_samples_per_prompt: int = 4
+    n_samples_per_prompt: int = flag("--eval_n_samples_per_prompt", "--eval.n_samples_per_prompt", type=int,
+                                     help="replies per held-out prompt (the k of pass@k)", default=4)
     """--eval_n_samples_per_prompt (k of pass@k)"""
-    temperature: float = 0.6
+    temperature: float = flag("--eval_temperature", "--eval.temperature", type=float, default=0.6)
     """--eval_temperature (OpenRLHF's default)"""
-    max_samples: int | None = None
+    max_samples: int | None = flag("--eval_max_samples", type=int, help="the first N held-out prompts (default: all)",
+                                   default=None)
     """--eval_max_samples: the first this many held-out prompts"""
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--eval_dataset", "--eval.dataset", dest="eval_dataset", default=None,
-                       help="held-out prompts, scored by the rule reward (--reward_fn / --remote_rm_url, --label_key) "
-                            "at step 0, every --eval_steps and at the end: eval/reward and eval/pass@k")
-        g.add_argument("--eval_steps", "--eval.steps", dest="eval_steps", type=int, default=-1,
-                       help="evaluate every N steps (-1: at the start and the end only)")
-        g.add_argument("--eval_n_samples_per_prompt", "--eval.n_samples_per_prompt",
-                       dest="eval_n_samples_per_prompt", type=int, default=4,
-                       help="replies per held-out prompt (the k of pass@k)")
-        g.add_argument("--eval_temperature", "--eval.temperature", dest="eval_temperature", type=float, default=0.6)
-        g.add_argument("--eval_max_samples", type=int, default=None,
-                       help="the first N held-out prompts (default: all)")
 
     def __post_init__(self) -> None:
         self.check()

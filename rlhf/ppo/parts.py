@@ -9,36 +9,30 @@ import argparse
 from dataclasses import dataclass
 
 from rlhf.models.lora import LoraPart
-from rlhf.config.part import Part
-from rlhf.config.parts import BatchPart, LoggingPart, ModelPart, OptimPart
+from rlhf.config.part import Part, flag
+from rlhf.config.parts import BatchPart, GeneratorPart, LoggingPart, ModelPart, OptimPart, SamplingPart
 
 
 @dataclass
 class PPOModels(ModelPart):
     """The actor's source (``--pretrain``, also the reference's) and the critic's."""
 
-    critic_pretrain: str | None = None
+    critic_pretrain: str | None = flag(help="critic init (default: the first --reward_pretrain)", default=None)
     """(--critic_pretrain) default: the first --reward_pretrain"""
 
     @classmethod
     def add_args(cls, g, **_) -> None:
         super().add_args(g, help="actor (and reference) model: HF folder or megatron checkpoint")
-        g.add_argument("--critic_pretrain", default=None, help="critic init (default: the first --reward_pretrain)")
 
 
 @dataclass
 class PPOLora(LoraPart):
     """``LoraPart`` (the actor's adapters; --lora_export: the final actor export) and the critic's rank."""
 
-    critic_lora_rank: int = 0
+    critic_lora_rank: int = flag(type=int, help="LoRA rank of the critic (0: full fine-tuning); shares "
+                                                "--lora_alpha/--target_modules/--lora_dropout; its score head always "
+                                                "trains", default=0)
     """(--critic_lora_rank) LoRA rank of the critic (0: full fine-tuning); the other LoRA flags are shared"""
-
-    @classmethod
-    def add_args(cls, p) -> None:
-        super().add_args(p)
-        p.add_argument("--critic_lora_rank", type=int, default=0,
-                       help="LoRA rank of the critic (0: full fine-tuning); shares --lora_alpha/--target_modules/"
-                            "--lora_dropout; its score head always trains")
 
     def check(self) -> None:
         super().check()
@@ -52,22 +46,16 @@ class PPOLora(LoraPart):
 class PromptDataPart(Part):
     """The training prompts (with ``TextPart``: how records become text)."""
 
-    prompt_data: str = ""
+    prompt_data: str = flag(required=True, help="comma-separated jsonl/json/parquet files or HF disk folders",
+                            default=None)
     """(--prompt_data) comma-separated jsonl/json/parquet files or HF disk folders"""
-    prompt_data_probs: str | None = None
+    prompt_data_probs: str | None = flag(help="mixing probabilities, one per --prompt_data entry", default=None)
     """(--prompt_data_probs) mixing probabilities"""
-    input_key: str = "input"
+    input_key: str = flag(help="the prompt field", default="input")
     """(--input_key) the prompt field"""
-    label_key: str | None = None
+    label_key: str | None = flag(help="optional field passed through with each prompt", default=None)
     """(--label_key) optional field passed through with each prompt"""
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--prompt_data", required=True,
-                       help="comma-separated jsonl/json/parquet files or HF disk folders")
-        g.add_argument("--prompt_data_probs", default=None, help="mixing probabilities, one per --prompt_data entry")
-        g.add_argument("--input_key", default="input", help="the prompt field")
-        g.add_argument("--label_key", default=None, help="optional field passed through with each prompt")
 
     def check(self) -> None:
         from rlhf.config.job import check_paths_exist
@@ -79,33 +67,23 @@ class PromptDataPart(Part):
 class PPOBatch(BatchPart):
     """``BatchPart`` (the updates) and the rollout's sizes."""
 
-    micro_rollout_batch_size: int = 8
+    micro_rollout_batch_size: int = flag(type=int, help="samples per experience forward per rank", default=8)
     """(--micro_rollout_batch_size) samples per experience forward per rank"""
-    use_dynamic_batch: bool = False
+    use_dynamic_batch: bool = flag("--use_dynamic_batch", "--train.dynamic_batch_enable", action="store_true",
+                                   help="form the forward and update micro-batches by token count "
+                                        "(--max_tokens_per_gpu, packed) instead of by --micro_*_batch_size",
+                                   default=False)
     """(--use_dynamic_batch) micro-batches by token count"""
-    max_tokens_per_gpu: int = 16192
+    max_tokens_per_gpu: int = flag("--max_tokens_per_gpu", "--train.max_tokens_per_gpu", type=int,
+                                   help="--use_dynamic_batch: prompt + response tokens per micro-batch at most",
+                                   default=16192)
     """(--max_tokens_per_gpu) --use_dynamic_batch: tokens per micro-batch at most"""
-    rollout_batch_size: int = 512
+    rollout_batch_size: int = flag(type=int, help="prompts per rollout (global)", default=512)
     """(--rollout_batch_size) prompts per rollout (global)"""
-    n_samples_per_prompt: int = 1
+    n_samples_per_prompt: int = flag(type=int, default=1)
     """(--n_samples_per_prompt)"""
-    num_episodes: int = 1
+    num_episodes: int = flag(type=int, help="passes over the prompt data", default=1)
     """(--num_episodes) passes over the prompt data"""
-
-    @classmethod
-    def add_args(cls, g, *, micro_bs: int = 8, epochs: int = 1) -> None:
-        super().add_args(g, micro_bs=micro_bs, epochs=epochs)
-        g.add_argument("--micro_rollout_batch_size", type=int, default=8,
-                       help="samples per experience forward per rank")
-        g.add_argument("--use_dynamic_batch", "--train.dynamic_batch_enable", dest="use_dynamic_batch",
-                       action="store_true",
-                       help="form the forward and update micro-batches by token count (--max_tokens_per_gpu, "
-                            "packed) instead of by --micro_*_batch_size")
-        g.add_argument("--max_tokens_per_gpu", "--train.max_tokens_per_gpu", dest="max_tokens_per_gpu", type=int,
-                       default=16192, help="--use_dynamic_batch: prompt + response tokens per micro-batch at most")
-        g.add_argument("--rollout_batch_size", type=int, default=512, help="prompts per rollout (global)")
-        g.add_argument("--n_samples_per_prompt", type=int, default=1)
-        g.add_argument("--num_episodes", type=int, default=1, help="passes over the prompt data")
 
     @property
     def samples(self) -> int:
@@ -120,27 +98,12 @@ class PPOBatch(BatchPart):
 
 
 @dataclass
-class GenerationPart(Part):
-    """How each reply is sampled."""
+class GenerationPart(SamplingPart):
+    """How each reply is sampled (``validate`` lowers --prompt_max_len under --max_len)."""
 
-    generate_max_len: int = 1024
-    """(--generate_max_len) new tokens per response at most"""
-    prompt_max_len: int = 1024
-    """(--prompt_max_len) longer prompts keep their last tokens (``validate`` lowers it under --max_len)"""
-    temperature: float = 1.0
-    """(--temperature)"""
-    top_p: float = 1.0
-    """(--top_p)"""
-    ignore_eos: bool = False
+    ignore_eos: bool = flag(action="store_true", help="generate exactly --generate_max_len tokens per response "
+                                                      "(benchmarks)", default=False)
     """(--ignore_eos) exactly --generate_max_len tokens per response (benchmarks)"""
-
-    @classmethod
-    def add_args(cls, g) -> None:
-        from rlhf.config.job import add_sampling_args
-
-        add_sampling_args(g)
-        g.add_argument("--ignore_eos", action="store_true",
-                       help="generate exactly --generate_max_len tokens per response (benchmarks)")
 
     def check(self) -> None:
         for name in ("generate_max_len", "prompt_max_len"):
@@ -157,29 +120,23 @@ class PPOOptim(OptimPart):
     """The actor's and the critic's optimizers: the shared flags, the learning rates and the critic's own
     replacements (``rlhf.ppo.critic_optim``)."""
 
-    actor_learning_rate: float = 1e-6
+    actor_learning_rate: float = flag(type=float, default=1e-6)
     """(--actor_learning_rate)"""
-    critic_learning_rate: float = 9e-6
+    critic_learning_rate: float = flag(type=float, default=9e-6)
     """(--critic_learning_rate)"""
-    critic_adam_betas: tuple | None = None
+    critic_adam_betas: tuple | None = flag(type=float, nargs=2, default=None, metavar=("BETA1", "BETA2"),
+                                           help="the critic's Adam betas (default: --adam_betas)")
     """(--critic_adam_betas) default: --adam_betas"""
-    critic_l2: float | None = None
+    critic_l2: float | None = flag(type=float, default=None, help="the critic's weight decay (default: --l2)")
     """(--critic_l2) default: --l2"""
-    critic_lr_scheduler: str | None = None
+    critic_lr_scheduler: str | None = flag(default=None, help="the critic's schedule (default: --lr_scheduler)")
     """(--critic_lr_scheduler) default: --lr_scheduler"""
-    critic_lr_warmup_ratio: float | None = None
+    critic_lr_warmup_ratio: float | None = flag(type=float, default=None,
+                                                help="the critic's warmup ratio (default: --lr_warmup_ratio)")
     """(--critic_lr_warmup_ratio) default: --lr_warmup_ratio"""
-    critic_max_norm: float | None = None
+    critic_max_norm: float | None = flag(type=float, default=None,
+                                         help="the critic's gradient clipping (default: --max_norm)")
     """(--critic_max_norm) default: --max_norm"""
-
-    @classmethod
-    def add_args(cls, g) -> None:
-        from rlhf.ppo.critic_optim import add_critic_optim_args
-
-        g.add_argument("--actor_learning_rate", type=float, default=1e-6)
-        g.add_argument("--critic_learning_rate", type=float, default=9e-6)
-        super().add_args(g)
-        add_critic_optim_args(g)
 
     def check(self) -> None:
         from rlhf.ppo.critic_optim import check_critic_optim
@@ -203,21 +160,16 @@ class PPOOptim(OptimPart):
 class OffloadPart(Part):
     """What lives on the host between uses (``rlhf.runtime.offload.MemoryScheduler``)."""
 
-    colocate_all: bool = True
+    colocate_all: bool = flag("--colocate_all", "--colocate_all_models", action=argparse.BooleanOptionalAction,
+                              help="all four roles and vLLM share every rank (the only layout of this trainer)",
+                              default=True)
     """(--colocate_all, --colocate_all_models) every role and vLLM on every rank (the only layout)"""
-    ref_reward_offload: bool = False
+    ref_reward_offload: bool = flag(action="store_true", help="keep ref/reward weights on host between uses",
+                                    default=False)
     """(--ref_reward_offload) ref/reward weights on host between uses"""
-    adam_offload: bool = False
+    adam_offload: bool = flag(action="store_true", help="keep optimizer states on host outside updates", default=False)
     """(--adam_offload) optimizer states on host outside updates"""
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--colocate_all", "--colocate_all_models", action=argparse.BooleanOptionalAction,
-                       default=True,
-                       help="all four roles and vLLM share every rank (the only layout of this trainer)")
-        g.add_argument("--ref_reward_offload", action="store_true",
-                       help="keep ref/reward weights on host between uses")
-        g.add_argument("--adam_offload", action="store_true", help="keep optimizer states on host outside updates")
 
     def check(self) -> None:
         if not self.colocate_all:
@@ -226,43 +178,28 @@ class OffloadPart(Part):
 
 
 @dataclass
-class RolloutPart(Part):
+class RolloutPart(GeneratorPart):
     """The generator's engines and the weight sync (``rlhf.ppo.roles.rollout_config`` makes the
     ``RolloutConfig`` of them)."""
 
-    vllm_num_engines: int | None = None
+    vllm_num_engines: int | None = flag(type=int, help="must equal world size / vLLM TP", default=None)
     """(--vllm_num_engines) must equal world size / vLLM TP"""
-    vllm_tensor_parallel_size: int | None = None
+    vllm_tensor_parallel_size: int | None = flag(type=int, help="TP of each vLLM engine; default: chosen per model "
+                                                                "and device, and logged (CPU: the largest the heads "
+                                                                "allow within a node; CUDA: the smallest whose "
+                                                                "weights leave room for the KV cache)", default=None)
     """(--vllm_tensor_parallel_size) None until ``validate`` chooses it"""
-    vllm_gpu_memory_utilization: float = 0.95
+    vllm_gpu_memory_utilization: float = flag(type=float, default=0.95)
     """(--vllm_gpu_memory_utilization)"""
-    vllm_enforce_eager: bool = True
+    vllm_enforce_eager: bool = flag(action=argparse.BooleanOptionalAction, default=True)
     """(--vllm_enforce_eager)"""
-    vllm_enable_prefix_caching: bool = False
+    vllm_enable_prefix_caching: bool = flag(action="store_true", help="vLLM's automatic prefix caching: the replies "
+                                                                      "of one prompt, and prompts sharing a start, "
+                                                                      "reuse its KV blocks; the cache is reset after "
+                                                                      "every weight sync", default=False)
     """(--vllm_enable_prefix_caching)"""
-    weight_sync_bucket_mb: int = 512
+    weight_sync_bucket_mb: int = flag(type=int, default=512)
     """(--weight_sync_bucket_mb)"""
-    vllm_kv_cache_mb: int | None = None
-    """(--vllm_kv_cache_mb) vLLM KV cache per rank in MB"""
-    rollout_backend: str = "auto"
-    """(--rollout_backend) auto | vllm | megatron"""
-
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--vllm_num_engines", type=int, default=None, help="must equal world size / vLLM TP")
-        g.add_argument("--vllm_tensor_parallel_size", type=int, default=None,
-                       help="TP of each vLLM engine; default: chosen per model and device, and logged (CPU: the "
-                            "largest the heads allow within a node; CUDA: the smallest whose weights leave room for "
-                            "the KV cache)")
-        g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.95)
-        g.add_argument("--vllm_enforce_eager", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--vllm_enable_prefix_caching", action="store_true",
-                       help="vLLM's automatic prefix caching: the replies of one prompt, and prompts sharing a start, "
-                            "reuse its KV blocks; the cache is reset after every weight sync")
-        g.add_argument("--weight_sync_bucket_mb", type=int, default=512)
-        from rlhf.config.job import add_rollout_backend_args
-
-        add_rollout_backend_args(g)  # --vllm_kv_cache_mb, --rollout_backend: rejection sampling's too
 
     def check(self) -> None:
         if self.vllm_tensor_parallel_size is not None and self.vllm_tensor_parallel_size < 1:
@@ -273,22 +210,17 @@ class RolloutPart(Part):
 class PPOLogging(LoggingPart):
     """``LoggingPart`` and the rule that measures (never optimizes) the replies."""
 
-    gold_reward_fn: str | None = None
+    gold_reward_fn: str | None = flag(help="module:function scoring (prompts, replies) with a rule; logged as "
+                                           "gold_reward, never optimized (e.g. rlhf.demo.sort_task:gold_rewards)",
+                                      default=None)
     """(--gold_reward_fn) module:function scoring (prompts, replies); logged as gold_reward"""
-    dump_experience: str | None = None
+    dump_experience: str | None = flag(metavar="DIR", help="write each step's experience (log-probs, rewards, KL, "
+                                                           "advantages, ...) and each training micro-batch's loss "
+                                                           "inputs and terms to DIR/step<N>_rank<R>.pt, to check a "
+                                                           "run against another implementation's formulas",
+                                       default=None)
     """(--dump_experience) a folder: each step's experience and each training micro-batch's loss inputs and terms,
     per rank (``rlhf.ppo.dump``)"""
-
-    @classmethod
-    def add_args(cls, g) -> None:
-        super().add_args(g)
-        g.add_argument("--gold_reward_fn", default=None,
-                       help="module:function scoring (prompts, replies) with a rule; logged as gold_reward, never "
-                            "optimized (e.g. rlhf.demo.sort_task:gold_rewards)")
-        g.add_argument("--dump_experience", default=None, metavar="DIR",
-                       help="write each step's experience (log-probs, rewards, KL, advantages, ...) and each training "
-                            "micro-batch's loss inputs and terms to DIR/step<N>_rank<R>.pt, to check a run against "
-                            "another implementation's formulas")
 
     def check(self) -> None:
         if self.logging_steps < 1:

@@ -10,33 +10,28 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 
 @dataclass
 class PtxPart(Part):
     """PPO-ptx: the plain texts whose next-token loss joins each actor step."""
 
-    pretrain_data: str | None = None
+    pretrain_data: str | None = flag("--pretrain_data", "--unsupervised_dataset_name",
+                                     help="PPO-ptx: plain texts whose next-token loss joins each actor step (files, "
+                                          "folders, cached Hub names); DeepSpeed-Chat's --unsupervised_dataset_name",
+                                     default=None)
     """(--pretrain_data, --unsupervised_dataset_name) None: no ptx loss"""
-    pretrain_input_key: str = "text"
+    pretrain_input_key: str = flag(help="--pretrain_data: the text field", default="text")
     """(--pretrain_input_key) the text field"""
-    pretrain_max_len: int | None = None
+    pretrain_max_len: int | None = flag(type=int, help="--pretrain_data: longer texts keep their start (default "
+                                                       "--prompt_max_len + --generate_max_len)", default=None)
     """(--pretrain_max_len) default --prompt_max_len + --generate_max_len"""
-    ptx_coef: float = 0.05
+    ptx_coef: float = flag("--ptx_coef", "--unsup_coef", type=float,
+                           help="weight of the ptx loss (OpenRLHF's --ptx_coef; DeepSpeed-Chat's --unsup_coef)",
+                           default=0.05)
     """(--ptx_coef, --unsup_coef) weight of the ptx loss"""
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--pretrain_data", "--unsupervised_dataset_name", dest="pretrain_data", default=None,
-                       help="PPO-ptx: plain texts whose next-token loss joins each actor step (files, folders, cached "
-                            "Hub names); DeepSpeed-Chat's --unsupervised_dataset_name")
-        g.add_argument("--pretrain_input_key", default="text", help="--pretrain_data: the text field")
-        g.add_argument("--pretrain_max_len", type=int, default=None,
-                       help="--pretrain_data: longer texts keep their start (default --prompt_max_len + "
-                            "--generate_max_len)")
-        g.add_argument("--ptx_coef", "--unsup_coef", dest="ptx_coef", type=float, default=0.05,
-                       help="weight of the ptx loss (OpenRLHF's --ptx_coef; DeepSpeed-Chat's --unsup_coef)")
 
     def check(self) -> None:
         if not self.pretrain_data:

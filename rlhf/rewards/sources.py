@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from rlhf.models.reward_format import reward_stats
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 from rlhf.rewards.remote import (RemoteRewards, call_remote_rm, call_remote_rm_full,  # noqa: F401 (re-exported)
                             check_remote_rm, is_reward_file, load_reward_file)
 
@@ -92,26 +92,6 @@ def call_reward_fn_full(fn: RewardFn, prompts: Sequence[str], responses: Sequenc
     return torch.tensor(vals, dtype=torch.float32), extra
 
 
-def add_reward_args(g) -> None:
-    """The reward sources of PPO and rejection sampling (``RewardConfig``)."""
-    g.add_argument("--reward_pretrain", default=None,
-                   help="reward model(s), comma-separated: HF *ForSequenceClassification folders or megatron "
-                        "checkpoints (rlhf/rewards/sources.py)")
-    g.add_argument("--reward_weights", default=None, help="one weight per reward model (default 1.0 each: a sum)")
-    g.add_argument("--reward_fn", default=None,
-                   help="rule reward module:function, fn(prompts, responses) -> list[float]; alone or added; "
-                        "'code': each reply's program run against its prompt's tests in the sandbox "
-                        "(docs/code_rl.md)")
-    g.add_argument("--reward_fn_weight", type=float, default=1.0, help="weight of --reward_fn in the sum")
-    g.add_argument("--remote_rm_url", "--reward.remote_url", dest="remote_rm_url", default=None,
-                   help="OpenRLHF's remote reward: an HTTP server (POST {query, prompts, labels} -> {rewards, scores, "
-                        "extra_logs}) or a Python file with reward_func(queries, prompts, labels, **kwargs)")
-    g.add_argument("--remote_rm_weight", type=float, default=1.0, help="weight of --remote_rm_url in the sum")
-    g.add_argument("--remote_rm_timeout", type=float, default=120.0, help="seconds per request (retried 5 times)")
-    g.add_argument("--normalize_reward", action="store_true",
-                   help="each reward model's score through its saved mean/std (config.json 'rlhf') before the sum")
-
-
 def _floats(flag: str, value: str | None, n: int) -> list[float]:
     if value is None:
         return [1.0] * n
@@ -130,22 +110,32 @@ class RewardConfig(Part):
 
     DERIVED = ("agent", "require_source")
 
-    reward_pretrain: str | None = None
+    reward_pretrain: str | None = flag(default=None,
+                                       help="reward model(s), comma-separated: HF *ForSequenceClassification "
+                                            "folders or megatron checkpoints (rlhf/rewards/sources.py)")
     """(--reward_pretrain) comma-separated reward models: HF *ForSequenceClassification folders or megatron
     checkpoints."""
-    reward_weights: str | None = None
+    reward_weights: str | None = flag(default=None, help="one weight per reward model (default 1.0 each: a sum)")
     """(--reward_weights) one weight per reward model, comma-separated; default 1.0 each (a plain sum)."""
-    reward_fn: str | None = None
+    reward_fn: str | None = flag(default=None,
+                                 help="rule reward module:function, fn(prompts, responses) -> list[float]; alone or "
+                                      "added; 'code': each reply's program run against its prompt's tests in the "
+                                      "sandbox (docs/code_rl.md)")
     """(--reward_fn) ``module:function`` rule reward, ``fn(prompts, responses) -> list[float]``."""
-    reward_fn_weight: float = 1.0
+    reward_fn_weight: float = flag(type=float, default=1.0, help="weight of --reward_fn in the sum")
     """(--reward_fn_weight) its weight in the sum."""
-    normalize_reward: bool = False
+    normalize_reward: bool = flag(action="store_true", default=False,
+                                  help="each reward model's score through its saved mean/std (config.json 'rlhf') "
+                                       "before the sum")
     """(--normalize_reward) each reward model's score through its own saved mean/std before the sum."""
-    remote_rm_url: str | None = None
+    remote_rm_url: str | None = flag("--remote_rm_url", "--reward.remote_url", dest="remote_rm_url", default=None,
+                                     help="OpenRLHF's remote reward: an HTTP server (POST {query, prompts, labels} -> "
+                                          "{rewards, scores, extra_logs}) or a Python file with reward_func(queries, "
+                                          "prompts, labels, **kwargs)")
     """(--remote_rm_url) a reward server in OpenRLHF's protocol (``call_remote_rm``)."""
-    remote_rm_weight: float = 1.0
+    remote_rm_weight: float = flag(type=float, default=1.0, help="weight of --remote_rm_url in the sum")
     """(--remote_rm_weight) its weight in the sum."""
-    remote_rm_timeout: float = 120.0
+    remote_rm_timeout: float = flag(type=float, default=120.0, help="seconds per request (retried 5 times)")
     """(--remote_rm_timeout) seconds per request."""
     agent: bool = False
     """(--agent_func_path) the trajectories' environment rewards (the sum of each one's step rewards), weight 1."""
@@ -170,10 +160,6 @@ class RewardConfig(Part):
             raise ValueError("no reward: pass --reward_pretrain (reward models), --reward_fn module:function, "
                              "--remote_rm_url http://host:port/path and/or --agent_func_path agent.py; or, for pure "
                              "on-policy distillation without a reward, --teacher_pretrain with --task_reward_coef 0")
-
-    @classmethod
-    def add_args(cls, g) -> None:
-        add_reward_args(g)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, require_source: bool = True) -> "RewardConfig":  # type: ignore

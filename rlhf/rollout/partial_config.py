@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
+
+PARTIAL_CORRECTIONS = ("decoupled", "mask_offpolicy", "none")
 
 
 @dataclass
@@ -13,21 +15,54 @@ class PartialRolloutConfig(Part):
     """Partial rollouts and their staleness bound (``launch/ppo.py``; OpenRLHF: ``--train.async_enable
     --train.partial_rollout_enable``)."""
 
-    partial_rollout: bool = False
+    partial_rollout: bool = flag(action="store_true", help="partial rollouts (verl colocate_async, slime "
+                                                           "--partial-rollout): generate for more prompts than a "
+                                                           "step trains, stop vLLM once --rollout_batch_size whole "
+                                                           "groups are done, carry the unfinished samples with their "
+                                                           "tokens into the next step (OpenRLHF: "
+                                                           "--train.async_enable --train.partial_rollout_enable)",
+                                 default=False)
     """(--partial_rollout) stop generating once a step's groups are whole; carry the rest to the next step"""
-    max_staleness: int = 1
+    max_staleness: int = flag(type=int, help="--partial_rollout: a trained token is at most K weight updates old: a "
+                                             "round is not stopped before every group that could not be carried once "
+                                             "more is whole, and those are trained first, so nothing generated is "
+                                             "discarded (0: nothing crosses an update, the synchronous trainer). "
+                                             "NeMo-RL max_trajectory_age_steps, AReaL max_head_offpolicyness, "
+                                             "prime-rl max_off_policy_steps, TRL max_staleness", default=1)
     """(--max_staleness) a trained token is at most this many weight updates older than the weights trained"""
-    partial_rollout_oversample: float = 0.25
+    partial_rollout_oversample: float = flag(type=float, help="--partial_rollout: groups started per step beyond "
+                                                              "--rollout_batch_size, as a fraction of it", default=0.25)
     """(--partial_rollout_oversample) extra groups started per step, a fraction of --rollout_batch_size"""
-    vllm_generate_batch_size: int | None = None
+    vllm_generate_batch_size: int | None = flag("--vllm_generate_batch_size", "--rollout.vllm_generate_batch_size",
+                                                type=int, help="--partial_rollout: prompts (groups) in flight per "
+                                                               "step, carried ones included, at least "
+                                                               "--rollout_batch_size (OpenRLHF's flag; replaces "
+                                                               "--partial_rollout_oversample)", default=None)
     """(--vllm_generate_batch_size) groups in flight per step, carried ones included; replaces the oversample"""
-    partial_rollout_drop_stale: bool = False
+    partial_rollout_drop_stale: bool = flag(action="store_true", help="--partial_rollout: instead of waiting for the "
+                                                                      "groups that --max_staleness makes due, drop a "
+                                                                      "carried group with an older token at the "
+                                                                      "start of a step (finished samples included) "
+                                                                      "and start its prompt again", default=False)
     """(--partial_rollout_drop_stale) drop a carried group with a token older than --max_staleness at the start of a
     step (its prompt started again) instead of waiting for it to finish within the bound"""
-    partial_rollout_correction: str = "decoupled"
+    partial_rollout_correction: str = flag(choices=PARTIAL_CORRECTIONS,
+                                           help="--partial_rollout: what corrects for carried tokens' older policy "
+                                                "when neither --use_tis nor --rollout_rs is given: decoupled "
+                                                "(AReaL's decoupled PPO loss: ratio against this step's weights, "
+                                                "times the behaviour weight p_trainer / p_generator, tokens whose "
+                                                "weight exceeds 5 masked), mask_offpolicy (slime's "
+                                                "--mask-offpolicy-in-partial-rollout: only this step's tokens are "
+                                                "trained) or none (trained as if on-policy)", default="decoupled")
     """(--partial_rollout_correction) the correction a carried token is trained with when no --use_tis / --rollout_rs
     is given: ``decoupled`` (AReaL's decoupled PPO loss, ``decoupled_correction``) or ``none``"""
-    async_one_step_off: bool = False
+    async_one_step_off: bool = flag(action="store_true", help="OpenRLHF's --train.async_enable without "
+                                                              "--train.partial_rollout_enable: every step trains "
+                                                              "whole groups generated --max_staleness updates "
+                                                              "earlier (one policy version each) and generates those "
+                                                              "of a later step. In one colocated job it costs the "
+                                                              "staleness without the overlap of generation and "
+                                                              "training that is its point in OpenRLHF", default=False)
     """(--async_one_step_off) OpenRLHF's --train.async_enable alone: every step trains whole groups generated
     --max_staleness updates earlier, each by one policy version, and generates the groups of a later step"""
     correction_used: str = field(default="", init=False)
@@ -35,41 +70,6 @@ class PartialRolloutConfig(Part):
 
     RESOLVED = ("correction_used",)
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--partial_rollout", action="store_true",
-                       help="partial rollouts (verl colocate_async, slime --partial-rollout): generate for more "
-                            "prompts than a step trains, stop vLLM once --rollout_batch_size whole groups are done, "
-                            "carry the unfinished samples with their tokens into the next step (OpenRLHF: "
-                            "--train.async_enable --train.partial_rollout_enable)")
-        g.add_argument("--max_staleness", type=int, default=1,
-                       help="--partial_rollout: a trained token is at most K weight updates old: a round is not "
-                            "stopped before every group that could not be carried once more is whole, and those "
-                            "are trained first, so nothing generated is discarded (0: nothing crosses an update, "
-                            "the synchronous trainer). NeMo-RL max_trajectory_age_steps, AReaL "
-                            "max_head_offpolicyness, prime-rl max_off_policy_steps, TRL max_staleness")
-        g.add_argument("--partial_rollout_correction", default="decoupled", choices=PARTIAL_CORRECTIONS,
-                       help="--partial_rollout: what corrects for carried tokens' older policy when neither --use_tis "
-                            "nor --rollout_rs is given: decoupled (AReaL's decoupled PPO loss: ratio against this "
-                            "step's weights, times the behaviour weight p_trainer / p_generator, tokens whose weight "
-                            "exceeds 5 masked), mask_offpolicy (slime's --mask-offpolicy-in-partial-rollout: only "
-                            "this step's tokens are trained) or none (trained as if on-policy)")
-        g.add_argument("--async_one_step_off", action="store_true",
-                       help="OpenRLHF's --train.async_enable without --train.partial_rollout_enable: every step trains "
-                            "whole groups generated --max_staleness updates earlier (one policy version each) and "
-                            "generates those of a later step. In one colocated job it costs the staleness without "
-                            "the overlap of generation and training that is its point in OpenRLHF")
-        g.add_argument("--partial_rollout_drop_stale", action="store_true",
-                       help="--partial_rollout: instead of waiting for the groups that --max_staleness makes due, "
-                            "drop a carried group with an older token at the start of a step (finished samples "
-                            "included) and start its prompt again")
-        g.add_argument("--partial_rollout_oversample", type=float, default=0.25,
-                       help="--partial_rollout: groups started per step beyond --rollout_batch_size, as a fraction "
-                            "of it")
-        g.add_argument("--vllm_generate_batch_size", "--rollout.vllm_generate_batch_size",
-                       dest="vllm_generate_batch_size", type=int, default=None,
-                       help="--partial_rollout: prompts (groups) in flight per step, carried ones included, at least "
-                            "--rollout_batch_size (OpenRLHF's flag; replaces --partial_rollout_oversample)")
 
     def check(self) -> None:
         if self.max_staleness < 0:
@@ -118,22 +118,20 @@ def check_partial(job) -> None:
     if p.vllm_generate_batch_size is not None and p.vllm_generate_batch_size < job.batch.rollout_batch_size:
         raise ValueError(f"--vllm_generate_batch_size {p.vllm_generate_batch_size} must be at least "
                          f"--rollout_batch_size {job.batch.rollout_batch_size}")
-    flag = "--partial_rollout" if p.partial_rollout else "--async_one_step_off"
+    name = "--partial_rollout" if p.partial_rollout else "--async_one_step_off"
     if job.agent.agent_func_path:
-        raise ValueError(f"{flag} with --agent_func_path is not supported yet: a multi-turn trajectory "
+        raise ValueError(f"{name} with --agent_func_path is not supported yet: a multi-turn trajectory "
                          "cannot be carried between turns of the environment yet")
     extra, batch = p.extra_groups(job.batch.rollout_batch_size), job.batch.rollout_batch_size
     if not p.partial_rollout_drop_stale and not p.whole_groups and extra > batch:
-        flag = (f"--vllm_generate_batch_size {p.vllm_generate_batch_size}" if p.vllm_generate_batch_size is not None
+        name = (f"--vllm_generate_batch_size {p.vllm_generate_batch_size}" if p.vllm_generate_batch_size is not None
                 else f"--partial_rollout_oversample {p.partial_rollout_oversample:g}")
-        raise ValueError(f"{flag} starts {extra} groups beyond --rollout_batch_size {batch}: more groups could come "
+        raise ValueError(f"{name} starts {extra} groups beyond --rollout_batch_size {batch}: more groups could come "
                          f"due under --max_staleness {p.max_staleness} at once than a step trains; start at most "
                          f"{batch} extra (--vllm_generate_batch_size <= {2 * batch}), or pass "
                          "--partial_rollout_drop_stale to drop what is too old instead")
     resolve_correction(job)
 
-
-PARTIAL_CORRECTIONS = ("decoupled", "mask_offpolicy", "none")
 
 
 def decoupled_correction():

@@ -20,7 +20,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 from rlhf.sandbox.graders import PRELUDE, Test, parse_tests, stdout_matches, value_matches
 
 __all__ = ["CodeRewardConfig", "Test", "code_reward", "configure", "extract_program", "grade", "parse_tests",
@@ -35,35 +35,26 @@ REASONS = ("passed", "wrong_answer", "runtime_error", "compile_error", "timeout"
 class CodeRewardConfig(Part):
     """The code reward's sandbox and scoring (``--reward_fn code``)."""
 
-    code_reward_mode: str = "pass_fraction"
+    code_reward_mode: str = flag(choices=MODES, help="--reward_fn code: the reward is the share of the prompt's "
+                                                     "tests passed, or 1 when all pass (all_pass)",
+                                 default="pass_fraction")
     """(--code_reward_mode) pass_fraction: the share of tests passed; all_pass: 1 if every test passes, else 0"""
-    code_timeout_s: float = 5.0
+    code_timeout_s: float = flag(type=float, help="--reward_fn code: seconds per test run", default=5.0)
     """(--code_timeout_s) wall-clock limit of one test run"""
-    code_memory_mb: int = 512
+    code_memory_mb: int = flag(type=int, help="--reward_fn code: memory per test run", default=512)
     """(--code_memory_mb) memory limit of one test run"""
-    code_sandbox_workers: int = 2
+    code_sandbox_workers: int = flag(type=int, help="--reward_fn code: sandboxes at once (one per reply; its tests "
+                                                    "run one after another in it)", default=2)
     """(--code_sandbox_workers) sandboxes at once (one per reply, its tests one after another in it)"""
-    code_sandbox_url: str | None = None
+    code_sandbox_url: str | None = flag(help="--reward_fn code: a SandboxFusion run_code URL "
+                                             "(http://host:8080/run_code) to run the tests on instead of the local "
+                                             "sandbox", default=None)
     """(--code_sandbox_url) a SandboxFusion service's run_code URL instead of the local sandbox"""
-    code_allow_weaker: bool = False
+    code_allow_weaker: bool = flag(action="store_true", help="--reward_fn code: run with the isolation layers this "
+                                                             "machine has instead of refusing (docs/code_rl.md)",
+                                   default=False)
     """(--code_allow_weaker) run with the isolation layers this machine has when some are missing"""
 
-    @classmethod
-    def add_args(cls, g) -> None:
-        g.add_argument("--code_reward_mode", default="pass_fraction", choices=MODES,
-                       help="--reward_fn code: the reward is the share of the prompt's tests passed, or 1 when all "
-                            "pass (all_pass)")
-        g.add_argument("--code_timeout_s", type=float, default=5.0, help="--reward_fn code: seconds per test run")
-        g.add_argument("--code_memory_mb", type=int, default=512, help="--reward_fn code: memory per test run")
-        g.add_argument("--code_sandbox_workers", type=int, default=2,
-                       help="--reward_fn code: sandboxes at once (one per reply; its tests run one after "
-                            "another in it)")
-        g.add_argument("--code_sandbox_url", default=None,
-                       help="--reward_fn code: a SandboxFusion run_code URL (http://host:8080/run_code) to run the "
-                            "tests on instead of the local sandbox")
-        g.add_argument("--code_allow_weaker", action="store_true",
-                       help="--reward_fn code: run with the isolation layers this machine has instead of refusing "
-                            "(docs/code_rl.md)")
 
     def check(self) -> None:
         if self.code_reward_mode not in MODES:

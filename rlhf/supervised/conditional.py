@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 log = logging.getLogger("rlhf")
 
@@ -37,28 +37,21 @@ DEFAULT_TEMPLATE = "<rm_score>: {bucket} "
 class ConditionalPart(Part):
     """Conditional SFT (``launch/sft.py --conditional``)."""
 
-    conditional: bool = False
-    """(--conditional) prefix each prompt with its reward bucket"""
-    reward_pretrain: str | None = None
-    """(--reward_pretrain) the reward model that scores the data"""
-    score_key: str | None = None
-    """(--score_key) a precomputed score field"""
-    reward_buckets: int = 5
-    """(--reward_buckets) quantile buckets"""
-    conditional_template: str = DEFAULT_TEMPLATE
-    """(--conditional_template) the prefix; {bucket} is the bucket"""
+    GROUP = "conditional SFT"
 
-    @classmethod
-    def add_args(cls, p: argparse.ArgumentParser) -> None:
-        g = p.add_argument_group("conditional SFT")
-        g.add_argument("--conditional", action="store_true",
-                       help="prefix each prompt with its reward bucket (needs --reward_pretrain or --score_key)")
-        g.add_argument("--reward_pretrain", default=None, help="--conditional: reward model that scores the data")
-        g.add_argument("--score_key", default=None,
-                       help="--conditional: a precomputed score field (no reward model)")
-        g.add_argument("--reward_buckets", type=int, default=5, help="--conditional: number of quantile buckets")
-        g.add_argument("--conditional_template", default=DEFAULT_TEMPLATE,
-                       help="--conditional: prefix put in front of the prompt; {bucket} is the bucket (0 = worst)")
+    conditional: bool = flag(action="store_true", default=False,
+                             help="prefix each prompt with its reward bucket (needs --reward_pretrain or --score_key)")
+    """(--conditional) prefix each prompt with its reward bucket"""
+    reward_pretrain: str | None = flag(default=None, help="--conditional: reward model that scores the data")
+    """(--reward_pretrain) the reward model that scores the data"""
+    score_key: str | None = flag(default=None, help="--conditional: a precomputed score field (no reward model)")
+    """(--score_key) a precomputed score field"""
+    reward_buckets: int = flag(type=int, default=5, help="--conditional: number of quantile buckets")
+    """(--reward_buckets) quantile buckets"""
+    conditional_template: str = flag(default=DEFAULT_TEMPLATE,
+                                     help="--conditional: prefix put in front of the prompt; {bucket} is the bucket "
+                                          "(0 = worst)")
+    """(--conditional_template) the prefix; {bucket} is the bucket"""
 
     def check(self) -> None:
         used = [f for f, v in (("--reward_pretrain", self.reward_pretrain), ("--score_key", self.score_key),

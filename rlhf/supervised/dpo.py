@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.algo.preference_losses import PREFERENCE_LOSSES
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 from rlhf.config.parts import KeysPart
 from rlhf.supervised.reference import ReferencePart, ReferenceTask, sequence_logprobs
 
@@ -56,19 +56,20 @@ class DPOTask(ReferenceTask):
 class DPOPart(Part):
     """DPO's loss."""
 
-    loss_type: str = "dpo"
+    GROUP = "DPO"
+
+    loss_type: str = flag(default="dpo", help="dpo | ipo | cdpo")
     """(--loss_type, --ipo) dpo | ipo | cdpo"""
-    label_smoothing: float = 0.0
+    label_smoothing: float = flag(type=float, default=0.0,
+                                  help="cDPO: the probability that a preference label is flipped, in (0, 0.5)")
     """(--label_smoothing) cDPO: the probability that a preference label is flipped"""
 
     @classmethod
     def add_args(cls, p: argparse.ArgumentParser) -> None:
-        g = p.add_argument_group("DPO")
-        g.add_argument("--loss_type", default="dpo", help="dpo | ipo | cdpo")
+        g = p.add_argument_group(cls.GROUP)
+        super().add_args(g)
         g.add_argument("--ipo", dest="loss_type", action="store_const", const="ipo",
                        help="compatibility (OpenRLHF): the same as --loss_type ipo")
-        g.add_argument("--label_smoothing", type=float, default=0.0,
-                       help="cDPO: the probability that a preference label is flipped, in (0, 0.5)")
 
     def check(self) -> None:
         if self.loss_type not in PREFERENCE_LOSSES:

@@ -18,7 +18,7 @@ from functools import partial
 import torch
 
 from rlhf.algo.preference_losses import kto_kl_estimate, kto_loss
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 from rlhf.config.parts import KeysPart
 from rlhf.supervised.reference import ReferencePart, ReferenceTask, sequence_logprobs
 
@@ -86,19 +86,14 @@ class KTOTask(ReferenceTask):
 class KTOPart(Part):
     """KTO's labels and loss weights."""
 
-    label_key: str = "label"
-    """(--label_key) boolean (or 0/1) field: is the completion desirable"""
-    desirable_loss_weight: float = 1.0
-    """(--desirable_loss_weight)"""
-    undesirable_loss_weight: float = 1.0
-    """(--undesirable_loss_weight)"""
+    GROUP = "KTO"
 
-    @classmethod
-    def add_args(cls, p: argparse.ArgumentParser) -> None:
-        g = p.add_argument_group("KTO")
-        g.add_argument("--label_key", default="label", help="boolean (or 0/1) field: is the completion desirable")
-        g.add_argument("--desirable_loss_weight", type=float, default=1.0)
-        g.add_argument("--undesirable_loss_weight", type=float, default=1.0)
+    label_key: str = flag(default="label", help="boolean (or 0/1) field: is the completion desirable")
+    """(--label_key) boolean (or 0/1) field: is the completion desirable"""
+    desirable_loss_weight: float = flag(type=float, default=1.0)
+    """(--desirable_loss_weight)"""
+    undesirable_loss_weight: float = flag(type=float, default=1.0)
+    """(--undesirable_loss_weight)"""
 
     def check(self) -> None:
         if not self.label_key:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rlhf.algo.losses import next_token_logprobs
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 log = logging.getLogger("rlhf")
 
@@ -25,20 +25,15 @@ log = logging.getLogger("rlhf")
 class ReferencePart(Part):
     """The frozen reference of DPO and KTO."""
 
-    ref_pretrain: str | None = None
-    """(--ref_pretrain) default: --pretrain"""
-    ref_offload: bool = False
-    """(--ref_offload) its weights in host memory between its forwards"""
-    beta: float = 0.1
-    """(--beta) strength of the implicit KL to the reference"""
+    GROUP = "reference model"
 
-    @classmethod
-    def add_args(cls, p: argparse.ArgumentParser) -> None:
-        g = p.add_argument_group("reference model")
-        g.add_argument("--ref_pretrain", default=None, help="frozen reference model (default: --pretrain)")
-        g.add_argument("--ref_offload", action="store_true",
-                       help="keep the reference's weights in host memory between its forwards")
-        g.add_argument("--beta", type=float, default=0.1, help="strength of the implicit KL to the reference")
+    ref_pretrain: str | None = flag(default=None, help="frozen reference model (default: --pretrain)")
+    """(--ref_pretrain) default: --pretrain"""
+    ref_offload: bool = flag(action="store_true", default=False,
+                             help="keep the reference's weights in host memory between its forwards")
+    """(--ref_offload) its weights in host memory between its forwards"""
+    beta: float = flag(type=float, default=0.1, help="strength of the implicit KL to the reference")
+    """(--beta) strength of the implicit KL to the reference"""
 
     def check(self) -> None:
         if self.beta <= 0:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.algo.losses import packed_sequence_rewards, pairwise_loss, sequence_rewards
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 from rlhf.config.parts import KeysPart
 
 
@@ -76,17 +76,14 @@ class RMTask:
 class RMPart(Part):
     """The reward model's margin field and export format."""
 
-    margin_key: str | None = None
+    margin_key: str | None = flag(help="optional per-pair margin field", default=None)
     """(--margin_key) optional per-pair margin field"""
-    export_format: str = "hf"
+    export_format: str = flag(choices=["hf", "openrlhf"], help="hf: *ForSequenceClassification with score.weight; "
+                                                               "openrlhf: OpenRLHF's reward-model folder "
+                                                               "(value_head.weight, mean/std in config.json) for "
+                                                               "OpenRLHF's --reward_pretrain", default="hf")
     """(--export_format) hf | openrlhf"""
 
-    @classmethod
-    def add_args(cls, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--margin_key", default=None, help="optional per-pair margin field")
-        p.add_argument("--export_format", choices=["hf", "openrlhf"], default="hf",
-                       help="hf: *ForSequenceClassification with score.weight; openrlhf: OpenRLHF's reward-model "
-                            "folder (value_head.weight, mean/std in config.json) for OpenRLHF's --reward_pretrain")
 
 
 TASK_PARTS = {"keys": KeysPart, "rm": RMPart}

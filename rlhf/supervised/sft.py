@@ -9,7 +9,7 @@ import torch
 
 from rlhf.algo.losses import packed_sft_loss, sft_loss
 from rlhf.supervised.conditional import ConditionalPart
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 from rlhf.config.parts import KeysPart
 
 
@@ -110,13 +110,10 @@ def fused_head_loss(engine, tp_group, vocab: int):
 class SFTPart(Part):
     """SFT's own switch."""
 
-    pretrain_mode: bool = False
+    pretrain_mode: bool = flag(action="store_true", help="continued pretraining (OpenRLHF's flag): the loss on every "
+                                                         "token of --input_key's text", default=False)
     """(--pretrain_mode) continued pretraining: the loss on every token"""
 
-    @classmethod
-    def add_args(cls, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--pretrain_mode", action="store_true",
-                       help="continued pretraining (OpenRLHF's flag): the loss on every token of --input_key's text")
 
 
 TASK_PARTS = {"keys": KeysPart, "sft": SFTPart, "conditional": ConditionalPart}
