@@ -9,7 +9,10 @@ process groups; inputs (B, T) response tensors with a 0/1 ``mask``.
 * verl, Apache-2.0: ``verl/trainer/ppo/rollout_corr_helper.py`` at b178a3cd (2026-01-29:
   ``compute_rollout_rejection_mask``) and 1dda039b (``compute_rollout_correction_weights`` with its batch
   normalisation, ``compute_policy_loss_bypass_mode``), ``verl/trainer/ppo/core_algos.py`` at 1dda039b
-  (``compute_policy_loss_vanilla``)."""
+  (``compute_policy_loss_vanilla``); ``verl/trainer/ppo/core_algos.py`` at b178a3cd (2026-01-29:
+  ``compute_policy_loss_cispo``, ``compute_policy_loss_sapo``, ``compute_policy_loss_clip_cov``,
+  ``compute_policy_loss_kl_cov``, ``agg_loss``) with ``verl/utils/torch_functional.py`` ``masked_mean`` at the same
+  commit (its ``+ 1e-8``). verl's own module cannot be imported here (it needs omegaconf, its configs and ray)."""
 from __future__ import annotations
 
 import math
@@ -153,3 +156,87 @@ def verl_vanilla_per_token(old, lp, adv, low=0.2, high=0.2, c=3.0):
     l1, l2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high)
     clip1 = torch.maximum(l1, l2)
     return torch.where(adv < 0, torch.min(-adv * c, clip1), clip1)
+
+
+def verl_agg_loss(loss_mat, loss_mask, mode):
+    """``agg_loss`` (dp_size 1, the micro-batch's own counts): ``token-mean``, ``seq-mean-token-mean``."""
+    if mode == "token-mean":
+        return (loss_mat * loss_mask).sum() / loss_mask.sum()
+    seq_mask = loss_mask.sum(-1)
+    seq_losses = (loss_mat * loss_mask).sum(-1) / (seq_mask + 1e-8)
+    seq_mask = (seq_mask > 0).double()
+    return (seq_losses * seq_mask).sum() / seq_mask.sum()
+
+
+def verl_masked_mean_eps(x, mask):
+    """verl_F.masked_mean: ``sum(x * mask) / (sum(mask) + 1e-8)``."""
+    return (x * mask).sum() / (mask.sum() + 1e-8)
+
+
+def verl_cispo(old, lp, adv, mask, low=0.2, high=0.2):
+    """``compute_policy_loss_cispo``: (per-token loss, aggregated token-mean loss, clip fraction)."""
+    negative_approx_kl = torch.clamp(lp - old, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    clipped_ratio_sg = torch.clamp(ratio, 1 - low, 1 + high).detach()
+    pg_losses = -clipped_ratio_sg * adv * lp
+    clipfrac = verl_masked_mean_eps((ratio != torch.clamp(ratio, 1 - low, 1 + high)).double(), mask)
+    return pg_losses, verl_agg_loss(pg_losses, mask, "token-mean"), clipfrac
+
+
+def verl_sapo(old, lp, adv, mask, tau_pos=1.0, tau_neg=1.05):
+    """``compute_policy_loss_sapo``: (per-token loss, seq-mean-token-mean loss, which verl always takes)."""
+    tau_pos = torch.as_tensor(tau_pos, dtype=adv.dtype)
+    tau_neg = torch.as_tensor(tau_neg, dtype=adv.dtype)
+    ratio = torch.exp(torch.clamp(lp - old, min=-20.0, max=20.0))
+    taus = torch.where(adv > 0, tau_pos, tau_neg)
+    gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
+    pg_losses = -gates * adv
+    return pg_losses, verl_agg_loss(pg_losses, mask, "seq-mean-token-mean")
+
+
+def verl_clip_cov(old, lp, adv, mask, low=0.2, high=0.2, clip_cov_ratio=0.0002, lb=1.0, ub=5.0):
+    """``compute_policy_loss_clip_cov`` (its ``torch.randperm`` on the global generator): (per-token loss,
+    token-mean loss, corr)."""
+    ratio = torch.exp(lp - old)
+    pg_losses1 = -adv * ratio
+    corr = torch.ones_like(adv)
+    pg_losses2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    clip_by_origin = (pg_losses2 > pg_losses1) & (mask > 0)
+    cov_all = (adv - verl_masked_mean_eps(adv, mask)) * (lp - verl_masked_mean_eps(lp.detach(), mask))
+    cov_all[mask == 0] = -torch.inf
+    cov_all[clip_by_origin] = -torch.inf
+    clip_num = max(int(clip_cov_ratio * mask.sum().item()), 1)
+    top_k_idx = torch.nonzero((cov_all < ub) & (cov_all > lb) & (mask > 0))
+    if len(top_k_idx) > 0:
+        perm = torch.randperm(len(top_k_idx))
+        top_k_idx = top_k_idx[perm[: min(clip_num, len(top_k_idx))]]
+    else:
+        top_k_idx = torch.empty((0, 2), dtype=torch.long)
+    corr[top_k_idx[:, 0], top_k_idx[:, 1]] = 0
+    pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
+    return pg_losses, verl_agg_loss(pg_losses, mask, "token-mean"), corr
+
+
+def verl_kl_cov(old, lp, adv, mask, kl_cov_ratio=0.0002, ppo_kl_coef=0.1):
+    """``compute_policy_loss_kl_cov``: (per-token loss, token-mean loss)."""
+    negative_approx_kl = lp - old
+    abs_kl = negative_approx_kl.abs()
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -adv * ratio
+    pg_losses_kl = -adv * ratio + ppo_kl_coef * abs_kl
+    pg_losses = pg_losses1
+    all_valid = mask > 0
+    all_valid_idx = torch.nonzero(all_valid.reshape(-1), as_tuple=True)[0]
+    all_valid_adv = adv[all_valid].detach().reshape(-1).cpu()
+    all_valid_logp = lp[all_valid].detach().reshape(-1).cpu()
+    k = min(kl_cov_ratio, len(all_valid_adv))
+    if k != 0:
+        cov_lst_all = (all_valid_adv - all_valid_adv.mean()) * (all_valid_logp - all_valid_logp.mean())
+        k_percent_nums = max(1, int(len(cov_lst_all) * kl_cov_ratio))
+        large_cov_idxs = torch.topk(cov_lst_all, k_percent_nums, largest=True).indices
+        if len(large_cov_idxs) != 0:
+            large_cov_idxs = all_valid_idx[large_cov_idxs]
+            w = adv.shape[1]
+            pg_losses[large_cov_idxs // w, large_cov_idxs % w] = pg_losses_kl[large_cov_idxs // w,
+                                                                              large_cov_idxs % w]
+    return pg_losses, verl_agg_loss(pg_losses, mask, "token-mean")

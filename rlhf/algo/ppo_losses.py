@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlhf.algo.policy_variants import POLICY_VARIANTS, PolicyVariantConfig, variant_loss
 from rlhf.algo.rollout_correction import (RolloutCorrectionConfig, rejection_keep, rollout_correction,
                                           verl_is_weights)
 
@@ -110,7 +111,8 @@ LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 ``token_mean`` over all response tokens (today's default, DAPO's token-level loss), ``seq_mean_token_mean`` each
 sequence's token mean averaged over sequences (GRPO's original form; GSPO), ``seq_mean_token_sum`` each
 sequence's token sum averaged over sequences (verl's name)."""
-POLICY_LOSS_TYPES = ("ppo", "gspo")
+POLICY_LOSS_TYPES = ("ppo", "gspo") + POLICY_VARIANTS
+"""ppo, gspo and verl's ``rlhf.algo.policy_variants`` (cispo, sapo, clip_cov, kl_cov)"""
 
 
 def aggregate(loss: torch.Tensor, action_mask: torch.Tensor, mode: str = "token_mean"):
@@ -132,7 +134,8 @@ def aggregate(loss: torch.Tensor, action_mask: torch.Tensor, mode: str = "token_
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 action_mask: torch.Tensor, eps_clip: float = 0.2, eps_clip_high: float | None = None,
                 rollout_is_weights: torch.Tensor | None = None, dual_clip: float | None = None,
-                policy_loss_type: str = "ppo", loss_agg_mode: str = "token_mean"):
+                policy_loss_type: str = "ppo", loss_agg_mode: str = "token_mean",
+                variant: PolicyVariantConfig | None = None, generator: torch.Generator | None = None):
     """PPO clipped surrogate: ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)`` per token.
 
     logprobs (B, T) with grad; old_logprobs, advantages, action_mask (B, T). ``eps_clip_high`` (DAPO clip-higher)
@@ -140,7 +143,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ``policy_loss_type`` "gspo" (GSPO): one ratio per sequence, ``exp(mean over its tokens of log ratio)``, clipped
     as a whole (the gradient reaches every token through the mean), as OpenRLHF computes it. ``rollout_is_weights``
     (B, T), optional, multiplies the per-token loss (truncated importance sampling for rollout/trainer mismatch);
-    it is treated as a constant. ``loss_agg_mode``: see ``aggregate``.
+    it is treated as a constant. ``loss_agg_mode``: see ``aggregate``. CISPO, SAPO, Clip-Cov and KL-Cov
+    (``policy_loss_type`` in ``POLICY_VARIANTS``, their parameters in ``variant``, Clip-Cov's draw from
+    ``generator``): ``rlhf.algo.policy_variants``, weighted and aggregated as PPO's.
 
     Returns ``(loss_sum, count, metrics)``: the aggregated loss sum and its count (``aggregate``), and
     ``{"policy_loss", "clip_frac", "approx_kl", "ratio"}`` as per-token ``[sum, n_tokens]``. A token counts as
@@ -150,26 +155,29 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     mask = _bool_mask(action_mask)
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     log_ratio = torch.where(mask, upcast(logprobs) - upcast(old_logprobs), torch.zeros((), device=logprobs.device))
-    if policy_loss_type == "gspo":
+    adv = upcast(advantages)
+    if policy_loss_type in POLICY_VARIANTS:
+        lp = torch.where(mask, upcast(logprobs), torch.zeros((), device=logprobs.device))
+        loss, clipped, ratio = variant_loss(policy_loss_type, log_ratio, lp, adv, mask, eps_clip, eps_high,
+                                            variant or PolicyVariantConfig(), generator)
+    elif policy_loss_type == "gspo":
         seq = log_ratio.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1)  # (B, 1)
         ratio = seq.exp().expand_as(log_ratio)
     elif policy_loss_type == "ppo":
         ratio = log_ratio.exp()  # (B, T)
     else:
         raise ValueError(f"--policy_loss_type {policy_loss_type!r}: expected one of {', '.join(POLICY_LOSS_TYPES)}")
-    adv = upcast(advantages)
-    surr1 = ratio * adv
-    surr2 = ratio.clamp(1.0 - eps_clip, 1.0 + eps_high) * adv
-    clip1 = torch.min(surr1, surr2)
-    if dual_clip is not None:
-        clip1 = torch.where(adv < 0, torch.max(clip1, dual_clip * adv), clip1)
-    loss = -clip1  # (B, T)
+    if policy_loss_type not in POLICY_VARIANTS:
+        surr1, surr2 = ratio * adv, ratio.clamp(1.0 - eps_clip, 1.0 + eps_high) * adv
+        clip1 = torch.min(surr1, surr2)
+        if dual_clip is not None:
+            clip1 = torch.where(adv < 0, torch.max(clip1, dual_clip * adv), clip1)
+        loss, clipped = -clip1, (surr2 < surr1).float()  # (B, T); clipped: the clipped term is the active one
     if rollout_is_weights is not None:
         loss = loss * upcast(rollout_is_weights.detach())
     loss_agg, count = aggregate(loss, mask, loss_agg_mode)
     n = _count(mask)
     with torch.no_grad():
-        clipped = (surr2 < surr1).float()
         metrics = {
             "policy_loss": [masked_sum(loss.detach(), mask), n],
             "clip_frac": [masked_sum(clipped, mask), n],
@@ -238,9 +246,12 @@ class ActorLossConfig:
     dual_clip: float | None = None
     """--dual_clip C > 1: for negative advantages the loss is at most -C * A (dual-clip PPO)"""
     policy_loss_type: str = "ppo"
-    """--policy_loss_type ppo | gspo"""
+    """--policy_loss_type (``POLICY_LOSS_TYPES``)"""
+    variant: PolicyVariantConfig = field(default_factory=PolicyVariantConfig)
+    """SAPO's temperatures, Clip-Cov's and KL-Cov's ratios, bounds and coefficient (--tau_pos, --clip_cov_ratio, ...)"""
     loss_agg_mode: str = "token_mean"
-    """--loss_agg_mode (``LOSS_AGG_MODES``); GSPO without the flag: seq_mean_token_mean, as OpenRLHF forces it"""
+    """--loss_agg_mode (``LOSS_AGG_MODES``); GSPO and SAPO without the flag: seq_mean_token_mean, as OpenRLHF forces
+    it for GSPO and verl for SAPO"""
     entropy_coef: float = 0.0
     """--entropy_coef: ``- entropy_coef * entropy`` joins the loss, aggregated as the policy loss"""
     kl_in_loss: bool = False
@@ -284,20 +295,28 @@ class ActorLossConfig:
         if self.policy_loss_type not in POLICY_LOSS_TYPES:
             raise ValueError(f"--policy_loss_type {self.policy_loss_type!r}: expected one of "
                              f"{', '.join(POLICY_LOSS_TYPES)}")
+        if self.policy_loss_type in POLICY_VARIANTS and (self.dual_clip is not None or self.bypass):
+            raise ValueError(f"--policy_loss_type {self.policy_loss_type} with "
+                             f"{'--dual_clip' if self.dual_clip is not None else 'verl bypass mode'}: not in its "
+                             "loss (verl's has neither)")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"--loss_agg_mode {self.loss_agg_mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
         if self.entropy_coef < 0:
             raise ValueError(f"--entropy_coef must be >= 0 (an entropy bonus), got {self.entropy_coef}")
 
     @classmethod
-    def from_parts(cls, algo, correction: RolloutCorrectionConfig, estimator) -> "ActorLossConfig":
-        """From the PPO job's algorithm part (the clip, loss and KL flags) and its rollout correction part."""
+    def from_parts(cls, algo, correction: RolloutCorrectionConfig, estimator,
+                   variant: PolicyVariantConfig | None = None) -> "ActorLossConfig":
+        """From the PPO job's algorithm part (the clip, loss and KL flags), its rollout correction part and its
+        policy-variant part."""
         from rlhf.algo.kl import kl_in_loss
 
         low, high = algo.eps_clip_low_high if algo.eps_clip_low_high is not None else (algo.eps_clip, algo.eps_clip)
-        mode = algo.loss_agg_mode or ("seq_mean_token_mean" if algo.policy_loss_type == "gspo" else "token_mean")
+        mode = algo.loss_agg_mode or ("seq_mean_token_mean" if algo.policy_loss_type in ("gspo", "sapo")
+                                      else "token_mean")
         return cls(eps_clip_low=low, eps_clip_high=high, dual_clip=algo.dual_clip,
-                   policy_loss_type=algo.policy_loss_type, loss_agg_mode=mode, entropy_coef=algo.entropy_coef or 0.0,
+                   policy_loss_type=algo.policy_loss_type, variant=variant or PolicyVariantConfig(),
+                   loss_agg_mode=mode, entropy_coef=algo.entropy_coef or 0.0,
                    kl_in_loss=kl_in_loss(estimator, getattr(algo, "use_kl_loss", None)),
                    kl_estimator=algo.kl_estimator, correction=correction,
                    old_from_update=getattr(algo, "old_logprobs_source", "forward") == "update",
@@ -318,7 +337,7 @@ class ActorLossConfig:
         return cls.from_parts(args, RolloutCorrectionConfig.from_namespace(args), estimator)
 
 
-def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
+def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0, seed: int = 0):
     """The actor's loss over one training micro-batch, in megatron's per-token contract.
 
     ``logprobs_fn(batch, output) -> (logprobs, entropy)``, each (B, T), from the model's output. The batch holds
@@ -326,7 +345,9 @@ def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
     ``kl_coef * kl`` is added to the loss) and ``vllm_logprobs`` with a rollout correction (``cfg.correction``: its
     weights multiply the policy loss; a token its rejection drops leaves the mask of every term and of the count).
     The KL and entropy terms are aggregated as the policy loss (``cfg.loss_agg_mode``). Metrics: ``ACTOR_METRICS``
-    (+ ``kl_loss``, + ``cfg.correction.metric_keys()``), per token."""
+    (+ ``kl_loss``, + ``cfg.correction.metric_keys()``), per token. ``seed`` starts Clip-Cov's generator (the same
+    draws on every TP rank of a micro-batch)."""
+    gen = torch.Generator().manual_seed(seed) if cfg.policy_loss_type == "clip_cov" else None
     in_loss = cfg.correction
     if cfg.corrected_in_experience:  # the rejection is in the batch's mask, verl's weights in the batch
         from dataclasses import replace
@@ -355,7 +376,7 @@ def make_actor_loss(logprobs_fn, cfg: ActorLossConfig, kl_coef: float = 0.0):
                                                eps_clip=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
                                                rollout_is_weights=weights,
                                                dual_clip=cfg.dual_clip, policy_loss_type=cfg.policy_loss_type,
-                                               loss_agg_mode=cfg.loss_agg_mode)
+                                               loss_agg_mode=cfg.loss_agg_mode, variant=cfg.variant, generator=gen)
             if corr is not None:
                 metrics.update(corr.metrics)
             if "rollout_is_weights" in batch and cfg.correction.enabled:

@@ -52,10 +52,13 @@ class AlgoPart(Part):
                                    help="dual-clip PPO: for negative advantages the loss is at most -C * A (C > 1)",
                                    default=None)
     """(--dual_clip)"""
-    policy_loss_type: str = flag("--policy_loss_type", "--actor.policy_loss_type", choices=["ppo", "gspo"],
+    policy_loss_type: str = flag("--policy_loss_type", "--actor.policy_loss_type",
+                                 choices=["ppo", "gspo", "cispo", "sapo", "clip_cov", "kl_cov"],
                                  help="gspo: one length-normalised importance ratio per sequence (GSPO), "
-                                      "sequence-level loss", default="ppo")
-    """(--policy_loss_type) ppo | gspo"""
+                                      "sequence-level loss; cispo, sapo, clip_cov, kl_cov: verl's CISPO, SAPO "
+                                      "(--tau_pos, --tau_neg), Clip-Cov (--clip_cov_ratio, --clip_cov_lb, "
+                                      "--clip_cov_ub) and KL-Cov (--kl_cov_ratio, --ppo_kl_coef)", default="ppo")
+    """(--policy_loss_type) ppo | gspo | cispo | sapo | clip_cov | kl_cov (``rlhf.algo.policy_variants``)"""
     loss_agg_mode: str | None = flag(choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"],
                                      help="how per-token losses make the step's loss: token_mean (default; DAPO's "
                                           "token-level loss), seq_mean_token_mean (GRPO's original; the default with "

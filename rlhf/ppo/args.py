@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf.agents.flags import AgentPart
+from rlhf.algo.policy_variants import PolicyVariantConfig
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig
 from rlhf.data.vision import VisionPart
 from rlhf.config.migration import PlacementPart
@@ -51,6 +52,7 @@ class PPOJobConfig(Job):
     optim: PPOOptim
     algo: AlgoPart
     correction: RolloutCorrectionConfig
+    policy: PolicyVariantConfig
     ptx: PtxPart
     ema: EmaPart
     offload: OffloadPart
@@ -84,6 +86,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimisation")
     PPOOptim.add_args(g)
     add_algo_args(g)  # AlgoPart, RolloutCorrectionConfig, PtxPart, EmaPart
+    PolicyVariantConfig.add_args(g)  # --policy_loss_type sapo / clip_cov / kl_cov's parameters
     g = p.add_argument_group("placement and memory")
     OffloadPart.add_args(g)
     RolloutPart.add_args(g)
@@ -119,6 +122,17 @@ class PPOSetup:
         return self.job.rewards
 
 
+def _check_policy_variant(job: PPOJobConfig) -> None:
+    """verl's SAPO aggregates over sequences; Clip-Cov's and KL-Cov's covariance is over a micro-batch's tokens."""
+    kind, mode = job.algo.policy_loss_type, job.algo.loss_agg_mode
+    if kind == "sapo" and mode not in (None, "seq_mean_token_mean"):
+        raise ValueError(f"--policy_loss_type sapo with --loss_agg_mode {mode}: verl's SAPO loss is a mean over "
+                         "sequences of their token means (seq_mean_token_mean)")
+    if kind in ("clip_cov", "kl_cov") and job.parallel.cp > 1:
+        raise ValueError(f"--policy_loss_type {kind} with --context_parallel_size {job.parallel.cp}: its covariance "
+                         "and token count are over a micro-batch's tokens, which context parallelism splits")
+
+
 def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     """The job from the parsed flags (each part checks its own values), then the checks across parts, the world
     size and the model configs, before any process group or model. Fills what the flags leave open: --max_len,
@@ -135,6 +149,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
                          "megatron fallback generator decodes with a KV cache that is not split over CP ranks; "
                          "generate with vLLM (the default)")
     check_algo(job)
+    _check_policy_variant(job)
     check_code_reward(job)
     from rlhf.agents.flags import check_agent_args, check_agent_fit
 

@@ -77,7 +77,8 @@ def generate(roles, job, prompts: list, prompt_idx: list[int], step: int, mesh,
     with rollout_phase(roles, timer):
         if roles.agent is not None:  # multi-turn trajectories (rlhf.agents.rollout)
             samples, metrics = roles.agent.run(roles.rollout, prompts, prompt_idx, n=n, temperature=gen.temperature,
-                                               top_p=gen.top_p, max_tokens=gen.generate_max_len, seed=seed)
+                                               top_p=gen.top_p, max_tokens=gen.generate_max_len, seed=seed,
+                                               version=roles.weight_sync.version)
         else:
             samples = roles.rollout.generate([generation_prompt(prompts[i]) for i in prompt_idx],
                                              n=n, temperature=gen.temperature, top_p=gen.top_p,
@@ -370,11 +371,11 @@ def update(roles, exp: Experience, job, estimator, kl_coef: float, step: int, me
                                                                          value_clip=algo.value_clip)))
         _train_role(roles, "critic", plans, lambda plan: (microbatches(plan), critic_loss), CRITIC_METRICS, "head",
                     sums, tokens * epochs, timer)
-    loss_cfg = ActorLossConfig.from_parts(algo, job.correction, estimator)
+    loss_cfg = ActorLossConfig.from_parts(algo, job.correction, estimator, job.policy)
     actor_loss = reads_local_tokens(keep("actor", make_actor_loss(  # the readers take a CP rank's own tokens
         seen("actor", lambda batch, hidden: response_logprobs(roles.actor, batch, hidden, job.generation.temperature,
                                                               entropy=True)),
-        loss_cfg, kl_coef=kl_coef)))
+        loss_cfg, kl_coef=kl_coef, seed=job.engine.seed * 7919 + step)))
     keys = ACTOR_METRICS + (("kl_loss",) if loss_cfg.kl_in_loss else ()) + (
         ("rollout_logprob_drift", "rollout_logprob_drift_max") if algo.old_logprobs_source == "update" else ()
     ) + loss_cfg.correction_metric_keys()  # rlhf.algo.rollout_correction.METRICS

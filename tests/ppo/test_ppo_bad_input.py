@@ -70,6 +70,13 @@ def test_missing_input_key(ppo_setup, tmp_path, no_models, capsys):
     ({"--dual_clip": 0.5}, "--dual_clip must be > 1"),
     ({"--entropy_coef": -1}, "--entropy_coef must be >= 0"),
     ({"--no_std_norm": "", "--advantage_estimator": "grpo"}, "--no_std_norm with --advantage_estimator grpo"),
+    # verl's policy losses: their parameters, and what their losses do not have
+    ({"--policy_loss_type": "sapo", "--tau_neg": 0}, "--tau_neg must be > 0"),
+    ({"--policy_loss_type": "clip_cov", "--clip_cov_ratio": 2}, "--clip_cov_ratio must be in (0, 1]"),
+    ({"--policy_loss_type": "sapo", "--loss_agg_mode": "token_mean"}, "--policy_loss_type sapo with --loss_agg_mode"),
+    ({"--policy_loss_type": "cispo", "--dual_clip": 3}, "--policy_loss_type cispo with --dual_clip"),
+    ({"--policy_loss_type": "kl_cov", "--context_parallel_size": 2, "--vllm_tensor_parallel_size": 1},
+     "--policy_loss_type kl_cov with --context_parallel_size 2"),
 ])
 def test_batch_and_flag_errors(ppo_setup, tmp_path, no_models, capsys, flags, needle):
     code, err = run_main(ppo_args(ppo_setup, str(tmp_path / "o"), **flags), capsys)
