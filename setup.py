@@ -25,6 +25,9 @@ INSTALL_REQUIRES = [
     # Python; pulls latex2sympy2_extended and antlr4-python3-runtime 4.13.2 (sympy is torch's already).
     "math-verify==0.9.0",
     "wandb==0.31.0",  # --use_wandb (offline without a key); OpenRLHF's logging companion
+    # --use_mlflow (rlhf/observability/mlflow_log.py): MLflow's tracking client and its file store, without the
+    # server, the UI and the SQL stores (mlflow-skinny; the full `mlflow` adds sqlite:/// stores)
+    "mlflow-skinny==3.17.2",
     # rlhf/sandbox (the code reward's sandbox): a ctypes binding of libseccomp (MIT, pure Python, 20 kB) that
     # builds its seccomp filter; bubblewrap itself is a Debian package (tools/setup_env.sh installs it)
     "pyseccomp==0.1.2",

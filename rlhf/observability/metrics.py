@@ -22,6 +22,11 @@ class MetricsLogger:
         self.writer = None
         self.jsonl = None
         self.wandb = start_wandb(args) if enabled and args is not None and getattr(args, "use_wandb", None) else None
+        self.mlflow = None
+        if enabled and args is not None and getattr(args, "use_mlflow", False):
+            from rlhf.observability.mlflow_log import MlflowRun
+
+            self.mlflow = MlflowRun(args, run_config(args))
         if enabled and jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
             self.jsonl = open(jsonl_path, "a")
@@ -45,6 +50,8 @@ class MetricsLogger:
             self.writer.flush()
         if self.wandb is not None:
             self.wandb.log({f"{prefix}/{k}": float(v) for k, v in metrics.items()}, step=step)
+        if self.mlflow is not None:  # the same names, values and steps as W&B's
+            self.mlflow.log({f"{prefix}/{k}": float(v) for k, v in metrics.items()}, step=step)
         if not progress:
             log.info("[%s step %d] %s", prefix, step, _fmt(metrics))
             return
@@ -60,6 +67,9 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        if self.mlflow is not None:
+            self.mlflow.finish()
+            self.mlflow = None
         if self.writer is not None:
             self.writer.close()
         if self.jsonl is not None:
@@ -91,15 +101,20 @@ def start_wandb(args):
 
     run_id = open(id_file).read().strip() if os.path.exists(id_file) and getattr(args, "load_checkpoint", False) \
         else secrets.token_hex(4)
-    config = {k: v for k, v in vars(args).items() if k != "use_wandb" and isinstance(v, (int, float, str, bool,
-                                                                                             type(None), list))}
     run = wandb.init(project=args.wandb_project, entity=args.wandb_org, group=args.wandb_group,
-                     name=args.wandb_run_name or os.path.basename(os.path.abspath(args.save_path)), config=config,
+                     name=args.wandb_run_name or os.path.basename(os.path.abspath(args.save_path)), config=run_config(args),
                      dir=args.save_path, id=run_id, resume="allow", mode=mode, reinit="finish_previous")
     with open(id_file + ".tmp", "w") as f:
         f.write(run.id)
     os.replace(id_file + ".tmp", id_file)
     return run
+
+
+def run_config(args) -> dict:
+    """The job's configuration as the trackers log it (W&B's config, MLflow's params): every flag of a plain type,
+    without --use_wandb (it may hold the API key)."""
+    return {k: v for k, v in vars(args).items() if k != "use_wandb" and isinstance(v, (int, float, str, bool,
+                                                                                        type(None), list))}
 
 
 def read_metrics_jsonl(path: str, prefix: str) -> dict[int, dict[str, float]]:

@@ -15,6 +15,7 @@ from rlhf.algo.rollout_correction import RolloutCorrectionConfig
 from rlhf.data.vision import VisionPart
 from rlhf.config.migration import PlacementPart
 from rlhf.models.routing_replay import RouterReplayPart, check_router_replay
+from rlhf.observability.mlflow_log import MlflowPart
 from rlhf.config.part import Job
 from rlhf.rollout.partial import PartialRolloutConfig, check_partial
 from rlhf.config.parts import CheckpointPart, EnginePart, ParallelPart, TextPart
@@ -63,6 +64,7 @@ class PPOJobConfig(Job):
     lora: PPOLora
     checkpoint: CheckpointPart
     logging: PPOLogging
+    mlflow: MlflowPart
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -97,6 +99,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("running")
     CheckpointPart.add_args(g, what="actor")
     PPOLogging.add_args(g)
+    MlflowPart.add_args(g)
 
 
 @dataclass

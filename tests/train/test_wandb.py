@@ -5,41 +5,15 @@ and name, and a resumed job continues the same run. The run file is read back he
 from __future__ import annotations
 
 import glob
-import struct
 
 import pytest
 
 from test_sft_rm_faults import sft_args
+from wandb_files import wandb_records
 
 # Training runs in this process (main(argv)): pytest-timeout interrupts a test whose run hangs after 300 s, 5x the
 # slowest of these files' tests on a loaded 2-core AMD EPYC (36-62 s, 2026-11-27; test_rlvr_options 11-50 s).
 pytestmark = pytest.mark.timeout(300)
-
-
-def wandb_records(path: str):
-    """Every protobuf record of a .wandb file: a 7-byte header, then 32 KiB blocks of (crc32, length, type) framed
-    chunks (type 1 full, 2 first, 3 middle, 4 last)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = open(path, "rb").read()
-    assert data[:4] == b":W&B", data[:7]
-    pos, block, buf = 7, 32768, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0:
-            pos += left
-            continue
-        buf += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            rec = pb.Record()
-            rec.ParseFromString(buf)
-            buf = b""
-            yield rec
 
 
 def test_wandb_offline_logs_as_tensorboard_and_resume_continues_the_run(train_setup, tmp_path, monkeypatch, capsys):
