@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from rlhf.compat import installed_version
-from rlhf.compat.vllm import (TESTED_VLLM, keep_torch_rng, release_cpu_weights, repack_cpu_lm_head,
-                               repack_cpu_moe_on_reload, restore_cpu_weights, eager_logprob_ranks,
-                               eager_vocab_mask, fast_kernel_rebind, one_collection_then_freeze)
+from rlhf.compat.vllm import (RELOAD_LOGGER, TESTED_VLLM, ExpectedReloadWarnings, keep_torch_rng, nothing_to_load,
+                               release_cpu_weights, repack_cpu_lm_head, repack_cpu_moe_on_reload, restore_cpu_weights,
+                               eager_logprob_ranks, eager_vocab_mask, fast_kernel_rebind, one_collection_then_freeze)
 from rlhf.compat.vllm_files import IPC_ENV, ipc_env
 from rlhf.rollout.types import RolloutConfig, Sample, engine_share
 
@@ -170,6 +170,9 @@ class VLLMRollout:
                                          image_std=cfg.vision["image_std"],
                                          rescale_factor=cfg.vision["rescale_factor"]))
         self.release_on_cpu = cfg.enable_sleep_mode and not on_cuda
+        self.quiet_reload = ExpectedReloadWarnings(self.llm.apply_model(nothing_to_load)[0])
+        """drops vLLM's "Failed to load weights" of the layers with nothing to load (checked after every sync)"""
+        logging.getLogger(RELOAD_LOGGER).addFilter(self.quiet_reload)
         if cfg.enable_prefix_caching and mesh.is_rank0:  # vLLM turns it off for some models (MLA on CPU)
             on = self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
             log.info("vLLM prefix caching (--vllm_enable_prefix_caching): %s", "on, reset at every weight sync" if on
@@ -221,6 +224,7 @@ class VLLMRollout:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.on_cuda:
             self.llm.apply_model(repack_cpu_lm_head)
+        self._check_quiet_reload(version)
         if self.cfg.vision is not None:  # image features computed by the old vision tower must not be reused
             self.llm.llm_engine.reset_encoder_cache()
         if not self.llm.reset_prefix_cache() and self.cfg.enable_prefix_caching:
@@ -228,6 +232,21 @@ class VLLMRollout:
                                "previous weights would be reused")
         self.version = version
         self.needs_sync = False
+
+    def _check_quiet_reload(self, version: int) -> None:
+        """The layers whose reload warning is dropped still have nothing of their own to load after this sync (the
+        head still *is* the embedding's Parameter): else a tensor went missing, and the sync fails by name."""
+        quiet = self.quiet_reload.classes
+        if not quiet:
+            return
+        now = self.llm.apply_model(nothing_to_load)[0]
+        if quiet - set(now):
+            raise RuntimeError(f"vLLM weight sync {version}: {sorted(quiet - set(now))} now own weights that this sync "
+                               "did not load (vLLM warned 'Failed to load weights' for them)")
+        if self.version == 0 and self.mesh.is_rank0:
+            log.info("vLLM's reload warns 'Failed to load weights' at every sync for layers with nothing of their own "
+                     "to load; checked after each sync and not shown: %s",
+                     "; ".join(f"{c} ({w})" for c, w in sorted(now.items()) if c in quiet))
 
     def read_weights(self) -> dict[str, torch.Tensor]:
         """This rank's engine weights as it computes with them (``rlhf.compat.vllm.read_engine_weights``)."""
@@ -324,6 +343,7 @@ class VLLMRollout:
         from rlhf.compat.vllm import without_collections
         from rlhf.distributed.failures import process_ending
 
+        logging.getLogger(RELOAD_LOGGER).removeFilter(self.quiet_reload)
         if process_ending():  # the process ends next: vLLM's shutdown still releases what outlives it (shared
             with without_collections():  # memory, groups), but its full collections would only free memory
                 del self.llm

@@ -93,6 +93,7 @@ sgl = torch.cpu._is_amx_tile_supported() and a.dtype == "bfloat16"  # vLLM's che
 if mesh.is_rank0:
     print("RESULT " + json.dumps({"first": first, "skipped": skipped, "no_repack": no_repack, "final": final,
                                   "moved": moved, "update": metrics, "head_is_embedding": tied,
-                                  "head_packs_a_copy": sgl}), flush=True)
+                                  "head_packs_a_copy": sgl, "quiet": sorted(engine.quiet_reload.classes),
+                                  "dropped": engine.quiet_reload.dropped}), flush=True)
 shutdown(mesh, engine)
 sys.exit(0)

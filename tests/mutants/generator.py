@@ -1,0 +1,22 @@
+"""Planted bugs of the vLLM generator's weight reload: its "Failed to load weights" warnings dropped where a layer
+did own a weight, or not checked after a sync."""
+from tests.mutants import Mutant
+
+_T = "tests/ppo/test_engine_weights.py::"
+MUTANTS = [
+    Mutant("generator-untied-head-silenced", "rlhf/compat/vllm.py",
+           find="elif all(owners[id(p)] != name for p in own):", replace="elif True:",
+           claim="only a layer with nothing of its own to load (tied, or buffers only) has its reload warning dropped",
+           tests=(_T + "test_a_reload_warning_is_dropped_only_where_nothing_was_to_load",
+                  _T + "test_engine_weights_equal_trainer_after_sync[untied_fp32_engine_tp2_tp_local]")),
+    Mutant("generator-every-reload-warning-dropped", "rlhf/compat/vllm.py",
+           find="if record.msg == RELOAD_WARNING and record.args and record.args[0] in self.classes:",
+           replace="if record.msg == RELOAD_WARNING:",
+           claim="a layer that missed its tensor in a sync still warns",
+           tests=(_T + "test_a_reload_warning_is_dropped_only_where_nothing_was_to_load",
+                  _T + "test_engine_weights_equal_trainer_after_sync[tied_bf16_engine_dp2_vllm_tp2]")),
+    Mutant("generator-reload-not-checked", "rlhf/rollout/vllm_generator.py",
+           find="        if quiet - set(now):\n", replace="        if False:\n",
+           claim="a sync after which a silenced layer owns a weight again fails by name",
+           tests=(_T + "test_a_reload_warning_is_dropped_only_where_nothing_was_to_load",)),
+]
