@@ -34,6 +34,10 @@ INSTALL_REQUIRES = [
     # --use_liger_kernel (rlhf/models/fused.py): Liger-Kernel's fused linear cross entropy (and RMSNorm, opt-in) on
     # CUDA; Apache-2.0, pure Python with Triton kernels (about 1 MB; needs torch and triton, both here already)
     "liger-kernel==0.8.5",
+    # rlhf/agents: the OpenAI-compatible endpoint's server (aiohttp) and the client run_agent programs get (openai);
+    # vLLM depends on both already (openai>=2.25 is its own bound)
+    "aiohttp>=3.9",
+    "openai>=2.25",
 ]
 
 EXTRAS = {

@@ -46,6 +46,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int | None = None
+    logprobs: int | None = 1
+    """the sampled token's log-prob is always returned (OpenRLHF sets 1 to ask for it)"""
 
 
 @dataclass

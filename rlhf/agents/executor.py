@@ -1,62 +1,15 @@
-"""Running one trajectory: OpenRLHF's multi-turn and single-turn executors, the trajectory's seed and timeout around
-each environment call (``Trajectory``, ``CURRENT``, ``env_call``), and loading ``--agent_func_path``'s
-``AgentExecutor``. ``rlhf.agents`` hands these names on; the rollout that runs every trajectory of a step is
+"""Running one trajectory: OpenRLHF's multi-turn and single-turn executors (the trajectory's seed and timeout around
+each environment call: ``rlhf.agents.trajectory``), and loading ``--agent_func_path``'s ``AgentExecutor`` (or its
+``run_agent``). ``rlhf.agents`` hands these names on; the rollout that runs every trajectory of a step is
 ``rlhf.agents.rollout``."""
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import copy
 import inspect
-import random
-import time
-from dataclasses import dataclass
 
 from rlhf.agents.environment import (AgentExecutorBase, AgentInstanceBase, MalformedStep, as_float,
                                      check_step_result)
-
-
-@dataclass
-class Trajectory:
-    """What the rollout tells an executor about the trajectory it runs (a context variable per asyncio task):
-    its seed (the global ``random`` and torch generators are seeded from it before each environment call, so
-    environments that draw from them repeat on a resumed run), the per-call timeout, and the environment
-    seconds spent."""
-
-    seed: int
-    timeout_s: float | None = None
-    env_seconds: float = 0.0
-    calls: int = 0
-
-
-CURRENT: contextvars.ContextVar[Trajectory | None] = contextvars.ContextVar("rlhf_agent_trajectory", default=None)
-
-
-def seed_environment() -> None:
-    """Seed ``random`` and torch's global generator from the trajectory and its environment calls so far (before
-    an environment is made and before each of its calls)."""
-    traj = CURRENT.get()
-    if traj is not None:
-        import torch
-
-        random.seed(traj.seed * 1_000 + traj.calls)
-        torch.manual_seed((traj.seed * 1_000 + traj.calls) % (1 << 63))
-
-
-async def env_call(fn, states: dict):
-    """``await fn(states)`` (an environment's ``reset`` or ``step``) under the trajectory's seed and timeout."""
-    traj = CURRENT.get()
-    if traj is None:
-        return await fn(states)
-    traj.calls += 1
-    seed_environment()
-    t0 = time.perf_counter()
-    try:
-        return await asyncio.wait_for(fn(states), traj.timeout_s)
-    except asyncio.TimeoutError:
-        raise TimeoutError(f"no answer within --agent_timeout_s {traj.timeout_s:g}") from None
-    finally:
-        traj.env_seconds += time.perf_counter() - t0
+from rlhf.agents.trajectory import CURRENT, Trajectory, env_call, seed_environment  # noqa: F401 - handed on
 
 
 class TooManyAgentFailures(RuntimeError):
@@ -168,7 +121,8 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
 
 def load_agent_executor(path: str) -> AgentExecutorBase:
     """``--agent_func_path``: the file's ``AgentExecutor`` class (an :class:`AgentExecutorBase`), built with no
-    arguments, as OpenRLHF loads it. Bad files raise ``ValueError`` naming the flag."""
+    arguments, as OpenRLHF loads it, else its ``run_agent`` function (``rlhf.agents.program.RunAgentExecutor``).
+    Bad files raise ``ValueError`` naming the flag."""
     import importlib.util
     import os
 
@@ -181,10 +135,15 @@ def load_agent_executor(path: str) -> AgentExecutorBase:
     except Exception as e:  # noqa: BLE001 - the user's file: say which and why
         raise ValueError(f"--agent_func_path {path}: importing it failed: {type(e).__name__}: {e}") from None
     cls = getattr(module, "AgentExecutor", None)
-    if not (inspect.isclass(cls) and issubclass(cls, AgentExecutorBase)):
-        raise ValueError(f"--agent_func_path {path}: the file must define class AgentExecutor(AgentExecutorBase) "
-                         f"(for example AgentExecutor(MultiTurnAgentExecutor) around an AgentInstanceBase)")
-    return cls()
+    if inspect.isclass(cls) and issubclass(cls, AgentExecutorBase):
+        return cls()
+    if getattr(module, "run_agent", None) is not None:
+        from rlhf.agents.program import RunAgentExecutor
+
+        return RunAgentExecutor(module.run_agent, path)
+    raise ValueError(f"--agent_func_path {path}: the file must define class AgentExecutor(AgentExecutorBase) "
+                     f"(for example AgentExecutor(MultiTurnAgentExecutor) around an AgentInstanceBase) or a function "
+                     f"run_agent(client, prompt, label, **kw) (rlhf.agents.program)")
 
 
 def execute_kwargs(executor: AgentExecutorBase) -> set[str]:

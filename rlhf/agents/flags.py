@@ -13,10 +13,11 @@ class AgentPart(Part):
 
     agent_func_path: str | None = flag("--agent_func_path", "--train.agent_func_path", dest="agent_func_path",
                                        default=None,
-                                       help="a Python file defining OpenRLHF's AgentExecutor (rlhf.agents): "
-                                            "multi-turn trajectories with an environment; its rewards are the step's "
-                                            "reward")
-    """(--agent_func_path) a Python file defining OpenRLHF's AgentExecutor"""
+                                       help="a Python file defining OpenRLHF's AgentExecutor (rlhf.agents) or "
+                                            "run_agent(client, prompt, label, **kw), a program against the rank's "
+                                            "OpenAI-compatible endpoint (rlhf.agents.program): multi-turn "
+                                            "trajectories; their rewards are the step's reward")
+    """(--agent_func_path) a Python file defining OpenRLHF's AgentExecutor, or a run_agent program"""
     max_turns: int | None = flag(type=int, default=None,
                                  help="--agent_func_path: at most this many model turns per trajectory (default: "
                                       "until done or the token budget)")
@@ -34,12 +35,17 @@ class AgentPart(Part):
                                    help="--agent_func_path: failed trajectories tolerated per step (reward 0, "
                                         "counted); more stop the job")
     """(--max_agent_failures) failed trajectories tolerated per step"""
+    agent_max_sessions: int | None = flag(type=int, default=None,
+                                          help="--agent_func_path: trajectories one rank runs at once (their "
+                                               "environments or run_agent programs; default: all of its share)")
+    """(--agent_max_sessions) trajectories one rank runs at once"""
 
     def config(self):
         from rlhf.agents.rollout import AgentConfig
 
         return AgentConfig(path=self.agent_func_path, max_len=self.max_len, max_turns=self.max_turns,
-                           timeout_s=self.agent_timeout_s, max_failures=self.max_agent_failures)
+                           timeout_s=self.agent_timeout_s, max_failures=self.max_agent_failures,
+                           max_sessions=self.agent_max_sessions)
 
 
 def check_agent_args(job) -> None:

@@ -25,11 +25,11 @@ import torch.distributed as dist
 from rlhf.agents.environment import Completion, RequestOutput, SamplingParams, _Logprob
 from rlhf.agents.executor import (CURRENT, MultiTurnAgentExecutor, TooManyAgentFailures, Trajectory, execute_kwargs,
                                   load_agent_executor)
+from rlhf.agents.program import RunAgentExecutor
 from rlhf.rollout.types import Sample
 
 log = logging.getLogger(__name__)
 
-_TRAJ: contextvars.ContextVar[int] = contextvars.ContextVar("trajectory")
 _MIX = 6364136223846793005
 _INC = 1442695040888963407
 
@@ -43,8 +43,12 @@ class AgentConfig:
     max_turns: int | None = None
     timeout_s: float = 60.0
     max_failures: int = 0
+    max_sessions: int | None = None
+    """(--agent_max_sessions) trajectories one rank runs at once (None: all of its share)"""
 
     def __post_init__(self) -> None:
+        if self.max_sessions is not None and self.max_sessions < 1:
+            raise ValueError(f"--agent_max_sessions must be >= 1, got {self.max_sessions}")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"--max_turns must be >= 1, got {self.max_turns}")
         if not self.timeout_s > 0:
@@ -66,6 +70,8 @@ class AgentOutcome:
     """ended by the token budget or --max_turns, not by ``done``"""
     failure: str | None = None
     extra_logs: dict = field(default_factory=dict)
+    endpoint: dict | None = None
+    """a run_agent session's call counts (``rlhf.agents.tokens.Session.stats``)"""
 
 
 def turn_seed(base: int, j: int, turn: int) -> int:
@@ -75,20 +81,46 @@ def turn_seed(base: int, j: int, turn: int) -> int:
 
 
 class _BatchedLLM:
-    """The ``llm_engine`` agents call: ``generate`` queues the request and waits for the turn's batched call."""
+    """The turns' queue: ``generate`` (the ``llm_engine`` of OpenRLHF's executors) and ``submit`` (the endpoint's
+    calls) queue a request and wait for the rollout's next batched round. One object for the whole job (an agent
+    file may keep the first it is given); ``generate`` called from another thread (an agent file's own server) is
+    handed to the rollout's loop; such calls have no trajectory and are seeded in the order they arrive."""
 
-    def __init__(self, poke):
+    def __init__(self, tokenizer, max_len: int):
+        self.tokenizer, self.max_len = tokenizer, max_len
         self.pending: list[tuple] = []
         self.turns: Counter = Counter()
-        self.poke = poke
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.poke = lambda: None
+        self.foreign = 0
 
-    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
-        j = _TRAJ.get()
-        fut = asyncio.get_running_loop().create_future()
-        self.pending.append((j, self.turns[j], list(prompt_token_ids), sampling_params, fut))
-        self.turns[j] += 1
+    def attach(self, loop, poke) -> None:
+        """A new step: its loop and its readiness check."""
+        self.loop, self.poke, self.pending, self.turns, self.foreign = loop, poke, [], Counter(), 0
+
+    async def submit(self, j: int, turn: int, ids: list[int], params: tuple) -> tuple[list[int], list[float], bool]:
+        """One request ``(temperature, top_p, max_tokens)`` of trajectory ``j``'s turn ``turn`` (its seed)."""
+        fut = self.loop.create_future()
+        self.pending.append((j, turn, list(ids), params, fut))
         self.poke()
         return await fut
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        if asyncio.get_running_loop() is not self.loop:
+            inner = asyncio.run_coroutine_threadsafe(self.generate(prompt_token_ids, sampling_params), self.loop)
+            return await asyncio.wrap_future(inner)
+        traj = CURRENT.get()
+        if traj is None:
+            j, turn = -1, self.foreign
+            self.foreign += 1
+        else:
+            j = traj.index
+            turn, self.turns[j] = self.turns[j], self.turns[j] + 1
+        ids, lps, finished = await self.submit(j, turn, prompt_token_ids, _params_tuple(
+            sampling_params, prompt_token_ids, self.max_len))
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return RequestOutput([Completion(ids, text, [{t: _Logprob(lp)} for t, lp in zip(ids, lps)],
+                                         "stop" if finished else "length")])
 
 
 class AgentRollout:
@@ -96,73 +128,114 @@ class AgentRollout:
         self.cfg, self.tokenizer, self.mesh = cfg, tokenizer, mesh
         self.executor = load_agent_executor(cfg.path)
         self.accepts = execute_kwargs(self.executor)
+        self.llm = _BatchedLLM(tokenizer, cfg.max_len)
+        self.loop = asyncio.new_event_loop()  # one for the job: an agent file's clients may outlive a step
         multi = isinstance(self.executor, MultiTurnAgentExecutor)
+        program = isinstance(self.executor, RunAgentExecutor)
         if multi:
             self.executor.max_turns = cfg.max_turns
         if mesh.is_rank0:
+            kind = ("MultiTurnAgentExecutor" if multi and type(self.executor).__mro__[1] is MultiTurnAgentExecutor
+                    else type(self.executor).__mro__[1].__name__ if multi else
+                    "run_agent, through the rank's OpenAI-compatible endpoint" if program else
+                    "a custom AgentExecutor: --max_turns and --agent_timeout_s apply to MultiTurnAgentExecutor's "
+                    "environments and run_agent files only")
             log.info("agent: %s (%s); trajectories of at most %d tokens%s, environment calls within %gs, %d failed "
-                     "trajectories per step tolerated; the environments' rewards are the reward", cfg.path,
-                     type(self.executor).__mro__[1].__name__ if multi else "a custom AgentExecutor: --max_turns and "
-                     "--agent_timeout_s apply to MultiTurnAgentExecutor's environments only", cfg.max_len,
-                     f", {cfg.max_turns} turns" if cfg.max_turns else "", cfg.timeout_s, cfg.max_failures)
+                     "trajectories per step tolerated; the environments' rewards are the reward%s", cfg.path, kind,
+                     cfg.max_len, f", {cfg.max_turns} turns" if cfg.max_turns else "", cfg.timeout_s, cfg.max_failures,
+                     f"; at most {cfg.max_sessions} at once per rank" if cfg.max_sessions else "")
 
     def run(self, engine, prompts: list, prompt_idx: list[int], *, n: int, temperature: float, top_p: float,
-            max_tokens: int, seed: int) -> tuple[list[Sample], dict[str, float]]:
+            max_tokens: int, seed: int, version: int = 0) -> tuple[list[Sample], dict[str, float]]:
         """Every trajectory of the step (prompt-major, ``n`` per prompt) on every rank, and the step's agent
-        metrics. ``prompts``: the dataset's PromptSamples; ``seed``: the plain path's seed of this rollout."""
+        metrics. ``prompts``: the dataset's PromptSamples; ``seed``: the plain path's seed of this rollout;
+        ``version``: the policy version sampling (the endpoint's calls record it)."""
         mesh = self.mesh
         total = len(prompt_idx) * n
         mine = range(mesh.rank * total // mesh.world_size, (mesh.rank + 1) * total // mesh.world_size)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-        results = asyncio.run(self._drive(engine, prompts, prompt_idx, n, mine, params, seed))
+        results = self.loop.run_until_complete(self._drive(engine, prompts, prompt_idx, n, mine, params, seed,
+                                                           version))
         parts: list = [None] * mesh.world_size
         dist.all_gather_object(parts, results)
         samples = [self._sample(j // n, r) for j, r in enumerate(r for p in parts for r in p)]
         return samples, self._metrics(samples)
 
-    async def _drive(self, engine, prompts, prompt_idx, n, mine, params, seed) -> list[dict]:
+    async def _endpoint(self, params: SamplingParams, version: int):
+        """A run_agent file's endpoint for this step (None for other executors)."""
+        if not isinstance(self.executor, RunAgentExecutor):
+            return None
+        from rlhf.agents.endpoint import Endpoint, EndpointConfig
+
+        ep = Endpoint(self.llm, self.tokenizer, EndpointConfig(
+            temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, max_len=self.cfg.max_len,
+            max_turns=self.cfg.max_turns, version=version))
+        await ep.start()
+        self.executor.endpoint, self.executor.timeout_s = ep, self.cfg.timeout_s
+        self.executor.sampling = {"max_tokens": params.max_tokens, "temperature": params.temperature,
+                                  "top_p": params.top_p}
+        return ep
+
+    async def _drive(self, engine, prompts, prompt_idx, n, mine, params, seed, version) -> list[dict]:
         """This rank's trajectories, turn by turn: one collective round per turn (every rank joins every round,
-        with its queued requests or none, until no rank has any)."""
-        live: set = set()
+        with its queued requests or none, until no rank has any and every rank's trajectories are done). A round
+        starts once every running trajectory waits on a request (at most --agent_max_sessions run at once)."""
         ready = asyncio.Event()
+        running, left = [0], [len(mine)]
 
         def poke(*_):
-            if len(llm.pending) >= len(live):
+            if (llm.pending and len(llm.pending) >= running[0]) or not left[0]:
                 ready.set()
 
-        llm = _BatchedLLM(poke)
-        loop = asyncio.get_running_loop()
+        llm, loop = self.llm, asyncio.get_running_loop()
+        llm.attach(loop, poke)
+        endpoint = await self._endpoint(params, version)
+        bound = asyncio.Semaphore(self.cfg.max_sessions or max(len(mine), 1))
+
+        async def one(prompt):
+            async with bound:
+                running[0] += 1
+                try:
+                    return await self._one(prompt, params, llm)
+                finally:
+                    running[0] -= 1
+                    left[0] -= 1
+                    poke()
+
         tasks = []
         for j in mine:
             ctx = contextvars.copy_context()
-            ctx.run(_TRAJ.set, j)
-            ctx.run(CURRENT.set, Trajectory(seed=seed * 1_000_003 + j, timeout_s=self.cfg.timeout_s))
-            task = loop.create_task(self._one(prompts[prompt_idx[j // n]], params, llm), context=ctx)
-            live.add(task)
-            task.add_done_callback(lambda t: (live.discard(t), poke()))
-            tasks.append(task)
+            ctx.run(CURRENT.set, Trajectory(seed=seed * 1_000_003 + j, timeout_s=self.cfg.timeout_s, index=j))
+            tasks.append(loop.create_task(one(prompts[prompt_idx[j // n]]), context=ctx))
         base = seed * 1_000_003
-        while True:
-            poke()
-            await ready.wait()
-            ready.clear()
-            queued, llm.pending = llm.pending, []
-            parts: list = [None] * self.mesh.world_size
-            dist.all_gather_object(parts, [(j, turn, ids, _params_tuple(sp, ids, self.cfg.max_len))
-                                          for j, turn, ids, sp, _ in queued])
-            requests = [r for p in parts for r in p]
-            if not requests:
-                break
-            outs = engine.generate_requests([(ids, mt, t, tp, turn_seed(base, j, turn))
-                                             for j, turn, ids, (t, tp, mt) in requests])
-            got = {(j, turn): o for (j, turn, _, _), o in zip(requests, outs)}
-            for j, turn, _, _, fut in queued:
-                ids, lps, finished = got[(j, turn)]
-                text = self.tokenizer.decode(ids, skip_special_tokens=False)
-                fut.set_result(RequestOutput([Completion(ids, text, [{t: _Logprob(lp)} for t, lp in zip(ids, lps)],
-                                                         "stop" if finished else "length")]))
-            await asyncio.sleep(0)
+        try:
+            while True:
+                poke()
+                await ready.wait()
+                ready.clear()
+                queued, llm.pending = llm.pending, []
+                parts: list = [None] * self.mesh.world_size
+                dist.all_gather_object(parts, (not left[0], [(j, turn, ids, tuple(p)) for j, turn, ids, p, _ in queued]))
+                requests = [r for _, p in parts for r in p]
+                if not requests and all(done for done, _ in parts):
+                    break
+                if requests:
+                    self._answer(engine, base, requests, queued)
+                await asyncio.sleep(0)
+        finally:
+            if endpoint is not None:
+                await endpoint.stop()
         return [t.result() for t in tasks]
+
+    def _answer(self, engine, base: int, requests: list, queued: list) -> None:
+        """One batched call of the generator for every rank's requests; this rank's futures get theirs."""
+        outs = engine.generate_requests([(ids, mt, t, tp, turn_seed(base, j, turn) if j >= 0 else
+                                          turn_seed(base + 7_919, 0, turn + 1))
+                                         for j, turn, ids, (t, tp, mt) in requests])
+        got = {(j, turn): o for (j, turn, _, _), o in zip(requests, outs)}
+        for j, turn, _, _, fut in queued:
+            if not fut.done():
+                fut.set_result(got[(j, turn)])
 
     async def _one(self, prompt, params: SamplingParams, llm: _BatchedLLM) -> dict:
         """One trajectory's ``execute``; a custom executor that raises ends its trajectory (prompt only)."""
@@ -179,11 +252,15 @@ class AgentRollout:
             out = {"observation_tokens": ids, "action_ranges": [], "rollout_log_probs": [0.0] * len(ids),
                    "prompt_length": len(ids), "turns": 0, "done": True, "failure": f"{type(e).__name__}: {e}"}
         traj = CURRENT.get()
-        env_s = traj.env_seconds if traj.calls else time.perf_counter() - t0  # custom executors: their whole time
+        env_s = traj.env_seconds if traj.calls or traj.env_seconds else time.perf_counter() - t0
         keep = ("observation_tokens", "action_ranges", "rollout_log_probs", "reward", "scores", "extra_logs",
-                "turns", "done", "last_finished", "prompt_length", "failure")
+                "turns", "done", "last_finished", "prompt_length", "failure", "endpoint", "versions")
+        truncated = bool(out.get("truncated", False))  # OpenRLHF's executors' key for a reply cut by its budget
         out = {k: out.get(k) for k in keep}
         out["env_seconds"] = env_s
+        for k, v in (("turns", len(out["action_ranges"])), ("done", not truncated), ("last_finished", not truncated)):
+            if out[k] is None:
+                out[k] = v
         if out["prompt_length"] is None:  # OpenRLHF's executors: the first action starts the response
             out["prompt_length"] = out["action_ranges"][0][0] if out["action_ranges"] else len(
                 out["observation_tokens"])
@@ -210,7 +287,7 @@ class AgentRollout:
         outcome = AgentOutcome(reward=None if reward is None else float(reward),
                                score=None if score is None else float(score), turns=int(r["turns"] or 0),
                                env_seconds=float(r["env_seconds"]), cut=cut, failure=r["failure"],
-                               extra_logs=r["extra_logs"])
+                               extra_logs=r["extra_logs"], endpoint=r.get("endpoint"))
         return Sample(i, list(obs[:start]), list(resp), list(lps), finished, action_mask=mask, agent=outcome)
 
     def _metrics(self, samples: list[Sample]) -> dict[str, float]:
@@ -231,14 +308,31 @@ class AgentRollout:
              "agent/env_tokens_share": sum(len(s.action_mask) - sum(s.action_mask) for s in samples)
              / max(sum(len(s.response_ids) for s in samples), 1)}
         m.update({f"agent/failures/{k}": float(v) for k, v in reasons.items()})
+        m.update(endpoint_metrics([o.endpoint for o in outs if o.endpoint is not None]))
         return m
 
 
 def failure_kind(failure: str) -> str:
-    """timeout | malformed | raised (the metric's name under agent/failures/)."""
-    if failure.startswith("TimeoutError"):
-        return "timeout"
-    return "malformed" if failure.startswith("MalformedStep") else "raised"
+    """timeout | malformed | budget | raised (the metric's name under agent/failures/)."""
+    for prefix, kind in (("TimeoutError", "timeout"), ("MalformedStep", "malformed"), ("NoCalls", "malformed"),
+                         ("BudgetExceeded", "budget")):
+        if failure.startswith(prefix):
+            return kind
+    return "raised"
+
+
+def endpoint_metrics(stats: list[dict]) -> dict[str, float]:
+    """agent/endpoint/*: requests per session, the share of calls outside the trained chain, the share of
+    continued requests whose naive re-tokenization differs from the ids fed (what training on re-tokenized text
+    would have got wrong), and the requests that started a new segment."""
+    if not stats:
+        return {}
+    calls = sum(s["calls"] for s in stats)
+    cont = sum(s["continued"] for s in stats)
+    return {"agent/endpoint/calls": calls / len(stats),
+            "agent/endpoint/untrained_share": sum(s["untrained_calls"] for s in stats) / max(calls, 1),
+            "agent/endpoint/retokenize_differs_share": sum(s["retokenize_differs"] for s in stats) / max(cont, 1),
+            "agent/endpoint/new_segments": float(sum(s["new_segments"] for s in stats))}
 
 
 def _params_tuple(sp, ids: list[int], max_len: int) -> tuple[float, float, int]:

@@ -39,7 +39,10 @@ class RewardSources:
             fn_scores, fn_logs = call_reward_fn_full(self.fn, *self.texts(rollout, rollout.local), labels=labels)
             scores["fn"] = fn_scores.to(self.mesh.device)
             metrics.update(extra_log_metrics(fn_logs, len(rollout.local), self.mesh))
-        if self.cfg.agent:  # the trajectories' environment rewards (rlhf.agents.rollout)
+        unscored = all(s.agent is not None and s.agent.reward is None for s in rollout.samples)
+        if self.cfg.agent and not (unscored and (scores or self.cfg.remote_rm_url)):
+            # the trajectories' environment rewards (rlhf.agents.rollout); an executor that gives none (OpenRLHF's
+            # one-turn ones: its reward is left to the reward model or the rule) leaves them to the other sources
             scores["agent"] = agent_rewards(rollout.local).to(self.mesh.device)
             self.filter_scores = torch.tensor([s.agent.score for s in rollout.local])
             metrics.update(agent_extra_logs(rollout.samples))
@@ -53,7 +56,10 @@ class RewardSources:
         if not scores:  # pure on-policy distillation (--task_reward_coef 0 with a teacher): no reward source
             rewards = raw = torch.zeros(len(rollout.local), device=self.mesh.device)
         else:
-            rewards, raw = combine_rewards(scores, self.cfg.source_weights, self.norms)
+            weights = self.cfg.source_weights
+            if "agent" not in scores:
+                weights = {k: w for k, w in weights.items() if k != "agent"}
+            rewards, raw = combine_rewards(scores, weights, self.norms)
         if self.filter_scores is None:
             self.filter_scores = rewards
         if len(scores) > 1 or self.norms:

@@ -77,7 +77,8 @@ def generate(roles, job, prompts: list, prompt_idx: list[int], step: int, mesh,
     with rollout_phase(roles, timer):
         if roles.agent is not None:  # multi-turn trajectories (rlhf.agents.rollout)
             samples, metrics = roles.agent.run(roles.rollout, prompts, prompt_idx, n=n, temperature=gen.temperature,
-                                               top_p=gen.top_p, max_tokens=gen.generate_max_len, seed=seed)
+                                               top_p=gen.top_p, max_tokens=gen.generate_max_len, seed=seed,
+                                               version=roles.weight_sync.version)
         else:
             samples = roles.rollout.generate([generation_prompt(prompts[i]) for i in prompt_idx],
                                              n=n, temperature=gen.temperature, top_p=gen.top_p,

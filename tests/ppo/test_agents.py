@@ -385,6 +385,7 @@ def test_two_ranks_vllm_trajectories_of_different_lengths(ppo_setup, tmp_path):
     ({"--max_turns": "2"}, "--max_turns 2 applies to multi-turn agents: add --agent_func_path"),
     ({"--agent_func_path": "AGENT", "--max_turns": "0"}, "--max_turns must be >= 1, got 0"),
     ({"--agent_func_path": "AGENT", "--agent_timeout_s": "0"}, "--agent_timeout_s must be > 0"),
+    ({"--agent_func_path": "AGENT", "--agent_max_sessions": "0"}, "--agent_max_sessions must be >= 1, got 0"),
     ({"--agent_func_path": "AGENT", "--eval_dataset": "PROMPTS", "--reward_fn": "_rule_reward:length_reward"},
      "--agent_func_path with --eval_dataset: held-out evaluation runs single-turn replies"),
     ({"--agent_func_path": "AGENT", "--max_len": "4096"},

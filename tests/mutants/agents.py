@@ -1,0 +1,73 @@
+"""Planted bugs of the agents' OpenAI endpoint and run_agent programs (rlhf/agents): token exactness, the OpenAI
+surface, a session's budget, failures and their reasons, the concurrency bound, OpenRLHF's executor files."""
+from tests.mutants import Mutant
+
+EP = "tests/ppo/test_agent_endpoint.py::"
+JOBS = "tests/ppo/test_agent_programs.py::"
+TOOL = EP + "test_a_tool_conversation_is_fed_and_trained_on_the_sampled_ids"
+CHAT_JOB = JOBS + "test_a_run_agent_chat_trains_the_sampled_tokens"
+FAILING = JOBS + "test_programs_that_raise_hang_or_overrun_get_reward_0_and_a_reason"
+
+MUTANTS = [
+    Mutant("agents-continuation-reencoded", "rlhf/agents/tokens.py",
+           find='''        ids = c.prompt_ids + c.completion_ids + (self.tok(text=rest, add_special_tokens=False)["input_ids"]
+                                                 if rest else [])''',
+           replace='''        ids = naive''',
+           claim="a continued request is fed the earlier call's prompt and sampled ids verbatim, not the client's "
+                 "conversation re-encoded",
+           tests=(TOOL, CHAT_JOB)),
+    Mutant("agents-turn-end-dropped", "rlhf/agents/tokens.py",
+           find='''            if eos and end.startswith(eos):
+                return end[len(eos):]
+        return end''',
+           replace='''            if eos and end.startswith(eos):
+                return ""
+        return end''',
+           claim="after the sampled ids the template's end of the assistant turn follows, less the EOS sampled",
+           tests=(TOOL,)),
+    Mutant("agents-rewritten-history-continued", "rlhf/agents/tokens.py",
+           find='''            if full.startswith(prev) and prev.endswith(self.fmt.turn_end):''',
+           replace='''            if True:''',
+           claim="a template that renders earlier turns otherwise once later ones follow starts a new segment",
+           tests=(EP + "test_a_template_that_rewrites_earlier_turns_starts_a_new_segment",)),
+    Mutant("agents-logprobs-not-placed", "rlhf/agents/tokens.py",
+           find='''            lps[a:b] = c.logprobs''', replace='''            pass''',
+           claim="each trained token carries the generator's log-prob of it",
+           tests=(TOOL, CHAT_JOB)),
+    Mutant("agents-stop-keeps-all-ids", "rlhf/agents/openai_api.py",
+           find='''            return list(ids[:k]), part[:min(hits)], True''',
+           replace='''            return list(ids), part[:min(hits)], True''',
+           claim="a reply cut at a stop string keeps the ids through the token that completed it, no more",
+           tests=(EP + "test_n_stop_max_tokens_completions_and_stream",)),
+    Mutant("agents-temperature-taken-from-request", "rlhf/agents/openai_api.py",
+           find='''        if v is not None and (not isinstance(v, (int, float)) or abs(float(v) - job) > 1e-6):''',
+           replace='''        if False:''',
+           claim="a request asking for another temperature or top_p than the job's is refused",
+           tests=(EP + "test_requests_the_endpoint_cannot_serve_are_refused_by_name[body0-400-this endpoint samples "
+                       "at the job's --temperature 1]",)),
+    Mutant("agents-budget-not-a-failure", "rlhf/agents/endpoint.py",
+           find='''        st.failure = BudgetExceeded(msg)''', replace='''        pass''',
+           claim="a session asking past --max_len or --max_turns fails with reason budget",
+           tests=(EP + "test_a_session_past_its_budget_fails[cfg0-leave no room for a reply within --max_len 30]",
+                  FAILING)),
+    Mutant("agents-timeout-counted-as-raised", "rlhf/agents/rollout.py",
+           find='''(("TimeoutError", "timeout"), ''', replace='''(("TimeoutErrorX", "timeout"), ''',
+           claim="a program that hangs is counted under agent/failures/timeout",
+           tests=(FAILING,)),
+    Mutant("agents-hung-program-not-cancelled", "rlhf/agents/program.py",
+           find='''            if late:
+                task.cancel()''', replace='''            if late:
+                pass''',
+           claim="a program that goes --agent_timeout_s without a request in flight is cancelled",
+           tests=(FAILING,)),
+    Mutant("agents-sessions-unbounded", "rlhf/agents/rollout.py",
+           find='''        bound = asyncio.Semaphore(self.cfg.max_sessions or max(len(mine), 1))''',
+           replace='''        bound = asyncio.Semaphore(max(len(mine), 1))''',
+           claim="at most --agent_max_sessions trajectories run at once on a rank",
+           tests=(FAILING,)),
+    Mutant("agents-no-reward-not-left-to-the-rule", "rlhf/ppo/reward_sources.py",
+           find='''        if self.cfg.agent and not (unscored and (scores or self.cfg.remote_rm_url)):''',
+           replace='''        if self.cfg.agent:''',
+           claim="an executor that returns no reward (OpenRLHF's one-turn ones) leaves the reward to --reward_fn",
+           tests=(JOBS + "test_openrlhfs_openai_server_executor_runs_with_its_import_changed",)),
+]
