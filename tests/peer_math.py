@@ -240,3 +240,14 @@ def verl_kl_cov(old, lp, adv, mask, kl_cov_ratio=0.0002, ppo_kl_coef=0.1):
             pg_losses[large_cov_idxs // w, large_cov_idxs % w] = pg_losses_kl[large_cov_idxs // w,
                                                                               large_cov_idxs % w]
     return pg_losses, verl_agg_loss(pg_losses, mask, "token-mean")
+
+
+# ----------------------------------------------------------------------------------------------- OpenAI HumanEval
+def humaneval_pass_at_k(n: int, c: int, k: int) -> float:
+    """``estimate_pass_at_k``'s estimator (openai/human-eval, human_eval/evaluation.py at 6d43fb98, MIT):
+    ``1 - prod(1 - k / arange(n - c + 1, n + 1))``, 1 when ``n - c < k``."""
+    import numpy as np
+
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))

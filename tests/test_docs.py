@@ -45,7 +45,8 @@ PLACEHOLDER = "__PLACEHOLDER__"
 ELLIPSIS = "..."
 # launch/<name>.py -> the workflow module whose add_args builds its flags (see each launch file's main)
 ENTRY_POINTS = {"sft": "rlhf.supervised.sft", "rm": "rlhf.supervised.rm", "dpo": "rlhf.supervised.dpo", "kto": "rlhf.supervised.kto", "ppo": "rlhf.ppo.args",
-                "rejection_sampling": "rlhf.offline.rejection_sampling", "batch_inference": "rlhf.offline.batch_inference"}
+                "rejection_sampling": "rlhf.offline.rejection_sampling", "batch_inference": "rlhf.offline.batch_inference",
+                "evaluate": "rlhf.offline.evaluate"}
 # launch/dschat.py takes DeepSpeed-Chat's flags: rlhf.config.migration.dschat_parser(step), after --step
 DSCHAT = "dschat"
 # Scripts whose main builds its parser before doing anything else, so the parser can be taken by stopping at

@@ -11,7 +11,7 @@ PKG = os.path.join(ROOT, "rlhf")
 WORKFLOWS = {"sft": ("rlhf.supervised.sft", "rlhf.supervised.conditional"), "rm": ("rlhf.supervised.rm",),
              "dpo": ("rlhf.supervised.dpo",), "kto": ("rlhf.supervised.kto",), "ppo": ("rlhf.ppo",),
              "rejection_sampling": ("rlhf.offline.rejection_sampling",),
-             "batch_inference": ("rlhf.offline.batch_inference",)}
+             "batch_inference": ("rlhf.offline.batch_inference",), "evaluate": ("rlhf.offline.evaluate",)}
 LAYERS = {  # docs/layout.md's table, bottom to top: a module's layer is its longest prefix's
     0: ("rlhf", "rlhf.compat", "rlhf.config.part", "rlhf.kernels"),
     1: ("rlhf.distributed",),

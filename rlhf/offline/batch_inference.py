@@ -18,17 +18,12 @@ trains on it.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from rlhf.config.part import Part, flag
-
-log = logging.getLogger("rlhf")
+from rlhf.offline.chunked import agreed, append_rows, chunks, resume_point
 
 
 @dataclass
@@ -99,38 +94,6 @@ def validate(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     return {"rewards": rewards, "rm_sources": rewards.validate_models(args.tensor_model_parallel_size, 1)}
 
 
-# ------------------------------------------------------------------------------------------------ resumable output
-def resume_point(path: str, rows_per_chunk: int) -> int:
-    """Rank 0: the chunks already complete in ``path``; the file is cut back to them (a torn or partial chunk
-    from a killed run goes). Returns the number of complete chunks."""
-    if not os.path.exists(path):
-        return 0
-    with open(path, "rb") as f:
-        data = f.read()
-    lines = data.split(b"\n")[:-1]  # the last element is what follows the last newline: torn or empty
-    done = len(lines) // rows_per_chunk
-    keep = b"".join(ln + b"\n" for ln in lines[: done * rows_per_chunk])
-    if len(keep) != len(data):
-        with open(path, "wb") as f:
-            f.write(keep)
-            f.flush()
-            os.fsync(f.fileno())
-    return done
-
-
-def append_rows(path: str, rows: list[dict]) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in rows))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _agreed(value: int) -> int:
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 # ----------------------------------------------------------------------------------------------------- the job
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from rlhf.data import DataConfig
@@ -150,16 +113,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return job(args, v, cfg, tokenizer, mesh)
 
 
-def _chunks(n: int, size: int, done: int, stop_after: int):
-    for k, lo in enumerate(range(0, n, size)):
-        if k < done:
-            continue
-        if 0 <= stop_after <= k - done:
-            log.info("stopping after %d chunks (--stop_after_chunks)", stop_after)
-            return
-        yield k, lo, min(lo + size, n)
-
-
 def generate_chunks(args: argparse.Namespace, v: dict, cfg, tokenizer, mesh) -> dict[str, Any]:
     """--mode generate: every prompt's --n_samples_per_prompt replies, chunk by chunk."""
     from rlhf.data.build import load_prompts_with_raw
@@ -167,7 +120,7 @@ def generate_chunks(args: argparse.Namespace, v: dict, cfg, tokenizer, mesh) -> 
 
     raw, prompts = load_prompts_with_raw(cfg, tokenizer)
     n = args.n_samples_per_prompt
-    done = _agreed(resume_point(args.output_path, args.chunk_size * n) if mesh.is_rank0 else 0)
+    done = agreed(resume_point(args.output_path, args.chunk_size * n) if mesh.is_rank0 else 0)
     rollout = None
     written = 0
     try:
@@ -175,7 +128,7 @@ def generate_chunks(args: argparse.Namespace, v: dict, cfg, tokenizer, mesh) -> 
                                          out_dir=os.path.dirname(os.path.abspath(args.output_path)),
                                          bf16=args.bf16, transformer_impl=None)
         engines = mesh.world_size // args.tensor_model_parallel_size  # as rejection sampling spreads prompts
-        for k, lo, hi in _chunks(len(prompts), args.chunk_size, done, args.stop_after_chunks):
+        for k, lo, hi in chunks(len(prompts), args.chunk_size, done, args.stop_after_chunks):
             ids = [p.prompt_ids.tolist() for p in prompts[lo:hi]]
             ids += [ids[-1]] * (-len(ids) % engines)  # an equal share per engine; the copies are dropped
             samples = rollout.generate(ids, n=n, temperature=args.temperature, top_p=args.top_p,
@@ -202,13 +155,13 @@ def reward_chunks(args: argparse.Namespace, v: dict, cfg, tokenizer, mesh) -> di
 
     rewards = v["rewards"]
     records, _ = load_records(cfg, "sft")
-    done = _agreed(resume_point(args.output_path, args.chunk_size) if mesh.is_rank0 else 0)
+    done = agreed(resume_point(args.output_path, args.chunk_size) if mesh.is_rank0 else 0)
     engines = {name: ModelRole(mesh, path, value_head=True, name=name, bf16=args.bf16)
                for name, path in zip(rewards.rm_names, rewards.paths)}
     fn = load_reward_fn(rewards.reward_fn) if rewards.reward_fn else None
     norms = rewards.norms(v["rm_sources"])
     written = 0
-    for _, lo, hi in _chunks(len(records), args.chunk_size, done, args.stop_after_chunks):
+    for _, lo, hi in chunks(len(records), args.chunk_size, done, args.stop_after_chunks):
         chunk = records[lo:hi]
         seqs = [sft_sample(r, cfg, tokenizer)[0].input_ids[: args.max_len].tolist() for r in chunk]
         scores = {name: score_sequences(eng, seqs, pad_token_id(tokenizer), args.micro_batch_size).cpu()

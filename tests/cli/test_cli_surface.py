@@ -20,7 +20,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SNAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "surface")
 ENTRY_POINTS = ["launch/sft.py", "launch/rm.py", "launch/dpo.py", "launch/kto.py", "launch/ppo.py",
-                "launch/rejection_sampling.py", "launch/batch_inference.py", "tools/convert_hf_to_megatron.py",
+                "launch/rejection_sampling.py", "launch/batch_inference.py", "launch/evaluate.py",
+                "tools/convert_hf_to_megatron.py",
                 "tools/convert_megatron_to_hf.py", "tools/compare_logits.py", "tools/plan_memory.py",
                 "tools/convert_reward_model.py"]
 

@@ -48,3 +48,9 @@ def scripted_code_reward(prompts, responses, labels=None, **kw):
 
     return code_reward(prompts, ["```python\n" + scripted_program(r) + "```" for r in responses], labels=labels,
                        **kw)
+
+
+def first_word(reply: str) -> str | None:
+    """A reply's answer for majority voting (launch/evaluate.py --answer_fn): its first word, None when empty."""
+    words = reply.split()
+    return words[0] if words else None
