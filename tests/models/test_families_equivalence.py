@@ -53,6 +53,12 @@ def test_logits_match_transformers(result, model, layout):
     assert result[f"logits/{model}/{layout}"] <= LOGIT_TOL, result[f"ref_scale/{model}"]
 
 
+@pytest.mark.parametrize("model", [m for m in FAMILY_NAMES if m not in TP1_ONLY])
+def test_packed_at_tp2_matches_padded(result, model):
+    """Packed micro-batches under sequence parallelism: the stream padded with a dummy sequence to a multiple of TP."""
+    assert result[f"packed/{model}/tp2pp1"] <= LOGIT_TOL
+
+
 @pytest.mark.parametrize("model,control", [(m, c) for m, cs in CONTROLS.items() for c in cs])
 def test_each_term_is_needed(result, model, control):
     """The control: with the term removed the same comparison fails by far more than the tolerance."""
