@@ -213,7 +213,7 @@ def test_rloo_baseline_leaves_one_out():
 @pytest.mark.parametrize("kw,needle", [
     ({"eps_clip_low": 1.0}, "--eps_clip_low_high 1.0"),
     ({"dual_clip": 0.5}, "--dual_clip must be > 1"),
-    ({"policy_loss_type": "cispo"}, "--policy_loss_type 'cispo'"),
+    ({"policy_loss_type": "ppo_v2"}, "--policy_loss_type 'ppo_v2'"),
     ({"loss_agg_mode": "token_sum"}, "--loss_agg_mode 'token_sum'"),
     ({"entropy_coef": -0.1}, "--entropy_coef must be >= 0"),
 ])
