@@ -205,17 +205,24 @@ class Session:
         for i in range(len(self.calls) - 1, -1, -1):
             c = self.calls[i]
             if isinstance(c.context, str) and prompt.startswith(c.context + c.reply):
-                return self._continue(i, prompt[len(c.context + c.reply):], naive)
+                rest = prompt[len(c.context + c.reply):]
+                eos = self._eos_text(c)
+                if eos and rest.startswith(eos):  # the client wrote the turn's end the model sampled (not in the text)
+                    rest = rest[len(eos):]
+                return self._continue(i, rest, naive)
         return self._new_segment(naive)
+
+    def _eos_text(self, c: Call) -> str:
+        """The text of the EOS token a call ended with ("" if it did not end with one)."""
+        return self.tok.decode(c.completion_ids[-1:], skip_special_tokens=False) if (
+            c.finished and c.completion_ids) else ""
 
     def closure(self, c: Call) -> str:
         """What the template puts after the assistant's content that the model did not sample: the turn's end,
         less the EOS token the model ended with when the turn's end starts with it."""
-        end = self.fmt.turn_end
-        if c.finished and c.completion_ids:
-            eos = self.tok.decode(c.completion_ids[-1:], skip_special_tokens=False)
-            if eos and end.startswith(eos):
-                return end[len(eos):]
+        end, eos = self.fmt.turn_end, self._eos_text(c)
+        if eos and end.startswith(eos):
+            return end[len(eos):]
         return end
 
     def record(self, call: Call) -> None:

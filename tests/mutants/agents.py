@@ -17,11 +17,11 @@ MUTANTS = [
                  "conversation re-encoded",
            tests=(TOOL, CHAT_JOB)),
     Mutant("agents-turn-end-dropped", "rlhf/agents/tokens.py",
-           find='''            if eos and end.startswith(eos):
-                return end[len(eos):]
+           find='''        if eos and end.startswith(eos):
+            return end[len(eos):]
         return end''',
-           replace='''            if eos and end.startswith(eos):
-                return ""
+           replace='''        if eos and end.startswith(eos):
+            return ""
         return end''',
            claim="after the sampled ids the template's end of the assistant turn follows, less the EOS sampled",
            tests=(TOOL,)),
@@ -70,4 +70,10 @@ MUTANTS = [
            replace='''        if self.cfg.agent:''',
            claim="an executor that returns no reward (OpenRLHF's one-turn ones) leaves the reward to --reward_fn",
            tests=(JOBS + "test_openrlhfs_openai_server_executor_runs_with_its_import_changed",)),
+    Mutant("agents-completion-eos-twice", "rlhf/agents/tokens.py",
+           find='''                if eos and rest.startswith(eos):  # the client wrote the turn's end the model sampled (not in the text)
+                    rest = rest[len(eos):]''',
+           replace='''                pass''',
+           claim="a completion client that writes the sampled EOS itself is fed it once",
+           tests=(EP + "test_a_completion_client_writing_the_sampled_eos_gets_it_once",)),
 ]

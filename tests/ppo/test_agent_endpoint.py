@@ -248,3 +248,21 @@ def test_a_session_past_its_budget_fails(tok, cfg, needle):
 
     st, err = serve(tok, gen, agent, **cfg)
     assert needle in err and type(st.failure).__name__ == "BudgetExceeded" and needle in str(st.failure)
+
+
+def test_a_completion_client_writing_the_sampled_eos_gets_it_once(tok):
+    """/v1/completions: a reply ended by EOS returns its text without it; a client that writes the turn's end
+    itself before its next text (as a chat loop over raw ChatML does) is fed the sampled EOS once, not twice."""
+    r1 = bytewise(tok, "golf") + [tok.eos_token_id]
+    gen = ScriptedGen([(r1, True), ([9], True)])
+
+    async def agent(client, ep, sid):
+        a = await client.completions.create(model="m", prompt="<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n")
+        assert a.choices[0].text == "golf" and a.choices[0].finish_reason == "stop"
+        await client.completions.create(model="m", prompt="<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"
+                                        "golf<|im_end|>\n<|im_start|>user\nr<|im_end|>\n")
+
+    serve(tok, gen, agent)
+    p1, p2 = gen.fed[0]["ids"], gen.fed[1]["ids"]
+    assert p2[:len(p1) + len(r1)] == p1 + r1
+    assert tok.decode(p2[len(p1) + len(r1):]) == "\n<|im_start|>user\nr<|im_end|>\n"
