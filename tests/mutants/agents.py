@@ -70,6 +70,11 @@ MUTANTS = [
            replace='''        if self.cfg.agent:''',
            claim="an executor that returns no reward (OpenRLHF's one-turn ones) leaves the reward to --reward_fn",
            tests=(JOBS + "test_openrlhfs_openai_server_executor_runs_with_its_import_changed",)),
+    Mutant("agents-program-scores-ignored", "rlhf/agents/program.py",
+           find='''        return r, (None if s is None else as_float(s, "run_agent's scores")), dict(value.get("extra_logs") or {})''',
+           replace='''        return r, None, dict(value.get("extra_logs") or {})''',
+           claim="a run_agent program's scores are what dynamic filtering reads",
+           tests=(JOBS + "test_dynamic_filtering_reads_a_programs_scores",)),
     Mutant("agents-completion-eos-twice", "rlhf/agents/tokens.py",
            find='''                if eos and rest.startswith(eos):  # the client wrote the turn's end the model sampled (not in the text)
                     rest = rest[len(eos):]''',

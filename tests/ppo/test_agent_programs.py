@@ -171,3 +171,23 @@ def test_programs_that_raise_hang_or_overrun_get_reward_0_and_a_reason(ppo_setup
         live += 1 if "start" in e else -1
         most = max(most, live)
     assert most <= 2, events
+
+
+SCORED = '''
+async def run_agent(client, prompt, label, model, index, **kw):
+    """One turn; the reward is the same for all, the score (what dynamic filtering reads) the index's parity."""
+    await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}])
+    return {"reward": 0.5, "scores": float(index % 2), "extra_logs": {"seen": 1.0 + index % 2}}
+'''
+
+
+def test_dynamic_filtering_reads_a_programs_scores(ppo_setup, chatml_actor, tmp_path, monkeypatch, capsys):
+    """A program's dict result: ``scores`` drive --dynamic_filtering (every group's two scores differ, so every
+    group passes in one round; its rewards, all 0.5, would have passed none), ``extra_logs`` are logged."""
+    agent = tmp_path / "scored.py"
+    agent.write_text(SCORED)
+    m, _ = _job(ppo_setup, chatml_actor, tmp_path / "o", monkeypatch, capsys, agent, "--dynamic_filtering",
+                "--stop_after_steps", "1", **{"--dynamic_filtering_max_rounds": "2"})
+    s = m[1]
+    assert s["dynamic_filtering/pass_rate"] == 1.0 and s["dynamic_filtering/rounds"] == 1.0, s
+    assert s["reward"] == 0.5 and s["reward_extra/seen"] == 1.5, s
