@@ -7,6 +7,9 @@ JOBS = "tests/ppo/test_agent_programs.py::"
 TOOL = EP + "test_a_tool_conversation_is_fed_and_trained_on_the_sampled_ids"
 CHAT_JOB = JOBS + "test_a_run_agent_chat_trains_the_sampled_tokens"
 FAILING = JOBS + "test_programs_that_raise_hang_or_overrun_get_reward_0_and_a_reason"
+SWE = "tests/ppo/test_agent_swe.py::"
+REPO = SWE + "test_the_repository_lives_on_the_host_and_runs_in_the_sandbox"
+SCRIPTED = SWE + "test_a_scripted_model_fixes_a_bug_through_the_tools"
 
 MUTANTS = [
     Mutant("agents-continuation-reencoded", "rlhf/agents/tokens.py",
@@ -81,4 +84,26 @@ MUTANTS = [
            replace='''                pass''',
            claim="a completion client that writes the sampled EOS itself is fed it once",
            tests=(EP + "test_a_completion_client_writing_the_sampled_eos_gets_it_once",)),
+    Mutant("agents-swe-graded-by-exit-status", "rlhf/demo/swe_task.py",
+           find='''        return r.status == "ok" and r.exit_code == 0 and r.stdout.splitlines()[-1:] == [f"{tag} {n} passed, 0 failed"]''',
+           replace='''        return r.status == "ok" and r.exit_code == 0''',
+           claim="a module of the agent's that ends the grader with status 0 before any test ran scores 0",
+           tests=(REPO,)),
+    Mutant("agents-swe-graded-on-the-visible-test", "rlhf/demo/swe_task.py",
+           find='''        r = self._run(RUN_TESTS.format(module="hidden_tests", tag=tag + " "),
+                      extra={"hidden_tests.py": self.task.hidden})
+        n = len(re.findall(r"^def test_", self.task.hidden, re.M))''',
+           replace='''        r = self._run(RUN_TESTS.format(module=self.task.test, tag=tag + " "))
+        n = len(re.findall(r"^def test_", self.task.files[self.task.test + ".py"], re.M))''',
+           claim="the reward is the hidden tests': a fix that passes the visible test only scores 0",
+           tests=(REPO, SCRIPTED)),
+    Mutant("agents-swe-write-lost", "rlhf/demo/swe_task.py",
+           find='''        self.files[path] = content''', replace='''        pass''',
+           claim="a file the agent writes is what the next sandbox command runs on",
+           tests=(SCRIPTED,)),
+    Mutant("agents-swe-shell-edits-lost", "rlhf/demo/swe_task.py",
+           find='''        self.files = {n: t for n, t in kept.items() if''',
+           replace='''        _ = {n: t for n, t in kept.items() if''',
+           claim="the files a shell command leaves in the sandbox's working folder become the repository's",
+           tests=(REPO,)),
 ]
