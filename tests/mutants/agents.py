@@ -10,6 +10,7 @@ FAILING = JOBS + "test_programs_that_raise_hang_or_overrun_get_reward_0_and_a_re
 SWE = "tests/ppo/test_agent_swe.py::"
 REPO = SWE + "test_the_repository_lives_on_the_host_and_runs_in_the_sandbox"
 SCRIPTED = SWE + "test_a_scripted_model_fixes_a_bug_through_the_tools"
+CALC = JOBS + "test_the_calculator_program_feeds_calc_agents_conversation"
 
 MUTANTS = [
     Mutant("agents-continuation-reencoded", "rlhf/agents/tokens.py",
@@ -106,4 +107,14 @@ MUTANTS = [
            replace='''        _ = {n: t for n, t in kept.items() if''',
            claim="the files a shell command leaves in the sandbox's working folder become the repository's",
            tests=(REPO,)),
+    Mutant("agents-calc-program-past-max-calls", "rlhf/demo/calc_program.py",
+           find='''        if call is None or calls >= MAX_CALLS:''',
+           replace='''        if call is None or calls > MAX_CALLS:''',
+           claim="the calculator program ends a trajectory where calc_agent.py does: the reply after MAX_CALLS calls",
+           tests=(CALC,)),
+    Mutant("agents-calc-program-reply-dropped", "rlhf/demo/calc_program.py",
+           find='''        messages += [{"role": "assistant", "content": reply},''',
+           replace='''        messages += [''',
+           claim="the calculator program's requests are fed what calc_agent.py's executor feeds",
+           tests=(CALC,)),
 ]

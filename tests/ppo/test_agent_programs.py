@@ -191,3 +191,35 @@ def test_dynamic_filtering_reads_a_programs_scores(ppo_setup, chatml_actor, tmp_
     s = m[1]
     assert s["dynamic_filtering/pass_rate"] == 1.0 and s["dynamic_filtering/rounds"] == 1.0, s
     assert s["reward"] == 0.5 and s["reward_extra/seen"] == 1.5, s
+
+
+def test_the_calculator_program_feeds_calc_agents_conversation(tmp_path):
+    """rlhf/demo/calc_program.py (the calculator as a run_agent program) against the endpoint, the model scripted:
+    two tool calls, then a third reply that calls again and is graded (MAX_CALLS reached), as calc_agent.py ends a
+    trajectory. Each request is fed what calc_agent's executor feeds: calc_task's conversation rendered by the
+    template, then each reply's sampled ids and calc_agent's ChatML feedback line."""
+    from test_agent_endpoint import ScriptedGen, bytewise, chatml_tokenizer, serve
+
+    from rlhf.demo import calc_program
+    from rlhf.demo.calc_agent import AgentInstance
+    from rlhf.demo.calc_task import chat_prompt
+
+    tok = chatml_tokenizer(tmp_path / "tok")
+    record = {"prompt": chat_prompt(23, 45), "answer": "1035"}
+    (mine,) = calc_program.program_records([record])
+    call = bytewise(tok, "<calc>23*45</calc>") + [tok.eos_token_id]
+    last = bytewise(tok, "<calc>23*45</calc> so 1035") + [tok.eos_token_id]
+    gen = ScriptedGen([(call, True), (call, True), (last, True)])
+
+    async def agent(client, ep, sid):
+        return await calc_program.run_agent(client, mine["prompt"], mine["answer"], model="m")
+
+    _, out = serve(tok, gen, agent, max_len=4096)
+    assert out == {"reward": 1.0, "scores": 1.0,
+                   "extra_logs": {"tool_calls": 2.0, "used_tool": 1.0, "correct": 1.0}}, out
+    enc = lambda s: tok(text=s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    start = enc(tok.apply_chat_template(record["prompt"], tokenize=False, add_generation_prompt=True))
+    executor_side = AgentInstance()
+    executor_side.chatml = True
+    feedback = enc(executor_side._user("Calculator: 1035"))
+    assert [f["ids"] for f in gen.fed] == [start, start + call + feedback, start + call + feedback + call + feedback]
