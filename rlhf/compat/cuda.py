@@ -170,6 +170,7 @@ def _import_megatron_modules() -> None:
     import megatron.core.post_training.modelopt.layers  # noqa: F401
     import megatron.core.transformer.attention  # noqa: F401
     import megatron.core.transformer.multi_latent_attention  # noqa: F401
+    import megatron.core.ssm.gated_delta_net  # noqa: F401  (qwen3_next: its parameters on current_device())
 
 
 # megatron-core 0.16.1: device="cuda" literals and torch.cuda calls in its modules (CPU-only torch).

@@ -29,7 +29,7 @@ def _sigmoid_gate(x: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 def is_family(spec: ModelSpec) -> bool:
-    return spec.mla is not None or spec.router is not None
+    return spec.mla is not None or spec.router is not None or spec.linear_attention is not None
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
@@ -91,6 +91,10 @@ def family_config(spec: ModelSpec, expert_bias_update_rate: float = 0.0) -> dict
         out["softmax_type"] = "learnable"
     if spec.window_layers is not None and spec.sliding_window is not None:
         out["window_attn_skip_freq"] = [int(w) for w in spec.window_layers]  # 1: the window, 0: full attention
+    if spec.linear_attention is not None:
+        from rlhf.models.hybrid import hybrid_config
+
+        out.update(hybrid_config(spec))
     if spec.swiglu is not None:
         alpha, limit = spec.swiglu
         out.update(activation_func=functools.partial(_sigmoid_gate, alpha=alpha), glu_linear_offset=1.0,
@@ -112,6 +116,10 @@ def mark_tp_params(model: torch.nn.Module) -> None:
     for name, p in model.named_parameters():
         if name.endswith("core_attention.softmax_offset") and not hasattr(p, "tensor_model_parallel"):
             mtp.set_tensor_model_parallel_attributes(p, True, 0, 1)
+        # megatron-core 0.16.1's GatedDeltaNet marks these tensor_model_parallel without a partition dim
+        if name.endswith(("self_attention.dt_bias", "self_attention.A_log", "self_attention.conv1d.weight",
+                          "self_attention.conv1d.bias")) and not hasattr(p, "partition_dim"):
+            p.partition_dim, p.partition_stride = 0, 1
 
 
 def check_family_layout(spec: ModelSpec, cp: int) -> None:

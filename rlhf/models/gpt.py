@@ -107,6 +107,10 @@ def layer_spec(config, spec: ModelSpec, use_te: bool | None = None):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm,
                                                           num_experts=spec.num_experts or None,
                                                           moe_grouped_gemm=bool(spec.num_experts))
+    if spec.linear_attention is not None:  # qwen3_next: DeltaNet and gated attention layers
+        from rlhf.models.hybrid import hybrid_block_spec
+
+        return hybrid_block_spec(config, spec)
     from rlhf.models.layer_specs import local_block_spec
 
     return local_block_spec(config)
@@ -329,6 +333,11 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
     from rlhf.models.families import check_family_layout
 
     check_family_layout(spec, 1 if cp_group_of_job() is None else cp_group_of_job().size())
+    if spec.linear_attention is not None:
+        from rlhf.models.hybrid import check_hybrid_layout
+
+        check_hybrid_layout(spec, pp=pp, ep=ep, cp=1 if cp_group_of_job() is None else cp_group_of_job().size(),
+                            value_head=value_head, use_te=use_te)
     if cp_group_of_job() is not None and sequence_parallel(spec, tp):
         raise ValueError(f"context parallelism with an MoE model ({spec.model_type}) at --tp {tp}: sequence "
                          "parallelism and the context-parallel split are not combined yet; use --tp 1 with CP")

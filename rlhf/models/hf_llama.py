@@ -128,6 +128,12 @@ def megatron_shard_from_hf(name: str, get: HFGetter, spec: ModelSpec, *, tp_rank
                                         expert_offset=ep_rank * (spec.num_experts // ep))
         if out is not None:
             return out
+    if spec.linear_attention is not None:  # qwen3_next (rlhf.models.hf_hybrid)
+        from rlhf.models import hf_hybrid
+
+        out = hf_hybrid.shard_from_hf(rest, p, get, spec, tp_rank=tp_rank, tp=tp)
+        if out is not None:
+            return out
     if rest in _LAYER_SIMPLE:
         return get(p + _LAYER_SIMPLE[rest])
     groups, per_group = spec.num_kv_heads, spec.num_attention_heads // spec.num_kv_heads
@@ -208,6 +214,13 @@ def hf_from_megatron(name: str, tensor: torch.Tensor, spec: ModelSpec, *, layer_
         if out is not None:
             yield from out
             return
+    if spec.linear_attention is not None:  # qwen3_next (rlhf.models.hf_hybrid)
+        from rlhf.models import hf_hybrid
+
+        out = hf_hybrid.hf_from_megatron(rest, p, tensor, spec)
+        if out is not None:
+            yield from out
+            return
     if rest in _LAYER_SIMPLE:
         yield p + _LAYER_SIMPLE[rest], tensor
         return
@@ -258,6 +271,10 @@ def expected_hf_names(spec: ModelSpec) -> set[str]:
         from rlhf.models.hf_families import layer_hf_names
 
         return names.union(*(layer_hf_names(spec, i) for i in range(spec.num_layers)))
+    if spec.linear_attention is not None:
+        from rlhf.models.hf_hybrid import layer_hf_names as hybrid_names
+
+        return names.union(*(hybrid_names(spec, i) for i in range(spec.num_layers)))
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
@@ -298,15 +315,24 @@ def check_hf_names(found: set[str], spec: ModelSpec, source: str) -> None:
         raise ValueError(f"{source}: missing checkpoint key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
-def full_from_tp_shards(name: str, shards: list[torch.Tensor], partition_dim: int | None) -> torch.Tensor:
+def full_from_tp_shards(name: str, shards: list[torch.Tensor], partition_dim: int | None,
+                        spec: ModelSpec | None = None) -> torch.Tensor:
     """Rebuild the TP=1 tensor of megatron parameter ``name`` from its TP shards (rank order).
 
     Column-parallel shards concatenate along dim 0, except ``linear_fc1`` (dense or expert) whose shards are each
-    ``[gate; up]``;
-    row-parallel along dim 1; replicated parameters (``partition_dim`` None) are taken from rank 0.
+    ``[gate; up]``, and (with ``spec``) qwen3_next's DeltaNet ``in_proj`` / ``conv1d``, whose shards stack several
+    parts (``rlhf.models.hf_hybrid.tp_sections``); row-parallel along dim 1; replicated parameters
+    (``partition_dim`` None) are taken from rank 0.
     """
     if partition_dim is None or len(shards) == 1:
         return shards[0]
+    if spec is not None and spec.linear_attention is not None:
+        from rlhf.models.hf_hybrid import tp_sections
+
+        sections = tp_sections(_LAYER.sub(r"\2", name), spec)
+        if sections is not None:
+            parts = [torch.split(s, [n // len(shards) for n in sections], dim=0) for s in shards]
+            return torch.cat([part[i] for i in range(len(sections)) for part in parts], dim=0)
     if is_glu_fc1(name):
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)

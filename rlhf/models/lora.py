@@ -224,6 +224,11 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, tp: int, tp_rank: int
     ``{"modules", "lora_params", "trainable_params", "total_params"}`` for this rank's shard."""
     from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
+    from rlhf.models.hybrid import check_hybrid_job
+
+    spec = getattr(getattr(model, "module", model), "spec", None)
+    if spec is not None:
+        check_hybrid_job(spec, lora=True)
     classes = _lora_classes()
     n_modules = 0
     for name, module in list(model.named_modules()):

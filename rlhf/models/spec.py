@@ -15,14 +15,14 @@ from typing import Any
 from rlhf.models.reward_config import head_prefix, is_openrlhf_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_5_vl", "deepseek_v3",
-                         "glm4_moe", "gpt_oss")
+                         "glm4_moe", "gpt_oss", "qwen3_next")
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 """MoE families whose fields ``_moe_fields`` reads; deepseek_v3, glm4_moe and gpt_oss: rlhf.models.spec_families"""
 CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                    "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                    "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                    "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                   "gpt_oss": "GptOssForCausalLM"}
+                   "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 SEQ_CLS_ARCHS = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                  "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
                  "mixtral": "MixtralForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification"}
@@ -107,6 +107,11 @@ class ModelSpec:
     swiglu: tuple | None = None  # gpt_oss: (alpha, limit) of its clamped SwiGLU, (up + 1) * g * sigmoid(alpha g)
     mtp_layers: int = 0  # num_nextn_predict_layers: read; their tensors are kept through a round trip, untrained
     mxfp4: bool = False  # gpt_oss: the HF folder stores the experts as MXFP4 blocks and scales
+    linear_attention: dict | None = None
+    """qwen3_next's Gated DeltaNet (``rlhf.models.hybrid``): conv_kernel_dim, key_head_dim, value_head_dim,
+    num_key_heads, num_value_heads, and ``layers``: per layer, True for a DeltaNet, False for softmax attention"""
+    attention_gate: bool = False  # qwen3_next: q_proj's second half per head gates the output, sigmoid
+    zero_centered_norm: bool = False  # qwen3_next: the RMSNorms scale by (1 + w)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -118,7 +123,7 @@ class ModelSpec:
     def num_params(self) -> int:
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        if self.mla is not None or self.router is not None:
+        if self.mla is not None or self.router is not None or self.linear_attention is not None:
             from rlhf.models.spec_families import layer_params
 
             return sum(layer_params(self, i) for i in range(self.num_layers)) + self.vocab_size * h * 2 + h
@@ -210,12 +215,12 @@ def _family_spec(cfg: dict[str, Any], family: dict[str, Any], source: str) -> Mo
         raise ValueError(f"{source}: a sequence-classification head on {model_type} is not supported (a reward model "
                          "or critic of this family); use a rule reward and a group estimator (--advantage_estimator "
                          "group_norm, rloo, reinforce_baseline)")
-    if model_type != "gpt_oss" and (cfg.get("use_sliding_window") or cfg.get("sliding_window") or
+    if model_type not in ("gpt_oss", "qwen3_next") and (cfg.get("use_sliding_window") or cfg.get("sliding_window") or
                                     any(t != "full_attention" for t in cfg.get("layer_types") or [])):
         raise ValueError(f"{source}: unsupported config field sliding_window / layer_types for {model_type}")
     from rlhf.models.rope import parse_rope
 
-    rope_theta, rope_scaling = parse_rope(cfg, source, partial_ok=model_type == "glm4_moe")
+    rope_theta, rope_scaling = parse_rope(cfg, source, partial_ok=model_type in ("glm4_moe", "qwen3_next"))
     if family.get("mla") is not None and rope_scaling is not None and rope_scaling["rope_type"] != "yarn":
         raise ValueError(f"{source}: unsupported config field rope_type={rope_scaling['rope_type']!r} with "
                          "multi-latent attention (megatron's MLA RoPE: default or yarn)")
@@ -325,6 +330,10 @@ def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, padded_vocab: int | No
         from rlhf.models.spec_families import check_family_fit
 
         check_family_fit(spec, tp)
+    if spec.linear_attention is not None:
+        from rlhf.models.hybrid import check_hybrid_fit
+
+        check_hybrid_fit(spec, tp)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-FAMILY_TYPES = ("deepseek_v3", "glm4_moe", "gpt_oss")
+FAMILY_TYPES = ("deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next")
 
 # Read here; keys common to every family are in rlhf.models.spec._BENIGN_KEYS.
 _ROUTER_KEYS = {"n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group",
@@ -37,6 +37,8 @@ FAMILY_KEYS = {
                                    "auto_map"},
     "glm4_moe": _ROUTER_KEYS | {"partial_rotary_factor", "use_qk_norm"},
     "gpt_oss": {"swiglu_alpha", "swiglu_limit", "experts_per_token", "initial_context_length"},
+    "qwen3_next": {"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                   "linear_num_value_heads", "full_attention_interval", "partial_rotary_factor"},
 }
 """aux_loss_alpha / seq_aux: DeepSeek's load-balancing loss switches, as HF's router_aux_loss_coef (ours is
 --aux_loss_coef); ep_size: DeepSeek's own inference code's expert parallelism (ours is --expert_model_parallel_size)"""
@@ -69,6 +71,10 @@ def family_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         _refuse(source, "mlp_bias=True")
     if model_type == "gpt_oss":
         return _gpt_oss(cfg, source)
+    if model_type == "qwen3_next":  # rlhf.models.hybrid
+        from rlhf.models.hybrid import hybrid_fields
+
+        return {**hybrid_fields(cfg, source), "rotary_percent": _partial_rotary(cfg, source)}
     out = _sigmoid_moe(cfg, source)
     if model_type == "deepseek_v3":
         out.update(_deepseek_attention(cfg, source))
@@ -190,6 +196,10 @@ def layer_params(spec, layer: int) -> int:
     """Parameters of decoder layer ``layer`` (0-based) of a family spec: attention (MLA's projections and LoRA
     norms, or q/k/v/o with their biases, q/k norms and sinks), the dense MLP of a first layer or the MoE (experts
     with their biases, router, shared experts), and the two norms."""
+    if spec.linear_attention is not None:
+        from rlhf.models.hybrid import layer_params as hybrid_layer_params
+
+        return hybrid_layer_params(spec, layer)
     h, heads, bias = spec.hidden_size, spec.num_attention_heads, spec.linear_bias
     if spec.mla is not None:
         m = spec.mla
@@ -234,6 +244,9 @@ def vllm_refusal(spec, tp: int, dtype: str, on_cuda: bool) -> str | None:
       replicating them.
     * deepseek_v3 on CPU: its MLA backend takes bf16 weights only ("expect weight to be bfloat16, float16, int8,
       fp8_e4m3 or uint8")."""
+    if spec.linear_attention is not None:
+        return (f"{spec.model_type}: vLLM is not wired as its generator here (the Gated DeltaNet's weights are not "
+                "mapped for its weight sync); no generator runs this family yet")
     if spec.model_type == "gpt_oss":
         return ("vLLM 0.32 does not refresh gpt_oss's experts and sinks on a weight sync (its reload logs "
                 "'GptOssRoutedExperts: Failed to load weights' and keeps the old ones): use --rollout_backend megatron")

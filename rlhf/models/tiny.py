@@ -55,7 +55,7 @@ def make_tiny_hf(out: str, model_type: str = "llama", seq_cls: bool = False, see
                "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
                "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
                "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
-               "gpt_oss": transformers.GptOssConfig}[model_type]
+               "gpt_oss": transformers.GptOssConfig, "qwen3_next": transformers.Qwen3NextConfig}[model_type]
     cfg = cfg_cls(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   **dims)
     if seq_cls:
@@ -81,7 +81,9 @@ def _randomize(model, sigmoid_router: bool = False) -> None:
     bias correction, the routers) at random, so that a missing term changes the output (tests' controls)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or name.endswith("sinks"):
+            if name.endswith("A_log"):  # a Gated DeltaNet's decay rate A: slow enough that the state carries
+                p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())  # over tens of tokens (HF: 0.01 .. 16)
+            elif name.endswith("bias") or "norm" in name or name.endswith("sinks"):
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith((".gate.weight", ".router.weight")) and "experts" not in name:  # an MoE router
                 # softmax: logits far apart, so the top-k choice is not a rounding coin toss; sigmoid: logits of
@@ -158,6 +160,27 @@ def make_tiny_family(out: str, name: str, seed: int = 0, tokenizer_dir: str | No
                 tensors[p + k] = torch.randn(shape, generator=g).to(next(iter(tensors.values())).dtype)
         save_file(tensors, path, metadata={"format": "pt"})
     return out
+
+
+TINY_HYBRIDS = {
+    # 3 Gated DeltaNet layers then one gated softmax attention layer; 2 key heads of 16 serving 4 value heads of 8
+    # (q/k repeated), a width-4 convolution; the attention: 4 heads of 16 over 2 KV heads, a quarter of each head
+    # rotary; dense MLPs (num_experts 0)
+    "qwen3_next": ("qwen3_next", dict(num_hidden_layers=4, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                                      linear_conv_kernel_dim=4, num_experts=0, max_position_embeddings=256,
+                                      tie_word_embeddings=False,
+                                      layer_types=["linear_attention"] * 3 + ["full_attention"])),
+}
+"""Tiny hybrid (Gated DeltaNet) models built by transformers' own classes: name -> (model_type, overrides of
+``make_tiny_hf``). ``_randomize`` draws their dt_bias, the zero-initialised (1 + w) norms and the gated norm."""
+
+
+def make_tiny_hybrid(out: str, name: str = "qwen3_next", seed: int = 0, tokenizer_dir: str | None = None,
+                     **overrides: Any) -> str:
+    model_type, kw = TINY_HYBRIDS[name]
+    return make_tiny_hf(out, model_type, seed=seed, tokenizer_dir=tokenizer_dir, **{**kw, **overrides})
 
 
 VLM_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")

@@ -173,6 +173,10 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     check_tokenizer_folder(job.models.pretrain, "--pretrain")  # the prompts and replies are tokenized with it
     sources["--teacher_pretrain"] = check_teacher(job.distill, job.models.pretrain, par)  # its tokenizer: before loading
     check_vision_job(job, sources)
+    from rlhf.models.hybrid import check_hybrid_job
+
+    check_hybrid_job(sources["--pretrain"]["spec"], lora=bool(job.lora.lora_rank),
+                     generator=job.rollout.rollout_backend, what=f"--pretrain {job.models.pretrain}")
     why = resolve_vllm_tp(job.rollout, sources["--pretrain"]["spec"], world_size, job.engine.bf16)
     engines = _check_batch_sizes(job, world_size, dp)
     job.algo.old_logprobs_source, job.algo.old_logprobs_reason = old_logprobs_source(job.namespace())

@@ -110,7 +110,7 @@ def full_grads(model, mesh, spec):
         g = p.main_grad.detach().clone()
         shards = [torch.empty_like(g) for _ in range(mesh.tp)]
         dist.all_gather(shards, g.contiguous(), group=mesh.tp_group)
-        full = full_from_tp_shards(name, shards, tp_partition_dim(p))
+        full = full_from_tp_shards(name, shards, tp_partition_dim(p), spec)
         if name == "output_layer.weight" and spec.tie_word_embeddings:
             continue  # the last stage's copy of a tied embedding: its grad is summed into the embedding's
         for hf_name, t in hf_from_megatron(name, full, spec, layer_offset=layer_offset, expert_offset=expert_offset):

@@ -1,0 +1,249 @@
+"""Qwen3-Next (``qwen3_next``): Gated DeltaNet layers and gated softmax attention in one stack, on megatron-core
+0.16.1's own layers.
+
+What each ``config.json`` field becomes (``hybrid_fields`` reads them; the rest are refused by name):
+
+* ``layer_types`` (``linear_attention`` / ``full_attention``; older configs: ``full_attention_interval``) ->
+  ``linear_attention_freq``, the per-layer pattern of megatron's ``GatedDeltaNet`` (``ssm/gated_delta_net.py``);
+  ``linear_conv_kernel_dim``, ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_num_key_heads``,
+  ``linear_num_value_heads`` -> the same-named ``TransformerConfig`` fields.
+* the softmax layers: ``attention_output_gate`` (q_proj's second half per head, a sigmoid gate on the output),
+  q/k norms (``qk_layernorm``), ``partial_rotary_factor`` -> ``rotary_percent``.
+* every RMSNorm but the DeltaNet's gated output norm scales by ``1 + w`` (transformers' ``Qwen3NextRMSNorm``, its
+  weights zero-initialised): ``ZeroCenteredRMSNorm``. The gated norm (``Qwen3NextRMSNormGated``) is a plain one.
+* ``num_experts`` 0 (or every layer in ``mlp_only_layers``): dense MLPs of ``intermediate_size``. MoE is refused
+  by name here (the softmax router with the gated shared expert is not mapped yet).
+
+megatron's hybrid block builder (``get_transformer_block_with_experimental_attention_variant_spec``) takes
+Transformer Engine only; ``hybrid_block_spec`` builds the same per-layer pattern from the local specs of
+``rlhf.models.layer_specs``. megatron's ``GatedDeltaNet.forward`` calls fla and causal-conv1d directly and raises on
+packed sequences; ``GatedDeltaNetLayer`` keeps its parameters, TP split and checkpoint layout and runs the same math
+through ``rlhf.kernels.gated_delta`` (fla on CUDA, the torch twin elsewhere), with ``cu_seqlens`` for packed
+micro-batches: the recurrent state and the convolution restart at every sequence boundary.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rlhf.models.layer_specs import RMSNorm
+
+HYBRID_TYPES = ("qwen3_next",)
+def _refuse(source: str, what: str) -> None:
+    raise ValueError(f"{source}: unsupported config field {what}")
+
+
+def _need(cfg: dict, key: str, source: str) -> Any:
+    if cfg.get(key) is None:
+        raise ValueError(f"{source}: missing required config field {key!r} for model_type={cfg['model_type']!r}")
+    return cfg[key]
+
+
+def hybrid_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """ModelSpec keyword arguments of a qwen3_next config's own fields (``partial_rotary_factor``: read by
+    ``rlhf.models.spec_families``, as GLM's)."""
+    layers = int(_need(cfg, "num_hidden_layers", source))
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
+    elif cfg.get("full_attention_interval") is not None and types != [
+            "full_attention" if (i + 1) % int(cfg["full_attention_interval"]) == 0 else "linear_attention"
+            for i in range(layers)]:
+        _refuse(source, f"full_attention_interval={cfg['full_attention_interval']} disagrees with layer_types")
+    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        _refuse(source, f"layer_types={types} (one of linear_attention / full_attention per layer)")
+    la = {k: int(_need(cfg, f"linear_{k}", source)) for k in ("conv_kernel_dim", "key_head_dim", "value_head_dim",
+                                                               "num_key_heads", "num_value_heads")}
+    if la["num_value_heads"] % la["num_key_heads"]:
+        _refuse(source, f"linear_num_value_heads={la['num_value_heads']} (a multiple of linear_num_key_heads="
+                        f"{la['num_key_heads']})")
+    if cfg.get("attention_bias"):
+        _refuse(source, "attention_bias=True (qwen3_next's projections have no biases)")
+    if cfg.get("sliding_window") or cfg.get("use_sliding_window"):
+        _refuse(source, "sliding_window / use_sliding_window (qwen3_next attends to the whole sequence)")
+    experts = int(cfg.get("num_experts") or 0)
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    moe_layers = [i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(layers)]
+    if any(moe_layers):
+        _refuse(source, f"num_experts={experts} (MoE layers of qwen3_next are not wired yet: the softmax router with "
+                        "the sigmoid-gated shared expert; a dense qwen3_next has num_experts 0)")
+    return dict(linear_attention={**la, "layers": tuple(t == "linear_attention" for t in types)},
+                attention_gate=True, zero_centered_norm=True, qk_norm=True, qkv_bias=False)
+
+
+def hybrid_config(spec) -> dict:
+    """The TransformerConfig fields of a hybrid stack."""
+    la = spec.linear_attention
+    return dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=[int(x) for x in la["layers"]],
+                linear_conv_kernel_dim=la["conv_kernel_dim"], linear_key_head_dim=la["key_head_dim"],
+                linear_value_head_dim=la["value_head_dim"], linear_num_key_heads=la["num_key_heads"],
+                linear_num_value_heads=la["num_value_heads"], attention_output_gate=spec.attention_gate)
+
+
+def check_hybrid_fit(spec, tp: int) -> None:
+    """TP constraints of the DeltaNet layers (whole key heads per rank) and of the gated attention's groups."""
+    la = spec.linear_attention
+    if la["num_key_heads"] % tp:
+        raise ValueError(f"--tp {tp} does not divide linear_num_key_heads={la['num_key_heads']}")
+    if spec.num_kv_heads % tp:
+        raise ValueError(f"--tp {tp} with num_key_value_heads={spec.num_kv_heads}: the gated attention's KV groups "
+                         "are not replicated over TP here; use a TP that divides num_key_value_heads")
+
+
+def check_hybrid_layout(spec, *, pp: int, ep: int, cp: int, value_head: bool, use_te: bool) -> None:
+    """Layouts a hybrid model does not run in yet, refused by name before any weight is read."""
+    if pp > 1:
+        raise ValueError(f"--pp {pp} with {spec.model_type}: pipeline stages of a hybrid stack are not wired yet "
+                         "(each stage's slice of the layer pattern); use --pp 1")
+    if ep > 1:
+        raise ValueError(f"--expert_model_parallel_size {ep} with {spec.model_type}: only its dense form runs here")
+    if cp > 1:
+        raise ValueError(f"--context_parallel_size {cp} with {spec.model_type}: the DeltaNet's recurrent state is not "
+                         "passed between context-parallel ranks (megatron-core 0.16.1 has no GatedDeltaNet CP); use "
+                         "--context_parallel_size 1")
+    if value_head:
+        raise ValueError(f"a value head on {spec.model_type} (a critic or reward model) is not supported; use a "
+                         "group estimator (--advantage_estimator group_norm, rloo, reinforce_baseline)")
+    if use_te:
+        raise ValueError(f"{spec.model_type} runs megatron's local layers here (its TE layer names are not mapped "
+                         "yet): use --transformer_impl local")
+
+
+def check_hybrid_job(spec, *, lora: bool = False, generator: str | None = None, what: str = "--pretrain") -> None:
+    """Job features a hybrid model does not run with yet, refused by name before any model is built: LoRA (its
+    targets miss the DeltaNet's projections) and every generator (neither the megatron generator nor vLLM carries the
+    DeltaNet's recurrent state here). SFT and log-prob forwards run."""
+    if spec.linear_attention is None:
+        return
+    if lora:
+        raise ValueError(f"{what} ({spec.model_type}) with --lora_rank: LoRA does not wrap the Gated DeltaNet's "
+                         "projections yet; train every weight (drop --lora_rank)")
+    if generator is not None:
+        raise ValueError(f"{what} ({spec.model_type}) with --rollout_backend {generator}: no generator carries the "
+                         "Gated DeltaNet's recurrent state here yet (megatron's decode cache, vLLM's weight sync); "
+                         "PPO/GRPO on this family is not supported, SFT is (launch/sft.py)")
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """transformers' ``Qwen3NextRMSNorm``: ``x / rms(x) * (1 + w)`` in fp32, cast back; ``w`` starts at zero."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kw):
+        super().__init__(config, hidden_size, eps, **kw)
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def _gdn_class():
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from rlhf.compat.megatron_ssm import gated_delta_net_without_fla
+
+    gated_delta_net_without_fla()
+
+    class GatedDeltaNetLayer(GatedDeltaNet):
+        """megatron's ``GatedDeltaNet`` (its parameters, TP split and sharded state dict) with a forward that
+        dispatches the delta rule and the convolution (``rlhf.kernels.gated_delta``) and takes packed sequences.
+        hidden_states ``(S, B, H)`` (sequence parallel: ``S / TP``); returns ``(out, out_bias)`` as megatron's."""
+
+        def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                    attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
+                    inference_params=None, **kwargs):
+            from rlhf.kernels import gated_delta as gd
+
+            if inference_context is not None or inference_params is not None:
+                raise ValueError("Gated DeltaNet: megatron's inference contexts (a recurrent-state cache) are not "
+                                 "supported")
+            qkvzba, _ = self.in_proj(hidden_states)  # (S, B, D_local): sequence-parallel input gathered
+            seq_len, batch = qkvzba.shape[:2]
+            qkvzba = qkvzba.transpose(0, 1)  # (B, S, D_local)
+            tp, nv = self.tp_size, self.num_value_heads
+            qkv, gate, beta, alpha = torch.split(qkvzba, [(2 * self.qk_dim + self.v_dim) // tp, self.v_dim // tp,
+                                                          nv // tp, nv // tp], dim=-1)
+            cu = None
+            if packed_seq_params is not None:
+                if batch != 1:
+                    raise ValueError(f"Gated DeltaNet: a packed micro-batch is one row, got {batch}")
+                cu = packed_seq_params.cu_seqlens_q_padded
+                cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            qkv = gd.causal_conv1d(qkv.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                   activation="silu", cu_seqlens=cu).transpose(1, 2)  # (B, S, conv_dim_local)
+            query, key, value = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
+            query = gd.l2norm(query.reshape(batch, seq_len, -1, self.key_head_dim).float())
+            key = gd.l2norm(key.reshape(batch, seq_len, -1, self.key_head_dim).float())
+            value = value.reshape(batch, seq_len, -1, self.value_head_dim)
+            if nv // self.num_key_heads > 1:
+                query = query.repeat_interleave(nv // self.num_key_heads, dim=2)
+                key = key.repeat_interleave(nv // self.num_key_heads, dim=2)
+            g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)  # (B, S, H_local), fp32
+            out = gd.chunk_gated_delta_rule(query, key, value, g, beta.sigmoid(), cu_seqlens=cu)  # (B, S, H, Dv)
+            dtype = out.dtype
+            # transformers' gated norm: norm, then gate. Its weight is shared by this rank's heads only, so its
+            # gradient sums over TP (megatron-core 0.16.1 sums only q/k_layernorm's and sequence-parallel ones)
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+            weight = self.out_norm.weight
+            weight = copy_to_tensor_model_parallel_region(weight) if tp > 1 else weight
+            y = F.rms_norm(out.reshape(-1, self.value_head_dim), (self.value_head_dim,), weight, self.out_norm.eps)
+            y = (y * F.silu(gate.reshape(-1, self.value_head_dim).float())).to(dtype)
+            y = y.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()  # (S, B, V_local)
+            return self.out_proj(y)
+
+    return GatedDeltaNetLayer
+
+
+def _swap(spec, **changes):
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **changes))
+
+
+def _zero_centered(module):
+    return ZeroCenteredRMSNorm if module is RMSNorm else module
+
+
+def hybrid_block_spec(config, spec):
+    """The local layers of a hybrid stack (PP 1): megatron's per-layer specs of ``rlhf.models.layer_specs`` with
+    zero-centred norms, and a ``GatedDeltaNetLayer`` in place of the softmax attention where ``layer_types`` says
+    ``linear_attention``."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from rlhf.models.layer_specs import local_block_spec
+
+    block = local_block_spec(config)
+    gdn = ModuleSpec(module=_gdn_class(), submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
+    layers = []
+    for i, layer in enumerate(block.layer_specs):
+        attn = layer.submodules.self_attention
+        if spec.linear_attention["layers"][i]:
+            attn = gdn
+        else:
+            attn = _swap(attn, q_layernorm=_zero_centered(attn.submodules.q_layernorm),
+                         k_layernorm=_zero_centered(attn.submodules.k_layernorm))
+        layers.append(_swap(layer, self_attention=attn, input_layernorm=ZeroCenteredRMSNorm,
+                            pre_mlp_layernorm=_zero_centered(layer.submodules.pre_mlp_layernorm)))
+    return dataclasses.replace(block, layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
+
+
+def layer_params(spec, layer: int) -> int:
+    """Parameters of decoder layer ``layer``: a DeltaNet (in_proj, conv, dt_bias, A_log, gated norm, out_proj) or
+    the gated attention (q of twice the width, k, v, o, q/k norms), the dense MLP, two norms."""
+    h, la = spec.hidden_size, spec.linear_attention
+    if la["layers"][layer]:
+        qk, v, nv = la["key_head_dim"] * la["num_key_heads"], la["value_head_dim"] * la["num_value_heads"], \
+            la["num_value_heads"]
+        mixer = h * (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) * la["conv_kernel_dim"] + 2 * nv + \
+            la["value_head_dim"] + v * h
+    else:
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        mixer = h * (2 * q + 2 * kv) + q * h + 2 * spec.head_dim
+    return mixer + 3 * h * spec.intermediate_size + 2 * h

@@ -1,0 +1,87 @@
+"""qwen3_next's config.json: every field used or refused by name, and the layouts and job features it does not run
+with refused before any weight is read (rlhf.models.hybrid)."""
+import pytest
+import torch
+
+from rlhf.models.hybrid import check_hybrid_job, check_hybrid_layout
+from rlhf.models.spec import check_parallel_fit, spec_from_hf_config
+from rlhf.models.tiny import TINY_HYBRIDS
+
+
+def _config(**changes):
+    import transformers
+
+    cfg = transformers.Qwen3NextConfig(vocab_size=300, **TINY_HYBRIDS["qwen3_next"][1]).to_dict()
+    cfg.update(changes)
+    return {k: v for k, v in cfg.items() if v is not None or k in changes}
+
+
+def test_the_tiny_config_reads_as_transformers_builds_it():
+    import transformers
+
+    cfg = _config()
+    spec = spec_from_hf_config(cfg)
+    assert spec.linear_attention == {"conv_kernel_dim": 4, "key_head_dim": 16, "value_head_dim": 8,
+                                     "num_key_heads": 2, "num_value_heads": 4, "layers": (True, True, True, False)}
+    assert spec.attention_gate and spec.zero_centered_norm and spec.qk_norm and spec.rotary_percent == 0.25
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(**cfg))
+    assert spec.num_params == sum(p.numel() for p in hf.parameters())
+
+
+def test_full_attention_interval_gives_the_layer_pattern():
+    cfg = _config(full_attention_interval=2)
+    del cfg["layer_types"]
+    assert spec_from_hf_config(cfg).linear_attention["layers"] == (True, False, True, False)
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(num_experts=4, num_experts_per_tok=2), "num_experts=4"),
+    (dict(attention_bias=True), "attention_bias=True"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads=3"),
+    (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "layer_types="),
+    (dict(layer_types=["linear_attention"] * 3), "layer_types="),
+    (dict(full_attention_interval=2), "full_attention_interval=2"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(sliding_window=8), "sliding_window"),
+    (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(brand_new_field=1), "brand_new_field"),
+    (dict(linear_key_head_dim=None), "linear_key_head_dim"),
+])
+def test_each_unsupported_field_is_refused_by_name(changes, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("(", r"\(")):
+        spec_from_hf_config(_config(**changes))
+
+
+def test_tp_must_split_whole_key_heads_and_kv_groups():
+    spec = spec_from_hf_config(_config())
+    check_parallel_fit(spec, 2, 1)
+    with pytest.raises(ValueError, match="linear_num_key_heads=2"):
+        check_parallel_fit(spec, 4, 1)
+    with pytest.raises(ValueError, match="num_key_value_heads=1"):
+        check_parallel_fit(spec_from_hf_config(_config(num_key_value_heads=1)), 2, 1)
+
+
+@pytest.mark.parametrize("kw,flag", [(dict(pp=2), "--pp 2"), (dict(ep=2), "--expert_model_parallel_size 2"),
+                                     (dict(cp=2), "--context_parallel_size 2"), (dict(value_head=True), "value head"),
+                                     (dict(use_te=True), "--transformer_impl local")])
+def test_layouts_not_wired_are_refused_by_name(kw, flag):
+    spec = spec_from_hf_config(_config())
+    args = {**dict(pp=1, ep=1, cp=1, value_head=False, use_te=False), **kw}
+    with pytest.raises(ValueError, match=flag):
+        check_hybrid_layout(spec, **args)
+    check_hybrid_layout(spec, pp=1, ep=1, cp=1, value_head=False, use_te=False)
+
+
+def test_lora_and_generators_are_refused_by_name():
+    spec = spec_from_hf_config(_config())
+    with pytest.raises(ValueError, match="--lora_rank"):
+        check_hybrid_job(spec, lora=True)
+    for backend in ("vllm", "megatron"):
+        with pytest.raises(ValueError, match=f"--rollout_backend {backend}"):
+            check_hybrid_job(spec, generator=backend)
+    check_hybrid_job(spec)
+    from rlhf.models.spec_families import vllm_refusal
+
+    assert "qwen3_next" in vllm_refusal(spec, 1, "float32", False)
