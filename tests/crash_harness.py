@@ -14,9 +14,9 @@ the final weights must be bit-identical to an uninterrupted run's.
 Kill points are events, not wall-clock times, so every phase is hit on any machine speed: ``("startup", s)``
 kills ``s`` seconds after launch, or at the first step's progress line if that comes first; ``("step", k)``
 after the progress line of step k; ``("save", k)`` after the "checkpoint: saving step k" line (mid-save);
-``("export", 0)`` after "exporting HF model" (mid-export: rank 0 pauses 2 s in the export of every launch that is to
-be killed, ``RLHF_FAULT_INJECT=pause:export:0``). Each is followed by a seeded random delay of up to ``jitter``
-seconds.
+``("export", 0)`` after "exporting HF model" (mid-export). Each is followed by a seeded random delay of up to
+``jitter`` seconds. A launch that is to be killed cannot run past its point's phase: rank 0 hangs in the export
+and in every checkpoint save from the point's step on (``RLHF_FAULT_INJECT=hang:...``) until the kill comes.
 """
 from __future__ import annotations
 
@@ -195,12 +195,16 @@ def launch_and_kill(script: str, nproc: int, args: list[str], task: str, point: 
 
     The kill comes a seeded random delay of up to ``jitter`` seconds after the event, but never after the event of
     a ``later`` kill point (or the export): on a machine fast enough to run past it within the delay, the kill
-    falls at that event instead, so every later point still comes in a later launch."""
-    # Rank 0 pauses 2 s in the export (after the megatron copy, before the HF files): a tiny model's export takes
-    # a fraction of a second, so a kill that comes up to the jitter after the "exporting" line could find the job
-    # ended. With the pause, a kill at or just after that line lands mid-export. Launches killed earlier never
-    # reach it.
-    job = Job(script, nproc, args, RLHF_FAULT_INJECT="pause:export:0")
+    falls at that event instead, so every later point still comes in a later launch. The job cannot outrun the
+    kill either: rank 0 hangs (``RLHF_FAULT_INJECT`` ``hang``) in the export (after the megatron copy, before the
+    HF files) and in any checkpoint save at or after the point's step (after the first role's shards), until the
+    kill comes. Without the hangs, on a loaded machine the harness read the event's line seconds late and the job
+    had published the next checkpoint or exported by then, so the next launch resumed past its own point."""
+    steps = [int(j) for e, j in (point, *later) if e in ("step", "save")]
+    first_save = int(point[1]) if point[0] in ("step", "save") else 1
+    holds = ["hang:export:0"] + ([] if point[0] == "export" else  # a save after the last point's step: + 64
+                                 [f"hang:checkpoint_save:0:{s}" for s in range(first_save, max(steps + [0]) + 65)])
+    job = Job(script, nproc, args, RLHF_FAULT_INJECT=",".join(holds))
     event, k = point
     guards = [g for g in (_pattern(task, e, int(j)) for e, j in (*later, ("export", 0))) if g is not None]
     guards = [g for g in guards if event == "startup" or g.pattern != _pattern(task, event, int(k)).pattern]

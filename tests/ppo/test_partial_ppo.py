@@ -239,7 +239,7 @@ def test_sigkill_anywhere_with_samples_carried_then_resume_is_exact(ppo_setup, e
     assert all(r["killed"] for r in records[:-1]), ([(r["point"], r["killed"]) for r in records],  # the ended one:
         [r["log"][-1500:] for r in records[:-1] if not r["killed"]])
     exported = [r for r in records if r["point"] == ("export", 0)][0]["log"]  # killed mid-export, not after it
-    assert "fault injection: pause at export" in exported and "exported HF model" not in exported, exported[-1500:]
+    assert "fault injection: hang at export" in exported and "exported HF model" not in exported, exported[-1500:]
     assert any(r.get("resumed_step") for r in records), [r["point"] for r in records]
     assert _same(_weights(out), _weights(save))
 

@@ -111,12 +111,12 @@ def test_sigkill_anywhere_then_resume_is_exact(ppo_setup, straight, tmp_path):
     assert all(r["killed"] for r in records[:-1]), ([(r["point"], r["killed"]) for r in records],  # the ended one:
         [r["log"][-1500:] for r in records[:-1] if not r["killed"]])
     exported = [r for r in records if r["point"] == ("export", 0)][0]["log"]  # killed mid-export, not after it
-    assert "fault injection: pause at export" in exported and "exported HF model" not in exported, exported[-1500:]
-    # Nothing is published before step 4's save, so the launches up to the one killed in it start afresh; whether
-    # that kill came before the checkpoint was published is timing, so the next launch may start afresh or resume.
-    # crash_and_resume checked every launch that had a checkpoint: 'resumed from ... (step k)', only later steps.
+    assert "fault injection: hang at export" in exported and "exported HF model" not in exported, exported[-1500:]
+    # Nothing is published before step 4's save, and the launch killed in it hangs there until the kill, so the
+    # launches up to the one after it start afresh. crash_and_resume checked every launch that had a checkpoint:
+    # 'resumed from ... (step k)', only later steps.
     first_save = points.index(("save", 4))
-    assert not any(r["had_checkpoint"] for r in records[:first_save + 1])
+    assert not any(r["had_checkpoint"] for r in records[:first_save + 2])
     assert records[-1]["resumed_step"] >= 4
     wa, wb = load_weights(straight[0]), load_weights(save)
     assert wa.keys() == wb.keys()

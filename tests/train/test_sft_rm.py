@@ -176,7 +176,7 @@ def test_sigkill_anywhere_then_resume_is_exact(train_setup, tmp_path, straight_r
     assert all(r["killed"] for r in records[:-1]), ([(r["point"], r["killed"]) for r in records],  # the ended one:
         [r["log"][-1500:] for r in records[:-1] if not r["killed"]])
     exported = [r for r in records if r["point"] == ("export", 0)][0]["log"]  # killed mid-export, not after it
-    assert "fault injection: pause at export" in exported and "exported HF model" not in exported, exported[-1500:]
+    assert "fault injection: hang at export" in exported and "exported HF model" not in exported, exported[-1500:]
     # every launch after the first published save resumed (crash_and_resume checked each: 'resumed from ...
     # (step k)', k > 0, only the steps after k)
     assert not records[0]["had_checkpoint"] and records[-1]["resumed_step"] > 0
