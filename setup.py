@@ -28,6 +28,7 @@ INSTALL_REQUIRES = [
     # --use_mlflow (rlhf/observability/mlflow_log.py): MLflow's tracking client and its file store, without the
     # server, the UI and the SQL stores (mlflow-skinny; the full `mlflow` adds sqlite:/// stores)
     "mlflow-skinny==3.17.2",
+    "pyyaml>=6.0",  # --config FILE (rlhf/config/config_file.py) and the run_config.yaml written beside each run
     # rlhf/sandbox (the code reward's sandbox): a ctypes binding of libseccomp (MIT, pure Python, 20 kB) that
     # builds its seccomp filter; bubblewrap itself is a Debian package (tools/setup_env.sh installs it)
     "pyseccomp==0.1.2",

@@ -263,7 +263,8 @@ def log_compat_mappings(args, dp: int, cuda: bool) -> None:
 
 def cli_main(add_args, run, argv=None) -> int:
     """The body of a ``launch/*.py`` entry point: its flags (``add_args``), ``run(args)``, and an ``error:`` line
-    with exit code 2 on bad input (``ValueError``)."""
+    with exit code 2 on bad input (``ValueError``). ``--config FILE`` and the resolved flags written beside the run:
+    ``rlhf.config.config_file``."""
     import sys
 
     p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
@@ -272,14 +273,18 @@ def cli_main(add_args, run, argv=None) -> int:
     from rlhf.config.migration import add_launcher_args, apply_launcher_args
 
     add_launcher_args(p)
+    from rlhf.config import config_file
+
+    config_file.add_config_arg(p)
     from rlhf.distributed.env import DistEnv
     from rlhf.observability.metrics import setup_logging
     from rlhf.config.openrlhf import entry_name, translate
 
     setup_logging(DistEnv.from_environ().rank)  # the translation's lines (rank 0's; its warnings on every rank)
-    try:  # OpenRLHF's dotted flags of today (rlhf/config/openrlhf.py) -> ours, before argparse
-        argv = translate(list(sys.argv[1:] if argv is None else argv), entry_name(add_args.__module__),
-                         set(p._option_string_actions))
+    entry = entry_name(add_args.__module__)
+    try:  # the --config file's flags before the given ones, then OpenRLHF's dotted flags (rlhf/config/openrlhf.py)
+        argv = config_file.expand(list(sys.argv[1:] if argv is None else argv), p, entry)
+        argv = translate(argv, entry, set(p._option_string_actions))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -295,9 +300,11 @@ def cli_main(add_args, run, argv=None) -> int:
     # ``os._exit`` with one line naming its rank and phase: a clean interpreter exit could wait on peers that
     # are gone (rlhf/distributed/watchdog.py).
     try:
+        config_file.check_spelled(args)
         apply_launcher_args(args)
         if getattr(args, "dist_timeout_s", None) is not None:
             watchdog.resolve_timeout_s(args.dist_timeout_s, "cpu")  # > 0, before anything is loaded
+        config_file.write_resolved(args, p, entry)
         run(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

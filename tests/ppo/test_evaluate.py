@@ -2,7 +2,9 @@
 scored on each rank's share of the replies): the results are the hand count of its own samples (each reward
 recomputed here from the reply's text by the rule, pass@k by enumerating every k-subset, maj@k by counting the
 first k answers), and a run stopped after one chunk, its file torn, then relaunched, ends with the uninterrupted
-run's samples and results. The metric functions alone: tests/offline/test_eval_metrics.py."""
+run's samples and results; the straight run takes its evaluation flags from a TOML --config file, the resumed one
+from the command line, and both resolve to the same flags. The metric functions alone:
+tests/offline/test_eval_metrics.py."""
 from __future__ import annotations
 
 import itertools
@@ -20,6 +22,11 @@ N, KS, PROMPTS = 4, (1, 2, 4), 4
 
 EVAL_FLAGS = ["--n_samples_per_prompt", str(N), "--k", ",".join(map(str, KS)), "--reward_fn",
               "_rule_reward:parity_reward", "--answer_fn", "_rule_reward:first_word"]
+TOML = f"""n_samples_per_prompt = {N}
+k = "{",".join(map(str, KS))}"
+reward_fn = "_rule_reward:parity_reward"
+answer_fn = "_rule_reward:first_word"
+"""
 
 
 def _job(setup, out, *extra):
@@ -33,8 +40,11 @@ def _job(setup, out, *extra):
 
 @pytest.fixture(scope="module")
 def straight(ppo_setup, tmp_path_factory):
+    """The evaluation's flags from a TOML --config file; the resumed run below gives them on the command line."""
     out = tmp_path_factory.mktemp("eval") / "straight"
-    _job(ppo_setup, out, *EVAL_FLAGS)
+    cfg = out.parent / "eval.toml"
+    cfg.write_text(TOML)
+    _job(ppo_setup, out, "--config", str(cfg))
     return out
 
 
@@ -80,4 +90,8 @@ def test_a_stopped_run_resumes_to_the_straight_run(ppo_setup, straight, tmp_path
         f.write('{"prompt_index": 2, "sam')  # a torn write from a killed run
     _job(ppo_setup, out, *EVAL_FLAGS)
     assert open(out / "samples.jsonl").read() == open(straight / "samples.jsonl").read()
+    import yaml
+
+    a, b = (yaml.safe_load(open(d / "run_config.yaml")) for d in (straight, out))
+    assert {k for k in a if a[k] != b[k]} == {"output_dir"} and a["k"] == "1,2,4"  # the file's flags, resolved
     assert json.load(open(out / "results.json")) == json.load(open(straight / "results.json"))

@@ -3,7 +3,8 @@
 through our code nor MLflow's client: a PPO run (launch/ppo.py's body in this process, one rank) logging to W&B
 (offline) and MLflow at once gives MLflow every metric W&B got, under the same name (sanitised as verl does), at the
 same step with the same value, and W&B's configuration as its params; a job resumed into the same --save_path
-continues the same MLflow run, which ends FINISHED. The default store (no --mlflow_tracking_uri, no
+continues the same MLflow run, which ends FINISHED. The MLflow flags come from a ``--config`` YAML file, and the
+resolved flags are written beside the run. The default store (no --mlflow_tracking_uri, no
 $MLFLOW_TRACKING_URI) is a file store under --save_path."""
 from __future__ import annotations
 
@@ -52,10 +53,12 @@ def test_mlflow_logs_what_wandb_logs_and_resume_continues_the_run(ppo_setup, tmp
     monkeypatch.setenv("WANDB_SILENT", "true")
     save, store = tmp_path / "o", tmp_path / "store"
     flags = {**TINY_GRPO, "--reward_fn": "_rule_reward:char_code_reward", "--rollout_backend": "megatron",
-             "--max_samples": "8", "--save_steps": "1", "--use_wandb": "", "--use_mlflow": "",
-             "--mlflow_tracking_uri": f"file:{store}", "--mlflow_experiment_name": "exp-a",
-             "--mlflow_run_name": "ppo-run", "--eval_dataset": ppo_setup["prompts"], "--eval_steps": "1",
-             "--eval_n_samples_per_prompt": "2", "--eval_max_samples": "4"}
+             "--max_samples": "8", "--save_steps": "1", "--use_wandb": "", "--eval_dataset": ppo_setup["prompts"],
+             "--eval_steps": "1", "--eval_n_samples_per_prompt": "2", "--eval_max_samples": "4"}
+    cfg = tmp_path / "tracking.yaml"  # the trackers' flags from a --config file (rlhf/config/config_file.py)
+    cfg.write_text(f"use_mlflow: true\nmlflow_tracking_uri: file:{store}\nmlflow_experiment_name: exp-a\n"
+                   "mlflow_run_name: ppo-run\n")
+    flags["--config"] = str(cfg)
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert main(ppo_args(ppo_setup, str(save), **flags, **{"--stop_after_steps": "1"})) == 0
     first = open(save / "mlflow_run_id").read()
@@ -63,6 +66,11 @@ def test_mlflow_logs_what_wandb_logs_and_resume_continues_the_run(ppo_setup, tmp
     assert main(ppo_args(ppo_setup, str(save), **flags, **{"--load_checkpoint": ""})) == 0
     err = capsys.readouterr().err
     assert open(save / "mlflow_run_id").read() == first
+    import yaml
+
+    resolved = yaml.safe_load(open(save / "run_config.yaml"))  # the second run's flags, the file's among them
+    assert resolved["use_mlflow"] is True and resolved["mlflow_run_name"] == "ppo-run"
+    assert resolved["load_checkpoint"] is True and resolved["save_steps"] == 1
     runs = read_store(str(store))
     assert list(runs) == [first], runs.keys()
     run = runs[first]
