@@ -1,5 +1,6 @@
-"""``--config FILE`` on every ``launch/*.py`` entry point: its flags from a YAML or TOML file, the command line over
-it; and the resolved flags written beside each run, a file that ``--config`` takes back.
+"""``--config FILE`` on every ``launch/*.py`` entry point but ``launch/dschat.py`` (DeepSpeed-Chat's flags only): its
+flags from a YAML or TOML file, the command line over it; and the resolved flags written beside each run, a file that
+``--config`` takes back.
 
 A key is any flag of the entry point, as its ``dest`` (``actor_learning_rate``) or an option string with or without
 the dashes (``--actor_learning_rate``, ``algo.dynamic_filtering_enable``), or one of OpenRLHF's dotted names that
