@@ -22,7 +22,6 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tools"))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
 
@@ -39,7 +38,7 @@ def main(argv=None) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from _machine import commit, cpu_model
-    from run_rlvr_example import smollm2_or
+    from examples.rlvr.run import smollm2_or
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/partial_rollout.py [--seeds 1,2,3] [--steps 20] [--max_len 64] [--out bench/results]
 
-GRPO on SmolLM2-135M-Instruct with the RLVR example's settings (tools/run_rlvr_example.py: 8 prompts x 8
+GRPO on SmolLM2-135M-Instruct with the RLVR example's settings (examples/rlvr/run.py: 8 prompts x 8
 replies, exact-answer reward, Adam at a constant rate, 2 ranks, colocated vLLM), except a length budget of
 ``--max_len`` tokens: most answers end within 10-20 tokens, a fraction rambles to the budget, and the
 synchronous step waits for them. Runs, per seed: synchronous, ``--partial_rollout --max_staleness 1`` and
@@ -23,7 +23,6 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tools"))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
 CONFIGS = {
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="partial_rollout",
                    help="the results' file name under --out (<name>.json, <name>.png)")
     args = p.parse_args(argv)
-    from run_rlvr_example import ppo_command, ppo_flags, run, smollm2_or
+    from examples.rlvr.run import ppo_command, ppo_flags, run, smollm2_or
 
     from _machine import commit, cpu_model
 

@@ -5,10 +5,10 @@ TRL 1.12.0's ``GRPOTrainer``, same model, prompts, group size, learning rate, te
     .venv/bin/python bench/rlvr_vs_trl.py [--seeds 1,2,3] [--steps 30] [--bf16] [--out bench/results]
 
 Per seed, alternately (ours, TRL): a 30-step run of each (8 prompts x 8 replies of up to 24 tokens per step, one
-update per batch, no KL, Adam(0.9, 0.999) at a constant rate: tools/run_rlvr_example.py's LR, or --lr; ours on 2
-ranks with vLLM as tools/run_rlvr_example.py runs it, TRL as one process on both cores, bench/_trl_grpo.py), then
+update per batch, no KL, Adam(0.9, 0.999) at a constant rate: examples/rlvr/run.py's LR, or --lr; ours on 2
+ranks with vLLM as examples/rlvr/run.py runs it, TRL as one process on both cores, bench/_trl_grpo.py), then
 both final models, and the model they started from,
-evaluated the same way by tools/eval_rlvr.py (transformers' generate, 64 held-out questions x 4 replies at
+evaluated the same way by examples/rlvr/eval.py (transformers' generate, 64 held-out questions x 4 replies at
 temperature 0.6: accuracy and pass@4). Samples/s: 64 over the median step time, the first step excluded.
 
 Writes rlvr_results_<fp32|bf16>.json and rlvr_curves_<fp32|bf16>.png (training reward per step, mean over seeds,
@@ -29,7 +29,6 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tools"))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 TRL_PY = os.path.join(REPO, "bench", ".venv-trl", "bin", "python")
 
@@ -44,7 +43,7 @@ def env(threads: int) -> dict:
 
 def run_ours(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool, lr: str) -> dict:
     from rlhf.observability.metrics import read_metrics_jsonl
-    from run_rlvr_example import ppo_command, ppo_flags
+    from examples.rlvr.run import ppo_command, ppo_flags
 
     cmd = ppo_command(ppo_flags(model, data, out, seed, steps, ["--bf16"] if bf16 else [], lr))
     with open(os.path.join(out, "train.log"), "w") as log:
@@ -57,7 +56,7 @@ def run_ours(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool
 
 
 def reuse_ours(run_dir: str) -> dict:
-    """--ours_from: a finished run of tools/run_rlvr_example.py with the same settings (its grpo_s<seed> folder):
+    """--ours_from: a finished run of examples/rlvr/run.py with the same settings (its grpo_s<seed> folder):
     its metrics and exported model instead of training again."""
     from rlhf.observability.metrics import read_metrics_jsonl
 
@@ -103,7 +102,7 @@ def run_trl(model: str, data: dict, out: str, seed: int, steps: int, bf16: bool,
 
 
 def held_out(model: str, heldout: str) -> dict:
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "eval_rlvr.py"), "--model", model,
+    out = subprocess.run([sys.executable, os.path.join(REPO, "examples", "rlvr", "eval.py"), "--model", model,
                           "--heldout", heldout], cwd=REPO, env=env(2), capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"error: evaluating {model}: {out.stderr[-2000:]}")
@@ -143,11 +142,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     p.add_argument("--work", default="/tmp/rlvr_vs_trl")
     p.add_argument("--ours_from", default=None,
-                   help="the --out of a finished `tools/run_rlvr_example.py --configs grpo` with the same --steps, "
+                   help="the --out of a finished `examples/rlvr/run.py --configs grpo` with the same --steps, "
                         "--lr and precision: its grpo_s<seed> runs stand for ours instead of training again")
     args = p.parse_args(argv)
     from _machine import commit
-    from run_rlvr_example import LR
+    from examples.rlvr.run import LR
 
     lr = args.lr or LR
     if not os.path.exists(TRL_PY):

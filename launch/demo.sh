@@ -7,5 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
-exec "${PY:-.venv/bin/python}" tools/run_demo.py --out "${OUT:-outputs/demo}" --seed "${SEED:-1}" \
+exec "${PY:-.venv/bin/python}" examples/demo/run.py --out "${OUT:-outputs/demo}" --seed "${SEED:-1}" \
   --nproc "${NPROC:-2}" ${QUICK:+--quick}

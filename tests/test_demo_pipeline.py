@@ -1,4 +1,4 @@
-"""The embedded default job, reduced (tools/run_demo.py --quick): SFT -> RM -> PPO on the bundled task on 2 ranks;
+"""The embedded default job, reduced (examples/demo/run.py --quick): SFT -> RM -> PPO on the bundled task on 2 ranks;
 the RM ranks held-out pairs and PPO raises the held-out gold score above the SFT model's, with the RM reward
 rising too (no reward hacking)."""
 import json
@@ -13,7 +13,7 @@ require("vllm")
 @pytest.mark.slow
 def test_demo_pipeline_improves_gold(tmp_path):
     out = str(tmp_path / "demo")
-    p = run_python([os.path.join(REPO, "tools/run_demo.py"), "--out", out, "--seed", "1", "--quick"], timeout=840)  # under the per-test 900 s
+    p = run_python([os.path.join(REPO, "examples/demo/run.py"), "--out", out, "--seed", "1", "--quick"], timeout=840)  # under the per-test 900 s
     assert p.returncode == 0, tail(p)
     s = json.load(open(os.path.join(out, "summary.json")))
     # Measured (--quick: 4000 pairs, 4 RM epochs at 1e-3, 1 PPO episode; 2-core Intel Xeon with AMX, 2026-11-26):

@@ -1,16 +1,17 @@
-"""The documentation's commands still run: every command line in a fenced shell block of README.md, docs/*.md and
-bench/README.md that starts a ``launch/*.py`` entry point is parsed with that entry point's own argparse parser
-(built as ``rlhf.config.job.cli_main`` builds it: ``add_args(p)`` of the workflow, then
+"""The documentation's commands still run: every command line in a fenced shell block of README.md, docs/*.md,
+bench/README.md and examples/*/README.md that starts a ``launch/*.py`` entry point is parsed with that entry point's
+own argparse parser (built as ``rlhf.config.job.cli_main`` builds it: ``add_args(p)`` of the workflow, then
 ``rlhf.config.migration.add_launcher_args(p)``), without training or loading a model. A renamed or removed flag, a value
 outside a flag's choices or type, or a required flag that a snippet leaves out without saying so (``...``) fails
-with the file, the line and the flag. Every ``tools/``, ``bench/`` and ``launch/`` script a command runs must
-exist; the tools whose parser can be taken without running them (``TOOL_PARSERS``) are parsed too. Also: every
-relative link resolves (file and ``#anchor``), the entry-point tables (README.md, docs/entry_points.md) name only
-flags their entry point has, docs/README.md indexes every page of docs/, and the pages stay readable: the README a
-guide (at most ``README_MAX_LINES`` lines and ``README_MAX_WORDS`` words, no dates or commit hashes: those live in
-docs/status.md, tests/README.md, bench/README.md and each page's results), no line of any of them wider than
-``MAX_COLUMNS`` (a table row of a page other than the README excepted: markdown cannot wrap one), and a page of
-docs/ dates a figure only in a results section (a heading that says "results") or in a table.
+with the file, the line and the flag. Every ``tools/``, ``bench/``, ``examples/``, ``tests/`` and ``launch/``
+script a command runs must exist; the tools whose parser can be taken without running them (``TOOL_PARSERS``) are
+parsed too. Also: every relative link resolves (file and ``#anchor``), the entry-point tables (README.md,
+docs/entry_points.md) name only flags their entry point has, docs/README.md indexes every page of docs/, and the
+pages stay readable: the README a guide (at most ``README_MAX_LINES`` lines and ``README_MAX_WORDS`` words, no
+dates or commit hashes: those live in docs/status.md, tests/README.md, bench/README.md and each page's results), no
+line of any of them wider than ``MAX_COLUMNS`` (a table row of a page other than the README excepted: markdown
+cannot wrap one), and a page of docs/ dates a figure only in a results section (a heading that says "results") or
+in a table.
 
 Placeholders (``<actor HF dir>``, ``$MODEL``, ``...`` as a flag's value) become a value the flag accepts; a bare
 ``...`` stands for "more flags" and is dropped; ``[--flag value]`` is checked as if given; ``a|b`` is checked for
@@ -53,15 +54,18 @@ DSCHAT = "dschat"
 # parse_args (as tests/cli/test_cli_surface.py does). Other scripts are only checked to exist.
 TOOL_PARSERS = {"tools/convert_hf_to_megatron.py", "tools/convert_megatron_to_hf.py", "tools/compare_logits.py",
                 "tools/plan_memory.py", "tools/convert_reward_model.py", "tools/prepare_smollm2.py",
-                "tools/bench_weight_sync.py", "bench/ppo_vs_trl.py", "bench/rlvr_vs_trl.py",
-                "tools/run_rlvr_example.py", "tools/run_agent_example.py"}
+                "bench/weight_sync.py", "bench/ppo_vs_trl.py", "bench/rlvr_vs_trl.py",
+                "examples/rlvr/run.py", "examples/agents/run.py"}
+SCRIPT_DIRS = ("launch/", "tools/", "bench/", "examples/", "tests/")  # a command's script there must exist
 PYTHONS = re.compile(r"^(?:.*/)?python(?:3(?:\.\d+)?)?$")
 LAUNCHERS = {"torchrun", "srun", "mpirun", "mpiexec"}
 
 
 def doc_files() -> list[str]:
-    files = [os.path.join(ROOT, p) for p in ("README.md", "CHANGELOG.md", "bench/README.md", "tests/README.md")]
-    return [f for f in files if os.path.exists(f)] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    files = [os.path.join(ROOT, p) for p in ("README.md", "CHANGELOG.md", "bench/README.md", "tests/README.md",
+                                             "examples/README.md")]
+    return [f for f in files if os.path.exists(f)] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + \
+        sorted(glob.glob(os.path.join(ROOT, "examples", "*", "README.md")))
 
 
 def rel(path: str) -> str:
@@ -377,7 +381,7 @@ def check_command(where: str, command: str, report: Report) -> None:
             report.skipped.append(f"{where}: {' '.join(tokens)} ({why})")
             continue
         script = script.removeprefix("./")
-        if script.startswith(("$", PLACEHOLDER)) or not script.startswith(("launch/", "tools/", "bench/")):
+        if script.startswith(("$", PLACEHOLDER)) or not script.startswith(SCRIPT_DIRS):
             report.skipped.append(f"{where}: {' '.join(tokens)} (script {script} is not in this repository)")
             continue
         if not os.path.isfile(os.path.join(ROOT, script)):

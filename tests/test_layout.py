@@ -1,5 +1,6 @@
 """The package's shape, checked from the source (no imports run): workflows never import each other, shared
-layers never import a workflow, no module imports in a circle, and the size limits a reader relies on hold."""
+layers never import a workflow, no module imports in a circle (nor any script outside rlhf/), and the size limits a
+reader relies on hold."""
 from __future__ import annotations
 
 import ast
@@ -117,6 +118,67 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
             if len(comp) > 1:
                 out.append(sorted(comp))
     return out
+
+
+SCRIPT_DIRS = ("launch", "tools", "bench", "examples", os.path.join("tests", "gpu"))
+"""The scripts outside rlhf/: entry points, tools, benchmarks, examples and the GPU check."""
+ON_PATH = ("bench", "tools")
+"""Folders scripts put on sys.path, so that a bare ``import x`` may mean one of their files."""
+
+
+def script_graph(root: str = ROOT) -> dict[str, set[str]]:
+    """Script -> the scripts it imports (paths relative to ``root``), anywhere in its source: a dotted name
+    (``examples.rlvr.run``, ``from examples.demo import make_data``) is a file under ``root``; a bare one
+    (``gpu_harness``, ``_machine``) a file of the importer's own folder, else of an ``ON_PATH`` folder."""
+    files = {os.path.relpath(os.path.join(d, f), root) for top in SCRIPT_DIRS
+             for d, _, fs in os.walk(os.path.join(root, top)) for f in fs if f.endswith(".py")}
+
+    def resolve(name: str, here: str) -> str | None:
+        parts = name.split(".")
+        if len(parts) == 1:
+            for folder in (here, *ON_PATH):
+                if os.path.join(folder, name + ".py") in files:
+                    return os.path.join(folder, name + ".py")
+            return None
+        for cand in (os.path.join(*parts) + ".py", os.path.join(*parts, "__init__.py")):
+            if cand in files:
+                return cand
+        return None
+
+    graph = {}
+    for path in files:
+        here, out = os.path.dirname(path), set()
+        for node in ast.walk(ast.parse(open(os.path.join(root, path)).read())):
+            if isinstance(node, ast.Import):
+                out.update(resolve(a.name, here) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                out.add(resolve(node.module, here))
+                out.update(resolve(f"{node.module}.{a.name}", here) for a in node.names)
+        graph[path] = out - {None, path}
+    return graph
+
+
+def test_no_script_imports_in_a_circle():
+    """The scripts outside rlhf/ import each other one way only (the GPU check's runner and its speed parts share
+    tests/gpu/gpu_harness.py rather than each other)."""
+    found = circles(script_graph())
+    assert not found, "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_a_script_circle_is_found(tmp_path):
+    gpu, ex = tmp_path / "tests" / "gpu", tmp_path / "examples" / "a"
+    gpu.mkdir(parents=True)
+    ex.mkdir(parents=True)
+    (gpu / "one.py").write_text("def f():\n    import two\n")
+    (gpu / "two.py").write_text("import one\n")
+    (ex / "run.py").write_text("from examples.a import helper\n")
+    (ex / "helper.py").write_text("from examples.a.run import x\n")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "t.py").write_text("from examples.a.helper import y\nimport os\n")
+    graph = script_graph(str(tmp_path))
+    assert graph[os.path.join("tools", "t.py")] == {os.path.join("examples", "a", "helper.py")}
+    assert circles(graph) == [[os.path.join("examples", "a", "helper.py"), os.path.join("examples", "a", "run.py")],
+                              [os.path.join("tests", "gpu", "one.py"), os.path.join("tests", "gpu", "two.py")]]
 
 
 def test_no_module_imports_in_a_circle():

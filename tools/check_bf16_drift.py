@@ -29,7 +29,6 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tools"))
 
 QUESTIONS = ["What is 17 + 25?", "What is 9 x 7?", "What is 64 + 38?", "What is 12 x 11?"]
 
@@ -56,7 +55,7 @@ def main(argv=None) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    from run_rlvr_example import smollm2_or
+    from examples.rlvr.run import smollm2_or
 
     hf_dir = smollm2_or(args.model, out)
     import torch

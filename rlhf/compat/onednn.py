@@ -3,7 +3,7 @@
 megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` multiply with ``torch.matmul``, which for fp32 on CPU
 is MKL's ``sgemm``. On AMD CPUs MKL dispatches to a generic kernel; oneDNN picks its kernel by instruction set.
 Measured on the AMD EPYC (Zen 5, AVX-512) of our CI machines, one thread: 100-108 GFLOP/s with MKL against
-177-258 GFLOP/s with oneDNN for the matmuls of the bench models (``tools/bench_cpu_update.py`` prints both).
+177-258 GFLOP/s with oneDNN for the matmuls of the bench models (``bench/cpu_update.py`` prints both).
 
 ``use_onednn_linears(model)`` gives each such layer of ``model`` a ``_forward_impl`` that runs
 ``OneDNNLinear`` (forward and both backward GEMMs through ``torch.ops.mkldnn._linear_pointwise``) when the call

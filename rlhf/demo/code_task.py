@@ -1,4 +1,4 @@
-"""A small code task set for RL on code (docs/code_rl.md, tools/run_code_rl_example.py): write one short Python function,
+"""A small code task set for RL on code (docs/code_rl.md, examples/code_rl/run.py): write one short Python function,
 graded by hidden test cases in MBPP's ``test_list`` form (three ``assert f(x) == y``), which the code reward runs as
 call tests (the expected values never enter the sandbox). Made here, from the templates below (this project's own,
 no dataset's text; the repository's license); a template with a parameter gives one task per value.

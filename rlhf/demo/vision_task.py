@@ -1,4 +1,4 @@
-"""A visual task a tiny vision-language model learns on a CPU (docs/vlm.md, tools/run_vlm_example.py): 112 x 112
+"""A visual task a tiny vision-language model learns on a CPU (docs/vlm.md, examples/vlm/run.py): 112 x 112
 images of one to three filled shapes (squares or discs) of one colour on a white ground, and one of two questions:
 how many shapes there are (answer ``1``, ``2`` or ``3``) or what colour they are (``red``, ``green``, ``blue`` or
 ``yellow``). Answers are checked exactly (``shape_reward``): the reply's first word, lower-cased, against the

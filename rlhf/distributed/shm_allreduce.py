@@ -4,7 +4,7 @@ gloo moves an all-reduce through TCP loopback. On one host the ranks can instead
 one shared-memory segment: each rank writes the parts of its buffer that the others reduce, reduces its own part
 (``1/W`` of the buffer) from everyone's copies, publishes it, and reads the others' reduced parts back. Measured
 on a 2-core CPU, 2 ranks, fp32, with megatron's scaling pass: 105 MB in 46 ms against gloo's 98 ms, 538 MB in
-209 ms against 440 ms (``tools/bench_allreduce.py``). This is the gradient all-reduce of megatron's DDP at ZeRO 0,
+209 ms against 440 ms (``bench/allreduce.py``). This is the gradient all-reduce of megatron's DDP at ZeRO 0,
 which a CPU job uses; ``install_on_ddp`` routes its bucket groups here.
 
 Results: each part is reduced by exactly one rank and copied to the others, so every rank holds the same bits. The

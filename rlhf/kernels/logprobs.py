@@ -28,7 +28,7 @@ from torch import Tensor
 from rlhf.kernels import reference
 from rlhf.kernels.reference import RowStats
 
-# fp32 elements of one chunk of logits for `token_logprobs` on CPU. Tuned with tools/bench_kernels.py
+# fp32 elements of one chunk of logits for `token_logprobs` on CPU. Tuned with bench/fused_kernels.py
 # (N=4096, V=32000, 1 thread; 8 to 128 rows all run within 10%): cache-sized, and large enough that the
 # per-chunk Python overhead vanishes. On GPUs the Triton kernels stream rows with O(1) extra memory instead.
 CPU_CHUNK_ELEMS = 1 << 20

@@ -33,7 +33,7 @@ log = logging.getLogger("rlhf")
 LIGER_INSTALL = "pip install liger-kernel==0.8.5"
 PARTS_ENV = "RLHF_FUSED_PARTS"
 """Which of the fused kernels run when the path is on, comma-separated (default ``DEFAULT_PARTS``); for measuring
-each one's share (tools/gpu_speed.py), the others then run their torch twins."""
+each one's share (tests/gpu/gpu_speed.py), the others then run their torch twins."""
 PARTS = ("norm", "swiglu", "rope", "head")
 DEFAULT_PARTS = ("swiglu", "rope", "head")
 """Liger's RMSNorm is opt-in (``RLHF_FUSED_PARTS=norm,swiglu,rope,head``): on an H200 (bench/results/gpu_speed_*,

@@ -1,5 +1,5 @@
 """Measured memory on CPU, to check the planner against (tests/launch/_memory_worker.py) and for benchmarks
-(tools/bench_context_parallel.py)."""
+(bench/context_parallel.py)."""
 from __future__ import annotations
 
 

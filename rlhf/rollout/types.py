@@ -49,7 +49,7 @@ def choose_tensor_parallel_size(spec, world_size: int, local_world_size: int, *,
     (an engine never spans nodes) and fit the heads (``heads_allow_tp``).
 
     - CPU: the largest candidate. One engine over the node's ranks generated faster than one engine per rank at
-      every size measured on a 2-core machine (``tools/bench_rollout.py``, 32 prompts x 32 tokens, eager: 4M
+      every size measured on a 2-core machine (``bench/rollout.py``, 32 prompts x 32 tokens, eager: 4M
       0.28 vs 0.34 s, 25M 1.16 vs 1.48 s): the ranks share every decode step's weight reads and per-step
       overhead instead of each paying it for half the batch.
     - CUDA: the smallest candidate whose weight shard takes at most half of vLLM's memory share
