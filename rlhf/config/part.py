@@ -21,7 +21,8 @@ def flag(*names: str, default: Any = MISSING, default_factory: Any = MISSING, **
     """A part's field that is a command-line flag, defined once: its option strings (``names``; default
     ``--<field name>``), its default (the field's and the flag's), and the rest of ``add_argument``'s keywords (help,
     type, choices, action, nargs, metavar, const). ``Part.add_args`` declares it from here, as megatron's
-    ``megatron/training/argument_utils.py`` builds argparse from its dataclasses' fields."""
+    ``megatron/training/argument_utils.py`` builds argparse from its dataclasses' fields. ``switches``: other
+    names that each set the field to a constant, as ``((names...), const, help)`` (a peer's switch for one value)."""
     meta = {"flag": {"names": names, **argparse_kwargs}}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
@@ -54,7 +55,7 @@ class Part:
             spec = f.metadata.get("flag")
             if spec is None or f.name in skip or (only is not None and f.name not in only):
                 continue
-            kw = {k: v for k, v in spec.items() if k != "names"}
+            kw = {k: v for k, v in spec.items() if k not in ("names", "switches")}
             if f.default is not MISSING:
                 kw["default"] = f.default
             elif f.default_factory is not MISSING:  # type: ignore[misc]
@@ -62,6 +63,9 @@ class Part:
             kw.update(changes.get(f.name, {}))
             names = kw.pop("names", None) or spec["names"] or (f"--{f.name}",)
             g.add_argument(*names, **kw)
+            for switch, const, text in spec.get("switches", ()):
+                g.add_argument(*switch, dest=kw.get("dest", cls.DESTS.get(f.name, f.name)), action="store_const",
+                               const=const, help=text)
 
     @classmethod
     def from_args(cls: type[P], ns: argparse.Namespace, **derived: Any) -> P:

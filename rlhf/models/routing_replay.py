@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from rlhf.config.part import Part
+from rlhf.config.part import Part, flag
 
 MODES = ("off", "rollout", "train")
 ALIASES = {"disabled": "off", "R3": "rollout", "R2": "train"}
@@ -40,31 +40,26 @@ def _mode(value: str) -> str:
 class RouterReplayPart(Part):
     """How the MoE actor's expert routing is kept equal between the generator and the trainer."""
 
-    moe_router_replay: str = "off"
-    """(--moe_router_replay) ``rollout`` (R3): the generator's experts for every prompt and response token are
-    replayed in every forward and backward of the actor (old log-probs, the update); ``train`` (R2): the routing of
-    the trainer's first forward of the sample is replayed in the update; ``off``. The reference routes itself in
-    every mode. slime: ``--use-rollout-routing-replay`` / ``--use-routing-replay``; verl: ``router_replay.mode`` R3 /
-    R2 / disabled."""
-    moe_routing_flip_interval: int = 0
-    """(--moe_routing_flip_interval) every N steps measure the routing-flip metric where it costs an extra actor
-    forward (R3, or no actor forward in make_experience); 0: never there. Where the actor's own experience forward
-    records the routing (off or R2 with that forward) it is measured every step, free"""
-
-    @classmethod
-    def add_args(cls, g: Any) -> None:
-        g.add_argument("--moe_router_replay", type=str, default="off", metavar="{off,rollout,train}",
-                       help="MoE actors: replay the generator's routing (rollout, R3) or the trainer's first "
-                            "forward's (train, R2) in the trainer's forwards and backwards; verl's names R3, R2, "
-                            "disabled are accepted (docs/ppo.md)")
-        g.add_argument("--moe_routing_flip_interval", type=int, default=0,
-                       help="MoE actors: every N steps log moe/routing_flip_tokens where measuring it costs one more "
-                            "actor forward (with --moe_router_replay rollout, or when make_experience runs no actor "
-                            "forward); 0 (default): not there. Elsewhere it is measured every step at no cost")
-        g.add_argument("--use-rollout-routing-replay", "--use_rollout_routing_replay", dest="moe_router_replay",
-                       action="store_const", const="rollout", help="slime's name for --moe_router_replay rollout")
-        g.add_argument("--use-routing-replay", "--use_routing_replay", dest="moe_router_replay",
-                       action="store_const", const="train", help="slime's name for --moe_router_replay train")
+    moe_router_replay: str = flag(
+        type=str, default="off", metavar="{off,rollout,train}",
+        help="MoE actors: replay the generator's routing (rollout, R3) or the trainer's first forward's (train, R2) "
+             "in the trainer's forwards and backwards; verl's names R3, R2, disabled are accepted (docs/ppo.md)",
+        switches=((("--use-rollout-routing-replay", "--use_rollout_routing_replay"), "rollout",
+                   "slime's name for --moe_router_replay rollout"),
+                  (("--use-routing-replay", "--use_routing_replay"), "train",
+                   "slime's name for --moe_router_replay train")))
+    """``rollout`` (R3): the generator's experts for every prompt and response token are replayed in every forward
+    and backward of the actor (old log-probs, the update); ``train`` (R2): the routing of the trainer's first
+    forward of the sample is replayed in the update; ``off``. The reference routes itself in every mode. slime:
+    ``--use-rollout-routing-replay`` / ``--use-routing-replay``; verl: ``router_replay.mode`` R3 / R2 / disabled."""
+    moe_routing_flip_interval: int = flag(
+        type=int, default=0,
+        help="MoE actors: every N steps log moe/routing_flip_tokens where measuring it costs one more actor forward "
+             "(with --moe_router_replay rollout, or when make_experience runs no actor forward); 0 (default): not "
+             "there. Elsewhere it is measured every step at no cost")
+    """every N steps measure the routing-flip metric where it costs an extra actor forward (R3, or no actor forward
+    in make_experience); 0: never there. Where the actor's own experience forward records the routing (off or R2
+    with that forward) it is measured every step, free"""
 
     def check(self) -> None:
         self.moe_router_replay = _mode(self.moe_router_replay)

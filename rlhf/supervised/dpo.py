@@ -58,18 +58,12 @@ class DPOPart(Part):
 
     GROUP = "DPO"
 
-    loss_type: str = flag(default="dpo", help="dpo | ipo | cdpo")
+    loss_type: str = flag(default="dpo", help="dpo | ipo | cdpo",
+                          switches=((("--ipo",), "ipo", "compatibility (OpenRLHF): the same as --loss_type ipo"),))
     """(--loss_type, --ipo) dpo | ipo | cdpo"""
     label_smoothing: float = flag(type=float, default=0.0,
                                   help="cDPO: the probability that a preference label is flipped, in (0, 0.5)")
     """(--label_smoothing) cDPO: the probability that a preference label is flipped"""
-
-    @classmethod
-    def add_args(cls, p: argparse.ArgumentParser) -> None:
-        g = p.add_argument_group(cls.GROUP)
-        super().add_args(g)
-        g.add_argument("--ipo", dest="loss_type", action="store_const", const="ipo",
-                       help="compatibility (OpenRLHF): the same as --loss_type ipo")
 
     def check(self) -> None:
         if self.loss_type not in PREFERENCE_LOSSES:
