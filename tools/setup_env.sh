@@ -17,10 +17,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 $PIP install -q "torch==2.13.0"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   gpu=1
-  extras="gpu,test,smollm2"
+  extras="gpu,test,smollm2,agents"
 else
   gpu=0
-  extras="cpu,test,smollm2"
+  extras="cpu,test,smollm2,agents"
 fi
 $PIP install -q -e ".[${extras}]"
 if [ "$gpu" = 0 ]; then

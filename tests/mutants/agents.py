@@ -11,6 +11,7 @@ SWE = "tests/ppo/test_agent_swe.py::"
 REPO = SWE + "test_the_repository_lives_on_the_host_and_runs_in_the_sandbox"
 SCRIPTED = SWE + "test_a_scripted_model_fixes_a_bug_through_the_tools"
 CALC = JOBS + "test_the_calculator_program_feeds_calc_agents_conversation"
+MINI = SWE + "test_mini_swe_agent_fixes_a_bug_through_the_endpoint_in_the_sandbox"
 
 MUTANTS = [
     Mutant("agents-continuation-reencoded", "rlhf/agents/tokens.py",
@@ -117,4 +118,15 @@ MUTANTS = [
            replace='''        messages += [''',
            claim="the calculator program's requests are fed what calc_agent.py's executor feeds",
            tests=(CALC,)),
+    Mutant("agents-swe-mini-commands-on-the-host", "rlhf/demo/swe_mini.py",
+           find='''        out, code = self.repo.shell(exports + action.get("command", ""),''',
+           replace='''        return super().execute(action, cwd, timeout=timeout)
+        out, code = self.repo.shell(exports + action.get("command", ""),''',
+           claim="mini-swe-agent's commands run in the sandbox on the trajectory's repository, not on the host",
+           tests=(MINI,)),
+    Mutant("agents-swe-mini-submit-ignored", "rlhf/demo/swe_mini.py",
+           find='''        self._check_finished(output)  # raises Submitted''',
+           replace='''        pass  # raises Submitted''',
+           claim="mini-swe-agent's submit command ends its run in the sandbox as on its own environment",
+           tests=(MINI,)),
 ]

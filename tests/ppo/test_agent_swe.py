@@ -1,12 +1,15 @@
-"""The bundled software-engineering tasks (rlhf/demo/swe_task.py) and their agent program (rlhf/demo/swe_program.py):
-every command in rlhf.sandbox, the reward from hidden tests; a scripted model fixing a bug through the endpoint's
-tool calls; the program in a PPO job (the tiny model fixes nothing; the sandbox's share of the step is reported)."""
+"""The bundled software-engineering tasks (rlhf/demo/swe_task.py), our agent program (rlhf/demo/swe_program.py) and
+mini-swe-agent run unchanged (rlhf/demo/swe_mini.py): every command in rlhf.sandbox, the reward from hidden tests; a
+scripted model fixing a bug through the endpoint's tool calls, with each agent; both agents in a PPO job (the tiny
+model fixes nothing; the sandbox's seconds are logged)."""
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
+
+from helpers import require
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -112,10 +115,13 @@ def test_a_scripted_model_fixes_a_bug_through_the_tools(tmp_path):
     assert wrong["reward"] == 0.0 and wrong["extra_logs"]["commands"] == 5.0, wrong
 
 
-def test_the_swe_program_in_a_job(ppo_setup, tmp_path, monkeypatch, capsys):
-    """The program in PPO (2 tasks x 2 trajectories, the tiny model): every trajectory runs its sandbox commands
-    (the listing, the visible tests, the grade at least), is graded 0 (the model fixes nothing) and logs the
-    sandbox's seconds."""
+@pytest.mark.parametrize("agent", ["swe_program.py", "swe_mini.py"])
+def test_the_swe_agents_in_a_job(agent, ppo_setup, tmp_path, monkeypatch, capsys):
+    """Each agent in PPO (the tiny model): every trajectory ends without a failure, is graded 0 in the sandbox (the
+    model fixes nothing) and logs the sandbox's seconds. Our program (2 tasks x 2 trajectories) runs its listing and
+    visible tests first. mini-swe-agent (1 task x 2, its prompt alone about 3,100 tokens here; its step limit set to
+    1 by a wrapper file, as a user's own configuration would) reads no tool call in the tiny model's reply and stops,
+    unsubmitted."""
     from ppo_common import DIMS, TINY_GRPO, ppo_args
     from test_agent_endpoint import chatml_tokenizer
 
@@ -125,19 +131,71 @@ def test_the_swe_program_in_a_job(ppo_setup, tmp_path, monkeypatch, capsys):
     from rlhf.observability.metrics import read_metrics_jsonl
     from rlhf.ppo import main
 
+    mini = agent == "swe_mini.py"
+    agent_file, tasks = f"rlhf/demo/{agent}", 2
+    if mini:
+        require("minisweagent", "mini-swe-agent runs against the endpoint")
+        agent_file, tasks = tmp_path / "one_step.py", 1
+        agent_file.write_text("from rlhf.demo.swe_mini import run_agent as run\n\n\n"
+                              "def run_agent(client, prompt, label, **kw):\n"
+                              "    return run(client, prompt, label, max_steps=1, **kw)\n")
     chatml_tokenizer(tmp_path / "tok")
     actor = make_tiny_hf(str(tmp_path / "actor"), "llama", seed=4, tokenizer_dir=str(tmp_path / "tok"),
-                         **{**DIMS, "max_position_embeddings": 2048})
+                         **{**DIMS, "max_position_embeddings": 4096 if mini else 2048})
     prompts = tmp_path / "swe.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in records()[:2]))
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records()[:tasks]))
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     flags = {**TINY_GRPO, "--rollout_backend": "megatron", "--pretrain": actor, "--prompt_data": str(prompts),
-             "--label_key": "task", "--agent_func_path": "rlhf/demo/swe_program.py", "--max_len": "1800",
-             "--prompt_max_len": "64", "--generate_max_len": "4", "--rollout_batch_size": "2",
-             "--n_samples_per_prompt": "2", "--train_batch_size": "4", "--micro_train_batch_size": "4",
-             "--micro_rollout_batch_size": "4", "--max_samples": "2", "--agent_timeout_s": "120"}
+             "--label_key": "task", "--agent_func_path": str(agent_file), "--max_len": "4096" if mini else "1800",
+             "--prompt_max_len": "64", "--generate_max_len": "4", "--rollout_batch_size": str(tasks),
+             "--n_samples_per_prompt": "2", "--train_batch_size": str(2 * tasks),
+             "--micro_train_batch_size": str(2 * tasks), "--micro_rollout_batch_size": str(2 * tasks),
+             "--max_samples": str(tasks), "--agent_timeout_s": "120"}
     assert main(ppo_args(ppo_setup, str(tmp_path / "o"), **flags) + ["--stop_after_steps", "1"]) == 0
     capsys.readouterr()
     s = read_metrics_jsonl(str(tmp_path / "o" / "metrics.jsonl"), "ppo")[1]
     assert s["agent/failures"] == 0.0 and s["reward"] == 0.0 and s["reward_extra/solved"] == 0.0, s
-    assert s["reward_extra/commands"] >= 3.0 and s["reward_extra/sandbox_seconds"] > 0.0, s
+    assert s["reward_extra/sandbox_seconds"] > 0.0, s
+    if mini:
+        assert s["reward_extra/steps"] == 1.0 and s["reward_extra/submitted"] == 0.0, s
+        assert s["reward_extra/commands"] == 1.0, s  # the grade alone
+    else:
+        assert s["reward_extra/commands"] >= 3.0, s
+
+
+def test_mini_swe_agent_fixes_a_bug_through_the_endpoint_in_the_sandbox(tmp_path):
+    """mini-swe-agent (PyPI, unchanged: its DefaultAgent, LitellmModel and mini.yaml) against the endpoint, the model
+    scripted in Hermes' tool-call format: a sed through its bash tool, then its submit command. Each command ran in
+    the sandbox (SweRepo counts them); the hidden tests pass: reward 1, submitted, 2 model calls, every call
+    trained. The same with a fix that passes the visible test only: reward 0."""
+    require("minisweagent", "mini-swe-agent runs against the endpoint")
+    import asyncio
+
+    from test_agent_endpoint import ScriptedGen, chatml_tokenizer, serve
+
+    from rlhf.demo import swe_mini
+
+    tok = chatml_tokenizer(tmp_path / "tok")
+    ids = lambda s: tok(text=s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
+
+    def bash(command):
+        return ids("Fixing.\n<tool_call>" + json.dumps({"name": "bash", "arguments": {"command": command}})
+                   + "</tool_call>")
+
+    def episode(sed):
+        gen = ScriptedGen([(bash(f"sed -i '{sed}' mathx.py"), True),
+                           (bash("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"), True)])
+
+        async def agent(client, ep, sid):
+            return await asyncio.to_thread(swe_mini.run_agent, None, "clamp is broken", "clamp", model="m",
+                                           base_url=ep.url(sid), api_key="k")
+
+        return serve(tok, gen, agent, max_len=16384, max_tokens=512)
+
+    st, out = episode("s/max(lo, x)/min(hi, max(lo, x))/")
+    assert out["reward"] == 1.0 and out["extra_logs"]["submitted"] == 1.0, out
+    assert out["extra_logs"]["steps"] == 2.0 and out["extra_logs"]["commands"] == 3.0, out  # 2 commands, the grade
+    t = st.session.trajectory()
+    assert t["turns"] == 2 and t["endpoint"]["untrained_calls"] == 0.0, t["endpoint"]
+    _, wrong = episode("s/max(lo, x)/min(hi, x)/")
+    assert wrong["reward"] == 0.0 and wrong["extra_logs"]["submitted"] == 1.0, wrong
