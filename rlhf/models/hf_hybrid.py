@@ -63,6 +63,15 @@ def shard_from_hf(rest: str, p: str, get: Callable, spec: ModelSpec, *, tp_rank:
         return get(a + "norm.weight")
     if rest == "self_attention.out_proj.weight":
         return get(a + "out_proj.weight")[:, g_lo * r * dv:g_hi * r * dv].contiguous()
+    if rest.startswith("mlp.shared_experts."):
+        q = p + "mlp.shared_expert."
+        lo, hi = tp_rank * spec.shared_expert_size // tp, (tp_rank + 1) * spec.shared_expert_size // tp
+        if rest.endswith("linear_fc1.weight"):
+            return torch.cat([get(q + "gate_proj.weight", rows=(lo, hi)), get(q + "up_proj.weight", rows=(lo, hi))])
+        if rest.endswith("linear_fc2.weight"):
+            return get(q + "down_proj.weight")[:, lo:hi].contiguous()
+        if rest.endswith("gate_weight"):
+            return get(p + "mlp.shared_expert_gate.weight")
     if rest == "self_attention.linear_qkv.weight" and spec.attention_gate:
         d, groups = spec.head_dim, spec.num_kv_heads
         per = spec.num_attention_heads // groups
@@ -92,6 +101,15 @@ def hf_from_megatron(rest: str, p: str, tensor: torch.Tensor, spec: ModelSpec) -
               "self_attention.out_proj.weight": "out_proj.weight"}
     if rest in simple:
         return [(a + simple[rest], tensor)]
+    if rest.startswith("mlp.shared_experts."):
+        q = p + "mlp.shared_expert."
+        if rest.endswith("linear_fc1.weight"):
+            gate, up = torch.chunk(tensor, 2, dim=0)
+            return [(q + "gate_proj.weight", gate), (q + "up_proj.weight", up)]
+        if rest.endswith("linear_fc2.weight"):
+            return [(q + "down_proj.weight", tensor)]
+        if rest.endswith("gate_weight"):
+            return [(p + "mlp.shared_expert_gate.weight", tensor)]
     if rest == "self_attention.linear_qkv.weight" and spec.attention_gate:
         d, groups = spec.head_dim, spec.num_kv_heads
         per, h = spec.num_attention_heads // groups, tensor.shape[-1]
@@ -107,7 +125,13 @@ def layer_hf_names(spec: ModelSpec, layer: int) -> set[str]:
     """Every HF tensor of decoder layer ``layer``."""
     p = f"model.layers.{layer}."
     names = {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-    names |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+    if spec.moe_layers is not None and spec.moe_layers[layer]:
+        names |= {p + "mlp.gate.weight", p + "mlp.shared_expert_gate.weight"}
+        names |= {f"{p}mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")}
+        names |= {f"{p}mlp.experts.{e}.{n}_proj.weight" for e in range(spec.num_experts)
+                  for n in ("gate", "up", "down")}
+    else:
+        names |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
     if spec.linear_attention["layers"][layer]:
         return names | {f"{p}linear_attn.{n}" for n in ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight",
                                                         "dt_bias", "A_log", "norm.weight", "out_proj.weight")}

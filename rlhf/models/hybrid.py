@@ -11,8 +11,13 @@ What each ``config.json`` field becomes (``hybrid_fields`` reads them; the rest 
   q/k norms (``qk_layernorm``), ``partial_rotary_factor`` -> ``rotary_percent``.
 * every RMSNorm but the DeltaNet's gated output norm scales by ``1 + w`` (transformers' ``Qwen3NextRMSNorm``, its
   weights zero-initialised): ``ZeroCenteredRMSNorm``. The gated norm (``Qwen3NextRMSNormGated``) is a plain one.
-* ``num_experts`` 0 (or every layer in ``mlp_only_layers``): dense MLPs of ``intermediate_size``. MoE is refused
-  by name here (the softmax router with the gated shared expert is not mapped yet).
+* ``num_experts`` > 0: the layers that ``decoder_sparse_step`` and ``mlp_only_layers`` leave MoE (megatron's
+  ``moe_layer_freq`` list) route with a softmax over the experts, top ``num_experts_per_tok``, renormalised with
+  ``norm_topk_prob`` (``rlhf.models.gpt.moe_config``), experts of ``moe_intermediate_size``, and one shared expert of
+  ``shared_expert_intermediate_size`` scaled by ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``); the
+  other layers, and every layer with ``num_experts`` 0, are dense MLPs of ``intermediate_size``.
+  ``router_aux_loss_coef`` / ``output_router_logits`` are transformers' training switches (ours:
+  ``--aux_loss_coef``).
 
 megatron's hybrid block builder (``get_transformer_block_with_experimental_attention_variant_spec``) takes
 Transformer Engine only; ``hybrid_block_spec`` builds the same per-layer pattern from the local specs of
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 
 from rlhf.models.layer_specs import RMSNorm
 
-HYBRID_TYPES = ("qwen3_next",)
+
 def _refuse(source: str, what: str) -> None:
     raise ValueError(f"{source}: unsupported config field {what}")
 
@@ -69,20 +74,43 @@ def hybrid_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     mlp_only = set(cfg.get("mlp_only_layers") or [])
     step = int(cfg.get("decoder_sparse_step") or 1)
     moe_layers = [i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(layers)]
+    out = dict(linear_attention={**la, "layers": tuple(t == "linear_attention" for t in types)},
+               attention_gate=True, zero_centered_norm=True, qk_norm=True, qkv_bias=False)
     if any(moe_layers):
-        _refuse(source, f"num_experts={experts} (MoE layers of qwen3_next are not wired yet: the softmax router with "
-                        "the sigmoid-gated shared expert; a dense qwen3_next has num_experts 0)")
-    return dict(linear_attention={**la, "layers": tuple(t == "linear_attention" for t in types)},
-                attention_gate=True, zero_centered_norm=True, qk_norm=True, qkv_bias=False)
+        out.update(_moe(cfg, experts, source), moe_layers=tuple(moe_layers))
+    return out
+
+
+def _moe(cfg: dict[str, Any], experts: int, source: str) -> dict[str, Any]:
+    """The MoE layers: softmax router over ``num_experts``, top ``num_experts_per_tok`` (renormalised with
+    ``norm_topk_prob``), experts of ``moe_intermediate_size``, one shared expert of ``shared_expert_intermediate_size``
+    gated by ``sigmoid(shared_expert_gate(x))`` (megatron's ``moe_shared_expert_gate``)."""
+    topk = int(_need(cfg, "num_experts_per_tok", source))
+    norm = bool(cfg.get("norm_topk_prob", True))
+    if not 1 <= topk <= experts:
+        _refuse(source, f"num_experts_per_tok={topk} (must be in [1, {experts}])")
+    if topk == 1 and norm:
+        _refuse(source, "num_experts_per_tok=1 with norm_topk_prob=True (megatron's router renormalises k >= 2 only)")
+    shared = int(_need(cfg, "shared_expert_intermediate_size", source))
+    if shared < 1:
+        _refuse(source, f"shared_expert_intermediate_size={shared} (transformers always builds the shared expert)")
+    ffn = int(_need(cfg, "moe_intermediate_size", source))
+    return dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=ffn, moe_norm_topk=norm,
+                shared_expert_size=shared, shared_expert_gate=True)
 
 
 def hybrid_config(spec) -> dict:
     """The TransformerConfig fields of a hybrid stack."""
     la = spec.linear_attention
-    return dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=[int(x) for x in la["layers"]],
-                linear_conv_kernel_dim=la["conv_kernel_dim"], linear_key_head_dim=la["key_head_dim"],
-                linear_value_head_dim=la["value_head_dim"], linear_num_key_heads=la["num_key_heads"],
-                linear_num_value_heads=la["num_value_heads"], attention_output_gate=spec.attention_gate)
+    out = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=[int(x) for x in la["layers"]],
+               linear_conv_kernel_dim=la["conv_kernel_dim"], linear_key_head_dim=la["key_head_dim"],
+               linear_value_head_dim=la["value_head_dim"], linear_num_key_heads=la["num_key_heads"],
+               linear_num_value_heads=la["num_value_heads"], attention_output_gate=spec.attention_gate)
+    if spec.moe_layers is not None:  # the router, top-k and experts: rlhf.models.gpt.moe_config
+        out.update(moe_layer_freq=[int(x) for x in spec.moe_layers],
+                   moe_shared_expert_intermediate_size=spec.shared_expert_size,
+                   moe_shared_expert_gate=spec.shared_expert_gate, moe_shared_expert_overlap=False)
+    return out
 
 
 def check_hybrid_fit(spec, tp: int) -> None:
@@ -93,15 +121,19 @@ def check_hybrid_fit(spec, tp: int) -> None:
     if spec.num_kv_heads % tp:
         raise ValueError(f"--tp {tp} with num_key_value_heads={spec.num_kv_heads}: the gated attention's KV groups "
                          "are not replicated over TP here; use a TP that divides num_key_value_heads")
+    if spec.moe_layers is not None:
+        if spec.shared_expert_size % tp:
+            raise ValueError(f"--tp {tp} does not divide shared_expert_intermediate_size={spec.shared_expert_size}")
+        if not all(spec.moe_layers) and spec.intermediate_size % tp:
+            raise ValueError(f"--tp {tp} does not divide intermediate_size={spec.intermediate_size} (the dense layers)")
 
 
 def check_hybrid_layout(spec, *, pp: int, ep: int, cp: int, value_head: bool, use_te: bool) -> None:
-    """Layouts a hybrid model does not run in yet, refused by name before any weight is read."""
+    """Layouts a hybrid model does not run in yet, refused by name before any weight is read (EP runs: the experts are
+    megatron's own MoE layer)."""
     if pp > 1:
         raise ValueError(f"--pp {pp} with {spec.model_type}: pipeline stages of a hybrid stack are not wired yet "
                          "(each stage's slice of the layer pattern); use --pp 1")
-    if ep > 1:
-        raise ValueError(f"--expert_model_parallel_size {ep} with {spec.model_type}: only its dense form runs here")
     if cp > 1:
         raise ValueError(f"--context_parallel_size {cp} with {spec.model_type}: the DeltaNet's recurrent state is not "
                          "passed between context-parallel ranks (megatron-core 0.16.1 has no GatedDeltaNet CP); use "
@@ -190,8 +222,9 @@ def _gdn_class():
             # gradient sums over TP (megatron-core 0.16.1 sums only q/k_layernorm's and sequence-parallel ones)
             from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-            weight = self.out_norm.weight
-            weight = copy_to_tensor_model_parallel_region(weight) if tp > 1 else weight
+            weight = self.out_norm.weight  # (under sequence parallelism finalize_model_grads sums it)
+            if tp > 1 and not getattr(weight, "sequence_parallel", False):
+                weight = copy_to_tensor_model_parallel_region(weight)
             y = F.rms_norm(out.reshape(-1, self.value_head_dim), (self.value_head_dim,), weight, self.out_norm.eps)
             y = (y * F.silu(gate.reshape(-1, self.value_head_dim).float())).to(dtype)
             y = y.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()  # (S, B, V_local)
@@ -246,4 +279,8 @@ def layer_params(spec, layer: int) -> int:
     else:
         q, kv = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         mixer = h * (2 * q + 2 * kv) + q * h + 2 * spec.head_dim
-    return mixer + 3 * h * spec.intermediate_size + 2 * h
+    if spec.moe_layers is not None and spec.moe_layers[layer]:
+        mlp = spec.num_experts * (3 * h * spec.moe_ffn_hidden_size + h) + 3 * h * spec.shared_expert_size + h
+    else:
+        mlp = 3 * h * spec.intermediate_size
+    return mixer + mlp + 2 * h

@@ -112,6 +112,8 @@ class ModelSpec:
     num_key_heads, num_value_heads, and ``layers``: per layer, True for a DeltaNet, False for softmax attention"""
     attention_gate: bool = False  # qwen3_next: q_proj's second half per head gates the output, sigmoid
     zero_centered_norm: bool = False  # qwen3_next: the RMSNorms scale by (1 + w)
+    moe_layers: tuple | None = None  # qwen3_next: per layer, True for MoE (decoder_sparse_step, mlp_only_layers)
+    shared_expert_gate: bool = False  # qwen3_next: the shared expert's output times sigmoid(x . w)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

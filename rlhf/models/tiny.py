@@ -172,6 +172,16 @@ TINY_HYBRIDS = {
                                       linear_conv_kernel_dim=4, num_experts=0, max_position_embeddings=256,
                                       tie_word_embeddings=False,
                                       layer_types=["linear_attention"] * 3 + ["full_attention"])),
+    # the same with MoE layers: 4 experts top 2 (renormalised), the sigmoid-gated shared expert; layer 1 dense
+    # (mlp_only_layers)
+    "qwen3_next-moe": ("qwen3_next", dict(num_hidden_layers=4, hidden_size=64, intermediate_size=96,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                          linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True,
+                                          max_position_embeddings=256, tie_word_embeddings=False,
+                                          layer_types=["linear_attention"] * 3 + ["full_attention"])),
 }
 """Tiny hybrid (Gated DeltaNet) models built by transformers' own classes: name -> (model_type, overrides of
 ``make_tiny_hf``). ``_randomize`` draws their dt_bias, the zero-initialised (1 + w) norms and the gated norm."""

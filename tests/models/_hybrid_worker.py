@@ -3,12 +3,12 @@
     torchrun --nproc_per_node 2 tests/models/_hybrid_worker.py WORKDIR NAME [NAME ...]
 
 For each tiny model WORKDIR/hf/NAME (transformers' own classes, rlhf.models.tiny.TINY_HYBRIDS): converts HF ->
-megatron in-process at TP 2, then
-* logits vs transformers (fp32, eager attention) at TP 1 and TP 2 on 2 rows of SEQ tokens (two of the delta rule's
-  64-token chunks);
-* one training step's loss and every gradient vs transformers' own backward at TP 1 (DP 2) and TP 2;
-* packed micro-batches at TP 1 and TP 2 against the same sequences padded, with the controls: the delta rule's state,
-  or the convolution's window, carried across the packed boundaries;
+megatron in-process at TP 2, then (``layouts``)
+* logits vs transformers (fp32, eager attention) at TP 1, TP 2 (MoE: sequence parallelism) and EP 2 (MoE) on 2 rows
+  of SEQ tokens (two of the delta rule's 64-token chunks);
+* one training step's loss and every gradient vs transformers' own backward at the same layouts (TP 1 and EP 2: DP 2);
+* packed micro-batches at the same layouts against the same sequences padded, with the controls: the delta rule's
+  state, or the convolution's window, carried across the packed boundaries;
 * controls at TP 1: the same logits with one term removed (CONTROLS), which must then differ from transformers.
 Rank 0 writes WORKDIR/result-<first NAME>.json. The families worker's helpers (tests/models/_families_worker.py) are
 reused; its 4-rank job runs PP and EP layouts, which these models refuse.
@@ -30,8 +30,12 @@ from _mp_equivalence import layout_name, progress  # noqa: E402
 from rlhf.distributed import initialize_mesh  # noqa: E402
 from rlhf.models.pipeline import gather_vocab_parallel, run_microbatches  # noqa: E402
 
-LAYOUTS = [(1, 1, 1), (2, 1, 1)]
 SEQ = 80
+
+
+def layouts(spec):
+    """TP 1 and TP 2 (sequence parallelism for MoE); EP 2 for MoE."""
+    return [(1, 1, 1), (2, 1, 1)] + ([(1, 1, 2)] if spec.num_experts else [])
 
 
 def _zero(pattern):
@@ -65,7 +69,9 @@ def _conv_one_tap(model):
 
 CONTROLS = {"qwen3_next": {"attention_gate_zeroed": _attention_gate_zeroed, "dt_bias_zeroed": _zero("dt_bias"),
                            "deltanet_norm_zeroed": _zero("out_norm"), "conv_one_tap": _conv_one_tap,
-                           "qk_norm_zeroed": _zero("k_layernorm")}}
+                           "qk_norm_zeroed": _zero("k_layernorm")},
+            "qwen3_next-moe": {"shared_expert_zeroed": _zero("shared_experts.linear_fc2"),
+                               "shared_expert_gate_zeroed": _zero("shared_experts.gate_weight")}}
 
 
 @contextlib.contextmanager
@@ -82,7 +88,7 @@ def no_reset(what):
         setattr(gd, name, orig)
 
 
-def packed_check(plan, ckpt, tp, lengths=(7, 70, 1, 12)):
+def packed_check(plan, ckpt, tp, ep=1, lengths=(7, 70, 1, 12)):
     """max |packed - padded| logits over sequences of ``lengths`` (packed: 90 tokens, two chunks); and the same
     with the state, and the convolution, not reset at the boundaries."""
     from rlhf.models.packing import make_packed_batch, split_packed
@@ -91,7 +97,7 @@ def packed_check(plan, ckpt, tp, lengths=(7, 70, 1, 12)):
     ids = torch.randint(3, plan.spec.vocab_size, (len(lengths), max(lengths)), generator=g)
     mask = torch.arange(max(lengths)) < torch.tensor(lengths).unsqueeze(1)
     ids = ids.masked_fill(~mask, 0)
-    mesh, model = build(plan, ckpt, tp, 1, 1)
+    mesh, model = build(plan, ckpt, tp, 1, ep)
     padded = logits_of(model, mesh, plan, ids)
     mb = make_packed_batch(ids, mask)
 
@@ -115,12 +121,12 @@ def logits_check(work, name, plan, ckpt, results):
     with torch.no_grad():
         ref = hf_model(os.path.join(work, "hf", name))(input_ids=ids).logits.double()
     results[f"ref_scale/{name}"] = ref.abs().max().item()
-    for tp, pp, ep in LAYOUTS:
-        progress(f"logits {name} tp{tp}")
+    for tp, pp, ep in layouts(plan.spec):
+        progress(f"logits {name} tp{tp} ep{ep}")
         mesh, model = build(plan, ckpt, tp, pp, ep)
         ours = logits_of(model, mesh, plan, ids)
         results[f"logits/{name}/{layout_name(tp, pp, ep)}"] = max_over_ranks((ours - ref).abs().max().item())
-        for key, v in packed_check(plan, ckpt, tp).items():
+        for key, v in packed_check(plan, ckpt, tp, ep).items():
             results[f"{key}/{name}/{layout_name(tp, pp, ep)}"] = v
     for control, edit in CONTROLS.get(name, {}).items():
         mesh, model = build(plan, ckpt, 1, 1, 1)
@@ -135,8 +141,8 @@ def grad_check(work, name, plan, ckpt, results):
     box = [hf_step(work, name, data, plan.spec) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     ref_loss, ref = box[0]
-    for tp, pp, ep in LAYOUTS:
-        progress(f"grads {name} tp{tp}")
+    for tp, pp, ep in layouts(plan.spec):
+        progress(f"grads {name} tp{tp} ep{ep}")
         loss, grads = our_step(plan, ckpt, tp, pp, ep, data)
         results[f"grads/{name}/{layout_name(tp, pp, ep)}"] = {"loss": loss, "ref_loss": ref_loss,
                                                               **compare(grads, ref)}

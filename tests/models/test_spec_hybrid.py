@@ -29,6 +29,20 @@ def test_the_tiny_config_reads_as_transformers_builds_it():
     assert spec.num_params == sum(p.numel() for p in hf.parameters())
 
 
+def test_moe_layers_read_as_transformers_builds_them():
+    import transformers
+
+    cfg = _config(**{k: v for k, v in TINY_HYBRIDS["qwen3_next-moe"][1].items()})
+    spec = spec_from_hf_config(cfg)
+    assert spec.moe_layers == (True, False, True, True) and spec.num_experts == 4 and spec.moe_topk == 2
+    assert spec.shared_expert_size == 48 and spec.shared_expert_gate and spec.moe_norm_topk
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(**cfg))
+    assert spec.num_params == sum(p.numel() for p in hf.parameters())
+    moe = _config(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2)
+    assert spec_from_hf_config(moe).moe_layers == (False, True, False, True)
+
+
 def test_full_attention_interval_gives_the_layer_pattern():
     cfg = _config(full_attention_interval=2)
     del cfg["layer_types"]
@@ -36,7 +50,10 @@ def test_full_attention_interval_gives_the_layer_pattern():
 
 
 @pytest.mark.parametrize("changes,field", [
-    (dict(num_experts=4, num_experts_per_tok=2), "num_experts=4"),
+    (dict(num_experts=4, num_experts_per_tok=5, moe_intermediate_size=32), "num_experts_per_tok=5"),
+    (dict(num_experts=4, num_experts_per_tok=1, norm_topk_prob=True), "num_experts_per_tok=1 with norm_topk_prob"),
+    (dict(num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=0),
+     "shared_expert_intermediate_size=0"),
     (dict(attention_bias=True), "attention_bias=True"),
     (dict(linear_num_value_heads=3), "linear_num_value_heads=3"),
     (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "layer_types="),
@@ -63,8 +80,8 @@ def test_tp_must_split_whole_key_heads_and_kv_groups():
         check_parallel_fit(spec_from_hf_config(_config(num_key_value_heads=1)), 2, 1)
 
 
-@pytest.mark.parametrize("kw,flag", [(dict(pp=2), "--pp 2"), (dict(ep=2), "--expert_model_parallel_size 2"),
-                                     (dict(cp=2), "--context_parallel_size 2"), (dict(value_head=True), "value head"),
+@pytest.mark.parametrize("kw,flag", [(dict(pp=2), "--pp 2"), (dict(cp=2), "--context_parallel_size 2"),
+                                     (dict(value_head=True), "value head"),
                                      (dict(use_te=True), "--transformer_impl local")])
 def test_layouts_not_wired_are_refused_by_name(kw, flag):
     spec = spec_from_hf_config(_config())
@@ -85,3 +102,23 @@ def test_lora_and_generators_are_refused_by_name():
     from rlhf.models.spec_families import vllm_refusal
 
     assert "qwen3_next" in vllm_refusal(spec, 1, "float32", False)
+
+
+def test_ppo_refuses_the_family_by_name(tmp_path):
+    """launch/ppo.py's checks, before any process group or model: no generator carries the DeltaNet's state."""
+    import argparse
+
+    from rlhf.models.tiny import make_tiny_hybrid
+    from rlhf.ppo.args import add_args, validate
+
+    make_tiny_hybrid(str(tmp_path / "q3n"))
+    p = argparse.ArgumentParser()
+    add_args(p)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    args = p.parse_args(["--pretrain", str(tmp_path / "q3n"), "--prompt_data", str(prompts), "--reward_fn",
+                         "rlhf.rewards.verifiers:math_reward", "--advantage_estimator", "group_norm",
+                         "--n_samples_per_prompt", "2",
+                         "--save_path", str(tmp_path / "out"), "--rollout_backend", "megatron"])
+    with pytest.raises(ValueError, match=r"qwen3_next\) with --rollout_backend megatron"):
+        validate(args, world_size=1)
