@@ -46,6 +46,12 @@ def shard_from_hf(rest: str, p: str, get: Callable, spec: ModelSpec, *, tp_rank:
     nk, nv, dk, dv, r = _dims(spec)
     g_lo, g_hi = tp_rank * nk // tp, (tp_rank + 1) * nk // tp  # this rank's key heads
     a = p + "linear_attn."
+    if rest == "self_attention.in_proj.weight" and spec.linear_attention["split_in_proj"]:  # qwen3_5_text
+        qkv, qk = get(a + "in_proj_qkv.weight"), nk * dk
+        v_lo, v_hi = g_lo * r, g_hi * r  # this rank's value heads
+        return torch.cat([qkv[g_lo * dk:g_hi * dk], qkv[qk + g_lo * dk:qk + g_hi * dk],
+                          qkv[2 * qk + v_lo * dv:2 * qk + v_hi * dv], get(a + "in_proj_z.weight")[v_lo * dv:v_hi * dv],
+                          get(a + "in_proj_b.weight")[v_lo:v_hi], get(a + "in_proj_a.weight")[v_lo:v_hi]]).contiguous()
     if rest == "self_attention.in_proj.weight":
         qkvz = get(a + "in_proj_qkvz.weight")
         qkvz = qkvz.reshape(nk, 2 * dk + 2 * r * dv, -1)[g_lo:g_hi]
@@ -92,6 +98,9 @@ def hf_from_megatron(rest: str, p: str, tensor: torch.Tensor, spec: ModelSpec) -
     if rest == "self_attention.in_proj.weight":
         h = tensor.shape[-1]
         q, k, v, z, b, al = torch.split(tensor, tp_sections(rest, spec), dim=0)
+        if spec.linear_attention["split_in_proj"]:  # qwen3_5_text
+            return [(a + "in_proj_qkv.weight", torch.cat([q, k, v]).contiguous()), (a + "in_proj_z.weight", z),
+                    (a + "in_proj_b.weight", b), (a + "in_proj_a.weight", al)]
         qkvz = torch.cat([q.reshape(nk, dk, h), k.reshape(nk, dk, h), v.reshape(nk, r * dv, h),
                           z.reshape(nk, r * dv, h)], dim=1).reshape(-1, h)
         ba = torch.cat([b.reshape(nk, r, h), al.reshape(nk, r, h)], dim=1).reshape(-1, h)
@@ -133,6 +142,8 @@ def layer_hf_names(spec: ModelSpec, layer: int) -> set[str]:
     else:
         names |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
     if spec.linear_attention["layers"][layer]:
-        return names | {f"{p}linear_attn.{n}" for n in ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight",
-                                                        "dt_bias", "A_log", "norm.weight", "out_proj.weight")}
+        proj = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a") if spec.linear_attention["split_in_proj"] \
+            else ("in_proj_qkvz", "in_proj_ba")
+        return names | {f"{p}linear_attn.{n}" for n in (*(f"{x}.weight" for x in proj), "conv1d.weight", "dt_bias",
+                                                        "A_log", "norm.weight", "out_proj.weight")}
     return names | {f"{p}self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}

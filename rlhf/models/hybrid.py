@@ -1,5 +1,6 @@
-"""Qwen3-Next (``qwen3_next``): Gated DeltaNet layers and gated softmax attention in one stack, on megatron-core
-0.16.1's own layers.
+"""Qwen3-Next (``qwen3_next``) and Qwen3.5's text model (``qwen3_5_text``): Gated DeltaNet layers and gated softmax
+attention in one stack, on megatron-core 0.16.1's own layers. Qwen3.5's layers are Qwen3-Next's; its checkpoints keep
+the DeltaNet's input projections apart (``rlhf.models.hf_hybrid``) and its rotary is multimodal (``text_rope``).
 
 What each ``config.json`` field becomes (``hybrid_fields`` reads them; the rest are refused by name):
 
@@ -47,6 +48,19 @@ def _need(cfg: dict, key: str, source: str) -> Any:
     return cfg[key]
 
 
+def text_rope(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """qwen3_5_text: its rotary is the multimodal one (``mrope_section``, interleaved), whose time, height and width
+    positions are equal on text, so it turns each frequency by the token's position as plain RoPE does: the
+    config without ``mrope_section`` / ``mrope_interleaved``."""
+    block = cfg.get("rope_parameters")
+    if not isinstance(block, dict) or not {"mrope_section", "mrope_interleaved"} & set(block):
+        return cfg
+    if block.get("mrope_interleaved", True) is not True:
+        _refuse(source, "rope_parameters.mrope_interleaved=False (qwen3_5's text rotary is interleaved)")
+    return {**cfg, "rope_parameters": {k: v for k, v in block.items()
+                                       if k not in ("mrope_section", "mrope_interleaved")}}
+
+
 def hybrid_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     """ModelSpec keyword arguments of a qwen3_next config's own fields (``partial_rotary_factor``: read by
     ``rlhf.models.spec_families``, as GLM's)."""
@@ -74,6 +88,7 @@ def hybrid_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     mlp_only = set(cfg.get("mlp_only_layers") or [])
     step = int(cfg.get("decoder_sparse_step") or 1)
     moe_layers = [i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(layers)]
+    la["split_in_proj"] = cfg["model_type"] == "qwen3_5_text"  # in_proj_qkv, _z, _b, _a apart (hf_hybrid)
     out = dict(linear_attention={**la, "layers": tuple(t == "linear_attention" for t in types)},
                attention_gate=True, zero_centered_norm=True, qk_norm=True, qkv_bias=False)
     if any(moe_layers):

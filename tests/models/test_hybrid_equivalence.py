@@ -27,10 +27,12 @@ from rlhf.models.tiny import TINY_HYBRIDS
 
 NAMES = tuple(TINY_HYBRIDS)
 LOGIT_TOL, GRAD_TOL = 1e-5, 1e-5
-LAYOUTS = {"qwen3_next": ["tp1pp1", "tp2pp1"], "qwen3_next-moe": ["tp1pp1", "tp2pp1", "tp1pp1ep2"]}
+LAYOUTS = {"qwen3_next": ["tp1pp1", "tp2pp1"], "qwen3_next-moe": ["tp1pp1", "tp2pp1", "tp1pp1ep2"],
+           "qwen3_5_text": ["tp1pp1", "tp2pp1"]}
 CONTROLS = {"qwen3_next": ["attention_gate_zeroed", "dt_bias_zeroed", "deltanet_norm_zeroed", "conv_one_tap",
                            "qk_norm_zeroed"],
-            "qwen3_next-moe": ["shared_expert_zeroed", "shared_expert_gate_zeroed"]}
+            "qwen3_next-moe": ["shared_expert_zeroed", "shared_expert_gate_zeroed"],
+            "qwen3_5_text": ["attention_gate_zeroed", "dt_bias_zeroed"]}
 CASES = [(m, lay) for m in NAMES for lay in LAYOUTS[m]]
 
 
@@ -100,4 +102,5 @@ def test_hf_round_trip_is_bit_exact_from_tp2(result, hybrid_models, tmp_path):
         bad = [k for k in src if got[k].dtype != src[k].dtype or not torch.equal(got[k], src[k])]
         assert not bad, bad[:5]
         cfg = json.load(open(os.path.join(out, "config.json")))
-        assert cfg["model_type"] == "qwen3_next" and cfg["architectures"] == ["Qwen3NextForCausalLM"]
+        src_cfg = json.load(open(os.path.join(hybrid_models, "hf", name, "config.json")))
+        assert (cfg["model_type"], cfg["architectures"]) == (src_cfg["model_type"], src_cfg["architectures"])

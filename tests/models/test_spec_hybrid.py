@@ -22,7 +22,8 @@ def test_the_tiny_config_reads_as_transformers_builds_it():
     cfg = _config()
     spec = spec_from_hf_config(cfg)
     assert spec.linear_attention == {"conv_kernel_dim": 4, "key_head_dim": 16, "value_head_dim": 8,
-                                     "num_key_heads": 2, "num_value_heads": 4, "layers": (True, True, True, False)}
+                                     "num_key_heads": 2, "num_value_heads": 4, "layers": (True, True, True, False),
+                                     "split_in_proj": False}
     assert spec.attention_gate and spec.zero_centered_norm and spec.qk_norm and spec.rotary_percent == 0.25
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(**cfg))
@@ -41,6 +42,22 @@ def test_moe_layers_read_as_transformers_builds_them():
     assert spec.num_params == sum(p.numel() for p in hf.parameters())
     moe = _config(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2)
     assert spec_from_hf_config(moe).moe_layers == (False, True, False, True)
+
+
+def test_qwen3_5_text_reads_as_transformers_builds_it():
+    """Qwen3.5's text model: the same layers, its DeltaNet's projections apart, the multimodal rotary (plain on text)."""
+    import transformers
+
+    kw = dict(TINY_HYBRIDS["qwen3_5_text"][1])
+    cfg = transformers.Qwen3_5TextConfig(vocab_size=300, **kw).to_dict()
+    spec = spec_from_hf_config(cfg)
+    assert spec.linear_attention["split_in_proj"] and spec.rotary_percent == 0.25 and spec.rope_scaling is None
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3_5TextConfig(**cfg))
+    assert spec.num_params == sum(p.numel() for p in hf.parameters())
+    cfg["rope_parameters"] = {**cfg["rope_parameters"], "mrope_interleaved": False}
+    with pytest.raises(ValueError, match="mrope_interleaved=False"):
+        spec_from_hf_config(cfg)
 
 
 def test_full_attention_interval_gives_the_layer_pattern():
