@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import subprocess
+import sys
 import types
 
 import torch
@@ -445,3 +448,48 @@ def test_expert_bias_is_skipped_only_without_expert_bias():
     biased = types.SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(3))
     patched(biased, routing_map)
     assert biased.local_tokens_per_expert.tolist() == [1.0, 0.0, 2.0]
+
+
+def test_vllms_expected_warnings_are_dropped_and_said_once(caplog):
+    """Each expected vLLM warning, as vLLM logs it (its format string and arguments), is dropped on the handler
+    and its meaning logged once; another vLLM warning (a layer that missed its weights) passes."""
+    import logging
+
+    from rlhf.compat.quiet import VLLM_EXPECTED, ExpectedWarnings
+
+    f = ExpectedWarnings(VLLM_EXPECTED)
+    rec = lambda msg, *args, level=logging.WARNING: logging.LogRecord("vllm.x", level, "f.py", 1, msg, args, None)
+    with caplog.at_level(logging.INFO, logger="rlhf.compat.quiet"):
+        for prefix in VLLM_EXPECTED:
+            full = prefix + " the rest of vLLM's text."
+            args = (1234,) if "%d" in prefix else ("libtcmalloc",) if "%s" in prefix else ()
+            assert not f.filter(rec(full, *args)) and not f.filter(rec(full, *args)), prefix
+        assert f.filter(rec("%s: Failed to load weights", "Linear"))
+        assert f.filter(rec("Model Runner V2 requires Triton", level=logging.ERROR))  # warnings only
+    said = [r.getMessage() for r in caplog.records if r.name == "rlhf.compat.quiet"]
+    assert len(said) == len(set(VLLM_EXPECTED.values())) and all(v == 2 for v in f.dropped.values()), said
+
+
+def test_vllms_expected_warnings_are_vllms_own_text():
+    """Each expected warning's text is in the source of one of the modules whose loggers carry the filter (an
+    upgrade that rewords or moves one fails here, rather than letting it through unexplained)."""
+    import importlib.util
+
+    from rlhf.compat.quiet import VLLM_EXPECTED, VLLM_LOGGERS
+
+    sources = [re.sub(r'"\s*\n\s*"', "", open(importlib.util.find_spec(m).origin).read()) for m in VLLM_LOGGERS]
+    missing = [p for p in VLLM_EXPECTED if not any(p in text for text in sources)]
+    assert not missing, missing
+
+
+def test_megatrons_fallback_warnings_are_not_shown():
+    """A process that imports rlhf, then megatron's optimizer and layer specs, shows none of megatron-core's
+    Transformer Engine / Apex fallback warnings; without rlhf's import the same imports show them."""
+    code = "import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs"
+    quiet = subprocess.run([sys.executable, "-W", "default", "-c", "import rlhf; " + code], capture_output=True,
+                           text=True, timeout=300)
+    loud = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr[-2000:] + loud.stderr[-2000:]
+    assert "Apex are not installed" in loud.stderr and "Apex is not installed" in loud.stderr, loud.stderr[-2000:]
+    assert "Apex are not installed" not in quiet.stderr and "Apex is not installed" not in quiet.stderr, \
+        quiet.stderr[-2000:]

@@ -7,6 +7,7 @@ what it works around and for which version:
     cuda.py       megatron-core 0.16.1 on a CPU-only torch: ``device="cuda"`` and the CUDA RNG, scoped to megatron
     lazy_jit.py   megatron-core 0.16.1: its import-time ``torch.compile`` decorators, deferred to the first call
     elastic.py    torch 2.13's elastic agent: a forked rank that ends by ``os._exit(0)``, torchrun's --run-path entry
+    quiet.py      vLLM 0.32.0's and megatron-core 0.16.1's warnings that mean nothing here, dropped, said once
 
 Importing ``megatron.py``, ``vllm.py``, ``cuda.py`` or ``elastic.py`` checks the installed version of what it patches against
 the one tested (``TESTED``) and logs one warning per mismatch, once per process (``check_versions``). This module

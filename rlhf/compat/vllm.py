@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 
 import torch
 
@@ -218,22 +219,24 @@ def fast_kernel_rebind() -> None:
             hit = by_id.get(id(value))
             return hit[1] if hit is not None and hit[0] is value else None
 
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if not namespace:
-                continue
-            for attr, value in list(namespace.items()):
-                wrapper = lookup(value)
-                if wrapper is not None:
-                    setattr(module, attr, wrapper)
+        with warnings.catch_warnings():  # reading torch.distributed.reduce_op warns that it is deprecated
+            warnings.simplefilter("ignore", FutureWarning)
+            for module in list(sys.modules.values()):
+                namespace = getattr(module, "__dict__", None)
+                if not namespace:
                     continue
-                if hasattr(value, "__dict__"):
-                    wrapper = lookup(vars(value).get("kernel"))
-                if wrapper is None:
-                    continue
-                value.kernel = wrapper
-                if not isinstance(value, type):
-                    value.__dict__.pop("_kernel_arg_names", None)
+                for attr, value in list(namespace.items()):
+                    wrapper = lookup(value)
+                    if wrapper is not None:
+                        setattr(module, attr, wrapper)
+                        continue
+                    if hasattr(value, "__dict__"):
+                        wrapper = lookup(vars(value).get("kernel"))
+                    if wrapper is None:
+                        continue
+                    value.kernel = wrapper
+                    if not isinstance(value, type):
+                        value.__dict__.pop("_kernel_arg_names", None)
 
     _rebind_kernels._rlhf_fast = True
     _rebind_kernels._rlhf_orig = dispatcher._rebind_kernels

@@ -95,7 +95,8 @@ def layer_spec(config, spec: ModelSpec, use_te: bool | None = None):
     use_te = te_available() if use_te is None else use_te
     if not _SPEC_LOGGED:
         log.info("layer spec: %s", "transformer-engine" if use_te else "local (torch; transformer-engine absent "
-                 "or no CUDA; packed THD batches via kernels.varlen_attention)")
+                 "or no CUDA; packed THD batches via kernels.varlen_attention; megatron-core's warnings that TE "
+                 "and Apex are absent are not shown: its local layers, torch's norms and optimizers run)")
         _SPEC_LOGGED = True
     if use_te:
         from rlhf.models.families import is_family
@@ -177,7 +178,8 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, *, params_dtype: torch
         pipeline_dtype=params_dtype, bf16=bf16, use_cpu_initialization=True, perform_initialization=init_weights,
         bias_activation_fusion=fused_swiglu(spec, use_te), masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
-        sequence_parallel=sequence_parallel(spec, tp))
+        sequence_parallel=sequence_parallel(spec, tp),
+        cuda_graph_scope=[])  # megatron's default "full" warns that it is deprecated; [] is what it becomes
     if spec.sliding_window is not None:
         # HF: query i sees keys j with i - j < W; megatron's window (left, right) allows i - j <= left.
         kwargs["window_size"] = (spec.sliding_window - 1, 0)

@@ -123,6 +123,9 @@ class VLLMRollout:
         """``load_format``: ``dummy`` (the trainer's weights come by weight sync); ``auto`` loads ``hf_dir``'s own
         weights, as a plain vLLM would (for checks against the synced engine, tools/check_bf16_drift.py)."""
         _export_launcher_env(mesh)
+        from rlhf.compat.quiet import quiet_vllm
+
+        quiet_vllm()  # vLLM's start-up warnings that mean nothing here, each said once (rlhf/compat/quiet.py)
         from vllm import LLM
 
         self.mesh, self.cfg = mesh, cfg

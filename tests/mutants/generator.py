@@ -1,5 +1,6 @@
 """Planted bugs of the vLLM generator's weight reload: its "Failed to load weights" warnings dropped where a layer
-did own a weight, or not checked after a sync."""
+did own a weight, or not checked after a sync; and of the start-up warnings that mean nothing here
+(rlhf/compat/quiet.py): shown after all, or dropped beyond the expected ones."""
 from tests.mutants import Mutant
 
 _T = "tests/ppo/test_engine_weights.py::"
@@ -19,4 +20,17 @@ MUTANTS = [
            find="        if quiet - set(now):\n", replace="        if False:\n",
            claim="a sync after which a silenced layer owns a weight again fails by name",
            tests=(_T + "test_a_reload_warning_is_dropped_only_where_nothing_was_to_load",)),
+    Mutant("quiet-vllm-filter-not-installed", "rlhf/compat/quiet.py",
+           find="            logging.getLogger(name).addFilter(_VLLM_FILTER)\n", replace="            pass\n",
+           claim="vLLM's start-up warnings that mean nothing here are not shown in a job's log, each said once",
+           tests=("tests/ppo/test_ppo_e2e.py::test_reward_rises_and_vllm_matches_trainer",)),
+    Mutant("quiet-vllm-every-warning-dropped", "rlhf/compat/quiet.py",
+           find="            if record.msg.startswith(prefix):\n", replace="            if True:\n",
+           claim="only the expected vLLM warnings are dropped; any other passes",
+           tests=("tests/test_compat.py::test_vllms_expected_warnings_are_dropped_and_said_once",)),
+    Mutant("quiet-megatron-filters-not-installed", "rlhf/compat/quiet.py",
+           find="        warnings.filterwarnings(\"ignore\", message=message, category=UserWarning, module=r\"megatron\\.\")\n",
+           replace="        pass\n",
+           claim="megatron-core's Transformer Engine / Apex fallback warnings are not shown once rlhf is imported",
+           tests=("tests/test_compat.py::test_megatrons_fallback_warnings_are_not_shown",)),
 ]
