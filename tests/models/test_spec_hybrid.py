@@ -139,3 +139,21 @@ def test_ppo_refuses_the_family_by_name(tmp_path):
                          "--save_path", str(tmp_path / "out"), "--rollout_backend", "megatron"])
     with pytest.raises(ValueError, match=r"qwen3_next\) with --rollout_backend megatron"):
         validate(args, world_size=1)
+
+
+def test_lora_is_refused_on_the_built_model(tmp_path):
+    """apply_lora, where SFT/DPO jobs add adapters: its targets would miss the DeltaNet's projections."""
+    from rlhf.distributed import DistEnv, initialize_mesh
+    from rlhf.distributed.env import free_port
+    from rlhf.distributed.mesh import destroy_mesh
+    from rlhf.models.gpt import build_model
+    from rlhf.models.lora import LoraConfig, apply_lora
+
+    spec = spec_from_hf_config(_config())
+    initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"), device="cpu")
+    try:
+        model = build_model(spec, tp=1, pp=1, pp_rank=0, use_te=False, init_weights=True)
+        with pytest.raises(ValueError, match="--lora_rank"):
+            apply_lora(model, LoraConfig(), tp=1, tp_rank=0)
+    finally:
+        destroy_mesh()

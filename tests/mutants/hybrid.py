@@ -120,6 +120,10 @@ MUTANTS = [
            find='''    if generator is not None:''', replace='''    if False:''',
            claim="no generator runs the hybrids: PPO/GRPO refused by name",
            tests=(f"{SPEC}test_lora_and_generators_are_refused_by_name",)),
+    Mutant("hybrid-lora-allowed", "rlhf/models/lora.py",
+           find='''        check_hybrid_job(spec, lora=True)''', replace='''        pass''',
+           claim="LoRA on a hybrid model is refused by name where the adapters are added",
+           tests=(f"{SPEC}test_lora_is_refused_on_the_built_model",)),
     Mutant("hybrid-vllm-allowed", "rlhf/models/spec_families.py",
            find='''    if spec.linear_attention is not None:
         return (f"{spec.model_type}: vLLM''', replace='''    if False:
