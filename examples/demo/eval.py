@@ -28,6 +28,10 @@ def evaluate(policy: str, rm: str, prompts_file: str, n: int = 4, temperature: f
     import transformers
     from vllm import LLM, SamplingParams
 
+    from rlhf.compat.quiet import quiet_vllm
+
+    quiet_vllm()  # vLLM's start-up warnings that mean nothing here, each said once
+
     from rlhf.demo.sort_task import gold_reward
 
     prompts = [json.loads(ln)["prompt"] for ln in open(prompts_file) if ln.strip()]

@@ -23,7 +23,7 @@ VLLM_EXPECTED: dict[str, str] = {
     "%s is not found in LD_PRELOAD. ": "vLLM's CPU worker advises preloading tcmalloc and Intel's OpenMP runtime "
                                        "for speed; the trainer runs with the system allocator and torch's OpenMP",
     "The global random seed is set to %d. Since": "vLLM reseeds the process's torch RNG when it runs in-process; "
-                                                  "the trainer restores its RNG state around the engine's "
+                                                  "the trainer's engine restores the RNG state around its "
                                                   "construction (rlhf.compat.vllm.keep_torch_rng)",
     "Model Runner V2 requires Triton": _TRITON,
     "Triton is not installed. triton-cpu": _TRITON,
@@ -81,6 +81,9 @@ def quiet_vllm() -> ExpectedWarnings:
     """Put the filter on the loggers of ``VLLM_LOGGERS`` (once per process; before an engine starts)."""
     global _VLLM_FILTER
     if _VLLM_FILTER is None:
+        # its kernel scan reads every module global, torch.distributed.reduce_op too, which warns that it is deprecated
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated",
+                                category=FutureWarning, module=r"vllm\.triton_utils\.dispatcher")
         _VLLM_FILTER = ExpectedWarnings(VLLM_EXPECTED)
         for name in VLLM_LOGGERS:
             logging.getLogger(name).addFilter(_VLLM_FILTER)
