@@ -299,3 +299,26 @@ def layer_params(spec, layer: int) -> int:
     else:
         mlp = 3 * h * spec.intermediate_size
     return mixer + mlp + 2 * h
+
+
+def layer_numels(spec, tp: int, ep: int, layer: int) -> list[int]:
+    """Elements of each parameter of decoder layer ``layer`` one TP rank holds (the memory planner's
+    ``stage_param_numels``): a DeltaNet's norm, dt_bias, A_log, in_proj, conv, gated norm and out_proj split by key
+    heads, or the gated attention's q/gate/k/v rows, o_proj and q/k norms; then the MLP, dense or the router, this EP
+    rank's experts and the shared expert with its gate."""
+    h, la = spec.hidden_size, spec.linear_attention
+    out = [h]  # input norm
+    if la["layers"][layer]:
+        qk, v, nv = la["key_head_dim"] * la["num_key_heads"], la["value_head_dim"] * la["num_value_heads"], \
+            la["num_value_heads"]
+        out += [nv // tp, nv // tp, (2 * qk + 2 * v + 2 * nv) // tp * h, (2 * qk + v) // tp * la["conv_kernel_dim"],
+                la["value_head_dim"], v // tp * h]
+    else:
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        out += [(2 * q + 2 * kv) // tp * h, q // tp * h, spec.head_dim, spec.head_dim]
+    out.append(h)  # pre-MLP norm
+    if spec.moe_layers is None or not spec.moe_layers[layer]:
+        i = spec.intermediate_size // tp
+        return out + [2 * i * h, i * h]
+    f, s = spec.moe_ffn_hidden_size // tp, spec.shared_expert_size // tp
+    return out + [spec.num_experts * h] + [2 * f * h, f * h] * (spec.num_experts // ep) + [2 * s * h, s * h, h]

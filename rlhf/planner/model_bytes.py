@@ -181,6 +181,11 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, value_head
 
             out += layer_numels(spec, tp, ep, stage * (spec.num_layers // pp) + i)
             continue
+        if spec.linear_attention is not None:  # qwen3_next, qwen3_5_text
+            from rlhf.models.hybrid import layer_numels as hybrid_numels
+
+            out += hybrid_numels(spec, tp, ep, stage * (spec.num_layers // pp) + i)
+            continue
         out += [h, qkv * h] + ([qkv] if spec.qkv_bias else []) + [spec.num_attention_heads * d // tp * h]
         out += [d, d] if spec.qk_norm else []  # qwen3's q/k norms, replicated over TP
         if spec.num_experts:

@@ -157,3 +157,33 @@ def test_lora_is_refused_on_the_built_model(tmp_path):
             apply_lora(model, LoraConfig(), tp=1, tp_rank=0)
     finally:
         destroy_mesh()
+
+
+@pytest.mark.parametrize("name", list(TINY_HYBRIDS))
+def test_memory_planner_counts_the_models_parameters(name):
+    """The planner's per-rank tensors (rlhf.planner.stage_param_numels) are the megatron model's, one by one; at EP 2
+    half the experts; at TP 2 half of every split tensor (the norms, q/k norms, the router and the shared expert's
+    gate whole)."""
+    import transformers
+
+    from rlhf.distributed import DistEnv, initialize_mesh
+    from rlhf.distributed.env import free_port
+    from rlhf.distributed.mesh import destroy_mesh
+    from rlhf.models.gpt import build_model
+    from rlhf.planner import stage_param_numels
+
+    model_type, kw = TINY_HYBRIDS[name]
+    cls = transformers.Qwen3_5TextConfig if model_type == "qwen3_5_text" else transformers.Qwen3NextConfig
+    spec = spec_from_hf_config(cls(vocab_size=256, **kw).to_dict())
+    initialize_mesh(1, 1, DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single"), device="cpu")
+    try:
+        model = build_model(spec, tp=1, pp=1, pp_rank=0, use_te=False)
+        ours = [p.numel() for p in model.parameters()]
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".local_experts." in n)
+        replicated = sum(p.numel() for n, p in model.named_parameters()
+                         if n.endswith(("norm.weight", "layernorm.weight", "gate_weight", "router.weight")))
+    finally:
+        destroy_mesh()
+    assert sorted(stage_param_numels(spec, 1, 1, 0, False)) == sorted(ours)
+    assert sum(stage_param_numels(spec, 1, 1, 0, False, ep=2)) == sum(ours) - experts // 2
+    assert sum(stage_param_numels(spec, 2, 1, 0, False)) == replicated + (sum(ours) - replicated) // 2

@@ -124,6 +124,10 @@ MUTANTS = [
            find='''        check_hybrid_job(spec, lora=True)''', replace='''        pass''',
            claim="LoRA on a hybrid model is refused by name where the adapters are added",
            tests=(f"{SPEC}test_lora_is_refused_on_the_built_model",)),
+    Mutant("hybrid-planner-conv-without-values", "rlhf/models/hybrid.py",
+           find='''(2 * qk + v) // tp * la["conv_kernel_dim"],''', replace='''2 * qk // tp * la["conv_kernel_dim"],''',
+           claim="the memory planner counts each tensor a hybrid's TP rank holds (the conv over q, k and v)",
+           tests=(f"{SPEC}test_memory_planner_counts_the_models_parameters[qwen3_next]",)),
     Mutant("hybrid-vllm-allowed", "rlhf/models/spec_families.py",
            find='''    if spec.linear_attention is not None:
         return (f"{spec.model_type}: vLLM''', replace='''    if False:
