@@ -8,8 +8,8 @@ from rlhf.config.part import Part, flag
 
 @dataclass
 class AgentPart(Part):
-    """Multi-turn agents (``rlhf.agents.rollout.AgentConfig`` is built of it once ``validate`` has filled
-    ``max_len``)."""
+    """Multi-turn agents; once ``check_agent_args`` has filled ``max_len``, the agent rollout's configuration
+    (``rlhf.agents.rollout.AgentRollout``)."""
 
     agent_func_path: str | None = flag("--agent_func_path", "--train.agent_func_path", dest="agent_func_path",
                                        default=None,
@@ -40,12 +40,17 @@ class AgentPart(Part):
                                                "environments or run_agent programs; default: all of its share)")
     """(--agent_max_sessions) trajectories one rank runs at once"""
 
-    def config(self):
-        from rlhf.agents.rollout import AgentConfig
-
-        return AgentConfig(path=self.agent_func_path, max_len=self.max_len, max_turns=self.max_turns,
-                           timeout_s=self.agent_timeout_s, max_failures=self.max_agent_failures,
-                           max_sessions=self.agent_max_sessions)
+    def check_agent(self) -> None:
+        """The agent's own values, once ``check_agent_args`` knows an agent runs (``ValueError`` naming the flag).
+        The part is then the agent rollout's configuration (``rlhf.agents.rollout.AgentRollout``)."""
+        if self.agent_max_sessions is not None and self.agent_max_sessions < 1:
+            raise ValueError(f"--agent_max_sessions must be >= 1, got {self.agent_max_sessions}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"--max_turns must be >= 1, got {self.max_turns}")
+        if not self.agent_timeout_s > 0:
+            raise ValueError(f"--agent_timeout_s must be > 0, got {self.agent_timeout_s}")
+        if self.max_agent_failures < 0:
+            raise ValueError(f"--max_agent_failures must be >= 0, got {self.max_agent_failures}")
 
 
 def check_agent_args(job) -> None:
@@ -65,7 +70,7 @@ def check_agent_args(job) -> None:
         agent.max_len = gen.prompt_max_len + gen.generate_max_len
     if agent.max_len < 2:
         raise ValueError(f"--max_len must be >= 2, got {agent.max_len}")
-    agent.config()
+    agent.check_agent()
     from rlhf.agents.executor import load_agent_executor
 
     load_agent_executor(agent.agent_func_path)  # the user's file imports and defines AgentExecutor: before any model

@@ -19,6 +19,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -28,33 +29,13 @@ from rlhf.agents.executor import (CURRENT, MultiTurnAgentExecutor, TooManyAgentF
 from rlhf.agents.program import RunAgentExecutor
 from rlhf.rollout.types import Sample
 
+if TYPE_CHECKING:
+    from rlhf.agents.flags import AgentPart
+
 log = logging.getLogger(__name__)
 
 _MIX = 6364136223846793005
 _INC = 1442695040888963407
-
-
-@dataclass
-class AgentConfig:
-    """(--agent_func_path, --max_turns, --agent_timeout_s, --max_agent_failures, --max_len)"""
-
-    path: str
-    max_len: int
-    max_turns: int | None = None
-    timeout_s: float = 60.0
-    max_failures: int = 0
-    max_sessions: int | None = None
-    """(--agent_max_sessions) trajectories one rank runs at once (None: all of its share)"""
-
-    def __post_init__(self) -> None:
-        if self.max_sessions is not None and self.max_sessions < 1:
-            raise ValueError(f"--agent_max_sessions must be >= 1, got {self.max_sessions}")
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ValueError(f"--max_turns must be >= 1, got {self.max_turns}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"--agent_timeout_s must be > 0, got {self.timeout_s}")
-        if self.max_failures < 0:
-            raise ValueError(f"--max_agent_failures must be >= 0, got {self.max_failures}")
 
 
 @dataclass
@@ -124,9 +105,9 @@ class _BatchedLLM:
 
 
 class AgentRollout:
-    def __init__(self, cfg: AgentConfig, tokenizer, mesh):
+    def __init__(self, cfg: AgentPart, tokenizer, mesh):
         self.cfg, self.tokenizer, self.mesh = cfg, tokenizer, mesh
-        self.executor = load_agent_executor(cfg.path)
+        self.executor = load_agent_executor(cfg.agent_func_path)
         self.accepts = execute_kwargs(self.executor)
         self.llm = _BatchedLLM(tokenizer, cfg.max_len)
         self.loop = asyncio.new_event_loop()  # one for the job: an agent file's clients may outlive a step
@@ -141,9 +122,10 @@ class AgentRollout:
                     "a custom AgentExecutor: --max_turns and --agent_timeout_s apply to MultiTurnAgentExecutor's "
                     "environments and run_agent files only")
             log.info("agent: %s (%s); trajectories of at most %d tokens%s, environment calls within %gs, %d failed "
-                     "trajectories per step tolerated; the environments' rewards are the reward%s", cfg.path, kind,
-                     cfg.max_len, f", {cfg.max_turns} turns" if cfg.max_turns else "", cfg.timeout_s, cfg.max_failures,
-                     f"; at most {cfg.max_sessions} at once per rank" if cfg.max_sessions else "")
+                     "trajectories per step tolerated; the environments' rewards are the reward%s",
+                     cfg.agent_func_path, kind, cfg.max_len, f", {cfg.max_turns} turns" if cfg.max_turns else "",
+                     cfg.agent_timeout_s, cfg.max_agent_failures,
+                     f"; at most {cfg.agent_max_sessions} at once per rank" if cfg.agent_max_sessions else "")
 
     def run(self, engine, prompts: list, prompt_idx: list[int], *, n: int, temperature: float, top_p: float,
             max_tokens: int, seed: int, version: int = 0) -> tuple[list[Sample], dict[str, float]]:
@@ -171,7 +153,7 @@ class AgentRollout:
             temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, max_len=self.cfg.max_len,
             max_turns=self.cfg.max_turns, version=version))
         await ep.start()
-        self.executor.endpoint, self.executor.timeout_s = ep, self.cfg.timeout_s
+        self.executor.endpoint, self.executor.timeout_s = ep, self.cfg.agent_timeout_s
         self.executor.sampling = {"max_tokens": params.max_tokens, "temperature": params.temperature,
                                   "top_p": params.top_p}
         return ep
@@ -190,7 +172,7 @@ class AgentRollout:
         llm, loop = self.llm, asyncio.get_running_loop()
         llm.attach(loop, poke)
         endpoint = await self._endpoint(params, version)
-        bound = asyncio.Semaphore(self.cfg.max_sessions or max(len(mine), 1))
+        bound = asyncio.Semaphore(self.cfg.agent_max_sessions or max(len(mine), 1))
 
         async def one(prompt):
             async with bound:
@@ -205,7 +187,7 @@ class AgentRollout:
         tasks = []
         for j in mine:
             ctx = contextvars.copy_context()
-            ctx.run(CURRENT.set, Trajectory(seed=seed * 1_000_003 + j, timeout_s=self.cfg.timeout_s, index=j))
+            ctx.run(CURRENT.set, Trajectory(seed=seed * 1_000_003 + j, timeout_s=self.cfg.agent_timeout_s, index=j))
             tasks.append(loop.create_task(one(prompts[prompt_idx[j // n]]), context=ctx))
         base = seed * 1_000_003
         try:
@@ -297,10 +279,10 @@ class AgentRollout:
         n = len(outs)
         reasons = Counter(failure_kind(o.failure) for o in outs if o.failure)
         failures = sum(reasons.values())
-        if failures > self.cfg.max_failures:
+        if failures > self.cfg.max_agent_failures:
             first = next(o.failure for o in outs if o.failure)
             raise TooManyAgentFailures(f"{failures} of {n} agent trajectories failed in this step (--max_agent_failures "
-                               f"{self.cfg.max_failures}): {dict(reasons)}; the first: {first}")
+                               f"{self.cfg.max_agent_failures}): {dict(reasons)}; the first: {first}")
         if failures and self.mesh.is_rank0:
             log.warning("agent: %d of %d trajectories failed (reward 0): %s", failures, n, dict(reasons))
         m = {"agent/turns": sum(o.turns for o in outs) / n, "agent/env_seconds": sum(o.env_seconds for o in outs),

@@ -62,7 +62,7 @@ class PPOTrainer:
         if job.agent.agent_func_path:
             from rlhf.agents.rollout import AgentRollout
 
-            self.roles.agent = AgentRollout(job.agent.config(), tokenizer, mesh)
+            self.roles.agent = AgentRollout(job.agent, tokenizer, mesh)
         self.rewards = RewardSources(setup.rewards, setup.sources["--reward_pretrain"], prompts, tokenizer, mesh)
         self.kl_ctl = make_kl_controller(job.algo.init_kl_coef, job.algo.kl_target, job.algo.kl_horizon)
         self.sampler = DistributedBatchSampler(len(prompts), BatchConfig(batch.rollout_batch_size,

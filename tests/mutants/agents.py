@@ -66,7 +66,7 @@ MUTANTS = [
            claim="a program that goes --agent_timeout_s without a request in flight is cancelled",
            tests=(FAILING,)),
     Mutant("agents-sessions-unbounded", "rlhf/agents/rollout.py",
-           find='''        bound = asyncio.Semaphore(self.cfg.max_sessions or max(len(mine), 1))''',
+           find='''        bound = asyncio.Semaphore(self.cfg.agent_max_sessions or max(len(mine), 1))''',
            replace='''        bound = asyncio.Semaphore(max(len(mine), 1))''',
            claim="at most --agent_max_sessions trajectories run at once on a rank",
            tests=(FAILING,)),

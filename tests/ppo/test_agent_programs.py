@@ -148,9 +148,10 @@ def test_openrlhfs_openai_server_executor_runs_with_its_import_changed(ppo_setup
 
 def test_programs_that_raise_hang_or_overrun_get_reward_0_and_a_reason(ppo_setup, chatml_actor, tmp_path,
                                                                        monkeypatch, capsys):
-    """Prompts by their first word: raise (raised), sleep an hour (timeout after --agent_timeout_s 1), run past
-    --max_len (budget), return text (malformed). Each failed trajectory has reward 0 and its reason
-    counted; the step does not wait for the hanging one; at most --agent_max_sessions 2 run at once."""
+    """Prompts by their first word: raise (raised), sleep an hour (timeout after --agent_timeout_s 5; with 1 s a
+    loaded machine counted a malformed one as a timeout too), run past --max_len (budget), return text (malformed).
+    Each failed trajectory has reward 0 and its reason counted; the step does not wait for the hanging one; at most
+    --agent_max_sessions 2 run at once."""
     prompts = tmp_path / "prompts.jsonl"
     words = ["apple", "banana", "cherry", "delta"]
     prompts.write_text("".join(json.dumps({"prompt": f"say: {w} kilo"}) + "\n" for w in words))
@@ -158,7 +159,7 @@ def test_programs_that_raise_hang_or_overrun_get_reward_0_and_a_reason(ppo_setup
     agent = tmp_path / "failing.py"
     agent.write_text(FAILING % str(log_file))
     m, log = _job(ppo_setup, chatml_actor, tmp_path / "o", monkeypatch, capsys, agent, "--stop_after_steps", "1",
-                  **{"--prompt_data": str(prompts), "--max_agent_failures": "8", "--agent_timeout_s": "1",
+                  **{"--prompt_data": str(prompts), "--max_agent_failures": "8", "--agent_timeout_s": "5",
                      "--agent_max_sessions": "2", "--rollout_batch_size": "4", "--n_samples_per_prompt": "2"})
     s = m[1]
     got = {k: s.get(f"agent/failures/{k}", 0.0) for k in ("raised", "timeout", "budget", "malformed")}
