@@ -12,30 +12,46 @@ import argparse
 import sys
 
 
-def main(argv=None) -> int:
-    from rlhf.sandbox.core import SandboxConfig, run_program
+FLAG_HELP = {"max_file_mb": "the largest file, and the size of each of /sandbox, /tmp and /dev/shm",
+             "cpus": "CPU rate of the run's processes together, in cores",
+             "cpu_s": "CPU seconds the program's processes may use together (0: --timeout_s)",
+             "allow_weaker": "run with the isolation layers this machine has instead of refusing when one is missing"}
+"""Help beyond the flag's name; every limit's flag, type and default are ``SandboxConfig``'s field."""
+
+
+def parser() -> argparse.ArgumentParser:
+    from dataclasses import fields
+
+    from rlhf.sandbox.records import SandboxConfig
 
     p = argparse.ArgumentParser(prog="python -m rlhf.sandbox", description=__doc__.split("\n\n")[0])
     p.add_argument("--program", required=True, help="the Python program to run")
     p.add_argument("--stdin", default=None, help="a file whose content is the program's standard input")
-    p.add_argument("--timeout_s", type=float, default=10.0)
-    p.add_argument("--memory_mb", type=int, default=512)
-    p.add_argument("--max_processes", type=int, default=64)
-    p.add_argument("--max_output_bytes", type=int, default=1 << 20)
-    p.add_argument("--max_file_mb", type=int, default=16,
-                   help="the largest file, and the size of each of /sandbox, /tmp and /dev/shm")
-    p.add_argument("--cpus", type=float, default=1.0, help="CPU rate of the run's processes together, in cores")
-    p.add_argument("--cpu_s", type=float, default=0.0,
-                   help="CPU seconds the program's processes may use together (0: --timeout_s)")
-    p.add_argument("--allow_weaker", action="store_true",
-                   help="run with the isolation layers this machine has instead of refusing when one is missing")
-    args = p.parse_args(argv)
+    for f in fields(SandboxConfig):
+        if f.name == "python":  # the interpreter: this one
+            continue
+        kind = {"action": "store_true"} if isinstance(f.default, bool) else {"type": type(f.default)}
+        p.add_argument(f"--{f.name}", default=f.default, help=FLAG_HELP.get(f.name), **kind)
+    return p
+
+
+def config_of(args: argparse.Namespace):
+    """The ``SandboxConfig`` of the parsed limits (``ValueError`` naming a bad one)."""
+    from dataclasses import fields
+
+    from rlhf.sandbox.records import SandboxConfig
+
+    return SandboxConfig(**{f.name: getattr(args, f.name) for f in fields(SandboxConfig) if hasattr(args, f.name)})
+
+
+def main(argv=None) -> int:
+    from rlhf.sandbox.core import run_program
+
+    args = parser().parse_args(argv)
     try:
         program = open(args.program).read()
         stdin = open(args.stdin).read() if args.stdin else ""
-        cfg = SandboxConfig(timeout_s=args.timeout_s, memory_mb=args.memory_mb, max_processes=args.max_processes,
-                            max_output_bytes=args.max_output_bytes, max_file_mb=args.max_file_mb,
-                            cpus=args.cpus, cpu_s=args.cpu_s, allow_weaker=args.allow_weaker)
+        cfg = config_of(args)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -135,4 +135,9 @@ MUTANTS = [
            replace='''    if not run:''',
            claim="SandboxFusion's SandboxError (its own failure) is refused, not the program's error",
            tests=(CODE + "test_sandboxfusion_client_reads_sandboxfusions_own_responses",)),
+    Mutant("sandbox-cli-defaults-not-the-configs", "rlhf/sandbox/__main__.py",
+           find='        p.add_argument(f"--{f.name}", default=f.default, help=FLAG_HELP.get(f.name), **kind)',
+           replace='        p.add_argument(f"--{f.name}", help=FLAG_HELP.get(f.name), **kind)',
+           claim="python -m rlhf.sandbox's limits default to SandboxConfig's (one definition)",
+           tests=("tests/sandbox/test_sandbox_attacks.py::test_the_command_lines_limits_are_the_configs_fields",)),
 ]

@@ -776,3 +776,19 @@ def test_the_command_line_prints_one_json_line(host, tmp_path):
     p = subprocess.run([sys.executable, "-m", "rlhf.sandbox", "--program", str(prog), "--timeout_s", "0"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 2 and "--timeout_s must be > 0" in p.stderr, p.stderr
+
+
+def test_the_command_lines_limits_are_the_configs_fields():
+    """python -m rlhf.sandbox declares a flag per limit of SandboxConfig (the interpreter excepted), with the field's
+    default and type: the command line's defaults are the library's, and every limit can be given."""
+    from dataclasses import fields
+
+    from rlhf.sandbox.__main__ import config_of, parser
+
+    assert config_of(parser().parse_args(["--program", "p.py"])) == SandboxConfig()
+    given = {"timeout_s": 3.5, "memory_mb": 99, "max_processes": 7, "max_output_bytes": 1000, "max_file_mb": 2,
+             "cpus": 0.5, "cpu_s": 1.5, "allow_weaker": True}
+    assert {f.name for f in fields(SandboxConfig)} - {"python"} == set(given)
+    argv = ["--program", "p.py"] + [t for k, v in given.items()
+                                    for t in ([f"--{k}"] if v is True else [f"--{k}", str(v)])]
+    assert config_of(parser().parse_args(argv)) == SandboxConfig(**given)
