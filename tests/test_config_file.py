@@ -18,7 +18,7 @@ import os
 import pytest
 import yaml
 
-from rlhf.config.config_file import add_config_arg, expand, write_resolved
+from rlhf.config.config_file import add_config_arg, expand, resolved_path, write_resolved
 from rlhf.config.job import cli_main
 from rlhf.config.migration import add_launcher_args
 from rlhf.config.openrlhf import translate
@@ -182,6 +182,7 @@ def test_every_entry_points_resolved_flags_read_back_to_the_same_parse(entry, wh
     argv = _off_default(p, str(tmp_path))
     required = [t for i, t in enumerate(argv) if t in _required_flags(p) or i and argv[i - 1] in _required_flags(p)]
     first = _parse(p, argv if which == "off_default" else required, entry)
+    os.makedirs(os.path.dirname(resolved_path(first)), exist_ok=True)  # the run's folder (it writes none itself)
     path = write_resolved(first, p, entry)
     assert path is not None and os.path.isfile(path)
     again = _parse(p, ["--config", path], entry)
@@ -201,6 +202,8 @@ def test_the_resolved_file_leaves_out_a_wandb_key_and_the_local_rank(tmp_path, m
     p = _parser("ppo")
     args = _parse(p, BASE[:4] + ["--save_path", str(tmp_path / "run"), "--use_wandb", "SECRETKEY", "--local_rank",
                                  "3"])
+    assert write_resolved(args, p, "ppo") is None and not (tmp_path / "run").exists()  # no folder made for it
+    (tmp_path / "run").mkdir()
     path = write_resolved(args, p, "ppo")
     assert path == str(tmp_path / "run" / "run_config.yaml")
     text = open(path).read()
@@ -269,3 +272,19 @@ def test_an_abbreviated_config_is_refused(tmp_path, capsys):
     argv = ["--pretrain", "m", "--prompt_data", "d", "--save_path", str(tmp_path / "o"), "--conf", str(cfg)]
     assert _launch_main("ppo")(argv) == 2
     assert "spell the flag out as --config" in capsys.readouterr().err
+
+
+def test_the_resolved_file_is_written_when_the_run_made_its_folder(tmp_path, monkeypatch):
+    """A first launch: --save_path does not exist before the run; the resolved file is written once the run has
+    made it (cli_main writes again after the run), not into a folder made before the run's own checks."""
+    monkeypatch.delenv("RANK", raising=False)
+    o = tmp_path / "new"
+    seen = []
+
+    def run(args):
+        seen.append(o.exists())
+        o.mkdir()
+
+    assert cli_main(importlib.import_module(ENTRIES["sft"]).add_args, run,
+                    ["--pretrain", "m", "--dataset", "d", "--save_path", str(o)]) == 0
+    assert seen == [False] and yaml.safe_load(open(o / "run_config.yaml"))["save_path"] == str(o)

@@ -15,8 +15,9 @@ line's value (argparse keeps the last) and OpenRLHF's dotted names are translate
 the file turns on cannot be turned off from the command line (it has no ``--no-`` form).
 
 The resolved flags (every flag's parsed value by its ``dest``) go to ``<save_path>/run_config.yaml``, else
-``<output_dir>/run_config.yaml``, else ``<output_path without its extension>.run_config.yaml``, on rank 0 before the
-run starts. A W&B API key given to ``--use_wandb`` is written as ``True`` (the rerun logs in from the environment);
+``<output_dir>/run_config.yaml``, else ``<output_path without its extension>.run_config.yaml``, on rank 0: before the
+run starts where that folder exists (a relaunch), and when the run ends; never into a folder made for it, so that a
+run its own checks refuse leaves nothing behind. A W&B API key given to ``--use_wandb`` is written as ``True`` (the rerun logs in from the environment);
 the launcher's per-rank ``--local_rank`` is left out."""
 from __future__ import annotations
 
@@ -230,7 +231,8 @@ def resolved_path(args: argparse.Namespace) -> str | None:
 
 def write_resolved(args: argparse.Namespace, parser: argparse.ArgumentParser, entry: str) -> str | None:
     """Rank 0: the resolved flags into ``resolved_path(args)``; that path. Nothing where the entry point names no
-    output, or where --output_path's folder is missing (the entry point says so itself)."""
+    output, or where the output's folder does not exist yet: a run refused by its own checks then leaves nothing
+    behind (``cli_main`` calls this again once the run has made its folder)."""
     import yaml
 
     from rlhf.distributed.env import DistEnv
@@ -239,9 +241,7 @@ def write_resolved(args: argparse.Namespace, parser: argparse.ArgumentParser, en
     if path is None or DistEnv.from_environ().rank != 0:
         return None
     folder = os.path.dirname(os.path.abspath(path))
-    if getattr(args, "save_path", None) or getattr(args, "output_dir", None):
-        os.makedirs(folder, exist_ok=True)
-    elif not os.path.isdir(folder):
+    if not os.path.isdir(folder):
         return None
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(f"# launch/{entry}.py: every flag as this run resolved it; `--config {os.path.basename(path)}` "
