@@ -42,12 +42,15 @@ SET_IN_PROCESS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY",  # rl
                   "AITER_SITUV2_A4W4", "NUMEXPR_MAX_THREADS",  # importing vllm
                   "LD_LIBRARY_PATH",  # importing vLLM's engine (its cv2 import)
                   "LD_PRELOAD",  # vLLM's CPU platform, at an engine's start
-                  "WANDB_SERVICE")  # an in-process W&B run's service (a job must not talk to it)
+                  "WANDB_SERVICE",  # an in-process W&B run's service (a job must not talk to it)
+                  "MLFLOW_ALLOW_FILE_STORE")  # an in-process PPO run's default MLflow store (a job sets its own)
 SET_IN_PROCESS_PREFIXES = ("VLLM_",  # vLLM's import and engine (VLLM_DIST_IDENT, ...); VLLM_ENABLE_V1_... ours
-                           "TORCHINDUCTOR_",  # importing megatron.core (_CACHE_DIR) and vllm (_COMPILE_THREADS)
-                           "NVTE_")  # megatron's LanguageModule.__init__ (NVTE_FLASH_ATTN, ...)
+                           "TORCHINDUCTOR_", "_TORCHINDUCTOR_",  # importing megatron.core, vllm, torch's inductor
+                           "NVTE_",  # megatron's LanguageModule.__init__ (NVTE_FLASH_ATTN, ...)
+                           "MSWEA_", "LITELLM_")  # importing rlhf.demo.swe_mini (a job's rank sets them itself)
 """Variables that importing torch's companions or building a model or an engine sets in this process's environment
-(each seen in the suite's zygote summary, 2026-11-29; no test passes one of them to a job on purpose)."""
+(each seen in the suite's zygote summary, 2026-11-29 and 2026-12-02; no test passes one of them to a job on
+purpose)."""
 
 
 def test_env(**extra: str) -> dict:
