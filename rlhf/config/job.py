@@ -304,9 +304,10 @@ def cli_main(add_args, run, argv=None) -> int:
         apply_launcher_args(args)
         if getattr(args, "dist_timeout_s", None) is not None:
             watchdog.resolve_timeout_s(args.dist_timeout_s, "cpu")  # > 0, before anything is loaded
-        config_file.write_resolved(args, p, entry)  # where the run's folder already exists (a relaunch)
+        written = config_file.write_resolved(args, p, entry)  # where the run's folder already exists (a relaunch)
         run(args)
-        config_file.write_resolved(args, p, entry)  # beside what the run made
+        if written is None:
+            config_file.write_resolved(args, p, entry)  # beside what the run made
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return failures.end_rank(2)

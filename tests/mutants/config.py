@@ -85,8 +85,8 @@ MUTANTS = [
            replace="        argv = list(sys.argv[1:] if argv is None else argv)\n",
            claim="every entry point (cli_main) takes the file's flags", tests=(*CLI, *MAINS)),
     Mutant("config-resolved-not-written", "rlhf/config/job.py",
-           find="        config_file.write_resolved(args, p, entry)  # beside what the run made\n",
-           replace="        pass\n",
+           find="            config_file.write_resolved(args, p, entry)  # beside what the run made\n",
+           replace="            pass\n",
            claim="every entry point writes its resolved flags beside the run, a first launch's too",
            tests=(*CLI, T + "test_the_resolved_file_is_written_when_the_run_made_its_folder")),
 ]
