@@ -223,10 +223,11 @@ def _check_batching_and_rewards(job) -> None:
         if batch.n_samples_per_prompt < 2:
             raise ValueError(f"--dynamic_filtering with --n_samples_per_prompt {batch.n_samples_per_prompt}: it keeps "
                              "prompts whose replies score differently, which needs at least 2 replies per prompt")
-        if rewards.reward_pretrain or not (rewards.reward_fn or rewards.remote_rm_url or job.agent.agent_func_path):
+        if (rewards.reward_pretrain or rewards.judge is not None
+                or not (rewards.reward_fn or rewards.remote_rm_url or job.agent.agent_func_path)):
             raise ValueError("--dynamic_filtering filters on the scores of a rule reward (--reward_fn, "
                              "--remote_rm_url or an agent's) before any model runs; it does not combine with "
-                             "--reward_pretrain")
+                             "--reward_pretrain or an LLM judge (--judge_pretrain, --judge_url)")
     if algo.no_std_norm and algo.advantage_estimator not in ("gae", "reinforce_plus_plus", "reinforce_baseline"):
         raise ValueError(f"--no_std_norm with --advantage_estimator {algo.advantage_estimator}: only gae, "
                          "reinforce_plus_plus and reinforce_baseline normalise by a batch std (dr_grpo is grpo "

@@ -26,6 +26,7 @@ from rlhf.ppo.evaluation import EvalConfig
 from rlhf.ppo.parts import (GenerationPart, OffloadPart, PPOBatch, PPOLogging, PPOLora, PPOModels, PPOOptim,
                             PromptDataPart, RolloutPart)
 from rlhf.ppo.ptx import PtxPart
+from rlhf.rewards.judge import JudgePart, check_judge
 from rlhf.rewards.sources import RewardConfig
 from rlhf.sandbox.code_reward import CodeRewardConfig
 
@@ -40,6 +41,7 @@ class PPOJobConfig(Job):
     models: PPOModels
     distill: DistillConfig
     rewards: RewardConfig
+    judge: JudgePart
     code: CodeRewardConfig
     prompts: PromptDataPart
     text: TextPart
@@ -74,6 +76,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     PPOModels.add_args(g)
     DistillConfig.add_args(g)
     RewardConfig.add_args(g)
+    JudgePart.add_args(g)
     CodeRewardConfig.add_args(g)
     PromptDataPart.add_args(g)
     TextPart.add_args(g)
@@ -309,10 +312,12 @@ def _check_models(job: PPOJobConfig) -> dict[str, Any]:
     critic = job.models.critic_pretrain or (rewards.paths[0] if rewards.paths else None)
     if needs_critic and critic is None:
         what = (f"--reward_fn {rewards.reward_fn}" if rewards.reward_fn else f"--remote_rm_url {rewards.remote_rm_url}"
-                if rewards.remote_rm_url else "pure distillation (--task_reward_coef 0)")
+                if rewards.remote_rm_url else "an LLM judge" if rewards.judge is not None
+                else "pure distillation (--task_reward_coef 0)")
         raise ValueError(f"{what} without --reward_pretrain: the critic of --advantage_estimator "
                          f"{algo.advantage_estimator} needs --critic_pretrain")
-    sources = {"--reward_pretrain": rewards.validate_models(par.tp, par.pp)}
+    sources = {"--reward_pretrain": rewards.validate_models(par.tp, par.pp),
+               "--judge_pretrain": check_judge(job.judge, par.tp, par.pp)}
     for flag, path in (("--pretrain", job.models.pretrain), ("--critic_pretrain", critic if needs_critic else None)):
         if path is None:
             continue

@@ -13,12 +13,16 @@ class RewardSources:
     """The step's reward: reward-model scores and the rule function (``--reward_fn``), combined as
     ``rlhf.rewards.sources`` describes; the rule function reads the prompt texts and the decoded replies."""
 
-    def __init__(self, cfg, sources: list, prompts: list, tokenizer, mesh):
+    def __init__(self, cfg, sources: list, prompts: list, tokenizer, mesh, judge=None):
+        """``judge``: the LLM judge (``rlhf.rewards.judge.Judge``) when ``cfg`` has one."""
         from rlhf.rewards.sources import load_reward_fn
 
         self.cfg, self.prompts, self.tokenizer, self.mesh = cfg, prompts, tokenizer, mesh
         self.fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
         self.norms = cfg.norms(sources)
+        if (judge is None) != (cfg.judge is None):
+            raise AssertionError(f"the reward config's judge ({cfg.judge}) and the judge given ({judge}) disagree")
+        self.judge = judge
 
     def texts(self, rollout, samples: list[Sample]) -> tuple[list[str], list[str]]:
         """(prompt texts as the model saw them, decoded replies) of ``samples``."""
@@ -53,6 +57,9 @@ class RewardSources:
             scores["remote"] = remote.rewards.to(self.mesh.device)
             self.filter_scores = remote.scores  # what dynamic filtering reads, when the reward gives it
             metrics.update(extra_log_metrics(remote.extra_logs, len(texts), self.mesh))
+        if self.judge is not None:
+            scores["judge"], judge_logs = self.judged(rollout, labels)
+            metrics.update(judge_logs)
         if not scores:  # pure on-policy distillation (--task_reward_coef 0 with a teacher): no reward source
             rewards = raw = torch.zeros(len(rollout.local), device=self.mesh.device)
         else:
@@ -67,6 +74,24 @@ class RewardSources:
         if self.norms:
             metrics["reward_normalized"] = dp_all_gather(rewards, self.mesh).mean().item()
         return rewards, raw, metrics
+
+    def judged(self, rollout, labels: list) -> tuple[torch.Tensor, dict[str, float]]:
+        """The LLM judge's rewards of this rank's samples (B,) and its failure counts over the step. A judge in the
+        job generates data-parallel over every sample of the step (each rank gets every answer); a URL judge is
+        asked for this rank's share."""
+        from rlhf.rewards.judge import judge_metrics
+
+        if self.judge.collective:
+            every = rollout.samples
+            lo = self.mesh.dp_rank * len(rollout.local)
+            all_labels = [self.prompts[rollout.prompt_idx[s.prompt_index]].label for s in every]
+            v = self.judge.score(*self.texts(rollout, every), all_labels)
+            rewards, failures = v.rewards[lo:lo + len(rollout.local)], v.failures[lo:lo + len(rollout.local)]
+        else:
+            v = self.judge.score(*self.texts(rollout, rollout.local), labels)
+            rewards, failures = v.rewards, v.failures
+        return (torch.tensor(rewards, dtype=torch.float32, device=self.mesh.device),
+                judge_metrics(failures, self.mesh))
 
 
 def agent_rewards(samples: list[Sample]) -> torch.Tensor:

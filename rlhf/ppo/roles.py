@@ -35,12 +35,16 @@ class PPORoles:
     """--agent_func_path: the multi-turn rollout (``rlhf.agents.rollout.AgentRollout``) driving ``rollout``"""
     teacher: Any = None
     """the frozen teacher of on-policy distillation (--teacher_pretrain; ``rlhf.ppo.distill``)"""
+    judge: Any = None
+    """the LLM judge (``rlhf.rewards.judge``): --judge_pretrain's over its frozen engine (``judge.role``), resident in
+    make_experience, where it generates its answers; or --judge_url's client"""
 
     @property
     def engines(self) -> dict[str, Any]:
         """Every megatron engine by role name."""
         return {k: v for k, v in (("actor", self.actor), ("critic", self.critic), ("ref", self.ref),
-                                  ("teacher", self.teacher), *self.reward_models.items()) if v is not None}
+                                  ("teacher", self.teacher), ("judge", getattr(self.judge, "role", None)),
+                                  *self.reward_models.items()) if v is not None}
 
     @property
     def trainable(self) -> dict[str, Any]:
@@ -140,8 +144,12 @@ def build_roles(job, setup, mesh, estimator, total_updates: int) -> PPORoles:
                            **impl) if job.distill.teacher_pretrain else None)
     if teacher is not None:  # its log-probs over the ids the student can sample (rlhf.ppo.distill.check_teacher)
         teacher.score_vocab = (setup.sources.get("--teacher_pretrain") or {}).get("score_vocab")
+    from rlhf.rewards.judge import make_judge
+
+    judge = make_judge(job.judge, ModelRole(mesh, job.judge.judge_pretrain, value_head=False, name="judge",
+                                            bf16=eng.bf16, **impl) if job.judge.judge_pretrain else None, mesh)
     roles = PPORoles(actor=actor, critic=critic, ref=ref, reward_models=reward_models, rollout=rollout,
-                     weight_sync=None, memory=None, managers={}, teacher=teacher)
+                     weight_sync=None, memory=None, managers={}, teacher=teacher, judge=judge)
     _add_memory_schedule(roles, job.offload, mesh, job.distill.teacher_offload)
     if roles.rollout is None:  # the megatron fallback generates with the actor itself
         roles.rollout = build_rollout(mesh, actor, rcfg, "")

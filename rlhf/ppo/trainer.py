@@ -30,8 +30,7 @@ def load_gold_fn(spec: str):
 class PPOTrainer:
     def __init__(self, setup, prompts: list, tokenizer, ptx_samples: list | None = None):
         """``setup.job``: the configuration (``PPOJobConfig``); each component below takes its part. ``self.args``:
-        the job's flat view (``Job.namespace``) for what takes every flag by name: the ranks' consistency check, the
-        logged configuration and the HF export."""
+        the job's flat view (``Job.namespace``) for what takes every flag by name (checks, logged config, export)."""
         from rlhf.algo.advantages import get_estimator
         from rlhf.algo.kl import make_kl_controller
         from rlhf.runtime.checkpoint import Checkpointer
@@ -63,7 +62,8 @@ class PPOTrainer:
             from rlhf.agents.rollout import AgentRollout
 
             self.roles.agent = AgentRollout(job.agent, tokenizer, mesh)
-        self.rewards = RewardSources(setup.rewards, setup.sources["--reward_pretrain"], prompts, tokenizer, mesh)
+        self.rewards = RewardSources(setup.rewards, setup.sources["--reward_pretrain"], prompts, tokenizer, mesh,
+                                     judge=self.roles.judge)
         self.kl_ctl = make_kl_controller(job.algo.init_kl_coef, job.algo.kl_target, job.algo.kl_horizon)
         self.sampler = DistributedBatchSampler(len(prompts), BatchConfig(batch.rollout_batch_size,
                                                                          batch.rollout_batch_size), seed=seed)

@@ -108,7 +108,7 @@ def _floats(flag: str, value: str | None, n: int) -> list[float]:
 class RewardConfig(Part):
     """Which reward sources a job uses and how they combine (flags in parentheses): PPO's rewards part."""
 
-    DERIVED = ("agent", "require_source")
+    DERIVED = ("agent", "judge", "require_source")
 
     reward_pretrain: str | None = flag(default=None,
                                        help="reward model(s), comma-separated: HF *ForSequenceClassification "
@@ -139,6 +139,9 @@ class RewardConfig(Part):
     """(--remote_rm_timeout) seconds per request."""
     agent: bool = False
     """(--agent_func_path) the trajectories' environment rewards (the sum of each one's step rewards), weight 1."""
+    judge: float | None = None
+    """(--judge_pretrain / --judge_url) the LLM judge's weight (--judge_weight; ``rlhf.rewards.judge``), None
+    without a judge"""
     require_source: bool = True
     """refuse a config without any source when built; PPO builds its part without and asks ``require_any`` among
     its checks across parts (after the agent's flags)"""
@@ -156,9 +159,10 @@ class RewardConfig(Part):
             self.require_any()
 
     def require_any(self) -> None:
-        if not self.paths and not self.reward_fn and not self.remote_rm_url and not self.agent:
+        if not self.paths and not self.reward_fn and not self.remote_rm_url and not self.agent and self.judge is None:
             raise ValueError("no reward: pass --reward_pretrain (reward models), --reward_fn module:function, "
-                             "--remote_rm_url http://host:port/path and/or --agent_func_path agent.py; or, for pure "
+                             "--remote_rm_url http://host:port/path, --judge_pretrain / --judge_url (an LLM judge) "
+                             "and/or --agent_func_path agent.py; or, for pure "
                              "on-policy distillation without a reward, --teacher_pretrain with --task_reward_coef 0")
 
     @classmethod
@@ -171,7 +175,9 @@ class RewardConfig(Part):
                    remote_rm_url=getattr(args, "remote_rm_url", None),
                    remote_rm_weight=getattr(args, "remote_rm_weight", 1.0),
                    remote_rm_timeout=getattr(args, "remote_rm_timeout", 120.0),
-                   agent=bool(getattr(args, "agent_func_path", None)), require_source=require_source)
+                   agent=bool(getattr(args, "agent_func_path", None)),
+                   judge=(getattr(args, "judge_weight", 1.0) if getattr(args, "judge_pretrain", None)
+                          or getattr(args, "judge_url", None) else None), require_source=require_source)
 
     @property
     def rm_names(self) -> list[str]:
@@ -179,12 +185,14 @@ class RewardConfig(Part):
 
     @property
     def source_weights(self) -> dict[str, float]:
-        """``{name: weight}`` of every source, reward models first, then ``fn``, then ``remote``."""
+        """``{name: weight}`` of every source: reward models first, then ``fn``, ``remote``, ``judge``, ``agent``."""
         out = dict(zip(self.rm_names, self.weights))
         if self.reward_fn:
             out["fn"] = self.reward_fn_weight
         if self.remote_rm_url:
             out["remote"] = self.remote_rm_weight
+        if self.judge is not None:
+            out["judge"] = self.judge
         if self.agent:
             out["agent"] = 1.0
         return out
@@ -232,6 +240,8 @@ class RewardConfig(Part):
             parts.append(f"{self.reward_fn_weight:g} x fn ({self.reward_fn})")
         if self.remote_rm_url:
             parts.append(f"{self.remote_rm_weight:g} x remote ({self.remote_rm_url})")
+        if self.judge is not None:
+            parts.append(f"{self.judge:g} x judge")
         if self.agent:
             parts.append("the agent's environment rewards")
         return " + ".join(parts) + ("; reward models normalized by their saved mean/std" if self.normalize_reward

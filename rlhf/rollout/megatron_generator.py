@@ -24,13 +24,15 @@ class MegatronRollout:
     needs_sync = False  # it generates with the actor's own parameters
     name = "megatron-fallback"
 
-    def __init__(self, mesh, actor, cfg: RolloutConfig):
+    def __init__(self, mesh, actor, cfg: RolloutConfig, announce: bool = True):
+        """``announce``: log the fallback's warning (False for a generator that is not the policy's, such as an
+        LLM judge's, ``rlhf.rewards.judge``)."""
         self.mesh, self.actor, self.cfg = mesh, actor, cfg
         self.version = 0
         eos = actor.source["hf_config"].get("eos_token_id")
         self.eos_ids = {int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None}
         """every end-of-sequence token the config names (Llama 3 names several), as vLLM stops on each"""
-        if mesh.is_rank0:
+        if mesh.is_rank0 and announce:
             log.warning("=" * 100)
             log.warning("ROLLOUT FALLBACK: vLLM is not available (or --rollout_backend megatron); generating with "
                         "the megatron actor, one full forward per token, NO KV cache. Expect it to be slow.")

@@ -260,9 +260,9 @@ def plan_residency(phase: str, roles: Iterable[str], *, colocate_all: bool = Fal
     A role's grads are resident during its own update only, whatever the flags (``DROPPED``: freeing them copies
     nothing). Without flags everything else stays resident. ``colocate_all``: rollout keeps nothing (vLLM owns the
     weights it generates with), make_experience keeps every role's params (forward only), ``<role>_update`` keeps
-    that role's params, grads and optimizer, weight_sync keeps the actor's params. ``ref_reward_offload``: ref and
-    reward params only during make_experience. ``adam_offload``: a role's optimizer states only during its own
-    update. ``teacher_offload``: the distillation teacher's params only during make_experience.
+    that role's params, grads and optimizer, weight_sync keeps the actor's params. ``ref_reward_offload``: ref,
+    reward and LLM judge params only during make_experience. ``adam_offload``: a role's optimizer states only during
+    its own update. ``teacher_offload``: the distillation teacher's params only during make_experience.
     """
     if phase not in PHASES:
         raise ValueError(f"unknown PPO phase {phase!r}; expected one of {PHASES}")
@@ -274,7 +274,7 @@ def plan_residency(phase: str, roles: Iterable[str], *, colocate_all: bool = Fal
         if colocate_all:
             params = updating or phase == "make_experience" or (phase == "weight_sync" and role == "actor")
             optimizer = updating
-        if ref_reward_offload and (role == "ref" or role.startswith("reward")):  # reward, reward1, ...
+        if ref_reward_offload and (role in ("ref", "judge") or role.startswith("reward")):  # reward, reward1, ...
             params = params and phase == "make_experience"
         if teacher_offload and role == "teacher":
             params = params and phase == "make_experience"

@@ -4,6 +4,21 @@ import pytest
 from ppo_common import DIMS, write_prompts
 
 
+@pytest.fixture
+def no_models(monkeypatch):
+    """Model construction fails loudly (each check must come before any model), the test folder is importable
+    (its rule rewards), and the checks see rank 0 of a 2-rank job: they all run before the process group exists."""
+    import rlhf.runtime.role
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(rlhf.runtime.role.ModelRole, "__init__", boom)
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.abspath(__file__)))
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(k, v)
+
+
 @pytest.fixture(scope="session")
 def ppo_setup(tmp_path_factory):
     """A tiny actor, an ordinary tiny sequence-classification reward model (its score head scaled to a unit spread:

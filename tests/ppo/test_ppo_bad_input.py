@@ -7,19 +7,6 @@ import pytest
 from ppo_common import ppo_args, write_prompts
 
 
-@pytest.fixture
-def no_models(monkeypatch):
-    import rlhf.runtime.role
-
-    def boom(*a, **k):
-        raise AssertionError("a model was loaded before the input was checked")
-
-    monkeypatch.setattr(rlhf.runtime.role.ModelRole, "__init__", boom)
-    # Rank 0 of a 2-rank job as far as the checks can tell: they all run before the process group exists.
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
-        monkeypatch.setenv(k, v)
-
-
 def run_main(argv, capsys):
     from rlhf.ppo import main
 

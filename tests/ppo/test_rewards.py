@@ -53,19 +53,6 @@ def test_load_and_call_reward_fn(monkeypatch):
         call_reward_fn(lambda p, r: [0.0], ["a", "b"], ["c", "d"])
 
 
-@pytest.fixture
-def no_models(monkeypatch):
-    import rlhf.runtime.role
-
-    def boom(*a, **k):
-        raise AssertionError("a model was loaded before the input was checked")
-
-    monkeypatch.setattr(rlhf.runtime.role.ModelRole, "__init__", boom)
-    monkeypatch.syspath_prepend(HERE)
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
-        monkeypatch.setenv(k, v)
-
-
 @pytest.mark.parametrize("flags,needle", [
     ({"--reward_weights": "0.5"}, "--reward_weights 0.5: 1 weight(s) for 2 reward model(s)"),
     ({"--reward_fn": "nosuchmodule:f"}, "--reward_fn nosuchmodule:f"),
