@@ -209,6 +209,12 @@ class OptimPart(Part):
     aux_loss_coef: float = flag(type=float, help="MoE models: coefficient of megatron's per-layer load-balancing "
                                                  "loss (0: off)", default=0.0)
     """(--aux_loss_coef) MoE load-balancing loss coefficient"""
+    moe_router_bias_update_rate: float = flag(type=float, default=0.0,
+                                              help="MoE models with an expert-bias correction (DeepSeek-V3, GLM-4.5): "
+                                                   "megatron's rate of its update after each step, towards balanced "
+                                                   "loads (0: frozen, as slime runs RL; megatron's own default is "
+                                                   "1e-3, which verl sets)")
+    """(--moe_router_bias_update_rate) megatron's ``moe_router_bias_update_rate``; 0 keeps the bias frozen"""
 
     def config(self, lr: float, total_steps: int, distributed: bool):
         """The ``OptimConfig`` of a trained role; ``distributed``: megatron's distributed optimizer (ZeRO-1)."""
@@ -217,7 +223,7 @@ class OptimPart(Part):
         return OptimConfig(lr=lr, weight_decay=self.l2, adam_betas=tuple(self.adam_betas), clip_grad=self.max_norm,
                            max_skipped_steps=self.max_skipped_steps, warmup_ratio=self.lr_warmup_ratio,
                            scheduler=self.lr_scheduler, total_steps=total_steps, use_distributed_optimizer=distributed,
-                           aux_loss_coef=self.aux_loss_coef)
+                           aux_loss_coef=self.aux_loss_coef, expert_bias_update_rate=self.moe_router_bias_update_rate)
 
 
 @dataclass

@@ -7,9 +7,9 @@ transformers' own classes is tested in tests/models/test_families_equivalence.py
 The expert bias (DeepSeek's ``e_score_correction_bias``) is megatron's ``router.expert_bias``: it shifts the scores
 the top-k is taken on, never the weights. megatron updates it after every step by ``moe_router_bias_update_rate``
 times the sign of each expert's load deficit (``_update_router_expert_bias`` in ``finalize_model_grads``). RL keeps it
-frozen by default (``expert_bias_update_rate=0``), as slime's model scripts do (``--moe-router-bias-update-rate 0``
-in scripts/models/deepseek-v3.sh, glm4.5-355B-A32B.sh, kimi-k2.sh at 624b824a); verl's converter updates it at
-megatron's default rate, 1e-3 (``moe_router_bias_update_rate=0.001`` in ``hf_to_mcore_config_dpskv3``,
+frozen by default (``expert_bias_update_rate=0``; ``--moe_router_bias_update_rate`` sets it), as slime's model
+scripts do (``--moe-router-bias-update-rate 0`` in scripts/models/deepseek-v3.sh, glm4.5-355B-A32B.sh, kimi-k2.sh at
+624b824a); verl's converter updates it at megatron's default rate, 1e-3 (``moe_router_bias_update_rate=0.001`` in ``hf_to_mcore_config_dpskv3``,
 verl/models/mcore/config_converter.py at b178a3cd).
 """
 from __future__ import annotations

@@ -53,6 +53,9 @@ class OptimConfig:
     """ZeRO-1 style sharding of the optimizer states over DP (``--zero_stage >= 1``)."""
     aux_loss_coef: float = 0.0
     """(--aux_loss_coef) MoE models: megatron's load-balancing loss, per layer; 0 turns it off."""
+    expert_bias_update_rate: float = 0.0
+    """(--moe_router_bias_update_rate) MoE models with an expert-bias correction: megatron's update rate of the bias
+    after each step (``rlhf.models.families``); 0 keeps it frozen."""
     max_skipped_steps: int = 3
     """(--max_skipped_steps) updates with a non-finite loss or grad norm are skipped; this many in a row stop the
     job."""
@@ -62,6 +65,8 @@ class OptimConfig:
             raise ValueError(f"--max_skipped_steps must be >= 1, got {self.max_skipped_steps}")
         if self.aux_loss_coef < 0:
             raise ValueError(f"--aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+        if not 0 <= self.expert_bias_update_rate < 1:
+            raise ValueError(f"--moe_router_bias_update_rate must be in [0, 1), got {self.expert_bias_update_rate}")
         if self.lr <= 0:
             raise ValueError(f"--learning_rate must be > 0, got {self.lr}")
         if not 0 <= self.warmup_ratio < 1:
@@ -140,10 +145,15 @@ class ModelRole:
         # --transformer_impl (None: TE where it imports on CUDA); checkpoints are the same under either spec
         self.transformer_impl = resolve_transformer_impl(transformer_impl, lora=lora is not None)
         ep = _check_moe(self.spec, mesh, name, trained=optim is not None, lora=lora is not None)
+        if optim is not None and optim.expert_bias_update_rate > 0 and not (self.spec.router or {}).get("expert_bias"):
+            if mesh.is_rank0:
+                log.warning("%s: --moe_router_bias_update_rate %g has no effect: %s has no expert-bias correction",
+                            name, optim.expert_bias_update_rate, self.spec.model_type)
         model = build_model(self.spec, tp=mesh.tp, pp=mesh.pp, pp_rank=mesh.pp_rank, value_head=value_head,
                             params_dtype=torch.float32, padded_vocab=self.padded_vocab, recompute=recompute,
                             init_weights=False, use_te=self.transformer_impl == "transformer_engine", ep=ep,
                             aux_loss_coef=optim.aux_loss_coef if optim is not None else 0.0,
+                            expert_bias_update_rate=optim.expert_bias_update_rate if optim is not None else 0.0,
                             routing_replay=routing_replay and bool(self.spec.num_experts))
         self.value_head = model.value_head
         if value_head and not self.spec.is_seq_cls:

@@ -15,7 +15,9 @@
 * mixtral at --tp 2, vLLM at TP 2: MoE training at TP > 1.
 
 The export loads in transformers as the same family under the source's tensor names (DeepSeek's MTP tensors and its
-expert-bias correction, frozen during RL, kept as they were), and training moved the weights."""
+expert-bias correction, frozen during RL, kept as they were), and training moved the weights. The glm4_moe job
+updates its expert bias at --moe_router_bias_update_rate: each expert's moved by whole rates, and vLLM, synced with
+it, keeps generating with the trainer's routing (the drift bound holds on the second step)."""
 import glob
 import json
 import os
@@ -27,11 +29,13 @@ from ppo_common import ppo_args
 
 PPO = os.path.join(REPO, "launch/ppo.py")
 ROUTING = os.path.join(os.path.dirname(__file__), "_routing_worker.py")
+RATE = 1e-3
+"""--moe_router_bias_update_rate of the glm4_moe job (megatron's default rate; the other jobs keep the bias frozen)"""
 CASES = {
     "deepseek_v3": ("DeepseekV3ForCausalLM", {"--tp": 2, "--rollout_backend": "megatron",
                                               "--moe_router_replay": "rollout", "--moe_routing_flip_interval": 1,
                                               "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None}),
-    "glm4_moe": ("Glm4MoeForCausalLM", {"--ep": 2}),
+    "glm4_moe": ("Glm4MoeForCausalLM", {"--ep": 2, "--moe_router_bias_update_rate": RATE}),
     "glm4_moe-r3": ("Glm4MoeForCausalLM", {"--tp": 2, "--rollout_backend": "megatron", "--moe_router_replay": "rollout",
                                            "--moe_routing_flip_interval": 1, "--vllm_tensor_parallel_size": 1,
                                            "--vllm_kv_cache_mb": None}),
@@ -79,6 +83,13 @@ def test_grpo_with_each_moe_family(ppo_setup, moe_family_actors, family_actors, 
     after = {k: v for f in glob.glob(os.path.join(save, "*.safetensors")) for k, v in load_file(f).items()}
     assert set(before) == set(after)  # the checkpoint's own names (DeepSeek's MTP layer's tensors too)
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    rate = layout.get("--moe_router_bias_update_rate", 0)
+    moved = []
     for k in before:
-        if k.endswith("e_score_correction_bias") or ".layers.2." in k:  # frozen / untrained: as they were
+        if k.endswith("e_score_correction_bias") and rate:  # at most one rate per update: 4 (2 steps x 2 epochs)
+            steps = (after[k].double() - before[k].double()) / rate
+            assert torch.allclose(steps, steps.round(), atol=1e-3) and steps.round().abs().max() <= 4, (k, steps)
+            moved.append(steps.abs().max().item())
+        elif k.endswith("e_score_correction_bias") or ".layers.2." in k:  # frozen / untrained: as they were
             assert torch.equal(before[k].float(), after[k].float()), k
+    assert not rate or max(moved) > 0, moved
