@@ -76,11 +76,14 @@ class RewardSources:
         return rewards, raw, metrics
 
     def judged(self, rollout, labels: list) -> tuple[torch.Tensor, dict[str, float]]:
-        """The LLM judge's rewards of this rank's samples (B,) and its failure counts over the step. A judge in the
-        job generates data-parallel over every sample of the step (each rank gets every answer); a URL judge is
-        asked for this rank's share."""
+        """The LLM judge's rewards of this rank's samples (B,), its failure counts over the step and its seconds
+        (``judge/seconds``, rank 0's, inside ``time/reward_fn``). A judge in the job generates data-parallel over
+        every sample of the step (each rank gets every answer); a URL judge is asked for this rank's share."""
+        import time
+
         from rlhf.rewards.judge import judge_metrics
 
+        t0 = time.perf_counter()
         if self.judge.collective:
             every = rollout.samples
             lo = self.mesh.dp_rank * len(rollout.local)
@@ -91,7 +94,7 @@ class RewardSources:
             v = self.judge.score(*self.texts(rollout, rollout.local), labels)
             rewards, failures = v.rewards, v.failures
         return (torch.tensor(rewards, dtype=torch.float32, device=self.mesh.device),
-                judge_metrics(failures, self.mesh))
+                {**judge_metrics(failures, self.mesh), "judge/seconds": time.perf_counter() - t0})
 
 
 def agent_rewards(samples: list[Sample]) -> torch.Tensor:

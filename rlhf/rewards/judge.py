@@ -249,9 +249,9 @@ FAILURES = ("parse_failed", "too_long", "refused")
 
 
 class Judge:
-    """The judge of a job: ``score(prompts, responses, labels)`` -> (rewards (N,), per-reply failure reasons).
-    ``collective``: every rank must call with the same, global lists (the in-job model); else each rank calls with
-    its own share (a URL)."""
+    """The judge of a job: ``score(prompts, responses, labels)`` -> ``Verdicts`` (a reward and a failure reason
+    per reply). ``collective``: every rank must call with the same, global lists (the in-job model); else each rank
+    calls with its own share (a URL)."""
 
     collective = False
 

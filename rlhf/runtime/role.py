@@ -93,9 +93,21 @@ def moe_load_balancing_loss(mesh: ParallelMesh, microbatches: int) -> float:
     return local.item() / (mesh.tp * mesh.dp)
 
 
-def _check_moe(spec: ModelSpec, mesh: ParallelMesh, name: str, *, trained: bool, lora: bool) -> int:
+def _moe_training(optim: OptimConfig | None) -> dict:
+    """``build_model``'s MoE training settings of a trained role's optimizer config (none for a frozen role)."""
+    if optim is None:
+        return {}
+    return {"aux_loss_coef": optim.aux_loss_coef, "expert_bias_update_rate": optim.expert_bias_update_rate}
+
+
+def _check_moe(spec: ModelSpec, mesh: ParallelMesh, name: str, *, trained: bool, lora: bool,
+               bias_rate: float = 0.0) -> int:
     """The EP a model of this role is built at (the mesh's for an MoE model, 1 for a dense one); raises before any
-    weight is read on what megatron-core 0.16.1 cannot train here."""
+    weight is read on what megatron-core 0.16.1 cannot train here. ``bias_rate`` (--moe_router_bias_update_rate) on a
+    model without an expert-bias correction is logged as having no effect."""
+    if bias_rate > 0 and not (spec.router or {}).get("expert_bias") and mesh.is_rank0:
+        log.warning("%s: --moe_router_bias_update_rate %g has no effect: %s has no expert-bias correction", name,
+                    bias_rate, spec.model_type)
     if not spec.num_experts:
         if mesh.ep > 1 and mesh.is_rank0:
             log.info("%s: a dense model; --expert_model_parallel_size %d applies to MoE models only", name, mesh.ep)
@@ -144,16 +156,12 @@ class ModelRole:
             log.info("%s: LoRA wraps megatron's local linears: the local layer spec runs instead of TE's", name)
         # --transformer_impl (None: TE where it imports on CUDA); checkpoints are the same under either spec
         self.transformer_impl = resolve_transformer_impl(transformer_impl, lora=lora is not None)
-        ep = _check_moe(self.spec, mesh, name, trained=optim is not None, lora=lora is not None)
-        if optim is not None and optim.expert_bias_update_rate > 0 and not (self.spec.router or {}).get("expert_bias"):
-            if mesh.is_rank0:
-                log.warning("%s: --moe_router_bias_update_rate %g has no effect: %s has no expert-bias correction",
-                            name, optim.expert_bias_update_rate, self.spec.model_type)
+        ep = _check_moe(self.spec, mesh, name, trained=optim is not None, lora=lora is not None,
+                        bias_rate=optim.expert_bias_update_rate if optim is not None else 0.0)
         model = build_model(self.spec, tp=mesh.tp, pp=mesh.pp, pp_rank=mesh.pp_rank, value_head=value_head,
                             params_dtype=torch.float32, padded_vocab=self.padded_vocab, recompute=recompute,
                             init_weights=False, use_te=self.transformer_impl == "transformer_engine", ep=ep,
-                            aux_loss_coef=optim.aux_loss_coef if optim is not None else 0.0,
-                            expert_bias_update_rate=optim.expert_bias_update_rate if optim is not None else 0.0,
+                            **_moe_training(optim),
                             routing_replay=routing_replay and bool(self.spec.num_experts))
         self.value_head = model.value_head
         if value_head and not self.spec.is_seq_cls:

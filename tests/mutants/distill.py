@@ -15,8 +15,8 @@ MUTANTS = [
            claim="a teacher with a wider head is renormalised over the student's rows",
            tests=(D + "test_a_wider_teacher_is_scored_over_the_students_ids",)),
     Mutant("distill-moe-aux-loss-coef-ignored", "rlhf/runtime/role.py",
-           find='''aux_loss_coef=optim.aux_loss_coef if optim is not None else 0.0,''',
-           replace='''aux_loss_coef=0.0,''',
+           find='''    return {"aux_loss_coef": optim.aux_loss_coef, "expert_bias_update_rate"''',
+           replace='''    return {"aux_loss_coef": 0.0, "expert_bias_update_rate"''',
            claim="--aux_loss_coef turns megatron's load-balancing loss on at its value",
            tests=("tests/train/test_aux_loss_flag.py::test_aux_loss_coef_moves_the_routers",)),
 ]
