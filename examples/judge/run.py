@@ -36,6 +36,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
+from examples.rlvr.eval import sample_replies  # noqa: E402
 from examples.rlvr.run import LR, ppo_command, ppo_flags, run, smollm2_or  # noqa: E402
 
 TEMPLATE = "Reply: {response}\nA number alone:"
@@ -63,26 +64,6 @@ def drop_flags(flags: list[str], names: dict[str, int]) -> list[str]:
     return out
 
 
-def sample_replies(model: str, rows: list[dict], seed: int, temperature: float = 1.0, batch: int = 32) -> list[str]:
-    """One reply per question from ``model`` (transformers' generate, the chat template, 24 new tokens)."""
-    import torch
-    import transformers
-
-    tok = transformers.AutoTokenizer.from_pretrained(model, padding_side="left")
-    lm = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    torch.manual_seed(seed)
-    out = []
-    for i in range(0, len(rows), batch):
-        texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                         add_generation_prompt=True) for r in rows[i:i + batch]]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            gen = lm.generate(**enc, max_new_tokens=24, do_sample=True, temperature=temperature, top_p=1.0,
-                              pad_token_id=tok.pad_token_id or tok.eos_token_id)
-        out += tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    return out
-
-
 def judge_records(rows: list[dict], replies: list[str], seed: int) -> list[dict]:
     """Per question: its sampled reply, a bare number (the answer or a wrong one) and a number in words; each
     labelled by ``bare``."""
@@ -104,7 +85,7 @@ def make_judge(model: str, data: dict, out: str, nproc: int) -> tuple[str, dict]
     for k, seed in (("train", 11), ("heldout", 12)):
         path = os.path.join(out, "data", f"replies_{k}.json")
         if not os.path.exists(path):
-            json.dump(sample_replies(model, rows[k], seed), open(path, "w"))
+            json.dump(sample_replies(model, rows[k], k=1, temperature=1.0, seed=seed, batch=32), open(path, "w"))
         recs[k] = judge_records(rows[k], json.load(open(path)), seed)
         with open(os.path.join(out, "data", f"judge_{k}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in recs[k])
@@ -143,31 +124,14 @@ def judge_accuracy(judge: str, recs: list[dict], batch: int = 32) -> dict:
             "yes_labels": sum(r["output"] == " Yes" for r in recs) / len(recs)}
 
 
-def measure(model_dir: str, heldout: str, k: int = 4, temperature: float = 0.6, seed: int = 0,
-            batch: int = 16) -> dict:
-    """Held-out replies of ``model_dir`` (transformers' generate, as examples/rlvr/eval.py samples them): the share
-    that are a number alone (``bare``) and the share the verifier grades right."""
-    import torch
-    import transformers
-
+def measure(model_dir: str, heldout: str, k: int = 4) -> dict:
+    """Held-out replies of ``model_dir`` (examples/rlvr/eval.py's sampling: temperature 0.6, seed 0): the share that
+    are a number alone (``bare``) and the share the verifier grades right."""
     from rlhf.rewards.verifiers import math_reward
 
     rows = [json.loads(ln) for ln in open(heldout) if ln.strip()]
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    lm = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    torch.manual_seed(seed)
-    replies, labels = [], []
-    for i in range(0, len(rows), batch):
-        chunk = rows[i:i + batch]
-        texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                         add_generation_prompt=True) for r in chunk]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            gen = lm.generate(**enc, max_new_tokens=24, do_sample=True, temperature=temperature, top_p=1.0,
-                              num_return_sequences=k, pad_token_id=tok.pad_token_id or tok.eos_token_id)
-        replies += tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        labels += [r["answer"] for r in chunk for _ in range(k)]
-    right = math_reward([""] * len(replies), replies, labels)
+    replies = sample_replies(model_dir, rows, k)
+    right = math_reward([""] * len(replies), replies, [r["answer"] for r in rows for _ in range(k)])
     return {"bare": sum(map(bare, replies)) / len(replies), "accuracy": sum(right) / len(right),
             "replies": len(replies), "examples": replies[:4]}
 

@@ -18,28 +18,36 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 
-def evaluate(model_dir: str, heldout: str, k: int = 4, temperature: float = 0.6, max_new_tokens: int = 24,
-             seed: int = 0, batch: int = 16) -> dict:
+def sample_replies(model_dir: str, rows: list[dict], k: int = 4, temperature: float = 0.6, max_new_tokens: int = 24,
+                   seed: int = 0, batch: int = 16) -> list[str]:
+    """``k`` replies to each row's ``prompt`` (the chat template; transformers' generate, seeded once), row-major."""
     import torch
     import transformers
 
-    from rlhf.rewards.verifiers import math_reward
-
-    rows = [json.loads(ln) for ln in open(heldout) if ln.strip()]
     tok = transformers.AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     torch.manual_seed(seed)
-    rewards = []
+    replies = []
     for i in range(0, len(rows), batch):
-        chunk = rows[i:i + batch]
         texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                         add_generation_prompt=True) for r in chunk]
+                                         add_generation_prompt=True) for r in rows[i:i + batch]]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
                                  top_p=1.0, num_return_sequences=k, pad_token_id=tok.pad_token_id or tok.eos_token_id)
-        replies = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        rewards += math_reward([""] * len(replies), replies, [r["answer"] for r in chunk for _ in range(k)])
+        replies += tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return replies
+
+
+def evaluate(model_dir: str, heldout: str, k: int = 4, temperature: float = 0.6, max_new_tokens: int = 24,
+             seed: int = 0, batch: int = 16) -> dict:
+    import torch
+
+    from rlhf.rewards.verifiers import math_reward
+
+    rows = [json.loads(ln) for ln in open(heldout) if ln.strip()]
+    replies = sample_replies(model_dir, rows, k, temperature, max_new_tokens, seed, batch)
+    rewards = math_reward([""] * len(replies), replies, [r["answer"] for r in rows for _ in range(k)])
     r = torch.tensor(rewards).view(-1, k)
     return {"model": model_dir, "questions": len(rows), "k": k, "accuracy": r.mean().item(),
             f"pass@{k}": r.max(dim=1).values.mean().item()}

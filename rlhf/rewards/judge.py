@@ -28,7 +28,6 @@ sends each rank's share of the replies, ``--judge_concurrency`` requests at a ti
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import math
@@ -114,14 +113,9 @@ def parse_judge_parser(spec: str, flag: str = "--judge_parser") -> JudgeParser:
             raise ValueError(f"{flag} {spec!r}: a choice parser needs at least two choices")
         return JudgeParser(spec, "choice", choices=choices)
     if spec.count(":") == 1 and all(spec.split(":")):
-        mod, name = spec.split(":")
-        try:
-            fn = getattr(importlib.import_module(mod), name)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"{flag} {spec}: {type(e).__name__}: {e}") from None
-        if not callable(fn):
-            raise ValueError(f"{flag} {spec}: {type(fn).__name__} object is not callable")
-        return JudgeParser(spec, "function", fn=fn)
+        from rlhf.rewards.sources import load_reward_fn
+
+        return JudgeParser(spec, "function", fn=load_reward_fn(spec, flag))
     raise ValueError(f"{flag} must be number:LO:HI, choice:STR=VALUE,... or module:function, got {spec!r}")
 
 
@@ -395,13 +389,10 @@ def check_judge(cfg: JudgePart, tp: int, pp: int) -> dict | None:
     if cfg.judge_url:
         from rlhf.rewards.remote import check_remote_rm
 
-        if not cfg.judge_url.startswith(("http://", "https://")):
+        if not cfg.judge_url.startswith(("http://", "https://")):  # never a reward file, as --remote_rm_url may be
             raise ValueError(f"--judge_url must be an http(s) URL (an OpenAI-compatible server), got "
                              f"{cfg.judge_url!r}")
-        try:
-            check_remote_rm(cfg.judge_url)
-        except ValueError as e:
-            raise ValueError(str(e).replace("--remote_rm_url", "--judge_url")) from None
+        check_remote_rm(cfg.judge_url, flag="--judge_url", what="the judge's server")
         if cfg.judge_model is None:
             cfg.judge_model = served_model(cfg.judge_url)
         return None

@@ -113,9 +113,10 @@ def call_remote_rm(url: str, queries: Sequence[str], prompts: Sequence[str], lab
                                backoff=backoff).rewards
 
 
-def check_remote_rm(url: str) -> None:
+def check_remote_rm(url: str, flag: str = "--remote_rm_url", what: str = "the reward server") -> None:
     """Before any model loads: a reward file that loads and defines ``reward_func``, or an http(s) URL where
-    something listens at its host and port."""
+    something listens at its host and port. ``flag`` and ``what`` name the URL in the errors (``--judge_url`` checks
+    its server here too)."""
     import socket
     import urllib.parse
 
@@ -124,10 +125,10 @@ def check_remote_rm(url: str) -> None:
         return
     u = urllib.parse.urlparse(url)
     if u.scheme not in ("http", "https") or not u.hostname:
-        raise ValueError(f"--remote_rm_url must be an http(s) URL, got {url!r}")
+        raise ValueError(f"{flag} must be an http(s) URL, got {url!r}")
     port = u.port or (443 if u.scheme == "https" else 80)
     try:
         socket.create_connection((u.hostname, port), timeout=10).close()
     except OSError as e:
-        raise ValueError(f"--remote_rm_url {url}: cannot connect to {u.hostname}:{port} ({e}); start the reward "
-                         f"server first") from None
+        raise ValueError(f"{flag} {url}: cannot connect to {u.hostname}:{port} ({e}); start {what} "
+                         f"first") from None
