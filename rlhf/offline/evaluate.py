@@ -1,6 +1,7 @@
 """Offline evaluation of a checkpoint on a dataset in one SPMD job: n samples per prompt from the colocated generator
 (vLLM, or the megatron fallback), scored by any reward source (reward models, a rule function or verifier such as
-``rlhf.rewards.verifiers:math_reward``, the code sandbox, a remote reward; combined by their weights), then pass@k
+``rlhf.rewards.verifiers:math_reward``, the code sandbox, a remote reward, an LLM judge in the job or behind a URL;
+combined by their weights), then pass@k
 (the unbiased estimator), avg@k and maj@k (``rlhf.offline.eval_metrics``), as JSON and a table.
 
     torchrun --nproc_per_node 2 launch/evaluate.py --pretrain <HF dir or megatron checkpoint> --dataset math.jsonl \
@@ -11,7 +12,8 @@ Sharded over the ranks: each generation engine (world size / --tp of them) sampl
 the reward models score data-parallel, and the rule and remote rewards score each rank's share of the replies. The
 work goes in chunks of ``--chunk_size`` prompts; rank 0 appends each to ``<output_dir>/samples.jsonl`` (one row a
 sample: ``prompt_index``, ``sample_index``, ``input``, ``label``, ``output``, ``reward``, ``scores``, ``answer``,
-``correct``, ``finished``). A relaunch with the same flags keeps the complete chunks (a torn tail is cut) and
+``correct``, ``finished``; with a judge ``judge_failure``, None or why its judgement failed). A relaunch with the
+same flags keeps the complete chunks (a torn tail is cut) and
 continues; sampling seeds depend on the chunk, so the file ends as an uninterrupted run's. The metrics are computed
 from the whole file, into ``results.json`` and ``results.md``. A sample is correct when its reward is at least
 ``--pass_threshold``; its answer (for maj@k) is ``--answer_fn``'s of the reply.
@@ -79,12 +81,14 @@ class EvaluatePart(Part):
 def add_args(p: argparse.ArgumentParser) -> None:
     from rlhf.config.job import add_parallel_args, add_rollout_backend_args, add_sampling_args, add_text_args
     from rlhf.config.parts import EnginePart
+    from rlhf.rewards.judge import JudgePart
     from rlhf.rewards.sources import RewardConfig
 
     own = EvaluatePart.add_args
     g = p.add_argument_group("models")
     own(g, only=("pretrain",))
     RewardConfig.add_args(g)
+    JudgePart.add_args(p.add_argument_group("LLM judge"))
     g = p.add_argument_group("data")
     own(g, only=("dataset", "dataset_probs", "label_key"))
     add_text_args(g, input_key=True)
@@ -103,10 +107,12 @@ def validate(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     """Flags, paths and model configs, before any process group or model."""
     from rlhf.config.job import check_paths_exist
     from rlhf.distributed.mesh import validate_layout
+    from rlhf.rewards.judge import JudgePart, check_judge
     from rlhf.rewards.sources import RewardConfig, load_reward_fn
     from rlhf.rollout import plan_policy_generator
 
     part = EvaluatePart.from_args(args)
+    judge = JudgePart.from_args(args)
     validate_layout(world_size, args.tensor_model_parallel_size, 1)
     for name in ("max_new_tokens", "prompt_max_len"):
         if getattr(args, name) < 1:
@@ -116,10 +122,11 @@ def validate(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     check_paths_exist("--dataset", args.dataset)
     rewards = RewardConfig.from_args(args)
     rm_sources = rewards.validate_models(args.tensor_model_parallel_size, 1)
+    check_judge(judge, args.tensor_model_parallel_size, 1)
     load_reward_fn(args.answer_fn, "--answer_fn")
     src, rcfg, use_vllm = plan_policy_generator(args, world_size)
     return {"part": part, "ks": part.ks(), "rewards": rewards, "rm_sources": rm_sources, "source": src,
-            "rollout": rcfg, "use_vllm": use_vllm}
+            "rollout": rcfg, "use_vllm": use_vllm, "judge": judge}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -153,6 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def sample_chunks(args, v: dict, prompts: list, raw: list, tokenizer, mesh, path: str, done: int) -> int:
     """Every chunk after the ``done`` first: generate, score, append (rank 0). Returns the rows written."""
+    from rlhf.rewards.judge import make_judge
     from rlhf.rewards.sources import load_reward_fn
     from rlhf.rollout import build_policy_generator, shutdown
     from rlhf.runtime.role import ModelRole
@@ -165,6 +173,8 @@ def sample_chunks(args, v: dict, prompts: list, raw: list, tokenizer, mesh, path
                                          out_dir=args.output_dir, bf16=args.bf16, transformer_impl=None)
         rms = {name: ModelRole(mesh, p, value_head=True, name=name, bf16=args.bf16)
                for name, p in zip(rewards.rm_names, rewards.paths)}
+        judge = make_judge(v["judge"], ModelRole(mesh, v["judge"].judge_pretrain, value_head=False, name="judge",
+                                                 bf16=args.bf16) if v["judge"].judge_pretrain else None, mesh)
         engines = mesh.world_size // args.tensor_model_parallel_size
         for k, lo, hi in chunks(len(prompts), args.chunk_size, done, args.stop_after_chunks):
             ids = [p.prompt_ids.tolist() for p in prompts[lo:hi]]
@@ -173,8 +183,8 @@ def sample_chunks(args, v: dict, prompts: list, raw: list, tokenizer, mesh, path
                                        max_tokens=args.max_new_tokens, seed=args.seed + k)
             samples = [s for s in samples if s.prompt_index < hi - lo]
             replies = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-            total, scores = score_chunk(v, rms, samples, replies, prompts[lo:hi], tokenizer, mesh,
-                                        args.micro_batch_size)
+            total, scores, failures = score_chunk(v, rms, samples, replies, prompts[lo:hi], tokenizer, mesh,
+                                                  args.micro_batch_size, judge)
             if mesh.is_rank0:
                 rows = []
                 for j, (s, reply) in enumerate(zip(samples, replies)):
@@ -183,7 +193,7 @@ def sample_chunks(args, v: dict, prompts: list, raw: list, tokenizer, mesh, path
                                  "output": reply, "reward": total[j].item(),
                                  "scores": {name: t[j].item() for name, t in scores.items()},
                                  "answer": answer_fn(reply), "correct": total[j].item() >= args.pass_threshold,
-                                 "finished": s.finished})
+                                 "finished": s.finished, **({"judge_failure": failures[j]} if judge else {})})
                 append_rows(path, rows)
             written += len(samples)
     finally:
@@ -192,9 +202,11 @@ def sample_chunks(args, v: dict, prompts: list, raw: list, tokenizer, mesh, path
 
 
 def score_chunk(v: dict, rms: dict, samples: list, replies: list[str], prompts: list, tokenizer, mesh,
-                micro_batch_size: int):
-    """(combined reward (N,), {source: (N,)}) of a chunk's samples, on every rank: the reward models data-parallel
-    on prompt + response ids as generated (as PPO's), the rule and remote rewards each rank on its share."""
+                micro_batch_size: int, judge=None):
+    """(combined reward (N,), {source: (N,)}, the judge's failure per sample or None) of a chunk's samples, on every
+    rank: the reward models data-parallel on prompt + response ids as generated (as PPO's), the rule and remote
+    rewards and a URL judge each rank on its share, a judge in the job over every sample (it shares its answers
+    out over the ranks itself)."""
     import torch
     import torch.distributed as dist
 
@@ -215,16 +227,28 @@ def score_chunk(v: dict, rms: dict, samples: list, replies: list[str], prompts: 
     if rewards.remote_rm_url and mine:
         local["remote"] = call_remote_rm(rewards.remote_rm_url, [t + replies[i] for t, i in zip(texts, mine)], texts,
                                          labels, timeout=rewards.remote_rm_timeout).tolist()
+    failures: list = [None] * len(samples)
+    if judge is not None and judge.collective:
+        verdict = judge.score([prompts[s.prompt_index].prompt for s in samples], replies,
+                              [prompts[s.prompt_index].label for s in samples])
+        scores["judge"], failures = torch.tensor(verdict.rewards, dtype=torch.float32), list(verdict.failures)
+    elif judge is not None and mine:
+        verdict = judge.score(texts, [replies[i] for i in mine], labels)
+        local["judge"], local["judge_failures"] = verdict.rewards, verdict.failures
     shares: list = [None] * mesh.world_size
     dist.all_gather_object(shares, (mine, local))
-    for name in [s for s in ("fn", "remote") if s in rewards.source_weights]:
+    if judge is not None and not judge.collective:
+        for idx, got in shares:
+            for i, f in zip(idx, got.get("judge_failures", [])):
+                failures[i] = f
+    for name in [s for s in ("fn", "remote", "judge") if s in rewards.source_weights and s not in scores]:
         full = torch.zeros(len(samples))
         for idx, got in shares:
             if idx:
                 full[idx] = torch.tensor(got[name])
         scores[name] = full
     total, _ = combine_rewards(scores, rewards.source_weights, rewards.norms(v["rm_sources"]))
-    return total, scores
+    return total, scores, failures
 
 
 def write_results(args, v: dict, path: str, n_prompts: int) -> dict[str, Any]:
@@ -248,6 +272,10 @@ def write_results(args, v: dict, path: str, n_prompts: int) -> dict[str, Any]:
            "pass_threshold": args.pass_threshold, "pretrain": args.pretrain, "dataset": args.dataset,
            "reward": v["rewards"].describe(), "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
            "table": md}
+    if v["judge"].enabled:  # the share of samples whose judgement failed, by reason (their judge_failure)
+        from rlhf.rewards.judge import FAILURES
+
+        out["judge_failures"] = {k: sum(r.get("judge_failure") == k for r in rows) / len(rows) for k in FAILURES}
     for name, text in ((RESULTS, json.dumps(out, indent=2)), (TABLE, md + "\n")):
         tmp = os.path.join(args.output_dir, name + ".tmp")
         with open(tmp, "w") as f:

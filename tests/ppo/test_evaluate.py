@@ -95,3 +95,26 @@ def test_a_stopped_run_resumes_to_the_straight_run(ppo_setup, straight, tmp_path
     a, b = (yaml.safe_load(open(d / "run_config.yaml")) for d in (straight, out))
     assert {k for k in a if a[k] != b[k]} == {"output_dir"} and a["k"] == "1,2,4"  # the file's flags, resolved
     assert json.load(open(out / "results.json")) == json.load(open(straight / "results.json"))
+
+
+def test_judge_in_the_evaluation_scores_each_sample_by_its_verdict(ppo_setup, tmp_path):
+    """--judge_pretrain in launch/evaluate.py (2 ranks, the judge answering data-parallel): every sample's reward is
+    the scripted judge's known verdict on its own reply (tests/ppo/_judge.py), none failed, and pass@1 is their
+    mean."""
+    from _judge import TEMPLATE, make_rule_judge, rule
+
+    judge = make_rule_judge(str(tmp_path / "judge"), ppo_setup["actor"])
+    tpl = tmp_path / "judge.txt"
+    tpl.write_text(TEMPLATE)
+    out = tmp_path / "judged"
+    _job(ppo_setup, out, "--n_samples_per_prompt", str(N), "--k", "1", "--judge_pretrain", judge,
+         "--judge_template", str(tpl), "--judge_parser", "choice:Y=1,N=0", "--judge_max_new_tokens", "1")
+    rows = _rows(out)
+    assert len(rows) == PROMPTS * N
+    assert [r["reward"] for r in rows] == [float(rule(r["output"])) for r in rows] == [r["scores"]["judge"]
+                                                                                      for r in rows]
+    assert 0 < sum(r["reward"] for r in rows) < len(rows) and all(r["judge_failure"] is None for r in rows)
+    res = json.load(open(out / "results.json"))
+    assert res["judge_failures"] == {"parse_failed": 0.0, "too_long": 0.0, "refused": 0.0}
+    assert res["metrics"]["pass@1"] == pytest.approx(sum(r["reward"] for r in rows) / len(rows), abs=1e-12)
+    assert "judge" in res["reward"]
