@@ -347,6 +347,15 @@ def gather_adapters_hf(model: torch.nn.Module, spec, mesh) -> dict[str, torch.Te
     return out
 
 
+def peft_config(cfg: LoraConfig, modules: list[str], base_model: str | None = None) -> dict:
+    """PEFT's ``adapter_config.json`` of ``cfg`` over the HF ``modules``."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": cfg.rank,
+            "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": modules, "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+            "use_rslora": False, "use_dora": False, "layers_to_transform": None, "rank_pattern": {},
+            "alpha_pattern": {}, "revision": None}
+
+
 def save_peft_adapter(engine, mesh, out_dir: str, base_model: str) -> None:
     """Collective: write ``out_dir/adapter_config.json`` + ``adapter_model.safetensors`` (PEFT LoRA format) from
     every pipeline stage's adapters; ``peft.PeftModel.from_pretrained(base, out_dir)`` loads it."""
@@ -374,12 +383,7 @@ def save_peft_adapter(engine, mesh, out_dir: str, base_model: str) -> None:
         modules = sorted({k.split(".")[-3] for k in full})
         cfg = engine.lora
         with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-            json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path":
-                       os.path.abspath(base_model), "r": cfg.rank, "lora_alpha": cfg.alpha,
-                       "lora_dropout": cfg.dropout, "target_modules": modules, "bias": "none",
-                       "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-                       "modules_to_save": None, "use_rslora": False, "use_dora": False, "layers_to_transform": None,
-                       "rank_pattern": {}, "alpha_pattern": {}, "revision": None}, f, indent=2)
+            json.dump(peft_config(cfg, modules, os.path.abspath(base_model)), f, indent=2)
         copy_tokenizer_files(base_model, out_dir)
         if not os.path.exists(os.path.join(base_model, "config.json")):
             log.warning("adapter_config.json names base model %s, which is a megatron checkpoint: PEFT needs the HF "

@@ -180,6 +180,12 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
 
     check_hybrid_job(sources["--pretrain"]["spec"], lora=bool(job.lora.lora_rank),
                      generator=job.rollout.rollout_backend, what=f"--pretrain {job.models.pretrain}")
+    from rlhf.rollout.lora_sync import check_lora_sync
+    from rlhf.rollout.vllm_generator import vllm_available
+
+    backend = job.rollout.rollout_backend
+    check_lora_sync(job.lora.lora_sync, lora_rank=job.lora.lora_rank, spec=sources["--pretrain"]["spec"],
+                    backend=backend, use_vllm=backend == "vllm" or (backend == "auto" and vllm_available()))
     why = resolve_vllm_tp(job.rollout, sources["--pretrain"]["spec"], world_size, job.engine.bf16)
     engines = _check_batch_sizes(job, world_size, dp)
     job.algo.old_logprobs_source, job.algo.old_logprobs_reason = old_logprobs_source(job.namespace())

@@ -33,10 +33,16 @@ class PPOLora(LoraPart):
                                                 "--lora_alpha/--target_modules/--lora_dropout; its score head always "
                                                 "trains", default=0)
     """(--critic_lora_rank) LoRA rank of the critic (0: full fine-tuning); the other LoRA flags are shared"""
+    lora_sync: str = flag(choices=["merged", "adapter"], help="what vLLM gets after each update of a LoRA actor: "
+                                                          "merged weights, or the adapters alone (vLLM's LoRA path; "
+                                                          "the base is synced once)", default="merged")
+    """(--lora_sync) merged | adapter (``rlhf.rollout.lora_sync``)"""
 
     def check(self) -> None:
         super().check()
         self.critic_config(42)
+        if self.lora_sync == "adapter" and not self.lora_rank:
+            raise ValueError("--lora_sync adapter needs a LoRA actor (--lora_rank > 0)")
 
     def critic_config(self, seed: int):
         return self.config(seed, self.critic_lora_rank, "--critic_lora_rank")

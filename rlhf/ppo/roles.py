@@ -82,7 +82,16 @@ def rollout_config(job, spec=None, world_size: int | None = None, on_cuda: bool 
                          weight_sync_bucket_mb=r.weight_sync_bucket_mb,
                          enable_prefix_caching=r.vllm_enable_prefix_caching,
                          return_routed_experts=job.router_replay.moe_router_replay == "rollout",
+                         lora_adapter_rank=job.lora.lora_rank if job.lora.lora_sync == "adapter" else 0,
+                         lora_adapter_keep=_adapter_versions_kept(job.partial),
                          vision=_vision_rollout(job, spec))
+
+
+def _adapter_versions_kept(partial) -> int:
+    """--lora_sync adapter: the adapter versions a rank keeps, those a trained token may come from."""
+    if partial.partial_rollout:
+        return partial.max_staleness + 1
+    return 2 if partial.async_one_step_off else 1
 
 
 def _vision_rollout(job, spec) -> dict | None:

@@ -134,7 +134,8 @@ def _vllm_round(rollout, mine: list[list[PartialSample]], need: int, *, temperat
                                     ignore_eos=ignore_eos)
             params.output_kind = RequestOutputKind.DELTA
             rid = f"partial-{version}-{s.group}-{s.k}"
-            engine.add_request(rid, {"prompt_token_ids": list(s.prompt_ids) + list(s.response_ids)}, params)
+            engine.add_request(rid, {"prompt_token_ids": list(s.prompt_ids) + list(s.response_ids)}, params,
+                               lora_request=rollout.lora_request)
             by_id[rid] = (gi, s)
     aborted = generated = 0
     stopped = False

@@ -114,6 +114,11 @@ class RolloutConfig:
     enable_prefix_caching: bool = False
     """(--vllm_enable_prefix_caching) vLLM's automatic prefix caching; every weight sync resets the cache, so no
     KV block computed with the previous weights is reused (OpenRLHF resets it at each broadcast too)."""
+    lora_adapter_rank: int = 0
+    """(--lora_sync adapter) the actor's LoRA rank: vLLM serves its adapters through its LoRA path, the base synced
+    once (``rlhf.rollout.lora_sync``); 0: merged weights are synced"""
+    lora_adapter_keep: int = 1
+    """adapter versions each rank keeps (--max_staleness + 1 with partial rollouts)"""
     vision: dict | None = None
     """a vision-language actor (``rlhf.models.vlm``): ``image_token_id``, ``max_images`` (vLLM's
     ``limit_mm_per_prompt``), ``min_pixels``, ``max_pixels``, ``image_mean``, ``image_std`` and ``rescale_factor``

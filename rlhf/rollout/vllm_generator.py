@@ -6,6 +6,10 @@ parallelism over the engines). The engine starts from dummy weights and receives
 checkpoint alike. Log-probs are vLLM's ``processed_logprobs``: ``log_softmax(logits / temperature)``, the same
 quantity the trainer computes (vLLM's raw log-probs ignore the temperature).
 
+With ``--lora_sync adapter`` the engine runs vLLM's LoRA path: it gets the base weights once and each update's
+adapters as a PEFT folder (``load_adapter``; ``rlhf.rollout.lora_sync``), and serves every request with the
+current version's ``LoRARequest``. Its sleep keeps the base then (CUDA level 1; on CPU the weights stay).
+
 Sleep mode exists on CUDA only. On CPU ``sleep`` frees the engine's weights instead (its prepacked copies, see
 ``rlhf.compat.vllm.release_cpu_weights``), ``wake_up(["weights"])`` re-allocates them, and the next weight sync
 re-creates them; the KV cache, sized to the batch there, stays.
@@ -106,6 +110,33 @@ def check_vllm_fit(spec, cfg: RolloutConfig, world_size: int) -> None:
                          f"{list(CPU_HEAD_SIZES)}); use --rollout_backend megatron or another model")
 
 
+def llm_kwargs(cfg: RolloutConfig, hf_dir: str, load_format: str, num_engines: int, on_cuda: bool) -> dict:
+    """vLLM's ``LLM`` arguments for an engine shard of this job (``VLLMRollout``)."""
+    kwargs = dict(model=hf_dir, tokenizer=hf_dir, tensor_parallel_size=cfg.tensor_parallel_size,
+                  distributed_executor_backend="external_launcher", dtype=cfg.dtype,
+                  enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len, seed=cfg.seed,
+                  load_format=load_format, logprobs_mode="processed_logprobs",
+                  enable_prefix_caching=cfg.enable_prefix_caching)
+    if num_engines > 1:
+        kwargs["data_parallel_size"] = num_engines
+    if cfg.lora_adapter_rank:
+        from rlhf.rollout.lora_sync import vllm_max_lora_rank
+
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(cfg.lora_adapter_rank), max_loras=1,
+                      max_cpu_loras=max(cfg.lora_adapter_keep, 1))
+    if cfg.return_routed_experts:  # MoE routing replay (rlhf.models.routing_replay)
+        kwargs["enable_return_routed_experts"] = True
+    if cfg.vision is not None:  # images in prompts: vLLM resizes them as the trainer's processor did
+        from rlhf.compat.vllm import qwen_vl_image_only
+
+        qwen_vl_image_only()
+        kwargs["limit_mm_per_prompt"] = {"image": cfg.vision["max_images"], "video": 0}
+        kwargs["mm_processor_kwargs"] = {"min_pixels": cfg.vision["min_pixels"],
+                                         "max_pixels": cfg.vision["max_pixels"]}
+    kwargs.update(vllm_memory_kwargs(cfg, on_cuda))
+    return kwargs
+
+
 def _export_launcher_env(mesh) -> None:
     """external_launcher reads torchrun's variables; under mpirun/srun we derived them ourselves."""
     env = mesh.env
@@ -136,23 +167,10 @@ class VLLMRollout:
         self.version = 0
         self.on_cuda = on_cuda = mesh.device.type == "cuda"
         self.sleep_enabled = cfg.enable_sleep_mode and on_cuda
-        kwargs = dict(model=hf_dir, tokenizer=hf_dir, tensor_parallel_size=self.tp,
-                      distributed_executor_backend="external_launcher", dtype=cfg.dtype,
-                      enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len, seed=cfg.seed,
-                      load_format=load_format, logprobs_mode="processed_logprobs",
-                      enable_prefix_caching=cfg.enable_prefix_caching)
-        if self.num_engines > 1:
-            kwargs["data_parallel_size"] = self.num_engines
-        if cfg.return_routed_experts:  # MoE routing replay (rlhf.models.routing_replay)
-            kwargs["enable_return_routed_experts"] = True
-        if cfg.vision is not None:  # images in prompts: vLLM resizes them as the trainer's processor did
-            from rlhf.compat.vllm import qwen_vl_image_only
-
-            qwen_vl_image_only()
-            kwargs["limit_mm_per_prompt"] = {"image": cfg.vision["max_images"], "video": 0}
-            kwargs["mm_processor_kwargs"] = {"min_pixels": cfg.vision["min_pixels"],
-                                             "max_pixels": cfg.vision["max_pixels"]}
-        kwargs.update(vllm_memory_kwargs(cfg, on_cuda))
+        self.lora_adapter, self.lora_keep = bool(cfg.lora_adapter_rank), cfg.lora_adapter_keep
+        self.lora_request = None
+        """the adapter version served (``load_adapter``); None: the base alone, or merged weights"""
+        kwargs = llm_kwargs(cfg, hf_dir, load_format, self.num_engines, on_cuda)
         t0 = time.perf_counter()
         ipc_dir = _private_ipc_dir(mesh)
         if not on_cuda:
@@ -172,7 +190,7 @@ class VLLMRollout:
             self.llm.apply_model(partial(restore_image_normalization, image_mean=cfg.vision["image_mean"],
                                          image_std=cfg.vision["image_std"],
                                          rescale_factor=cfg.vision["rescale_factor"]))
-        self.release_on_cpu = cfg.enable_sleep_mode and not on_cuda
+        self.release_on_cpu = cfg.enable_sleep_mode and not on_cuda and not self.lora_adapter
         self.quiet_reload = ExpectedReloadWarnings(self.llm.apply_model(nothing_to_load)[0])
         """drops vLLM's "Failed to load weights" of the layers with nothing to load (checked after every sync)"""
         logging.getLogger(RELOAD_LOGGER).addFilter(self.quiet_reload)
@@ -193,6 +211,13 @@ class VLLMRollout:
         dummy weights, or ``sleep`` discarded them."""
         self.cpu_released = False
         """CPU: ``sleep`` freed the weights and ``wake_up(["weights"])`` has not re-allocated them yet."""
+        self.needs_base = True
+        """An adapter-serving engine has no base weights yet (dummy, or discarded by a sleep)."""
+        if self.lora_adapter and mesh.is_rank0:
+            log.info("vLLM LoRA path (--lora_sync adapter): the base weights are synced once, then each update's "
+                     "adapters alone (rank %d, max_lora_rank %d); %s", cfg.lora_adapter_rank,
+                     kwargs["max_lora_rank"], "sleep keeps the base (level 1)" if self.sleep_enabled else
+                     "on CPU the weights stay between rollouts")
 
     # ------------------------------------------------------------------------------------------ memory phases
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
@@ -211,13 +236,14 @@ class VLLMRollout:
         # re-allocates them, the sync fills them, and each step's rollout_logprob_drift (vLLM's log-probs against
         # the trainer's on the same tokens) shows that the woken engine serves the synced weights.
         if self.sleep_enabled and not self.sleeping:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.lora_adapter else 2)  # level 1 keeps the base an adapter sync needs
             self.sleeping = True
             self.needs_sync = True
+            self.needs_base = not self.lora_adapter
         elif self.release_on_cpu and not self.cpu_released:
             first = self.version == 0
             freed = sum(self.llm.apply_model(release_cpu_weights))
-            self.cpu_released = self.needs_sync = True
+            self.cpu_released = self.needs_sync = self.needs_base = True
             if first and self.mesh.is_rank0:
                 log.info("vLLM (CPU, no sleep mode): its weights are freed after each rollout and re-created by the "
                          "next weight sync (%.0f MB of parameters, plus their packed copies, per rank)", freed / 2**20)
@@ -234,7 +260,24 @@ class VLLMRollout:
             raise RuntimeError("vLLM did not reset its prefix cache after the weight sync: its cached KV blocks of the "
                                "previous weights would be reused")
         self.version = version
-        self.needs_sync = False
+        self.needs_sync = self.needs_base = False
+        self.lora_request = None  # vLLM's reload dropped its adapters (reset_lora_state)
+
+    def load_adapter(self, path: str, version: int) -> None:
+        """Serve the PEFT adapter folder ``path`` as version ``version`` from the next generation on (vLLM loads it
+        now, so the sync's time includes it)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_adapter:
+            raise RuntimeError("load_adapter: this engine was built without --lora_sync adapter")
+        if self.needs_base:
+            raise RuntimeError("load_adapter: the engine has no base weights; sync them first")
+        req = LoRARequest(f"actor-v{version}", version, path)
+        if not self.llm.llm_engine.add_lora(req):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter of weight sync {version} from {path}")
+        if not self.llm.reset_prefix_cache() and self.cfg.enable_prefix_caching:
+            raise RuntimeError("vLLM did not reset its prefix cache after the adapter sync")
+        self.lora_request, self.version, self.needs_sync = req, version, False
 
     def _check_quiet_reload(self, version: int) -> None:
         """The layers whose reload warning is dropped still have nothing of their own to load after this sync (the
@@ -284,7 +327,8 @@ class VLLMRollout:
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
                                  ignore_eos=ignore_eos, seed=seed * 1_000_003 + (lo + i) * n, detokenize=False)
                   for i in range(len(mine))]
-        outs = self.llm.generate([self._request(p) for p in mine], params, use_tqdm=False)
+        outs = self.llm.generate([self._request(p) for p in mine], params, use_tqdm=False,
+                                 lora_request=self.lora_request)
         local: list[Sample] = []
         for i, o in enumerate(outs):
             prompt_ids, mm = self._prompt_ids(mine[i], o)
@@ -329,7 +373,8 @@ class VLLMRollout:
         mine = list(requests[lo:hi]) or [(list(requests[0][0])[:1], 1, 1.0, 1.0, 0)]
         params = [SamplingParams(n=1, temperature=t, top_p=tp, max_tokens=mt, logprobs=0, seed=seed,
                                  detokenize=False) for _, mt, t, tp, seed in mine]
-        outs = self.llm.generate([{"prompt_token_ids": list(r[0])} for r in mine], params, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(r[0])} for r in mine], params, use_tqdm=False,
+                                 lora_request=self.lora_request)
         local = []
         if self.is_leader and hi > lo:
             for i, o in enumerate(outs):

@@ -9,7 +9,8 @@
     broadcast      with PP > 1 the stage broadcasts the gathered bucket over the PP group, so every rank
                    (hence every vLLM worker, whatever vLLM's own TP) holds full tensors
     convert        megatron names/layouts -> HF names/layouts (``rlhf.models.hf_llama.hf_from_megatron``); a LoRA
-                   actor sends merged weights (``W + alpha/r B A``, per TP shard) and never its adapters
+                   actor sends merged weights (``W + alpha/r B A``, per TP shard) and never its adapters, or with
+                   ``--lora_sync adapter`` the base once and then its adapters alone (``rlhf.rollout.lora_sync``)
     load           the engine consumes the HF tensors as an iterator (vLLM ``reload_weights``), bucket after
                    bucket; a bucket is freed before the next is gathered, so the extra memory is one bucket
     version        a counter bumped after each completed sync; the engine remembers which version it serves
@@ -76,6 +77,9 @@ class WeightSync:
                         for kind in (False, True) for b in self._bucketize([p for p in params if p.expert == kind])]
         self.experts_per_rank = actor.spec.num_experts // mesh.ep if mesh.ep > 1 else 0
         self._logged_local = False
+        self.merge = True
+        """LoRA-adapted weights go out merged; False while an adapter-syncing engine gets its base"""
+        self.adapter_folders = None
 
     def _full_bytes(self, p: _Param) -> int:
         n = 1
@@ -85,7 +89,7 @@ class WeightSync:
 
     def _weight(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """This rank's tensor of parameter ``name`` as the engine gets it: LoRA-merged where adapted."""
-        return merged_weight(self.adapted[name]) if name in self.adapted else param.detach()
+        return merged_weight(self.adapted[name]) if self.merge and name in self.adapted else param.detach()
 
     def _bucketize(self, params: list[_Param]) -> list[list[_Param]]:
         buckets, cur, size = [], [], 0
@@ -184,23 +188,49 @@ class WeightSync:
                            "weight_sync/buckets": 0.0}
 
     def sync(self, engine) -> dict[str, float]:
-        """Push the current actor weights into ``engine`` (``engine.load_weights(iterator, version)``)."""
+        """Push the current actor weights into ``engine`` (``engine.load_weights(iterator, version)``); to an engine
+        that serves adapters (``engine.lora_adapter``) the unmerged base when it has none, then the adapters."""
         from rlhf.distributed.faults import fault_point
 
         t0 = time.perf_counter()
         self.version += 1
         fault_point("weight_sync")
-        local = self.tp_local(engine)
-        if local and not self._logged_local and self.mesh.is_rank0:
-            log.info("weight sync: TP-local (vLLM TP %d shards like megatron's): no gather", self.mesh.tp)
-        self._logged_local = self._logged_local or local
-        engine.load_weights(self.iter_local_hf_tensors() if local else self.iter_hf_tensors(), self.version)
+        adapter = getattr(engine, "lora_adapter", False)
+        if adapter and not self.adapted:
+            raise RuntimeError("the engine serves LoRA adapters (--lora_sync adapter) but the actor has none")
+        self.last_stats = {"weight_sync/gather_s": 0.0, "weight_sync/bytes": 0.0, "weight_sync/buckets": 0.0}
+        if not adapter or engine.needs_base:
+            local = self.tp_local(engine)
+            if local and not self._logged_local and self.mesh.is_rank0:
+                log.info("weight sync: TP-local (vLLM TP %d shards like megatron's): no gather", self.mesh.tp)
+            self._logged_local = self._logged_local or local
+            self.merge = not adapter
+            try:
+                engine.load_weights(self.iter_local_hf_tensors() if local else self.iter_hf_tensors(), self.version)
+            finally:
+                self.merge = True
         stats = dict(self.last_stats)
+        if adapter:
+            stats.update(self._sync_adapter(engine))
         stats["weight_sync/seconds"] = time.perf_counter() - t0
         stats["weight_sync/version"] = float(self.version)
         log.debug("weight sync v%d: %.0f MB in %d buckets, %.3f s", self.version,
                   stats.get("weight_sync/bytes", 0) / 2**20, len(self.buckets), stats["weight_sync/seconds"])
         return stats
+
+
+    def _sync_adapter(self, engine) -> dict[str, float]:
+        """The actor's adapters as this version's PEFT folder, served by ``engine`` from now on."""
+        from rlhf.rollout.lora_sync import AdapterFolders, gather_all_adapters
+
+        t0 = time.perf_counter()
+        if self.adapter_folders is None:
+            self.adapter_folders = AdapterFolders(self.actor.lora, keep=getattr(engine, "lora_keep", 1))
+        tensors = gather_all_adapters(self.actor.model, self.actor.spec, self.mesh)
+        engine.load_adapter(self.adapter_folders.write(tensors, self.version), self.version)
+        nbytes = float(sum(t.numel() * t.element_size() for t in tensors.values()))
+        return {"weight_sync/adapter_bytes": nbytes, "weight_sync/adapter_s": time.perf_counter() - t0,
+                "weight_sync/bytes": self.last_stats.get("weight_sync/bytes", 0.0) + nbytes}
 
 
 def _place_shard(name: str, shard: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:

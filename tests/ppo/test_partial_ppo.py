@@ -244,14 +244,20 @@ def test_sigkill_anywhere_with_samples_carried_then_resume_is_exact(ppo_setup, e
     assert _same(_weights(out), _weights(save))
 
 
-def test_lora_actor_and_vllm_tp2(ppo_setup, eos_actor, tmp_path):
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_lora_actor_and_vllm_tp2(ppo_setup, eos_actor, tmp_path, sync):
     """Two ranks, one vLLM engine over both (TP 2: every rank steps the same engine and sees the same outputs, so
-    both stop and abort alike), a LoRA actor (the sync sends merged weights): the round stops early and carries,
-    and the log-prob drift tells fresh tokens (vLLM has this step's merged weights: 1e-7) from carried ones (one
-    update old: 0.06 measured, the adapters moved)."""
+    both stop and abort alike), a LoRA actor (the sync sends merged weights, or with --lora_sync adapter the base
+    once and then the adapters alone): the round stops early and carries, and the log-prob drift tells fresh
+    tokens (vLLM has this step's weights: 1e-7) from carried ones (one update old: 0.06 measured, the adapters
+    moved)."""
     hist, p = _run(ppo_setup, eos_actor, tmp_path / "tp2", *K1, "--vllm_tensor_parallel_size", "2",
-                   "--lora_rank", "4", "--dist_timeout_s", "60", nproc=2)
+                   "--lora_rank", "4", "--lora_sync", sync, "--dist_timeout_s", "60", nproc=2)
     assert "1 engine(s) x TP 2" in p.stdout + p.stderr, tail(p)
+    if sync == "adapter":  # after the first sync (base + adapters), each sync sends the adapters alone
+        sent = [(h["weight_sync/bytes"], h["weight_sync/adapter_bytes"]) for h in hist]
+        assert sent[0][0] > 5 * sent[0][1] and all(b == a > 0 for b, a in sent[1:]), sent
+        assert "vLLM LoRA path (--lora_sync adapter)" in p.stdout + p.stderr, tail(p)
     assert len(hist) == 3 and sum(h["partial/aborted_samples"] for h in hist) > 0, hist
     assert all(h["partial/trained_groups"] == 4 for h in hist), hist
     # tokens of this step's weights: vLLM (synced merged weights) and the trainer agree; tokens one update old: the
@@ -298,3 +304,4 @@ def test_openrlhf_async_enable_alone_is_one_step_off(ppo_setup, eos_actor, tmp_p
     # the correction ran on the stale steps: the behaviour weight differs from 1 on carried tokens
     w = [h["actor/rollout_is_weight"] for h in hist]
     assert w[0] == pytest.approx(1.0, abs=1e-5) and all(abs(x - 1.0) > 1e-4 for x in w[1:]), w
+

@@ -45,6 +45,10 @@ def test_missing_input_key(ppo_setup, tmp_path, no_models, capsys):
     ({"--teacher_pretrain": "/nonexistent/teacher", "--distill_coef": 0}, "--distill_coef must be > 0"),
     ({"--lora_rank": 4, "--target_modules": "foo"}, "--target_modules: unknown module 'foo'"),
     ({"--critic_lora_rank": -1}, "--critic_lora_rank must be >= 0"),
+    ({"--lora_sync": "adapter"}, "--lora_sync adapter needs a LoRA actor (--lora_rank > 0)"),
+    ({"--lora_sync": "adapter", "--lora_rank": 4, "--rollout_backend": "megatron"},
+     "--lora_sync adapter with --rollout_backend megatron: only vLLM serves adapters"),
+    ({"--lora_sync": "adapter", "--lora_rank": 600}, "--lora_rank 600 with --lora_sync adapter"),
     ({"--rollout_batch_size": 128, "--train_batch_size": 64, "--micro_rollout_batch_size": 16},
      "larger than the number of prompts"),
     # the RLVR options: each bad combination, before any model
@@ -68,6 +72,12 @@ def test_missing_input_key(ppo_setup, tmp_path, no_models, capsys):
 def test_batch_and_flag_errors(ppo_setup, tmp_path, no_models, capsys, flags, needle):
     code, err = run_main(ppo_args(ppo_setup, str(tmp_path / "o"), **flags), capsys)
     assert code == 2 and needle in err, err
+
+
+def test_lora_adapter_sync_refuses_moe(ppo_setup, family_actors, tmp_path, no_models, capsys):
+    code, err = run_main(ppo_args(ppo_setup, str(tmp_path / "o"), **{
+        "--pretrain": family_actors["mixtral"], "--lora_rank": 4, "--lora_sync": "adapter"}), capsys)
+    assert code == 2 and "--lora_sync adapter: a MoE actor (mixtral)" in err, err
 
 
 def test_unsupported_head_dim_for_vllm_cpu(ppo_setup, tmp_path, no_models, capsys):

@@ -36,12 +36,24 @@ def _job(**kw):
     from rlhf.agents.flags import AgentPart
     from rlhf.models.routing_replay import RouterReplayPart
     from rlhf.config.parts import EnginePart
-    from rlhf.ppo.parts import GenerationPart, PPOBatch, RolloutPart
+    from rlhf.ppo.parts import GenerationPart, PPOBatch, PPOLora, RolloutPart
+    from rlhf.rollout.partial_config import PartialRolloutConfig
 
     a = vars(_args(**kw))
     pick = lambda cls: cls(**{k: v for k, v in a.items() if k in cls.flag_dests()})  # noqa: E731
     return argparse.Namespace(rollout=pick(RolloutPart), engine=pick(EnginePart), batch=pick(PPOBatch),
-                              generation=pick(GenerationPart), agent=AgentPart(), router_replay=RouterReplayPart())
+                              generation=pick(GenerationPart), agent=AgentPart(), router_replay=RouterReplayPart(),
+                              lora=pick(PPOLora), partial=pick(PartialRolloutConfig))
+
+
+@pytest.mark.parametrize("flags,kept", [({}, 1), ({"async_one_step_off": True}, 2),
+                                        ({"partial_rollout": True, "max_staleness": 3}, 4)])
+def test_adapter_versions_kept_cover_the_staleness(flags, kept):
+    """--lora_sync adapter keeps the adapter versions a trained token may come from: the current one, one more
+    one-step-off, --max_staleness more with partial rollouts (vLLM's max_cpu_loras and the folders on disk)."""
+    cfg = rollout_config(_job(lora_rank=4, lora_sync="adapter", **flags))
+    assert (cfg.lora_adapter_rank, cfg.lora_adapter_keep) == (4, kept)
+    assert rollout_config(_job(lora_rank=4, **flags)).lora_adapter_rank == 0  # merged: no LoRA path
 
 
 def test_rollout_config_sizes_the_cpu_cache_unless_the_flag_is_given():
