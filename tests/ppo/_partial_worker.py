@@ -27,7 +27,8 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ.get(
 MAX_LEN, N, T, SEED = 128, 3, 24, 5
 llm = LLM(model=hf, dtype="float32", enforce_eager=True, max_model_len=MAX_LEN, seed=0,
           **vllm_memory_kwargs(RolloutConfig(max_model_len=MAX_LEN, kv_cache_bytes=32 << 20), on_cuda=False))
-rollout = SimpleNamespace(llm=llm, num_engines=1, engine_index=0, is_leader=True, mesh=SimpleNamespace(world_size=1))
+rollout = SimpleNamespace(llm=llm, num_engines=1, engine_index=0, is_leader=True, lora_request=None,
+                          mesh=SimpleNamespace(world_size=1))
 prompts = [[3 + (11 * i + j) % 40 for j in range(5 + 3 * i)] for i in range(4)]
 
 
