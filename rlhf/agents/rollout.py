@@ -7,6 +7,11 @@ Determinism: trajectory j (prompt i, sample k: j = i * n + k) samples turn 0 wit
 sample and later turns with seeds derived from it; ``random``, numpy's and torch's global generators are seeded
 from the step and the trajectory before each environment call, so a resumed run sees the same environments.
 
+Routing (an MoE actor, ``routing``): each turn's generator call returns the experts of every token it fed forward;
+a trajectory gets those of its longest call that is a prefix of it (the last turn's prompt holds the earlier turns,
+fed again at the same weights, as vLLM's prefill of a cached prefix), so ``--moe_router_replay rollout`` replays
+the generator's experts on the whole trajectory; one whose actions that call does not cover gets none.
+
 Failures: an environment that raises, returns a malformed dict or does not answer within ``--agent_timeout_s``
 ends its trajectory there with reward 0 and a counted reason; more than ``--max_agent_failures`` in a step stop
 the job with one error (on every rank alike: the counts are global).
@@ -17,7 +22,7 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -105,8 +110,9 @@ class _BatchedLLM:
 
 
 class AgentRollout:
-    def __init__(self, cfg: AgentPart, tokenizer, mesh):
-        self.cfg, self.tokenizer, self.mesh = cfg, tokenizer, mesh
+    def __init__(self, cfg: AgentPart, tokenizer, mesh, routing: bool = False):
+        self.cfg, self.tokenizer, self.mesh, self.routing = cfg, tokenizer, mesh, routing
+        self._calls: defaultdict = defaultdict(list)  # trajectory -> [(ids fed + sampled, routing)] (``routing``)
         self.executor = load_agent_executor(cfg.agent_func_path)
         self.accepts = execute_kwargs(self.executor)
         self.llm = _BatchedLLM(tokenizer, cfg.max_len)
@@ -171,6 +177,7 @@ class AgentRollout:
 
         llm, loop = self.llm, asyncio.get_running_loop()
         llm.attach(loop, poke)
+        self._calls.clear()
         endpoint = await self._endpoint(params, version)
         bound = asyncio.Semaphore(self.cfg.agent_max_sessions or max(len(mine), 1))
 
@@ -207,17 +214,25 @@ class AgentRollout:
         finally:
             if endpoint is not None:
                 await endpoint.stop()
-        return [t.result() for t in tasks]
+        results = [t.result() for t in tasks]
+        for j, r in zip(mine, results):
+            r["routed_experts"] = trajectory_routing(self._calls.pop(j, []), r["observation_tokens"][: self.cfg.max_len],
+                                                     r["action_ranges"]) if self.routing else None
+        return results
 
     def _answer(self, engine, base: int, requests: list, queued: list) -> None:
         """One batched call of the generator for every rank's requests; this rank's futures get theirs."""
         outs = engine.generate_requests([(ids, mt, t, tp, turn_seed(base, j, turn) if j >= 0 else
                                           turn_seed(base + 7_919, 0, turn + 1))
-                                         for j, turn, ids, (t, tp, mt) in requests])
+                                         for j, turn, ids, (t, tp, mt) in requests],
+                                        **({"with_routing": True} if self.routing else {}))
         got = {(j, turn): o for (j, turn, _, _), o in zip(requests, outs)}
-        for j, turn, _, _, fut in queued:
+        for j, turn, ids, _, fut in queued:
+            o = got[(j, turn)]
+            if self.routing and j >= 0 and o[3] is not None:
+                self._calls[j].append((list(ids) + list(o[0]), o[3]))
             if not fut.done():
-                fut.set_result(got[(j, turn)])
+                fut.set_result(tuple(o[:3]))
 
     async def _one(self, prompt, params: SamplingParams, llm: _BatchedLLM) -> dict:
         """One trajectory's ``execute``; a custom executor that raises ends its trajectory (prompt only)."""
@@ -270,7 +285,8 @@ class AgentRollout:
                                score=None if score is None else float(score), turns=int(r["turns"] or 0),
                                env_seconds=float(r["env_seconds"]), cut=cut, failure=r["failure"],
                                extra_logs=r["extra_logs"], endpoint=r.get("endpoint"))
-        return Sample(i, list(obs[:start]), list(resp), list(lps), finished, action_mask=mask, agent=outcome)
+        return Sample(i, list(obs[:start]), list(resp), list(lps), finished, action_mask=mask, agent=outcome,
+                      routed_experts=r.get("routed_experts"))
 
     def _metrics(self, samples: list[Sample]) -> dict[str, float]:
         """agent/*: turns per trajectory, environment seconds (summed over trajectories), the share cut by the
@@ -292,6 +308,21 @@ class AgentRollout:
         m.update({f"agent/failures/{k}": float(v) for k, v in reasons.items()})
         m.update(endpoint_metrics([o.endpoint for o in outs if o.endpoint is not None]))
         return m
+
+
+def trajectory_routing(calls: list, obs: list[int], actions: list) -> object:
+    """The routing of a trajectory ``obs`` (its tokens within --max_len) from its generator ``calls`` (each the ids
+    fed and sampled, with the experts of those fed, one position fewer): that of the call sharing the longest prefix
+    with ``obs``, up to where they part; None unless it covers every position an action's log-probs read (up to
+    the token before each action's last)."""
+    best, length = None, 0
+    for ids, routed in calls:
+        c = next((k for k, (a, b) in enumerate(zip(ids, obs)) if a != b), min(len(ids), len(obs)))
+        valid = min(c, len(routed))
+        if valid > length:
+            best, length = routed, valid
+    need = max((min(b, len(obs)) - 1 for a, b in actions if a < len(obs)), default=0)
+    return best[:length] if best is not None and length >= need else None
 
 
 def failure_kind(failure: str) -> str:

@@ -68,20 +68,15 @@ class RouterReplayPart(Part):
                              f"{self.moe_routing_flip_interval}")
 
 
-def check_router_replay(part: RouterReplayPart, spec, *, backend: str, model: str, other: str | None = None) -> None:
+def check_router_replay(part: RouterReplayPart, spec, *, backend: str, model: str) -> None:
     """The mode against the actor (``spec``: its ``ModelSpec``), the layout and the generator (``backend``:
-    --rollout_backend), before any model loads; ``other``: a flag whose generation keeps no routing yet."""
+    --rollout_backend), before any model loads."""
     mode = part.moe_router_replay
     if mode == "off":
         return
     if not spec.num_experts:
         raise ValueError(f"--moe_router_replay {mode}: the actor {model} ({spec.model_type}) is not a "
                          "mixture-of-experts model; routing replay is for MoE actors (mixtral, qwen3_moe)")
-    if mode == "rollout" and other:
-        raise ValueError(f"--moe_router_replay {mode} with {other} is not supported yet (its generation keeps no "
-                         "routing; replay covers padded, packed and token-budget micro-batches, expert, pipeline and "
-                         "context parallelism and --gradient_checkpointing; rollout: single-turn generation, partial "
-                         "rollouts included)")
     import importlib.util
 
     vllm = backend == "vllm" or (backend == "auto" and importlib.util.find_spec("vllm") is not None)

@@ -172,7 +172,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
 
     check_agent_fit(job.agent, sources["--pretrain"]["hf_config"])
     check_router_replay(job.router_replay, sources["--pretrain"]["spec"], backend=job.rollout.rollout_backend,
-                        model=job.models.pretrain, other=job.agent.agent_func_path and "--agent_func_path")
+                        model=job.models.pretrain)
     check_tokenizer_folder(job.models.pretrain, "--pretrain")  # the prompts and replies are tokenized with it
     sources["--teacher_pretrain"] = check_teacher(job.distill, job.models.pretrain, par)  # its tokenizer: before loading
     check_vision_job(job, sources)

@@ -40,7 +40,8 @@ def attach_rollout_routing(roles, mode: str, samples: list, batch: dict) -> None
     routed = rollout_routing(samples, batch["input_ids"].shape[1], roles.actor.spec)
     if routed is None:
         raise RuntimeError("--moe_router_replay rollout: the generator returned no routing for some samples (vLLM "
-                           "needs enable_return_routed_experts; the megatron fallback records it at PP 1)")
+                           "needs enable_return_routed_experts; the megatron fallback records it at PP 1; an agent's "
+                           "trajectory gets it only when one of its generator calls is a prefix covering its actions)")
     batch["routed_experts"] = routed.to(batch["input_ids"].device)
 
 

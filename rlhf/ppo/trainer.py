@@ -61,7 +61,7 @@ class PPOTrainer:
         if job.agent.agent_func_path:
             from rlhf.agents.rollout import AgentRollout
 
-            self.roles.agent = AgentRollout(job.agent, tokenizer, mesh)
+            self.roles.agent = AgentRollout(job.agent, tokenizer, mesh, bool(self.roles.actor.spec.num_experts))
         self.rewards = RewardSources(setup.rewards, setup.sources["--reward_pretrain"], prompts, tokenizer, mesh,
                                      judge=self.roles.judge)
         self.kl_ctl = make_kl_controller(job.algo.init_kl_coef, job.algo.kl_target, job.algo.kl_horizon)

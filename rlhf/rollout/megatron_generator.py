@@ -109,7 +109,7 @@ class MegatronRollout:
         keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
         return gather_samples(local if keep else [], mesh)
 
-    def generate_requests(self, requests: Sequence[tuple]) -> list[tuple[list[int], list[float], bool]]:
+    def generate_requests(self, requests: Sequence[tuple], with_routing: bool = False) -> list[tuple]:
         """``VLLMRollout.generate_requests``: each DP replica samples a contiguous share, one request at a time
         (its own generator from the request's seed); every rank gets every result, in order. Refused with expert
         parallelism (a replica's forwards are collectives over the EP group; shares differ in length)."""
@@ -118,10 +118,11 @@ class MegatronRollout:
         local: list[Sample] = []
         for i, (prompt, max_tokens, temperature, top_p, seed) in enumerate(requests[lo:hi]):
             gen = torch.Generator().manual_seed(seed)
-            (row, lps, ended, _), = self._sample(prompt, 1, temperature, top_p, max_tokens, gen, False)
-            local.append(Sample(lo + i, [], row, lps, ended))
+            (row, lps, ended, routed), = self._sample(prompt, 1, temperature, top_p, max_tokens, gen, False)
+            local.append(Sample(lo + i, [], row, lps, ended, routed_experts=routed if with_routing else None))
         keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
-        return [(s.response_ids, s.logprobs, s.finished) for s in gather_samples(local if keep else [], mesh)]
+        return [(s.response_ids, s.logprobs, s.finished) + ((s.routed_experts,) if with_routing else ())
+                for s in gather_samples(local if keep else [], mesh)]
 
     def _sample(self, prompt, n: int, temperature: float, top_p: float, max_tokens: int, gen, ignore_eos: bool):
         """``n`` replies to one prompt: ``(token ids, log-probs, ended by EOS, routing)`` each, cut after EOS; routing

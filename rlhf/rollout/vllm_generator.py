@@ -361,11 +361,12 @@ class VLLMRollout:
                                f"to {len(p)}: their image processors resized differently")
         return list(p), p.mm
 
-    def generate_requests(self, requests: Sequence[tuple]) -> list[tuple[list[int], list[float], bool]]:
+    def generate_requests(self, requests: Sequence[tuple], with_routing: bool = False) -> list[tuple]:
         """One sample per request ``(prompt_ids, max_tokens, temperature, top_p, seed)``, the same list on every
         rank (the agents' turns, ``rlhf.agents.rollout``): engine ``e`` generates a contiguous share (at least a
         one-token dummy, so every engine of a data-parallel vLLM joins); every rank gets
-        ``(response_ids, logprobs, ended_by_eos)`` of every request, in order."""
+        ``(response_ids, logprobs, ended_by_eos)`` of every request, in order, and with ``with_routing`` the
+        request's ``routed_experts`` (None where vLLM returned none)."""
         from vllm import SamplingParams
 
         n, e = len(requests), self.num_engines
@@ -381,8 +382,10 @@ class VLLMRollout:
                 c = o.outputs[0]
                 ids = list(c.token_ids)
                 local.append(Sample(lo + i, [], ids, [float(d[t].logprob) for d, t in zip(c.logprobs, ids)],
-                                    c.finish_reason == "stop"))
-        return [(s.response_ids, s.logprobs, s.finished) for s in gather_samples(local, self.mesh)]
+                                    c.finish_reason == "stop", routed_experts=getattr(c, "routed_experts", None)
+                                    if with_routing else None))
+        return [(s.response_ids, s.logprobs, s.finished) + ((s.routed_experts,) if with_routing else ())
+                for s in gather_samples(local, self.mesh)]
 
     def close(self) -> None:
         # ``del llm`` destroys the default process group (vLLM 0.32.0 under external_launcher): call this last.

@@ -12,6 +12,8 @@ REPO = SWE + "test_the_repository_lives_on_the_host_and_runs_in_the_sandbox"
 SCRIPTED = SWE + "test_a_scripted_model_fixes_a_bug_through_the_tools"
 CALC = JOBS + "test_the_calculator_program_feeds_calc_agents_conversation"
 MINI = SWE + "test_mini_swe_agent_fixes_a_bug_through_the_endpoint_in_the_sandbox"
+ROUTE_HAND = "tests/ppo/test_agents.py::test_a_trajectorys_routing_is_its_longest_prefix_call"
+ROUTE_JOB = "tests/ppo/test_routing_replay_ppo.py::test_grpo_with_routing_replay[agent_rollout]"
 
 MUTANTS = [
     Mutant("agents-continuation-reencoded", "rlhf/agents/tokens.py",
@@ -129,4 +131,18 @@ MUTANTS = [
            replace='''        pass  # raises Submitted''',
            claim="mini-swe-agent's submit command ends its run in the sandbox as on its own environment",
            tests=(MINI,)),
+    Mutant("agents-routing-first-call", "rlhf/agents/rollout.py",
+           find="        if valid > length:\n", replace="        if not length:\n",
+           claim="a trajectory replays the routing of its longest prefix call (the last turn), not its first",
+           tests=(ROUTE_HAND, ROUTE_JOB)),
+    Mutant("agents-routing-uncovered-kept", "rlhf/agents/rollout.py",
+           find="    return best[:length] if best is not None and length >= need else None",
+           replace="    return best[:length] if best is not None else None",
+           claim="a trajectory whose actions its calls' routing does not cover gets no routing (R3 refuses it) "
+                 "instead of filler experts",
+           tests=(ROUTE_HAND,)),
+    Mutant("agents-routing-not-asked", "rlhf/agents/rollout.py",
+           find="r[\"routed_experts\"] = trajectory_routing(", replace="r[\"routed_experts\"] = None and trajectory_routing(",
+           claim="an MoE actor's agent trajectories carry their generator's routing into R3",
+           tests=(ROUTE_JOB,)),
 ]

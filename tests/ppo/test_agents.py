@@ -97,6 +97,26 @@ def test_two_turns_by_hand(tok):
     assert seen[1]["observation_text"] == tok.decode(prompt) + tok.decode(a1) + " ok then"
 
 
+def test_a_trajectorys_routing_is_its_longest_prefix_call():
+    """By hand: a trajectory (prompt 1 2, action 3 4, tool 5, action 6 7) gets the routing of the generator call
+    sharing its longest prefix (turn 2 fed 1..6 and sampled 6 7: 6 positions), cut where a call parts from it; a
+    trajectory whose actions no call covers (turn 2 re-rendered the tool's answer) gets none."""
+    import numpy as np
+
+    from rlhf.agents.rollout import trajectory_routing
+
+    obs, actions = [1, 2, 3, 4, 5, 6, 7], [(2, 4), (5, 7)]
+    r1, r2 = np.arange(3).reshape(3, 1, 1), 10 + np.arange(6).reshape(6, 1, 1)  # (positions fed, layers, K)
+    turn1, turn2 = ([1, 2, 3, 4], r1), ([1, 2, 3, 4, 5, 6, 7], r2)
+    assert trajectory_routing([turn1, turn2], obs, actions).tolist() == r2.tolist()
+    assert trajectory_routing([turn2, turn1], obs, actions).tolist() == r2.tolist()  # not the last call: the longest
+    assert trajectory_routing([turn1, turn2], obs[:5], [(2, 4)]).tolist() == r2[:5].tolist()  # cut by --max_len
+    edited = ([1, 2, 3, 4, 9, 6, 7], r2)  # the tool's answer re-rendered: the call parts from obs at position 4
+    assert trajectory_routing([turn1, edited], obs, actions) is None  # the second action's reads are not covered
+    assert trajectory_routing([turn1, edited], obs[:4], [(2, 4)]).tolist() == r2[:4].tolist()
+    assert trajectory_routing([], obs, actions) is None
+
+
 def test_budget_and_max_turns_end_a_trajectory(tok):
     async def never_done(env, states):
         return {"rewards": 0.0, "environment_feedback": " more", "done": False}

@@ -3,7 +3,9 @@ fallback generator recording the experts of every token it feeds (vLLM 0.32 retu
 model runner, which needs Triton: not on CPU). R3 with the experts over 2 EP ranks: the generator's routing replayed
 in the old-log-prob, the reference and both epochs' update forwards; R2 over 2 pipeline stages with packed
 micro-batches and --gradient_checkpointing: each stage records its own layers in the old-log-prob forward, merged,
-replayed in the updates and their recomputes. The routing-flip metric logged each step. Both jobs run through
+replayed in the updates and their recomputes; R3 with a two-turn agent (--agent_func_path, DP 2): each trajectory
+replays the experts of its last turn's generator call, which fed the first turn and the tool's answer again. The
+routing-flip metric logged each step. Both jobs run through
 tests/ppo/_routing_worker.py, which watches the actor's routers in every replaying forward: the experts used are the
 replayed ones on every token (replayed flips 0), while the router's own choice differs on some (unreplayed flips > 0:
 the second epoch's weights moved it), so replay is shown to act, not only to be harmless. Bad input: a dense actor,
@@ -20,11 +22,17 @@ PPO = os.path.join(REPO, "launch/ppo.py")
 
 @pytest.mark.parametrize("layout", [{"--ep": 2, "--moe_router_replay": "rollout"},
                                     {"--pp": 2, "--packing_samples": "", "--moe_router_replay": "train",
-                                     "--gradient_checkpointing": ""}],
-                         ids=["ep2_rollout", "pp2_packed_recompute_train"])
+                                     "--gradient_checkpointing": ""},
+                                    {"--moe_router_replay": "rollout", "--agent_func_path": "ENV", "--max_len": "64"}],
+                         ids=["ep2_rollout", "pp2_packed_recompute_train", "agent_rollout"])
 def test_grpo_with_routing_replay(ppo_setup, family_actors, tmp_path, layout):
     save, dump = str(tmp_path / "out"), tmp_path / "dump"
     dump.mkdir()
+    if "--agent_func_path" in layout:  # test_agents.py's tool: a second turn after its answer
+        from test_agents import TOOL_ENV
+
+        (tmp_path / "tool_env.py").write_text(TOOL_ENV)
+        layout = {**layout, "--agent_func_path": str(tmp_path / "tool_env.py")}
     args = ppo_args({**ppo_setup, "actor": family_actors["mixtral"]}, save,
                     **{"--advantage_estimator": "grpo", **layout, "--rollout_backend": "megatron",
                        "--rollout_batch_size": 4, "--n_samples_per_prompt": 2,
@@ -47,6 +55,8 @@ def test_grpo_with_routing_replay(ppo_setup, family_actors, tmp_path, layout):
     # token in the second epoch (one Adam step at lr 1e-2 moves the tiny router's weights by about half their std)
     assert sum(c["unreplayed_flips"] for c in counts) > 0, counts
     for m in hist:
+        if "--agent_func_path" in layout:  # every trajectory took both turns: its actions span a tool's answer
+            assert m["agent/turns"] == 2.0 and m["agent/failures"] == 0.0 and m["agent/env_tokens_share"] > 0, m
         # the unreplayed forward against the generator's routing: the same megatron numerics in fp32, so no flip
         assert m["moe/routing_flip_tokens"] == 0.0 and m["moe/routing_flip_pairs"] == 0.0, m
         assert m["rollout_logprob_drift_max"] <= 1e-4, m  # old log-probs replayed (R3) or as generated (R2)
