@@ -75,8 +75,7 @@ def check_agent_args(job) -> None:
 
     load_agent_executor(agent.agent_func_path)  # the user's file imports and defines AgentExecutor: before any model
     algo = job.algo
-    refused = [("--eval_dataset", job.eval.dataset, "held-out evaluation runs single-turn replies"),
-               ("--overlong_buffer_len", algo.overlong_buffer_len, "it measures one reply against --generate_max_len"),
+    refused = [("--overlong_buffer_len", algo.overlong_buffer_len, "it measures one reply against --generate_max_len"),
                ("--stop_properly_penalty_coef", algo.stop_properly_penalty_coef, "it scores one reply's ending"),
                ("--ignore_eos", gen.ignore_eos or None, "a benchmark setting for one reply"),
                ("--pretrain_data", job.ptx.pretrain_data, "not supported with trajectories yet")]

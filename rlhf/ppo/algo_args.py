@@ -216,9 +216,9 @@ def _check_batching_and_rewards(job) -> None:
             raise ValueError(f"--max_tokens_per_gpu {batch.max_tokens_per_gpu} is below --prompt_max_len "
                              f"{gen.prompt_max_len} + --generate_max_len {gen.generate_max_len}: a sample may not fit")
     ShapingConfig.from_parts(gen, algo)  # the penalties' own checks
-    if job.eval.dataset and not (rewards.reward_fn or rewards.remote_rm_url):
+    if job.eval.dataset and not (rewards.reward_fn or rewards.remote_rm_url or rewards.agent):
         raise ValueError("--eval_dataset scores the held-out replies with the run's rule reward (--reward_fn or "
-                         "--remote_rm_url); this run has none")
+                         "--remote_rm_url) or its agent's environments (--agent_func_path); this run has none")
     if algo.dynamic_filtering:
         if batch.n_samples_per_prompt < 2:
             raise ValueError(f"--dynamic_filtering with --n_samples_per_prompt {batch.n_samples_per_prompt}: it keeps "

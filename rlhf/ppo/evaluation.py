@@ -1,12 +1,13 @@
 """Evaluation during PPO training on held-out prompts (``--eval_dataset``), as OpenRLHF's ``compute_eval_metrics``:
 ``--eval_n_samples_per_prompt`` replies per prompt at ``--eval_temperature``, scored by the run's rule reward
-(``--reward_fn`` / ``--remote_rm_url``, with ``--label_key``), at step 0 and every ``--eval_steps`` steps (and after
+(``--reward_fn`` / ``--remote_rm_url``, with ``--label_key``) or, with ``--agent_func_path``, as trajectories of
+the agent scored by its environments (and the rule reward, as in training), at step 0 and every ``--eval_steps`` steps (and after
 the last). Logged with the prefix ``eval`` (progress line, TensorBoard, metrics.jsonl):
 
 * ``eval/reward``: the mean reward over every reply (OpenRLHF's pass1);
 * ``eval/pass@k``: the mean over prompts of the best of its k replies (for a 0/1 verifier: the share of prompts
   with a right answer among k);
-* ``eval/response_length``, ``eval/truncated_rate``.
+* ``eval/response_length``, ``eval/truncated_rate``; with an agent, ``eval/agent/*`` (turns, failures, ...).
 
 Every rank generates and scores the whole held-out set (the generator hands every rank every reply), so the
 numbers are the same everywhere without a collective.
@@ -102,10 +103,15 @@ class Evaluator:
             roles.rollout.wake_up(["kv_cache"])
             from rlhf.rollout.types import generation_prompt
 
-            samples = roles.rollout.generate([generation_prompt(p) for p in self.prompts], n=k,
-                                             temperature=self.cfg.temperature, top_p=1.0,
-                                             max_tokens=self.max_tokens,
-                                             seed=self.seed * 100_003 + 7_777_777 + step)
+            seed, agent_metrics = self.seed * 100_003 + 7_777_777 + step, {}
+            if roles.agent is not None:  # every rank gets every trajectory, as the generator's replies
+                samples, agent_metrics = roles.agent.run(
+                    roles.rollout, self.prompts, list(range(len(self.prompts))), n=k, temperature=self.cfg.temperature,
+                    top_p=1.0, max_tokens=self.max_tokens, seed=seed, version=roles.weight_sync.version)
+            else:
+                samples = roles.rollout.generate([generation_prompt(p) for p in self.prompts], n=k,
+                                                 temperature=self.cfg.temperature, top_p=1.0,
+                                                 max_tokens=self.max_tokens, seed=seed)
             roles.rollout.sleep()
             # every rank scores every reply (the same numbers everywhere, no collective)
             rollout = Rollout(prompt_idx=list(range(len(self.prompts))), samples=samples, local=samples)
@@ -114,4 +120,4 @@ class Evaluator:
         n = len(samples)
         return {"reward": mean, f"pass@{k}": best, "response_length": sum(len(s.response_ids) for s in samples) / n,
                 "truncated_rate": sum(not s.finished for s in samples) / n, "prompts": float(len(self.prompts)),
-                "seconds": timer.metrics.get("time/eval", 0.0)}
+                "seconds": timer.metrics.get("time/eval", 0.0), **agent_metrics}

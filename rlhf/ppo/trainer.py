@@ -81,14 +81,14 @@ class PPOTrainer:
 
             self.ptx = PtxData(job.ptx, job.batch, seed, ptx_samples, self.pad_id, mesh, self.roles.actor)
         self.evaluator = None
-        if job.eval.dataset:  # the rule reward only (reward models score training replies alone)
+        if job.eval.dataset:  # the rule reward and the agent's (reward models score training replies alone)
             from rlhf.ppo.evaluation import Evaluator
             from rlhf.rewards.sources import RewardConfig
 
             r = job.rewards
             rule = RewardConfig(reward_fn=r.reward_fn, reward_fn_weight=r.reward_fn_weight,
                                 remote_rm_url=r.remote_rm_url, remote_rm_weight=r.remote_rm_weight,
-                                remote_rm_timeout=r.remote_rm_timeout)
+                                remote_rm_timeout=r.remote_rm_timeout, agent=r.agent)
             self.evaluator = Evaluator(job.eval, job, tokenizer, rule, mesh)
         self.partial = build_partial(job)
         from rlhf.ppo.dump import ExperienceDump

@@ -12,6 +12,7 @@ REPO = SWE + "test_the_repository_lives_on_the_host_and_runs_in_the_sandbox"
 SCRIPTED = SWE + "test_a_scripted_model_fixes_a_bug_through_the_tools"
 CALC = JOBS + "test_the_calculator_program_feeds_calc_agents_conversation"
 MINI = SWE + "test_mini_swe_agent_fixes_a_bug_through_the_endpoint_in_the_sandbox"
+EVAL_JOB = "tests/ppo/test_agents.py::test_held_out_evaluation_runs_the_agent"
 ROUTE_HAND = "tests/ppo/test_agents.py::test_a_trajectorys_routing_is_its_longest_prefix_call"
 ROUTE_JOB = "tests/ppo/test_routing_replay_ppo.py::test_grpo_with_routing_replay[agent_rollout]"
 
@@ -145,4 +146,14 @@ MUTANTS = [
            find="r[\"routed_experts\"] = trajectory_routing(", replace="r[\"routed_experts\"] = None and trajectory_routing(",
            claim="an MoE actor's agent trajectories carry their generator's routing into R3",
            tests=(ROUTE_JOB,)),
+    Mutant("agents-eval-single-turn", "rlhf/ppo/evaluation.py",
+           find="            if roles.agent is not None:  # every rank gets every trajectory",
+           replace="            if False:  # every rank gets every trajectory",
+           claim="--eval_dataset with an agent runs the held-out prompts as the agent's trajectories",
+           tests=(EVAL_JOB,)),
+    Mutant("agents-eval-environment-reward-dropped", "rlhf/ppo/trainer.py",
+           find="remote_rm_timeout=r.remote_rm_timeout, agent=r.agent)",
+           replace="remote_rm_timeout=r.remote_rm_timeout)",
+           claim="the held-out trajectories are scored by their environments' rewards",
+           tests=(EVAL_JOB,)),
 ]

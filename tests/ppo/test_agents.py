@@ -273,6 +273,38 @@ def test_two_turn_tool_trajectories_train_on_the_models_tokens_only(ppo_setup, t
     assert sorted(bad) == [1] and bad[1]["rollout_logprob_drift_max"] > 1.0, bad  # measured: 6.11 (both)
 
 
+def test_held_out_evaluation_runs_the_agent(ppo_setup, tmp_path, monkeypatch, capsys):
+    """--eval_dataset with an agent: the held-out prompts run as the agent's two-turn trajectories (3 per prompt,
+    training takes 2), and eval/reward and eval/pass@3 are the mean and the mean best-of-3 of those trajectories'
+    environment rewards, counted here by hand from the trajectories the evaluation ran."""
+    from rlhf.agents import rollout as agent_rollout
+
+    env = tmp_path / "tool_env.py"
+    env.write_text(TOOL_ENV)
+    real, runs = agent_rollout.AgentRollout.run, []
+
+    def recorded(self, engine, prompts, prompt_idx, *, n, **kw):
+        samples, metrics = real(self, engine, prompts, prompt_idx, n=n, **kw)
+        runs.append((n, [s.agent.reward for s in samples]))
+        return samples, metrics
+
+    monkeypatch.setattr(agent_rollout.AgentRollout, "run", recorded)
+    m, _ = _agent_run(ppo_setup, tmp_path / "o", monkeypatch, capsys, str(env), "--eval_dataset", ppo_setup["prompts"],
+                      "--eval_n_samples_per_prompt", "3", "--eval_max_samples", "4", **{"--max_len": "96"})
+    evals = [r for n, r in runs if n == 3]
+    assert len(evals) == 2 and len(runs) == 4 and all(len(r) == 12 for r in evals), runs  # step 0 and the end
+    from rlhf.observability.metrics import read_metrics_jsonl
+
+    logged = read_metrics_jsonl(str(tmp_path / "o" / "metrics.jsonl"), "eval")
+    assert sorted(logged) == [0, 2], logged
+    for step, rewards in zip((0, 2), evals):
+        best = sum(max(rewards[i:i + 3]) for i in range(0, 12, 3)) / 4
+        got = logged[step]
+        assert got["reward"] == pytest.approx(sum(rewards) / 12, abs=1e-6) and got["pass@3"] == pytest.approx(best), got
+        assert got["agent/turns"] == 2.0 and got["agent/failures"] == 0.0, got
+    assert any(0 < sum(r) < 12 for r in evals), evals  # the rewards differ: a wrong pairing would show
+
+
 def test_environment_failures_are_counted_then_stop_the_job(ppo_setup, tmp_path, monkeypatch, capsys):
     """Prompts marked FAIL whose words include 'kilo' crash the tool: those trajectories get reward 0 and are counted
     under agent/failures/raised; with the default --max_agent_failures 0 the job stops with one line."""
@@ -406,8 +438,8 @@ def test_two_ranks_vllm_trajectories_of_different_lengths(ppo_setup, tmp_path):
     ({"--agent_func_path": "AGENT", "--max_turns": "0"}, "--max_turns must be >= 1, got 0"),
     ({"--agent_func_path": "AGENT", "--agent_timeout_s": "0"}, "--agent_timeout_s must be > 0"),
     ({"--agent_func_path": "AGENT", "--agent_max_sessions": "0"}, "--agent_max_sessions must be >= 1, got 0"),
-    ({"--agent_func_path": "AGENT", "--eval_dataset": "PROMPTS", "--reward_fn": "_rule_reward:length_reward"},
-     "--agent_func_path with --eval_dataset: held-out evaluation runs single-turn replies"),
+    ({"--agent_func_path": "AGENT", "--pretrain_data": "PROMPTS", "--reward_fn": "_rule_reward:length_reward"},
+     "--agent_func_path with --pretrain_data: not supported with trajectories yet"),
     ({"--agent_func_path": "AGENT", "--max_len": "4096"},
      "--max_len 4096 is longer than --pretrain's max_position_embeddings 256"),
     ({"--agent_func_path": "missing.py"}, "--agent_func_path missing.py: expected an existing .py file"),
