@@ -25,12 +25,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 
-def flags(model: str, train: str, out: str, seed: int, steps: int, lr: str, bf16: bool, tiny: bool = False
-          ) -> list[str]:
+def flags(model: str, train: str, out: str, seed: int, steps: int, lr: str, bf16: bool, tiny: bool = False,
+          program: bool = False, heldout: str | None = None) -> list[str]:
+    """``program``: calc_program.py through the endpoint (bare questions; the endpoint applies the template);
+    ``heldout``: evaluated at step 0 and after the last (eval/reward: 32 questions x 4 trajectories)."""
     lengths = ["--max_len", "64", "--prompt_max_len", "16", "--generate_max_len", "12"] if tiny else [
-        "--apply_chat_template", "--max_len", "256", "--prompt_max_len", "192", "--generate_max_len", "24"]
+        *([] if program else ["--apply_chat_template"]), "--max_len", "256", "--prompt_max_len", "192",
+        "--generate_max_len", "24"]
+    evals = ["--eval_dataset", heldout, "--eval_steps", "-1", "--eval_max_samples", "32",
+             "--eval_n_samples_per_prompt", "4", "--eval_temperature", "1.0"] if heldout else []
+    agent = os.path.join(REPO, "rlhf", "demo", "calc_program.py" if program else "calc_agent.py")
     return ["--pretrain", model, "--prompt_data", train, "--input_key", "prompt", "--label_key", "answer",
-            "--agent_func_path", os.path.join(REPO, "rlhf", "demo", "calc_agent.py"), "--max_turns", "3", *lengths,
+            "--agent_func_path", agent, "--max_turns", "3", *lengths, *evals,
             "--advantage_estimator", "group_norm", "--init_kl_coef", "0",
             "--rollout_batch_size", "8", "--n_samples_per_prompt", "8", "--train_batch_size", "64",
             "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "16", "--max_epochs", "1",
@@ -44,12 +50,15 @@ def summarize(out: str) -> dict:
     from rlhf.observability.metrics import read_metrics_jsonl
 
     tr = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "ppo")
+    ev = read_metrics_jsonl(os.path.join(out, "metrics.jsonl"), "eval")
     steps = sorted(tr)
     curve = {k: [tr[s].get(k, 0.0) for s in steps] for k in ("reward", "reward_extra/used_tool", "agent/turns")}
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {"curves": curve, "first5": {k: mean(v[:5]) for k, v in curve.items()},
             "last5": {k: mean(v[-5:]) for k, v in curve.items()},
-            "sec_per_step": sorted(tr[s]["time/step"] for s in steps)[len(steps) // 2]}
+            "sec_per_step": sorted(tr[s]["time/step"] for s in steps)[len(steps) // 2],
+            "trajectories_per_s": sorted(64 / tr[s]["time/rollout"] for s in steps)[len(steps) // 2],
+            "heldout": {s: ev[s]["reward"] for s in sorted(ev)}}
 
 
 def plot(results: dict, path: str, model: str) -> None:
@@ -105,6 +114,19 @@ def tiny_model(out: str, sft_data: str, nproc: int, env: dict) -> str:
     return sft
 
 
+def program_data(data: dict) -> dict:
+    """calc_program.py's form of the train and held-out files (the bare questions)."""
+    from rlhf.demo.calc_program import program_records
+
+    out = {}
+    for split in ("train", "heldout"):
+        rows = [json.loads(line) for line in open(data[split])]
+        out["program_" + split] = data[split].replace(".jsonl", "_program.jsonl")
+        with open(out["program_" + split], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in program_records(rows))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/agent")
@@ -115,6 +137,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="an HF folder (default: SmolLM2-135M-Instruct, prepared once)")
     p.add_argument("--tiny", action="store_true", help="the demo's tiny model after SFT, instead of SmolLM2")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--agent", default="executor", help="executor (calc_agent.py, OpenRLHF's API), program "
+                   "(calc_program.py through the endpoint), or both, side by side per seed")
+    p.add_argument("--heldout", action="store_true", help="held-out reward at step 0 and after the last step")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -133,13 +158,22 @@ def main(argv=None) -> int:
 
         model = smollm2_or(args.model, out)
     results = {}
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        name = f"calc_s{seed}"
+    if args.agent not in ("executor", "program", "both"):
+        raise SystemExit(f"error: --agent {args.agent!r}: expected executor, program or both")
+    if args.agent != "executor":
+        data.update(program_data(data))
+    runs = [(s, a) for s in [int(x) for x in args.seeds.split(",")]
+            for a in (("executor", "program") if args.agent == "both" else (args.agent,))]
+    for seed, agent in runs:
+        program = agent == "program"
+        name = f"calc_s{seed}" + ("_program" if program else "")
         run_dir = os.path.join(out, name)
         os.makedirs(run_dir, exist_ok=True)
         t0 = time.time()
-        torchrun(args.nproc, "ppo.py", flags(model, data["train"], run_dir, seed, args.steps, lr, args.bf16,
-                                             args.tiny), os.path.join(run_dir, "train.log"), env)
+        key = "program_" if program else ""
+        torchrun(args.nproc, "ppo.py", flags(model, data[key + "train"], run_dir, seed, args.steps, lr, args.bf16,
+                                             args.tiny, program, data[key + "heldout"] if args.heldout else None),
+                 os.path.join(run_dir, "train.log"), env)
         r = summarize(run_dir)
         r["seconds"] = time.time() - t0
         results[name] = r
@@ -147,7 +181,9 @@ def main(argv=None) -> int:
         print(f"{name}: tool-call rate {f['reward_extra/used_tool']:.3f} -> {last['reward_extra/used_tool']:.3f}, "
               f"reward {f['reward']:.3f} -> {last['reward']:.3f} (mean of the first and last 5 steps); turns "
               f"{f['agent/turns']:.2f} -> {last['agent/turns']:.2f}; {r['sec_per_step']:.1f} s/step, "
-              f"{r['seconds']:.0f} s in all", flush=True)
+              f"{r['trajectories_per_s']:.2f} trajectories/s in the rollout, {r['seconds']:.0f} s in all"
+              + (f"; held-out reward {' -> '.join(f'{v:.3f}' for v in r['heldout'].values())}" if r["heldout"]
+                 else ""), flush=True)
         with open(os.path.join(out, "summary.json"), "w") as fh:
             json.dump(results, fh, indent=1)
     plot(results, os.path.join(out, "agent_curves.png"), "the tiny Llama after SFT" if args.tiny
