@@ -356,6 +356,20 @@ def peft_config(cfg: LoraConfig, modules: list[str], base_model: str | None = No
             "alpha_pattern": {}, "revision": None}
 
 
+def write_peft_folder(tensors: dict[str, torch.Tensor], cfg: LoraConfig, out_dir: str,
+                      base_model: str | None = None) -> list[str]:
+    """``tensors`` (PEFT names) and their ``adapter_config.json`` as a PEFT LoRA folder ``out_dir``; the HF modules
+    adapted."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    modules = sorted({k.split(".")[-3] for k in tensors})
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(peft_config(cfg, modules, base_model), f, indent=2)
+    return modules
+
+
 def save_peft_adapter(engine, mesh, out_dir: str, base_model: str) -> None:
     """Collective: write ``out_dir/adapter_config.json`` + ``adapter_model.safetensors`` (PEFT LoRA format) from
     every pipeline stage's adapters; ``peft.PeftModel.from_pretrained(base, out_dir)`` loads it."""
@@ -371,19 +385,12 @@ def save_peft_adapter(engine, mesh, out_dir: str, base_model: str) -> None:
     parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     if dist.get_rank() == 0:
-        from safetensors.torch import save_file
-
         from rlhf.models.hf_io import copy_tokenizer_files
 
         full: dict[str, torch.Tensor] = {}
         for part in parts:
             full.update(part or {})
-        os.makedirs(out_dir, exist_ok=True)
-        save_file(full, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
-        modules = sorted({k.split(".")[-3] for k in full})
-        cfg = engine.lora
-        with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-            json.dump(peft_config(cfg, modules, os.path.abspath(base_model)), f, indent=2)
+        modules = write_peft_folder(full, engine.lora, out_dir, os.path.abspath(base_model))
         copy_tokenizer_files(base_model, out_dir)
         if not os.path.exists(os.path.join(base_model, "config.json")):
             log.warning("adapter_config.json names base model %s, which is a megatron checkpoint: PEFT needs the HF "

@@ -19,7 +19,6 @@ vision-language actors are refused by name (``check_lora_sync``).
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import shutil
@@ -74,17 +73,11 @@ class AdapterFolders:
 
     def write(self, tensors: dict[str, torch.Tensor], version: int) -> str:
         """``tensors`` (PEFT names) as ``<root>/v<version>``; the folders past ``keep`` are deleted."""
-        from safetensors.torch import save_file
-
-        from rlhf.models.lora import peft_config
+        from rlhf.models.lora import write_peft_folder
 
         path = os.path.join(self.root, f"v{version}")
-        tmp = path + ".tmp"
-        os.makedirs(tmp, exist_ok=True)
-        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-            json.dump(peft_config(self.lora_cfg, sorted({k.split(".")[-3] for k in tensors})), f, indent=2)
-        os.replace(tmp, path)
+        write_peft_folder(tensors, self.lora_cfg, path + ".tmp")
+        os.replace(path + ".tmp", path)
         self.versions.append(version)
         while len(self.versions) > self.keep:
             shutil.rmtree(os.path.join(self.root, f"v{self.versions.pop(0)}"), ignore_errors=True)

@@ -218,7 +218,6 @@ class WeightSync:
                   stats.get("weight_sync/bytes", 0) / 2**20, len(self.buckets), stats["weight_sync/seconds"])
         return stats
 
-
     def _sync_adapter(self, engine) -> dict[str, float]:
         """The actor's adapters as this version's PEFT folder, served by ``engine`` from now on."""
         from rlhf.rollout.lora_sync import AdapterFolders, gather_all_adapters
