@@ -271,3 +271,49 @@ def test_job_namespace_is_the_parts_flat(tmp_path, monkeypatch):
         (0.9, 5, 0.7, 2)
     for name in resolved:
         assert out[name] == next(getattr(p, name) for p in job.parts() if name in p.RESOLVED)
+
+
+# A flag whose value fills a component's own configuration takes its default from that configuration, written once
+# there (``rlhf.config.part.config_default``); a literal in the part is the second definition this rules out.
+SHARED_DEFAULTS = {
+    "rlhf.config.parts:OptimPart": {
+        "l2": "OptimConfig.weight_decay", "adam_betas": "OptimConfig.adam_betas", "max_norm": "OptimConfig.clip_grad",
+        "lr_warmup_ratio": "OptimConfig.warmup_ratio", "aux_loss_coef": "OptimConfig.aux_loss_coef",
+        "moe_router_bias_update_rate": "OptimConfig.expert_bias_update_rate",
+        "max_skipped_steps": "OptimConfig.max_skipped_steps"},
+    "rlhf.config.parts:TextPart": {
+        "input_template": "DataConfig.input_template", "apply_chat_template": "DataConfig.apply_chat_template",
+        "skip_bad_samples": "DataConfig.skip_bad_samples", "dataset_format": "DataConfig.dataset_format"},
+    "rlhf.config.parts:KeysPart": {k: f"DataConfig.{k}" for k in
+                                   ("prompt_key", "chosen_key", "rejected_key", "input_key", "output_key")},
+    "rlhf.config.parts:SamplingPart": {"prompt_max_len": "DataConfig.prompt_max_len"},
+    "rlhf.config.parts:GeneratorPart": {"rollout_backend": "RolloutConfig.backend"},
+    "rlhf.ppo.parts:RolloutPart": {
+        "rollout_backend": "RolloutConfig.backend", "vllm_num_engines": "RolloutConfig.num_engines",
+        "vllm_enforce_eager": "RolloutConfig.enforce_eager",
+        "vllm_enable_prefix_caching": "RolloutConfig.enable_prefix_caching",
+        "weight_sync_bucket_mb": "RolloutConfig.weight_sync_bucket_mb"},
+    "rlhf.models.lora:LoraPart": {
+        "lora_alpha": "LoraConfig.alpha", "target_modules": "LoraConfig.target_modules",
+        "lora_dropout": "LoraConfig.dropout"},
+}
+
+
+@pytest.mark.parametrize("where", sorted(SHARED_DEFAULTS))
+def test_flags_take_their_defaults_from_the_configs_they_fill(where):
+    import importlib
+
+    from rlhf.data.config import DataConfig
+    from rlhf.models.lora import LoraConfig
+    from rlhf.rollout.types import RolloutConfig
+    from rlhf.runtime.role import OptimConfig
+
+    mod, name = where.split(":")
+    part = getattr(importlib.import_module(mod), name)
+    got = {f.name: f.metadata.get("default_from") for f in fields(part) if f.metadata.get("default_from")}
+    assert got == SHARED_DEFAULTS[where], f"{name}: the flags whose default is a component config's"
+    owners = {c.__name__: c for c in (DataConfig, LoraConfig, OptimConfig, RolloutConfig)}
+    for f in fields(part):
+        if f.name in got:
+            owner, field_name = got[f.name].split(".")
+            assert f.default == owners[owner].__dataclass_fields__[field_name].default

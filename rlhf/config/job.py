@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from rlhf.data.vision import VisionPart
 from rlhf.models.lora import LoraPart
 from rlhf.config.part import Job, Part, flag
-from rlhf.config.parts import (BatchPart, CheckpointPart, EnginePart, GeneratorPart, LoggingPart, ModelPart, OptimPart,
-                               ParallelPart, SamplingPart, TextPart)
+from rlhf.config.parts import (BatchPart, CheckpointPart, EnginePart, GeneratorPart, KeysPart, LoggingPart, ModelPart,
+                               OptimPart, ParallelPart, SamplingPart, TextPart)
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def add_output_args(g, *, what: str = "model") -> None:
 def add_text_args(g, *, input_key: bool = False) -> None:
     """How records become text (``TextPart``), after the prompt field when ``input_key``."""
     if input_key:
-        g.add_argument("--input_key", default="input", help="the prompt field")
+        g.add_argument("--input_key", default=KeysPart.input_key, help="the prompt field")  # DataConfig's
     TextPart.add_args(g)
 
 

@@ -22,11 +22,37 @@ def flag(*names: str, default: Any = MISSING, default_factory: Any = MISSING, **
     ``--<field name>``), its default (the field's and the flag's), and the rest of ``add_argument``'s keywords (help,
     type, choices, action, nargs, metavar, const). ``Part.add_args`` declares it from here, as megatron's
     ``megatron/training/argument_utils.py`` builds argparse from its dataclasses' fields. ``switches``: other
-    names that each set the field to a constant, as ``((names...), const, help)`` (a peer's switch for one value)."""
+    names that each set the field to a constant, as ``((names...), const, help)`` (a peer's switch for one value).
+    ``default`` may be ``config_default(SomeConfig, "field")``: the default of the component's own configuration
+    that the flag sets, written once, there."""
     meta = {"flag": {"names": names, **argparse_kwargs}}
+    if isinstance(default, _ConfigDefault):
+        meta["default_from"] = default.where
+        default = default.value
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+class _ConfigDefault:
+    def __init__(self, value: Any, where: str) -> None:
+        self.value, self.where = value, where
+
+
+def config_default(config: type, name: str) -> Any:
+    """For ``flag(default=...)``: the default of field ``name`` of a component's configuration (``OptimConfig``,
+    ``RolloutConfig``, ``LoraConfig``, ``DataConfig``, ...), so that a flag and the configuration it fills share one
+    written value; the flag's field records where it came from (``metadata["default_from"]``)."""
+    f = config.__dataclass_fields__[name]
+    if f.default is MISSING:
+        raise TypeError(f"{config.__name__}.{name} has no default to share")
+    return _ConfigDefault(f.default, f"{config.__name__}.{name}")
+
+
+def config_field(config: type, name: str) -> Any:
+    """A part's field that is no flag of its own (``add_args`` declares it) with ``config_default``'s value."""
+    shared = config_default(config, name)
+    return field(default=shared.value, metadata={"default_from": shared.where})
 
 
 class Part:

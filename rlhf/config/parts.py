@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from rlhf.config.part import Part, flag
+from rlhf.config.part import Part, config_default, config_field, flag
+from rlhf.data.config import DataConfig
+from rlhf.rollout.types import RolloutConfig
+from rlhf.runtime.role import OptimConfig
 
 
 @dataclass
@@ -193,23 +196,25 @@ class BatchPart(Part):
 class OptimPart(Part):
     """Adam and its schedule, shared by every trained role; learning rates are per entry point."""
 
-    lr_warmup_ratio: float = flag(type=float, default=0.03)
+    lr_warmup_ratio: float = flag(type=float, default=config_default(OptimConfig, "warmup_ratio"))
     """(--lr_warmup_ratio)"""
     lr_scheduler: str = flag(default="cosine_with_min_lr")
     """(--lr_scheduler)"""
-    l2: float = flag(type=float, help="weight decay", default=0.0)
+    l2: float = flag(type=float, help="weight decay", default=config_default(OptimConfig, "weight_decay"))
     """(--l2) weight decay"""
-    adam_betas: tuple = flag(type=float, nargs=2, default=(0.9, 0.95))
+    adam_betas: tuple = flag(type=float, nargs=2, default=config_default(OptimConfig, "adam_betas"))
     """(--adam_betas)"""
-    max_norm: float = flag(type=float, help="gradient clipping", default=1.0)
+    max_norm: float = flag(type=float, help="gradient clipping", default=config_default(OptimConfig, "clip_grad"))
     """(--max_norm) gradient clipping"""
     max_skipped_steps: int = flag(type=int, help="updates with a non-finite loss or grad norm are skipped (and "
-                                                 "counted); this many in a row stop the job with an error", default=3)
+                                                 "counted); this many in a row stop the job with an error",
+                                  default=config_default(OptimConfig, "max_skipped_steps"))
     """(--max_skipped_steps) non-finite updates in a row that stop the job"""
     aux_loss_coef: float = flag(type=float, help="MoE models: coefficient of megatron's per-layer load-balancing "
-                                                 "loss (0: off)", default=0.0)
+                                                 "loss (0: off)", default=config_default(OptimConfig, "aux_loss_coef"))
     """(--aux_loss_coef) MoE load-balancing loss coefficient"""
-    moe_router_bias_update_rate: float = flag(type=float, default=0.0,
+    moe_router_bias_update_rate: float = flag(type=float,
+                                              default=config_default(OptimConfig, "expert_bias_update_rate"),
                                               help="MoE models with an expert-bias correction (DeepSeek-V3, GLM-4.5): "
                                                    "megatron's rate of its update after each step, towards balanced "
                                                    "loads (0: frozen, as slime runs RL; megatron's own default is "
@@ -230,19 +235,20 @@ class OptimPart(Part):
 class TextPart(Part):
     """How records become text: templates, limits, bad rows (``rlhf.data.DataConfig``)."""
 
-    input_template: str | None = flag(default=None)
+    input_template: str | None = flag(default=config_default(DataConfig, "input_template"))
     """(--input_template)"""
-    apply_chat_template: bool = flag(action="store_true", default=False)
+    apply_chat_template: bool = flag(action="store_true", default=config_default(DataConfig, "apply_chat_template"))
     """(--apply_chat_template)"""
     max_samples: int = flag(type=int, default=100_000_000)
     """(--max_samples)"""
     skip_bad_samples: bool = flag(action="store_true", help="skip (and count) samples with a missing key or empty "
-                                                            "field instead of failing", default=False)
+                                                            "field instead of failing",
+                                 default=config_default(DataConfig, "skip_bad_samples"))
     """(--skip_bad_samples) skip (and count) samples with a missing key or empty field"""
     dataset_format: str = flag(choices=["auto", "plain", "webgpt", "hh", "chat"],
                                help="the seed datasets' layouts (rlhf/data/presets.py): webgpt comparisons, hh-rlhf "
                                     "dialogues; auto: by dataset name, then by record keys; plain: the key flags as "
-                                    "given", default="auto")
+                                    "given", default=config_default(DataConfig, "dataset_format"))
     """(--dataset_format) auto | plain | webgpt | hh | chat"""
 
 
@@ -250,11 +256,11 @@ class TextPart(Part):
 class KeysPart(Part):
     """The record fields the data layer reads (``rlhf.data.DataConfig`` needs all five)."""
 
-    prompt_key: str | None = None
-    chosen_key: str | None = "chosen"
-    rejected_key: str | None = "rejected"
-    input_key: str | None = "input"
-    output_key: str | None = "output"
+    prompt_key: str | None = config_field(DataConfig, "prompt_key")
+    chosen_key: str | None = config_field(DataConfig, "chosen_key")
+    rejected_key: str | None = config_field(DataConfig, "rejected_key")
+    input_key: str | None = config_field(DataConfig, "input_key")
+    output_key: str | None = config_field(DataConfig, "output_key")
 
     @classmethod
     def add_args(cls, g, *, pairs: bool = False) -> None:
@@ -263,10 +269,9 @@ class KeysPart(Part):
         shown = {"prompt_key": "the prompt", "chosen_key": "the preferred response",
                  "rejected_key": "the other response"} if pairs else {"input_key": "the prompt",
                                                                       "output_key": "the response"}
-        defaults = {"prompt_key": "prompt", "chosen_key": "chosen", "rejected_key": "rejected", "input_key": "input",
-                    "output_key": None} if pairs else {"prompt_key": None, "chosen_key": "chosen",
-                                                       "rejected_key": "rejected", "input_key": "input",
-                                                       "output_key": "output"}
+        defaults = {f.name: f.default for f in fields(cls)}  # DataConfig's: SFT's and KTO's
+        if pairs:  # RM's and DPO's records hold a prompt and two responses
+            defaults.update(prompt_key="prompt", output_key=None)
         for name, default in defaults.items():
             g.add_argument(f"--{name}", default=default, help=shown.get(name, argparse.SUPPRESS))
 
@@ -278,7 +283,8 @@ class SamplingPart(Part):
 
     generate_max_len: int = flag(type=int, default=1024, help="new tokens per response at most")
     """(--generate_max_len) new tokens per response at most"""
-    prompt_max_len: int = flag(type=int, default=1024, help="longer prompts keep their last tokens")
+    prompt_max_len: int = flag(type=int, default=config_default(DataConfig, "prompt_max_len"),
+                               help="longer prompts keep their last tokens")
     """(--prompt_max_len) longer prompts keep their last tokens"""
     temperature: float = flag(type=float, default=1.0)
     """(--temperature)"""
@@ -296,5 +302,6 @@ class GeneratorPart(Part):
                                              "256 on CPU; on CUDA --vllm_gpu_memory_utilization decides, and this "
                                              "flag, when given, replaces it")
     """(--vllm_kv_cache_mb) vLLM KV cache per rank in MB"""
-    rollout_backend: str = flag(default="auto", help="auto (vLLM if installed) | vllm | megatron (fallback)")
+    rollout_backend: str = flag(default=config_default(RolloutConfig, "backend"),
+                                help="auto (vLLM if installed) | vllm | megatron (fallback)")
     """(--rollout_backend) auto | vllm | megatron"""

@@ -16,6 +16,9 @@ import argparse
 import json
 import os
 import random
+from dataclasses import dataclass
+
+from rlhf.config.part import Part, flag
 
 INSTRUCTION = " Answer with the number only."
 
@@ -56,6 +59,21 @@ def write(out_dir: str, seed: int, n_train: int = 512, n_heldout: int = 64) -> d
     return write_splits(out_dir, make_split(seed, n_train, n_heldout))
 
 
+@dataclass
+class TaskDataPart(Part):
+    """The command line of the bundled tasks' data makers (``python -m rlhf.demo.<task>_task``); each takes the
+    flags it has (``add_args(p, only=...)``)."""
+
+    out: str = flag(required=True, default=None)
+    """(--out) the folder the records are written to"""
+    seed: int = flag(type=int, default=0)
+    """(--seed)"""
+    n_train: int = flag(type=int, default=512)
+    """(--n_train) training records"""
+    n_heldout: int = flag(type=int, default=64)
+    """(--n_heldout) held-out records"""
+
+
 def write_splits(out_dir: str, splits: tuple[list[dict], list[dict]]) -> dict[str, str]:
     """(train, held-out) records to ``out_dir``/train.jsonl and heldout.jsonl; their paths by name."""
     os.makedirs(out_dir, exist_ok=True)
@@ -69,10 +87,7 @@ def write_splits(out_dir: str, splits: tuple[list[dict], list[dict]]) -> dict[st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n_train", type=int, default=512)
-    p.add_argument("--n_heldout", type=int, default=64)
+    TaskDataPart.add_args(p)
     args = p.parse_args(argv)
     for name, path in write(args.out, args.seed, args.n_train, args.n_heldout).items():
         print(f"{name}: {path}")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import random
 
+from rlhf.demo.arith_task import TaskDataPart, write_splits
+
 SYSTEM = ("You answer arithmetic questions with a calculator: write <calc>a*b</calc>, read the result, then give "
           "the number.")
 SHOT = [{"role": "user", "content": "What is 12 times 34?"}, {"role": "assistant", "content": "<calc>12*34</calc>"},
@@ -86,8 +88,6 @@ def write(out_dir: str, seed: int, n_train: int = 512, n_heldout: int = 64, tiny
     """train.jsonl and heldout.jsonl under ``out_dir`` (and sft.jsonl for ``tiny``); their paths by name."""
     import json
 
-    from rlhf.demo.arith_task import write_splits
-
     paths = write_splits(out_dir, make_split(seed, n_train, n_heldout, tiny_prompt if tiny else chat_prompt))
     if tiny:
         paths["sft"] = f"{out_dir}/sft.jsonl"
@@ -96,10 +96,14 @@ def write(out_dir: str, seed: int, n_train: int = 512, n_heldout: int = 64, tiny
     return paths
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
+    TaskDataPart.add_args(p, only=("out", "seed"))
     p.add_argument("--tiny", action="store_true", help="the tiny model's form (plain prompts, an SFT corpus)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     print(write(a.out, a.seed, tiny=a.tiny))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,6 +15,8 @@ import json
 import os
 import random
 
+from rlhf.demo.arith_task import TaskDataPart
+
 INSTRUCTION = " Reply with the function only, in a ```python code block."
 
 # (name, description with {k}, reference (k) -> function, arguments (rng, k) -> args tuple, k values or None)
@@ -117,8 +119,7 @@ def write(out: str, seed: int = 0) -> dict[str, str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
+    TaskDataPart.add_args(p, only=("out", "seed"))
     a = p.parse_args(argv)
     paths = write(a.out, a.seed)
     print(json.dumps(paths))

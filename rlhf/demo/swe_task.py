@@ -17,6 +17,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from rlhf.demo.arith_task import TaskDataPart
 from rlhf.sandbox.core import run_program
 from rlhf.sandbox.records import SandboxConfig, SandboxResult
 
@@ -188,11 +189,16 @@ def records() -> list[dict]:
     return [{"prompt": t.issue, "task": t.id} for t in TASKS]
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
+    TaskDataPart.add_args(p, only=("out",))
+    a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "prompts.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records())
     print(os.path.join(a.out, "prompts.jsonl"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -17,6 +17,8 @@ import json
 import os
 import random
 
+from rlhf.demo.arith_task import TaskDataPart
+
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
 QUESTIONS = {"count": "How many shapes are there? Answer with one number.",
              "colour": "What colour are the shapes? Answer with one word."}
@@ -94,10 +96,7 @@ def shape_reward(prompts, responses, labels=None, **kwargs):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n_train", type=int, default=512)
-    p.add_argument("--n_heldout", type=int, default=64)
+    TaskDataPart.add_args(p)
     a = p.parse_args(argv)
     print(json.dumps(write(a.out, a.seed, a.n_train, a.n_heldout)))
     return 0

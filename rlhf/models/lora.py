@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from rlhf.config.part import Part, flag
+from rlhf.config.part import Part, config_default, flag
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class LoraConfig:
     """r, the adapter's inner dimension (>= 1; rank 0 on the command line means full fine-tuning)."""
     alpha: float = 16.0
     """The update is scaled by ``alpha / rank``."""
-    target_modules: tuple[str, ...] = ("all-linear",)
+    target_modules: tuple[str, ...] | str = "all-linear"
     """Megatron (``linear_qkv,linear_proj,linear_fc1,linear_fc2``) or HF (``q_proj,...,down_proj``) names, or
     ``all-linear``; resolved to megatron names here."""
     dropout: float = 0.0
@@ -123,13 +123,14 @@ class LoraPart(Part):
 
     lora_rank: int = flag(type=int, help="LoRA rank r (0: full fine-tuning)", default=0)
     """(--lora_rank) 0: full fine-tuning"""
-    lora_alpha: float = flag(type=float, help="LoRA scale alpha (the update is alpha/r * BA)", default=16.0)
+    lora_alpha: float = flag(type=float, help="LoRA scale alpha (the update is alpha/r * BA)",
+                             default=config_default(LoraConfig, "alpha"))
     """(--lora_alpha)"""
     target_modules: str = flag(help="comma-separated: linear_qkv,linear_proj,linear_fc1,linear_fc2, the HF names "
                                     "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or all-linear",
-                               default="all-linear")
+                               default=config_default(LoraConfig, "target_modules"))
     """(--target_modules)"""
-    lora_dropout: float = flag(type=float, default=0.0)
+    lora_dropout: float = flag(type=float, default=config_default(LoraConfig, "dropout"))
     """(--lora_dropout)"""
     lora_export: str = flag(choices=["merged", "adapter"],
                             help="final export with LoRA: a merged HF model, or a PEFT adapter folder", default="merged")

@@ -9,7 +9,8 @@ import argparse
 from dataclasses import dataclass
 
 from rlhf.models.lora import LoraPart
-from rlhf.config.part import Part, flag
+from rlhf.rollout.types import RolloutConfig
+from rlhf.config.part import Part, config_default, flag
 from rlhf.config.parts import BatchPart, GeneratorPart, LoggingPart, ModelPart, OptimPart, SamplingPart
 
 
@@ -188,7 +189,8 @@ class RolloutPart(GeneratorPart):
     """The generator's engines and the weight sync (``rlhf.ppo.roles.rollout_config`` makes the
     ``RolloutConfig`` of them)."""
 
-    vllm_num_engines: int | None = flag(type=int, help="must equal world size / vLLM TP", default=None)
+    vllm_num_engines: int | None = flag(type=int, help="must equal world size / vLLM TP",
+                                        default=config_default(RolloutConfig, "num_engines"))
     """(--vllm_num_engines) must equal world size / vLLM TP"""
     vllm_tensor_parallel_size: int | None = flag(type=int, help="TP of each vLLM engine; default: chosen per model "
                                                                 "and device, and logged (CPU: the largest the heads "
@@ -197,14 +199,16 @@ class RolloutPart(GeneratorPart):
     """(--vllm_tensor_parallel_size) None until ``validate`` chooses it"""
     vllm_gpu_memory_utilization: float = flag(type=float, default=0.95)
     """(--vllm_gpu_memory_utilization)"""
-    vllm_enforce_eager: bool = flag(action=argparse.BooleanOptionalAction, default=True)
+    vllm_enforce_eager: bool = flag(action=argparse.BooleanOptionalAction,
+                                    default=config_default(RolloutConfig, "enforce_eager"))
     """(--vllm_enforce_eager)"""
     vllm_enable_prefix_caching: bool = flag(action="store_true", help="vLLM's automatic prefix caching: the replies "
                                                                       "of one prompt, and prompts sharing a start, "
                                                                       "reuse its KV blocks; the cache is reset after "
-                                                                      "every weight sync", default=False)
+                                                                      "every weight sync",
+                                            default=config_default(RolloutConfig, "enable_prefix_caching"))
     """(--vllm_enable_prefix_caching)"""
-    weight_sync_bucket_mb: int = flag(type=int, default=512)
+    weight_sync_bucket_mb: int = flag(type=int, default=config_default(RolloutConfig, "weight_sync_bucket_mb"))
     """(--weight_sync_bucket_mb)"""
 
     def check(self) -> None:

@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from rlhf.config.part import Part, flag
 from rlhf.sandbox.core import SandboxConfig, SandboxResult, run_program
 
 
@@ -110,13 +111,17 @@ REQUEST_FIELDS = {"code": str, "language": str, "stdin": (str, type(None)), "run
 
 
 @dataclass(frozen=True)
-class ServerLimits:
+class ServerLimits(Part):
     """What the server accepts; a request past any of them is answered 400 (413 for its size) naming the field."""
 
-    max_request_mb: int = 16
-    max_timeout_s: float = 60.0
-    max_memory_mb: int = 4096
-    allow_weaker: bool = False
+    allow_weaker: bool = flag(action="store_true", default=False)
+    """(--allow_weaker) serve where the sandbox has fewer layers than it wants (``rlhf.sandbox``)"""
+    max_request_mb: int = flag(type=int, default=16, help="the largest request body accepted")
+    """(--max_request_mb)"""
+    max_timeout_s: float = flag(type=float, default=60.0, help="the largest run_timeout accepted")
+    """(--max_timeout_s)"""
+    max_memory_mb: int = flag(type=int, default=4096, help="the largest memory_limit_MB accepted")
+    """(--max_memory_mb)"""
 
 
 def parse_request(body: bytes, limits: ServerLimits) -> tuple[str, str, SandboxConfig, dict]:
@@ -210,12 +215,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="serve SandboxFusion's run_code API with this machine's sandbox")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--allow_weaker", action="store_true")
-    p.add_argument("--max_request_mb", type=int, default=16, help="the largest request body accepted")
-    p.add_argument("--max_timeout_s", type=float, default=60.0, help="the largest run_timeout accepted")
-    p.add_argument("--max_memory_mb", type=int, default=4096, help="the largest memory_limit_MB accepted")
+    ServerLimits.add_args(p)
     args = p.parse_args(argv)
-    limits = ServerLimits(args.max_request_mb, args.max_timeout_s, args.max_memory_mb, args.allow_weaker)
+    limits = ServerLimits.from_args(args)
     srv = make_server(args.host, args.port, limits=limits)
     print(f"serving run_code on http://{args.host}:{srv.server_address[1]}/run_code", flush=True)
     try:

@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
@@ -23,7 +24,16 @@ ENTRY_POINTS = ["launch/sft.py", "launch/rm.py", "launch/dpo.py", "launch/kto.py
                 "launch/rejection_sampling.py", "launch/batch_inference.py", "launch/evaluate.py",
                 "tools/convert_hf_to_megatron.py",
                 "tools/convert_megatron_to_hf.py", "tools/compare_logits.py", "tools/plan_memory.py",
-                "tools/convert_reward_model.py"]
+                "tools/convert_reward_model.py",
+                # the tools' own command lines: the bundled tasks' data makers, the sandbox, the SandboxFusion server
+                "rlhf/demo/arith_task.py", "rlhf/demo/calc_task.py", "rlhf/demo/code_task.py", "rlhf/demo/swe_task.py",
+                "rlhf/demo/vision_task.py", "rlhf/sandbox/__main__.py", "rlhf/sandbox/fusion.py"]
+
+
+def snapshot_name(rel: str) -> str:
+    """launch/ppo.py -> ppo.json; a package's __main__.py takes the package's name (rlhf/sandbox -> sandbox.json)."""
+    base = os.path.basename(rel)
+    return (os.path.basename(os.path.dirname(rel)) if base == "__main__.py" else base[:-3]) + ".json"
 
 
 class _Parsed(Exception):
@@ -55,6 +65,7 @@ def surface(parser: argparse.ArgumentParser) -> dict:
 def entry_parser(rel: str, monkeypatch) -> argparse.ArgumentParser:
     spec = importlib.util.spec_from_file_location("_entry_" + rel.replace("/", "_")[:-3], os.path.join(ROOT, rel))
     mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look their module up there
     spec.loader.exec_module(mod)
 
     def stop(self, args=None, namespace=None):
@@ -70,7 +81,7 @@ def entry_parser(rel: str, monkeypatch) -> argparse.ArgumentParser:
 @pytest.mark.parametrize("rel", ENTRY_POINTS)
 def test_cli_surface_frozen(rel, monkeypatch):
     got = surface(entry_parser(rel, monkeypatch))
-    path = os.path.join(SNAP, os.path.basename(rel).replace(".py", ".json"))
+    path = os.path.join(SNAP, snapshot_name(rel))
     if os.environ.get("RLHF_UPDATE_CLI") == "1":
         os.makedirs(SNAP, exist_ok=True)
         with open(path, "w") as f:

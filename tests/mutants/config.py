@@ -89,4 +89,16 @@ MUTANTS = [
            replace="            pass\n",
            claim="every entry point writes its resolved flags beside the run, a first launch's too",
            tests=(*CLI, T + "test_the_resolved_file_is_written_when_the_run_made_its_folder")),
+    Mutant("config-optim-default-written-twice", "rlhf/config/parts.py",
+           find='''    l2: float = flag(type=float, help="weight decay", default=config_default(OptimConfig, "weight_decay"))\n''',
+           replace='''    l2: float = flag(type=float, help="weight decay", default=0.0)\n''',
+           claim="a flag takes its default from the component configuration it fills, written once",
+           tests=("tests/test_config_parts.py::test_flags_take_their_defaults_from_the_configs_they_fill"
+                  "[rlhf.config.parts:OptimPart]",)),
+    Mutant("config-rollout-default-written-twice", "rlhf/ppo/parts.py",
+           find='''    weight_sync_bucket_mb: int = flag(type=int, default=config_default(RolloutConfig, "weight_sync_bucket_mb"))\n''',
+           replace='''    weight_sync_bucket_mb: int = flag(type=int, default=512)\n''',
+           claim="a flag takes its default from the component configuration it fills, written once",
+           tests=("tests/test_config_parts.py::test_flags_take_their_defaults_from_the_configs_they_fill"
+                  "[rlhf.ppo.parts:RolloutPart]",)),
 ]
