@@ -161,19 +161,17 @@ def check_hybrid_layout(spec, *, pp: int, ep: int, cp: int, value_head: bool, us
                          "yet): use --transformer_impl local")
 
 
-def check_hybrid_job(spec, *, lora: bool = False, generator: str | None = None, what: str = "--pretrain") -> None:
+def check_hybrid_job(spec, *, lora: bool = False, what: str = "--pretrain") -> None:
     """Job features a hybrid model does not run with yet, refused by name before any model is built: LoRA (its
-    targets miss the DeltaNet's projections) and every generator (neither the megatron generator nor vLLM carries the
-    DeltaNet's recurrent state here). SFT and log-prob forwards run."""
+    targets miss the DeltaNet's projections). The generator is the megatron one (vLLM is refused by
+    ``rlhf.models.spec_families.vllm_refusal``): it feeds the whole sequence forward for every token, so the
+    DeltaNet's recurrence and convolution run from the sequence's start each time and no state is carried between
+    decode steps (correct, and as slow as its attention without a KV cache)."""
     if spec.linear_attention is None:
         return
     if lora:
         raise ValueError(f"{what} ({spec.model_type}) with --lora_rank: LoRA does not wrap the Gated DeltaNet's "
                          "projections yet; train every weight (drop --lora_rank)")
-    if generator is not None:
-        raise ValueError(f"{what} ({spec.model_type}) with --rollout_backend {generator}: no generator carries the "
-                         "Gated DeltaNet's recurrent state here yet (megatron's decode cache, vLLM's weight sync); "
-                         "PPO/GRPO on this family is not supported, SFT is (launch/sft.py)")
 
 
 class ZeroCenteredRMSNorm(RMSNorm):

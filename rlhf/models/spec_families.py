@@ -247,7 +247,7 @@ def vllm_refusal(spec, tp: int, dtype: str, on_cuda: bool) -> str | None:
       fp8_e4m3 or uint8")."""
     if spec.linear_attention is not None:
         return (f"{spec.model_type}: vLLM is not wired as its generator here (the Gated DeltaNet's weights are not "
-                "mapped for its weight sync); no generator runs this family yet")
+                "mapped for its weight sync): use --rollout_backend megatron")
     if spec.model_type == "gpt_oss":
         return ("vLLM 0.32 does not refresh gpt_oss's experts and sinks on a weight sync (its reload logs "
                 "'GptOssRoutedExperts: Failed to load weights' and keeps the old ones): use --rollout_backend megatron")

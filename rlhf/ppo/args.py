@@ -179,7 +179,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
     from rlhf.models.hybrid import check_hybrid_job
 
     check_hybrid_job(sources["--pretrain"]["spec"], lora=bool(job.lora.lora_rank),
-                     generator=job.rollout.rollout_backend, what=f"--pretrain {job.models.pretrain}")
+                     what=f"--pretrain {job.models.pretrain}")
     from rlhf.rollout.lora_sync import check_lora_sync
     from rlhf.rollout.vllm_generator import vllm_available
 

@@ -108,21 +108,20 @@ def test_layouts_not_wired_are_refused_by_name(kw, flag):
     check_hybrid_layout(spec, pp=1, ep=1, cp=1, value_head=False, use_te=False)
 
 
-def test_lora_and_generators_are_refused_by_name():
+def test_lora_and_vllm_are_refused_by_name():
+    """LoRA, and vLLM as the generator (the megatron generator runs the family: tests/ppo/test_families_hybrid.py)."""
     spec = spec_from_hf_config(_config())
     with pytest.raises(ValueError, match="--lora_rank"):
         check_hybrid_job(spec, lora=True)
-    for backend in ("vllm", "megatron"):
-        with pytest.raises(ValueError, match=f"--rollout_backend {backend}"):
-            check_hybrid_job(spec, generator=backend)
     check_hybrid_job(spec)
     from rlhf.models.spec_families import vllm_refusal
 
     assert "qwen3_next" in vllm_refusal(spec, 1, "float32", False)
+    assert "--rollout_backend megatron" in vllm_refusal(spec, 1, "float32", False)
 
 
-def test_ppo_refuses_the_family_by_name(tmp_path):
-    """launch/ppo.py's checks, before any process group or model: no generator carries the DeltaNet's state."""
+def test_ppo_refuses_lora_on_the_family_by_name(tmp_path):
+    """launch/ppo.py's checks, before any process group or model: LoRA refused; the megatron generator taken."""
     import argparse
 
     from rlhf.models.tiny import make_tiny_hybrid
@@ -137,7 +136,9 @@ def test_ppo_refuses_the_family_by_name(tmp_path):
                          "rlhf.rewards.verifiers:math_reward", "--advantage_estimator", "group_norm",
                          "--n_samples_per_prompt", "2",
                          "--save_path", str(tmp_path / "out"), "--rollout_backend", "megatron"])
-    with pytest.raises(ValueError, match=r"qwen3_next\) with --rollout_backend megatron"):
+    validate(argparse.Namespace(**vars(args)), world_size=1)
+    args.lora_rank = 4
+    with pytest.raises(ValueError, match=r"qwen3_next\) with --lora_rank"):
         validate(args, world_size=1)
 
 

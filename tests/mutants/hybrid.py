@@ -13,7 +13,19 @@ GRADS_TP2 = f"{EQ}test_loss_and_grads_match_transformers_backward[qwen3_next-tp2
 MOE_LOGITS = f"{EQ}test_logits_match_transformers[qwen3_next-moe-tp1pp1]"
 MOE_GRADS_TP2 = f"{EQ}test_loss_and_grads_match_transformers_backward[qwen3_next-moe-tp2pp1]"
 
+GRPO_PACKED = "tests/ppo/test_families_hybrid.py::test_grpo_with_each_hybrid_family[qwen3_5_text]"
+
 MUTANTS = [
+    Mutant("hybrid-sft-deltanet-not-trained", "rlhf/models/hybrid.py",
+           find='''            y = y.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()  # (S, B, V_local)''',
+           replace='''            y = y.reshape(batch, seq_len, -1).transpose(0, 1).contiguous().detach()''',
+           claim="an SFT job on a hybrid trains every DeltaNet tensor (the gradient reaches the recurrence)",
+           tests=("tests/train/test_sft_hybrid.py::test_sft_trains_a_hybrid",)),
+    Mutant("hybrid-grpo-packed-state-carried", "rlhf/models/hybrid.py",
+           find='''            out = gd.chunk_gated_delta_rule(query, key, value, g, beta.sigmoid(), cu_seqlens=cu)''',
+           replace='''            out = gd.chunk_gated_delta_rule(query, key, value, g, beta.sigmoid(), cu_seqlens=None)''',
+           claim="GRPO on a hybrid: the trainer's packed forwards give the log-probs the generator sampled with",
+           tests=(GRPO_PACKED,)),
     Mutant("hybrid-norms-not-zero-centred", "rlhf/models/hybrid.py",
            find='''        return (h * (1.0 + self.weight.float())).type_as(x)''',
            replace='''        return (h * self.weight.float()).type_as(x)''',
@@ -110,16 +122,12 @@ MUTANTS = [
     Mutant("hybrid-ppo-refusal-dropped", "rlhf/ppo/args.py",
            find='''    check_hybrid_job(sources["--pretrain"]["spec"], lora=bool(job.lora.lora_rank),''',
            replace='''    (lambda *a, **k: None)(sources["--pretrain"]["spec"], lora=bool(job.lora.lora_rank),''',
-           claim="launch/ppo.py refuses the hybrids by name before any model (no generator carries the state)",
-           tests=(f"{SPEC}test_ppo_refuses_the_family_by_name",)),
+           claim="launch/ppo.py refuses LoRA on the hybrids by name before any model",
+           tests=(f"{SPEC}test_ppo_refuses_lora_on_the_family_by_name",)),
     Mutant("hybrid-pp-allowed", "rlhf/models/hybrid.py",
            find='''    if pp > 1:''', replace='''    if False:''',
            claim="PP > 1 is refused by name before any weight is read",
            tests=(f"{SPEC}test_layouts_not_wired_are_refused_by_name[kw0---pp 2]",)),
-    Mutant("hybrid-generator-allowed", "rlhf/models/hybrid.py",
-           find='''    if generator is not None:''', replace='''    if False:''',
-           claim="no generator runs the hybrids: PPO/GRPO refused by name",
-           tests=(f"{SPEC}test_lora_and_generators_are_refused_by_name",)),
     Mutant("hybrid-lora-allowed", "rlhf/models/lora.py",
            find='''        check_hybrid_job(spec, lora=True)''', replace='''        pass''',
            claim="LoRA on a hybrid model is refused by name where the adapters are added",
@@ -133,5 +141,5 @@ MUTANTS = [
         return (f"{spec.model_type}: vLLM''', replace='''    if False:
         return (f"{spec.model_type}: vLLM''',
            claim="vLLM is refused as a hybrid's generator",
-           tests=(f"{SPEC}test_lora_and_generators_are_refused_by_name",)),
+           tests=(f"{SPEC}test_lora_and_vllm_are_refused_by_name",)),
 ]

@@ -96,3 +96,14 @@ def moe_family_actors(ppo_setup):
     names = ("deepseek_v3", "glm4_moe", "gpt_oss")
     return {name: make_tiny_family(os.path.join(work, name), name, seed=20 + i, tokenizer_dir=tok,
                                    **extra.get(name, {})) for i, name in enumerate(names)}
+
+
+@pytest.fixture(scope="session")
+def hybrid_actors(ppo_setup):
+    """Tiny Gated DeltaNet hybrids (rlhf.models.tiny.TINY_HYBRIDS: Qwen3-Next dense and MoE, Qwen3.5's text model;
+    dt_bias, the (1 + w) norms and the gated norm drawn non-zero), with the base actor's tokenizer."""
+    from rlhf.models.tiny import TINY_HYBRIDS, make_tiny_hybrid
+
+    work, tok = ppo_setup["work"], ppo_setup["actor"]
+    return {name: make_tiny_hybrid(os.path.join(work, name), name, seed=30 + i, tokenizer_dir=tok)
+            for i, name in enumerate(TINY_HYBRIDS)}
