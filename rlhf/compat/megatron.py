@@ -362,69 +362,6 @@ def mla_without_te() -> None:
         mla.HAVE_TE = False
 
 
-# megatron-core 0.16.1: an expert MLP with biases (add_bias_linear; megatron allows it only at expert-TP 1) adds its
-# fc2 bias in place to the row-parallel output (MLP.forward: output += output_bias * per_token_scale), which fails at
-# TP 1 / EP 1, where that output is the as-is return of _ReduceFromModelParallelRegion (a view autograd forbids to
-# modify in place).
-def expert_fc2_bias(model: torch.nn.Module) -> int:
-    """Make each biased expert's ``linear_fc2`` return a fresh output tensor. Returns how many were wrapped."""
-    from megatron.core.transformer.moe.experts import SequentialMLP
-
-    wrapped = 0
-    for module in model.modules():
-        if not isinstance(module, SequentialMLP):
-            continue
-        for expert in module.local_experts:
-            fc2 = expert.linear_fc2
-            if fc2.bias is None or getattr(fc2, "_rlhf_bias_wrapped", False):
-                continue
-            orig = fc2.forward
-
-            def forward(x, *args, _orig=orig, **kwargs):
-                out, bias = _orig(x, *args, **kwargs)
-                return out.clone(), bias
-
-            fc2.forward, fc2._rlhf_bias_wrapped = forward, True
-            wrapped += 1
-    return wrapped
-
-
-# megatron-core 0.16.1 / torch 2.13: MoE's token dispatcher all-gathers and reduce-scatters uneven token counts over
-# the expert-TP group (tensor_parallel.mappings, output_split_sizes / input_split_sizes) through list collectives,
-# which gloo refuses ("ProcessGroupGloo::allgather: invalid tensor size"); the counts differ between TP ranks under
-# sequence parallelism.
-def uneven_gather_on_cpu() -> None:
-    """Host tensors with uneven splits: the all-gather pads every part to the largest and cuts the result; the
-    reduce-scatter all-reduces the whole tensor and keeps this rank's part (the same sums). Equal splits and
-    device tensors go to megatron's own functions."""
-    from megatron.core.tensor_parallel import mappings
-
-    if getattr(mappings._gather_along_first_dim, "_rlhf_uneven", False):
-        return
-    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
-
-    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
-        if output_split_sizes is None or input_.device.type != "cpu" or group.size() == 1:
-            return gather(input_, group, output_split_sizes, use_global_buffer)
-        most = max(output_split_sizes)
-        padded = torch.zeros((most, *input_.shape[1:]), dtype=input_.dtype)
-        padded[: input_.shape[0]] = input_
-        parts = [torch.empty_like(padded) for _ in output_split_sizes]
-        dist.all_gather(parts, padded, group=group)
-        return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes)])
-
-    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
-        if input_split_sizes is None or input_.device.type != "cpu" or group.size() == 1:
-            return scatter(input_, group, input_split_sizes, use_global_buffer)
-        total = input_.contiguous().clone()
-        dist.all_reduce(total, group=group)
-        return list(torch.split(total, input_split_sizes, dim=0))[group.rank()].contiguous()
-
-    _gather_along_first_dim._rlhf_uneven = True
-    mappings._gather_along_first_dim = _gather_along_first_dim
-    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
-
-
 # megatron-core 0.16.1: each torch_dist save hands its write results over a multiprocessing.Manager queue.
 def local_save_results_queue() -> None:
     """``filesystem_async._get_write_results_queue`` starts a *spawned* ``multiprocessing.Manager`` at the first

@@ -170,14 +170,18 @@ def init_process_group(env: DistEnv | None = None, timeout_s: float | None = Non
 
 def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: int = 1234,
                     timeout_s: float | None = None, device: str | torch.device | None = None,
-                    ep: int = 1, cp: int = 1) -> ParallelMesh:
+                    ep: int = 1, cp: int = 1, etp: int | None = None) -> ParallelMesh:
     """Start the process group if needed, build megatron's TP/PP/(CP/)DP groups and seed its RNG tracker.
 
     ``timeout_s`` (``--dist_timeout_s``, default by device) bounds every collective of the job's groups; a job of
     more than one rank also starts the heartbeat watchdog (``rlhf.distributed.watchdog``) with it.
 
     ``device``: ``"cpu"`` keeps the job on the CPU (the converters do, beside a training job that holds the
-    GPUs); default: ``rlhf.distributed.device.select_device`` (CUDA when torch can use a GPU)."""
+    GPUs); default: ``rlhf.distributed.device.select_device`` (CUDA when torch can use a GPU).
+
+    ``etp``: megatron's expert-TP, default ``tp`` (the experts split over the TP ranks like a dense MLP); 1 for the
+    models whose experts carry biases (``rlhf.models.spec_families.expert_tensor_parallel``): each rank then holds its
+    experts whole, and megatron's expert-parallel group runs over the TP ranks first (its order tp-ep-dp-pp)."""
     from rlhf.distributed.device import select_device
 
     env = env or DistEnv.from_environ()
@@ -206,10 +210,10 @@ def initialize_mesh(tp: int = 1, pp: int = 1, env: DistEnv | None = None, seed: 
     # megatron's groups inherit the default group's backend, which already has gloo in it (CPU: gloo alone; CUDA:
     # cpu:gloo,cuda:nccl): its extra *_gloo copies would only double the threads.
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if etp is None else etp,
                                  context_parallel_size=cp, create_gloo_process_groups=False,
                                  distributed_timeout_minutes=timeout_s / 60)
-    if ep > 1:  # expert weights are TP-sharded over the expert-TP group: the same ranks as TP (weight sync relies)
+    if ep > 1 and etp in (None, tp):  # the experts' TP shards: the same ranks as TP (weight sync relies)
         assert dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()) == \
             dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
     groups = [g for g in live_process_groups() if g not in before]

@@ -74,13 +74,15 @@ def fill_from_hf(model: torch.nn.Module, hf_dir: str, spec: ModelSpec, padded_vo
     layer_offset = pp_rank * (spec.num_layers // pp)
     from rlhf.models.hf_families import mapped_buffers
 
+    etp = expert_tp_coords(tp_rank, tp)
+
     with torch.no_grad():
         for name, param in [*model.named_parameters(), *mapped_buffers(model)]:
             if skip_head and name == "output_layer.weight":
                 continue
             shard = megatron_shard_from_hf(name, get, spec, tp_rank=tp_rank, tp=tp,
                                            layer_offset=layer_offset, padded_vocab=padded_vocab, ep_rank=ep_rank,
-                                           ep=ep)
+                                           ep=ep, etp=etp)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: HF shard shape {tuple(shard.shape)} != megatron {tuple(param.shape)}")
             param.copy_(shard)
@@ -89,12 +91,24 @@ def fill_from_hf(model: torch.nn.Module, hf_dir: str, spec: ModelSpec, padded_vo
             raise ValueError(f"{hf_dir}: tie_word_embeddings=True but lm_head.weight differs from the embedding")
 
 
+def expert_tp_coords(tp_rank: int, tp: int) -> tuple[int, int]:
+    """(rank, size) of this rank in the experts' TP group: the mesh's (``initialize_mesh(etp=...)``), else TP's."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return tp_rank, tp
+    return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+
+
 def hf_to_megatron_rank(plan: HFToMegatronPlan, tmp_dir: str) -> None:
     """The per-rank body: build this rank's stage, fill it from HF, write its shards. Process group must exist."""
     from rlhf.distributed import initialize_mesh
     from rlhf.models.gpt import build_model
 
-    mesh = initialize_mesh(plan.tp, plan.pp, device="cpu", ep=plan.ep)  # beside a job that may hold the GPUs
+    from rlhf.models.spec_families import expert_tensor_parallel
+
+    mesh = initialize_mesh(plan.tp, plan.pp, device="cpu", ep=plan.ep,  # beside a job that may hold the GPUs
+                           etp=expert_tensor_parallel([plan.spec], plan.tp))
     model = build_model(plan.spec, tp=plan.tp, pp=plan.pp, pp_rank=mesh.pp_rank,  # CPU: the local spec
                         params_dtype=torch_dtype(plan.dtype), padded_vocab=plan.padded_vocab, use_te=False,
                         ep=plan.ep)

@@ -148,7 +148,14 @@ def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0, gr
                 moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
                 moe_aux_loss_coeff=float(aux_loss_coef), moe_token_dispatcher_type="alltoall",
                 moe_grouped_gemm=grouped_gemm, moe_permute_fusion=False, expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=tp, moe_enable_routing_replay=routing_replay)
+                expert_tensor_parallel_size=expert_tp(tp), moe_enable_routing_replay=routing_replay)
+
+
+def expert_tp(tp: int) -> int:
+    """The experts' TP: the mesh's (``initialize_mesh(etp=...)``), or ``tp`` outside one."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_tensor_parallel_world_size() if ps.model_parallel_is_initialized() else tp
 
 
 def fused_swiglu(spec: ModelSpec, use_te: bool) -> bool:
@@ -353,7 +360,7 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
         moe_without_te()
         expert_bias_only_when_enabled()
         if sequence_parallel(spec, tp):
-            from rlhf.compat.megatron import uneven_gather_on_cpu
+            from rlhf.compat.megatron_moe import uneven_gather_on_cpu
 
             uneven_gather_on_cpu()
     if spec.mla is not None:
@@ -380,7 +387,7 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
 
     mark_tp_params(model)
     if spec.linear_bias and spec.num_experts:
-        from rlhf.compat.megatron import expert_fc2_bias
+        from rlhf.compat.megatron_moe import expert_fc2_bias
 
         expert_fc2_bias(model)
     recompute_in_forward_context()

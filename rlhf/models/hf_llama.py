@@ -97,9 +97,13 @@ def hf_router_name(spec: ModelSpec, layer: int) -> str:
 
 
 def megatron_shard_from_hf(name: str, get: HFGetter, spec: ModelSpec, *, tp_rank: int, tp: int, layer_offset: int,
-                           padded_vocab: int, ep_rank: int = 0, ep: int = 1) -> torch.Tensor:
+                           padded_vocab: int, ep_rank: int = 0, ep: int = 1,
+                           etp: tuple[int, int] | None = None) -> torch.Tensor:
     """This rank's shard of megatron parameter ``name`` (local naming), from HF tensors. MoE: local expert ``j``
-    of EP rank ``r`` is global expert ``r * num_experts / ep + j``; experts are TP-sharded like a dense MLP."""
+    of EP rank ``r`` is global expert ``r * num_experts / ep + j``; experts are TP-sharded like a dense MLP, over
+    the expert-TP group: ``etp`` (its rank, its size), default ``(tp_rank, tp)`` (1 for biased experts: whole)."""
+    if etp is not None and is_expert_param(name):
+        tp_rank, tp = etp
     h, d = spec.hidden_size, spec.head_dim
     if name.startswith("visual."):  # a vision-language model's tower (rlhf.models.vlm): HF's own module, replicated
         return get(name)

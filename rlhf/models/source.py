@@ -58,3 +58,10 @@ def load_tokenizer(path: str, flag: str = "--pretrain"):
                          "into no token; the folder's tokenizer files are incomplete")
     return tok
 
+
+def expert_tensor_parallel_of(paths, tp: int) -> int:
+    """``rlhf.models.spec_families.expert_tensor_parallel`` of the models at ``paths`` (HF or megatron folders; None
+    entries skipped)."""
+    from rlhf.models.spec_families import expert_tensor_parallel
+
+    return expert_tensor_parallel([describe_source(p)["spec"] for p in paths if p], tp)

@@ -221,12 +221,16 @@ def layer_params(spec, layer: int) -> int:
     return attn + mlp + 2 * h
 
 
+def expert_tensor_parallel(specs, tp: int) -> int:
+    """megatron's expert-TP for a job of these models (None entries skipped) at ``--tp``: TP, or 1 where a model's
+    experts carry biases (gpt_oss: megatron-core 0.16.1 takes them at expert-TP 1 only, 'Bias in Moe is only
+    supported when ETP==1'); each TP rank then holds its experts whole and runs them on its own tokens (sequence
+    parallel), megatron reducing their gradients over the expert-data-parallel group, which spans TP."""
+    return 1 if any(s is not None and s.linear_bias and s.num_experts for s in specs) else tp
+
+
 def check_family_fit(spec, tp: int) -> None:
     """TP constraints of the family layers beyond ``rlhf.models.spec.check_parallel_fit``'s."""
-    if spec.linear_bias and spec.num_experts and tp > 1:
-        raise ValueError(f"--tp {tp} with {spec.model_type}: megatron-core 0.16.1 takes biased experts only at "
-                         "expert-TP 1 ('Bias in Moe is only supported when ETP==1'), and the experts are split over "
-                         "the TP ranks here; use --tp 1 and spread the experts with --expert_model_parallel_size")
     if spec.shared_expert_size % tp:
         raise ValueError(f"--tp {tp} does not divide the shared experts' size {spec.shared_expert_size}")
     if spec.dense_layers and spec.intermediate_size % tp:
@@ -261,7 +265,8 @@ def layer_numels(spec, tp: int, ep: int, layer: int) -> list[int]:
     """Elements of each parameter of decoder layer ``layer`` (0-based) one TP rank holds, in megatron's module order
     (the memory planner's ``stage_param_numels``): MLA's replicated down projections and LoRA norms, its up
     projections split over TP by heads; or q/k/v/o with biases, q/k norms and sinks; a dense MLP, or the router (its
-    bias), this EP rank's ``num_experts / ep`` experts (their biases) and the shared experts, TP-sharded."""
+    bias), this EP rank's ``num_experts / ep`` experts (their biases; expert-TP sharded) and the shared experts,
+    TP-sharded."""
     h, heads, bias = spec.hidden_size, spec.num_attention_heads // tp, spec.linear_bias
     out = [h]  # input norm
     if spec.mla is not None:
@@ -279,7 +284,7 @@ def layer_numels(spec, tp: int, ep: int, layer: int) -> list[int]:
     if layer < spec.dense_layers:
         i = spec.intermediate_size // tp
         return out + [2 * i * h, i * h]
-    f = spec.moe_ffn_hidden_size // tp
+    f = spec.moe_ffn_hidden_size // expert_tensor_parallel([spec], tp)  # biased experts: whole on each TP rank
     out += [spec.num_experts * h] + ([spec.num_experts] if bias else [])
     out += ([2 * f * h, 2 * f, f * h, h] if bias else [2 * f * h, f * h]) * (spec.num_experts // ep)
     if spec.shared_expert_size:

@@ -107,8 +107,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(args.pretrain or v["rewards"].paths[0],
                                "--pretrain" if args.pretrain else "--reward_pretrain")
     cfg = DataConfig.from_args(args, output_key=args.output_key if args.mode == "reward" else None)
+    from rlhf.models.source import expert_tensor_parallel_of
+
     mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed,
-                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)
+                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s,
+                           etp=expert_tensor_parallel_of([args.pretrain], args.tensor_model_parallel_size))
     job = generate_chunks if args.mode == "generate" else reward_chunks
     return job(args, v, cfg, tokenizer, mesh)
 

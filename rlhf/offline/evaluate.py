@@ -142,8 +142,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     v = validate(args, env.world_size)
     tokenizer = load_tokenizer(args.pretrain)
     raw, prompts = load_prompts_with_raw(DataConfig.from_args(args, output_key=None), tokenizer)
+    from rlhf.models.source import expert_tensor_parallel_of
+
     mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed,
-                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)
+                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s,
+                           etp=expert_tensor_parallel_of([args.pretrain], args.tensor_model_parallel_size))
     check_config_consistency(args)
     path = os.path.join(args.output_dir, SAMPLES)
     if mesh.is_rank0:

@@ -129,8 +129,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rewards = v["rewards"]
     tokenizer = load_tokenizer(args.pretrain)
     raw_inputs, prompts = load_prompts(args, tokenizer)
+    from rlhf.models.source import expert_tensor_parallel_of
+
     mesh = initialize_mesh(args.tensor_model_parallel_size, 1, env, seed=args.seed,
-                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s)
+                           ep=args.expert_model_parallel_size, timeout_s=args.dist_timeout_s,
+                           etp=expert_tensor_parallel_of([args.pretrain], args.tensor_model_parallel_size))
     check_config_consistency(args)
     if mesh.is_rank0:
         log.info("rejection sampling: %d prompts x best of %d; reward = %s", len(prompts), args.best_of_n,

@@ -35,7 +35,6 @@ class PPOTrainer:
         from rlhf.algo.kl import make_kl_controller
         from rlhf.runtime.checkpoint import Checkpointer
         from rlhf.data import BatchConfig, DistributedBatchSampler, pad_token_id
-        from rlhf.distributed import DistEnv, initialize_mesh
         from rlhf.distributed.health import check_config_consistency
         from rlhf.ppo.args import log_compat
         from rlhf.ppo.roles import build_roles
@@ -49,8 +48,7 @@ class PPOTrainer:
         self.total_steps = len(prompts) // batch.rollout_batch_size * batch.num_episodes
         updates = setup.samples // batch.train_batch_size * batch.max_epochs * self.total_steps
         torch.manual_seed(seed)
-        self.mesh = mesh = initialize_mesh(par.tp, par.pp, DistEnv.from_environ(), seed=seed,
-                                           ep=par.expert_model_parallel_size, timeout_s=par.dist_timeout_s, cp=par.cp)
+        self.mesh = mesh = _mesh(par, setup, seed)
         log_compat(job.engine, mesh.dp, mesh.device.type == "cuda")  # resolves --zero_stage
         self.args = args = job.namespace()
         check_config_consistency(args)
@@ -321,6 +319,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise
     trainer.close()
     return result
+
+
+def _mesh(par, setup, seed: int):
+    """The job's groups; the experts' TP is 1 where a model's experts carry biases (``expert_tensor_parallel``)."""
+    from rlhf.distributed import DistEnv, initialize_mesh
+    from rlhf.models.spec_families import expert_tensor_parallel
+
+    etp = expert_tensor_parallel([s.get("spec") for s in setup.sources.values() if isinstance(s, dict)], par.tp)
+    return initialize_mesh(par.tp, par.pp, DistEnv.from_environ(), seed=seed, etp=etp,
+                           ep=par.expert_model_parallel_size, timeout_s=par.dist_timeout_s, cp=par.cp)
 
 
 def _check_generator(job, setup, world_size: int) -> None:

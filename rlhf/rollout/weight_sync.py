@@ -73,6 +73,11 @@ class WeightSync:
         self.stages = [[_Param(n, s, getattr(torch, d), pd) for n, s, d, pd in st] for st in stages]
         n_layers = actor.spec.num_layers
         self.layer_offsets = [s * (n_layers // mesh.pp) for s in range(mesh.pp)]
+        from megatron.core import parallel_state as ps
+
+        self.etp_group = ps.get_expert_tensor_parallel_group() if actor.spec.num_experts else mesh.tp_group
+        self.etp = self.etp_group.size() if actor.spec.num_experts else mesh.tp
+        """the experts' TP: the mesh's TP, or 1 for biased experts (``initialize_mesh(etp=...)``), held whole"""
         self.buckets = [(s, b) for s, params in enumerate(self.stages)
                         for kind in (False, True) for b in self._bucketize([p for p in params if p.expert == kind])]
         self.experts_per_rank = actor.spec.num_experts // mesh.ep if mesh.ep > 1 else 0
@@ -85,7 +90,7 @@ class WeightSync:
         n = 1
         for d in p.shape:
             n *= d
-        return n * (self.mesh.tp if p.partition_dim is not None else 1) * p.dtype.itemsize
+        return n * ((self.etp if p.expert else self.mesh.tp) if p.partition_dim is not None else 1) * p.dtype.itemsize
 
     def _weight(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """This rank's tensor of parameter ``name`` as the engine gets it: LoRA-merged where adapted."""
@@ -108,6 +113,7 @@ class WeightSync:
         yields each parameter once per EP rank, with that rank's first global expert as offset."""
         mesh = self.mesh
         ep = mesh.ep if params[0].expert and mesh.ep > 1 else 1
+        tp, tp_group = (self.etp, self.etp_group) if params[0].expert else (mesh.tp, mesh.tp_group)
         dtype = params[0].dtype
         assert all(p.dtype == dtype for p in params), "one dtype per model"
         named = dict(self.actor.model.named_parameters())
@@ -115,16 +121,16 @@ class WeightSync:
         def weight(p: _Param) -> torch.Tensor:
             return self._weight(p.name, named[p.name])
 
-        if mesh.tp == 1 and mesh.pp == 1 and ep == 1:  # every tensor is here whole: no flat copy, no collective
+        if tp == 1 and mesh.pp == 1 and ep == 1:  # every tensor is here whole: no flat copy, no collective
             return [(p.name, weight(p), 0) for p in params]
         numels = [int(torch.Size(p.shape).numel()) for p in params]
         total = sum(numels)
         mine = mesh.pp_rank == stage
         if mine:
             flat = torch.cat([weight(p).reshape(-1) for p in params])  # (total,)
-            if mesh.tp > 1:
-                parts = torch.empty(mesh.tp * total, dtype=dtype, device=flat.device)
-                dist.all_gather_into_tensor(parts, flat, group=mesh.tp_group)
+            if tp > 1:
+                parts = torch.empty(tp * total, dtype=dtype, device=flat.device)
+                dist.all_gather_into_tensor(parts, flat, group=tp_group)
             else:
                 parts = flat
             if ep > 1:
@@ -132,14 +138,14 @@ class WeightSync:
                 dist.all_gather_into_tensor(every, parts, group=mesh.ep_group)
                 parts = every
         else:
-            parts = torch.empty(ep * mesh.tp * total, dtype=dtype, device=mesh.device)
+            parts = torch.empty(ep * tp * total, dtype=dtype, device=mesh.device)
         if mesh.pp > 1:
             dist.broadcast(parts, src=dist.get_global_rank(mesh.pp_group, stage), group=mesh.pp_group)
         out = []
-        for e, of_rank in enumerate(parts.view(ep, mesh.tp, total)):  # (tp, total) per EP rank
+        for e, of_rank in enumerate(parts.view(ep, tp, total)):  # (tp, total) per EP rank
             off = 0
             for p, n in zip(params, numels):
-                shards = [of_rank[r, off:off + n].view(p.shape) for r in range(mesh.tp)]
+                shards = [of_rank[r, off:off + n].view(p.shape) for r in range(tp)]
                 out.append((p.name, full_from_tp_shards(p.name, shards, p.partition_dim), e * self.experts_per_rank))
                 off += n
         return out

@@ -142,9 +142,12 @@ def _rm_scores(job, cfg, records: list) -> list[float]:
     path, par, eng = job.task["conditional"].reward_pretrain, job.parallel, job.engine
     tok = load_tokenizer(path, "--reward_pretrain")
     seqs = [sft_sample(r, cfg, tok)[0].input_ids[:cfg.max_len].tolist() for r in records]
+    from rlhf.models.source import expert_tensor_parallel_of
+
     mesh = initialize_mesh(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, DistEnv.from_environ(),
                            seed=eng.seed, ep=par.expert_model_parallel_size, timeout_s=par.dist_timeout_s,
-                           cp=par.context_parallel_size)
+                           cp=par.context_parallel_size,
+                           etp=expert_tensor_parallel_of([path], par.tensor_model_parallel_size))
     rm = ModelRole(mesh, path, value_head=True, name="reward", bf16=eng.bf16, transformer_impl=eng.transformer_impl)
     scores = score_sequences(rm, seqs, pad_token_id(tok), job.batch.micro_train_batch_size).tolist()
     del rm

@@ -161,8 +161,11 @@ def run(args: argparse.Namespace, task: Task, task_parts: dict | None = None) ->
     job, tokenizer, train, evals, stats, total_steps = prepare(args, task, env.world_size, task_parts)
     par, eng, batch = job.parallel, job.engine, job.batch
     torch.manual_seed(eng.seed)
+    from rlhf.models.source import expert_tensor_parallel_of
+
     mesh = initialize_mesh(par.tp, par.pp, env, seed=eng.seed, ep=par.expert_model_parallel_size,
-                           timeout_s=par.dist_timeout_s, cp=par.cp)
+                           timeout_s=par.dist_timeout_s, cp=par.cp,
+                           etp=expert_tensor_parallel_of([job.model.pretrain], par.tp))
     from rlhf.distributed.health import check_config_consistency; check_config_consistency(args)  # noqa: E702
     log_compat_mappings(eng, mesh.dp, mesh.device.type == "cuda")  # resolves job.engine.zero_stage
     if mesh.is_rank0:

@@ -102,22 +102,35 @@ def lm_loss(batch, logits):
 
 
 def full_grads(model, mesh, spec):
-    """{hf_name: grad} of the whole model, gathered over TP, PP and EP, on every rank."""
+    """{hf_name: grad} of the whole model, gathered over TP (experts: over the expert-TP group, which is TP's but
+    for biased experts, held whole), PP and EP, on every rank."""
+    from megatron.core import parallel_state as ps
+
+    from rlhf.models.hf_llama import is_expert_param
+
     local = {}
     layer_offset = mesh.pp_rank * (spec.num_layers // mesh.pp)
     expert_offset = mesh.ep_rank * (spec.num_experts // mesh.ep) if spec.num_experts else 0
+    etp_group, etp = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()
+    # DP replicas hold equal (all-reduced) grads: the dense ones from DP rank 0, the experts from each EP rank's
+    # first expert-DP replica (with EP carved out of DP, DP ranks 0 .. ep-1)
+    send_dense = mesh.tp_rank == 0 and mesh.dp_rank == 0
+    send_experts = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
     for name, p in model.module.named_parameters():
+        expert = is_expert_param(name)
         g = p.main_grad.detach().clone()
-        shards = [torch.empty_like(g) for _ in range(mesh.tp)]
-        dist.all_gather(shards, g.contiguous(), group=mesh.tp_group)
+        group, size = (etp_group, etp) if expert else (mesh.tp_group, mesh.tp)
+        shards = [torch.empty_like(g) for _ in range(size)]
+        dist.all_gather(shards, g.contiguous(), group=group)
         full = full_from_tp_shards(name, shards, tp_partition_dim(p), spec)
         if name == "output_layer.weight" and spec.tie_word_embeddings:
             continue  # the last stage's copy of a tied embedding: its grad is summed into the embedding's
+        if not (send_experts if expert else send_dense):
+            continue
         for hf_name, t in hf_from_megatron(name, full, spec, layer_offset=layer_offset, expert_offset=expert_offset):
             local[hf_name] = t.clone()
     everything = [None] * dist.get_world_size()
-    # DP replicas hold equal (all-reduced) grads; with EP the DP ranks 0 .. ep-1 hold different experts
-    dist.all_gather_object(everything, local if (mesh.tp_rank == 0 and mesh.dp_rank < mesh.ep) else {})
+    dist.all_gather_object(everything, local)
     merged = {}
     for d in everything:
         merged.update(d)

@@ -18,7 +18,27 @@ def _grads(model, layout):
     return f"{EQ}test_loss_and_grads_match_transformers_backward[{model}-{layout}]"
 
 
+GRPO_OSS_TP2 = "tests/ppo/test_families_moe.py::test_grpo_with_each_moe_family[gpt_oss-tp2]"
+
 MUTANTS = [
+    Mutant("models-biased-experts-split-over-tp", "rlhf/models/spec_families.py",
+           find='''    return 1 if any(s is not None and s.linear_bias and s.num_experts for s in specs) else tp''',
+           replace='''    return tp''',
+           claim="gpt_oss trains at TP 2: its biased experts at expert-TP 1 (megatron takes them there only)",
+           tests=(_logits("gpt_oss", "tp2pp1"),)),
+    Mutant("models-biased-expert-grads-not-reduced-once", "rlhf/compat/megatron_moe.py",
+           find='''                p.allreduce, p.sequence_parallel = False, False''', replace='''                pass''',
+           claim="gpt_oss at TP 2: its experts' gradients summed once over the TP ranks' tokens (expert-DP)",
+           tests=(_grads("gpt_oss", "tp2pp2"), _grads("gpt_oss", "tp2pp1ep2"))),
+    Mutant("models-whole-experts-read-as-tp-shards", "rlhf/models/convert.py",
+           find='''                                           ep=ep, etp=etp)''', replace='''                                           ep=ep)''',
+           claim="an HF checkpoint loads gpt_oss's experts whole on each TP rank (expert-TP 1)",
+           tests=(_logits("gpt_oss", "tp2pp1"),)),
+    Mutant("models-whole-experts-gathered-over-tp", "rlhf/rollout/weight_sync.py",
+           find='''        tp, tp_group = (self.etp, self.etp_group) if params[0].expert else (mesh.tp, mesh.tp_group)''',
+           replace='''        tp, tp_group = mesh.tp, mesh.tp_group''',
+           claim="the export (and weight sync) of gpt_oss at TP 2 takes each rank's whole experts once",
+           tests=(GRPO_OSS_TP2,)),
     Mutant("models-sp-norm-grads-not-summed", "rlhf/models/layer_specs.py",
            find='''            self.weight.sequence_parallel = True''', replace='''            pass''',
            claim="under sequence parallelism the norms' weight gradients are summed over TP",
