@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 class ParallelMesh:
     """TP x PP x DP layout (megatron order: TP fastest, then DP, then PP) and the groups that go with it; for
     MoE models also EP (``--expert_model_parallel_size``), which divides DP: the experts of one layer are spread
-    over ``ep`` consecutive DP ranks, everything else stays replicated over DP."""
+    over ``ep`` consecutive DP ranks, everything else stays replicated over DP. With expert-TP 1 at TP > 1
+    (``initialize_mesh(etp=1)``: biased experts) megatron's EP group runs over the TP ranks first instead (its
+    expert order tp-ep-dp-pp); ``ep_rank`` and ``ep_group`` are always megatron's."""
 
     env: DistEnv
     tp: int
@@ -40,7 +42,7 @@ class ParallelMesh:
     backend: str
     device: torch.device
     ep: int = 1
-    """expert parallelism (MoE): each expert lives on one of ``ep`` ranks; carved out of DP, as megatron does"""
+    """expert parallelism (MoE): each expert lives on one of ``ep`` ranks (megatron's EP group)"""
     ep_rank: int = 0
     ep_group: Any = None
     cp: int = 1
