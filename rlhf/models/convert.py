@@ -74,6 +74,8 @@ def fill_from_hf(model: torch.nn.Module, hf_dir: str, spec: ModelSpec, padded_vo
     layer_offset = pp_rank * (spec.num_layers // pp)
     from rlhf.models.hf_families import mapped_buffers
 
+    from rlhf.models.gpt import expert_tp_coords
+
     etp = expert_tp_coords(tp_rank, tp)
 
     with torch.no_grad():
@@ -89,15 +91,6 @@ def fill_from_hf(model: torch.nn.Module, hf_dir: str, spec: ModelSpec, padded_vo
     if spec.tie_word_embeddings and not spec.is_seq_cls and "lm_head.weight" in reader.keys():
         if not torch.equal(reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")):
             raise ValueError(f"{hf_dir}: tie_word_embeddings=True but lm_head.weight differs from the embedding")
-
-
-def expert_tp_coords(tp_rank: int, tp: int) -> tuple[int, int]:
-    """(rank, size) of this rank in the experts' TP group: the mesh's (``initialize_mesh(etp=...)``), else TP's."""
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        return tp_rank, tp
-    return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
 
 
 def hf_to_megatron_rank(plan: HFToMegatronPlan, tmp_dir: str) -> None:

@@ -148,14 +148,16 @@ def moe_config(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float = 0.0, gr
                 moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
                 moe_aux_loss_coeff=float(aux_loss_coef), moe_token_dispatcher_type="alltoall",
                 moe_grouped_gemm=grouped_gemm, moe_permute_fusion=False, expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=expert_tp(tp), moe_enable_routing_replay=routing_replay)
+                expert_tensor_parallel_size=expert_tp_coords(0, tp)[1], moe_enable_routing_replay=routing_replay)
 
 
-def expert_tp(tp: int) -> int:
-    """The experts' TP: the mesh's (``initialize_mesh(etp=...)``), or ``tp`` outside one."""
+def expert_tp_coords(tp_rank: int, tp: int) -> tuple[int, int]:
+    """(rank, size) of this rank in the experts' TP group: the mesh's (``initialize_mesh(etp=...)``), else TP's."""
     from megatron.core import parallel_state as ps
 
-    return ps.get_expert_tensor_parallel_world_size() if ps.model_parallel_is_initialized() else tp
+    if not ps.model_parallel_is_initialized():
+        return tp_rank, tp
+    return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
 
 
 def fused_swiglu(spec: ModelSpec, use_te: bool) -> bool:

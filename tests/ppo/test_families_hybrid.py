@@ -12,17 +12,9 @@ The generator feeds the whole sequence for every token (no state carried between
 largest |generator - trainer| log-prob over the sampled tokens (``rollout_logprob_drift_max``) is fp32 rounding
 when both run the same layers on their own layouts. The export loads in transformers as the same family under the
 source's tensor names, and training moved the weights."""
-import glob
-import json
-import os
-
 import pytest
-import torch
-from helpers import REPO, run_torchrun, tail
-from ppo_common import ppo_args
+from ppo_common import family_grpo_job
 
-PPO = os.path.join(REPO, "launch/ppo.py")
-ROUTING = os.path.join(os.path.dirname(__file__), "_routing_worker.py")
 MEGATRON = {"--rollout_backend": "megatron", "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None}
 CASES = {
     "qwen3_next": ("Qwen3NextForCausalLM", {"--tp": 2, **MEGATRON}),
@@ -34,36 +26,5 @@ CASES = {
 
 @pytest.mark.parametrize("actor", list(CASES))
 def test_grpo_with_each_hybrid_family(ppo_setup, hybrid_actors, tmp_path, actor):
-    import transformers
-    from safetensors.torch import load_file
-
     arch, layout = CASES[actor]
-    path = hybrid_actors[actor]
-    save, dump = str(tmp_path / "out"), tmp_path / "dump"
-    dump.mkdir()
-    args = ppo_args({**ppo_setup, "actor": path}, save,
-                    **{"--advantage_estimator": "grpo", "--rollout_batch_size": 4, "--n_samples_per_prompt": 2,
-                       "--train_batch_size": 8, "--micro_train_batch_size": 4, "--micro_rollout_batch_size": 4,
-                       "--num_episodes": 1, "--max_samples": 8, "--init_kl_coef": 0.05,
-                       "--reward_fn": "_rule_reward:length_reward", "--reward_pretrain": None,
-                       "--generate_max_len": 6, **layout})
-    script = ROUTING if "--moe_router_replay" in layout else PPO
-    p = run_torchrun(script, 2, args, timeout=900, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}",
-                     RLHF_TEST_ROUTING_DUMP=str(dump))
-    assert p.returncode == 0, tail(p)
-    hist = json.load(open(os.path.join(save, "ppo_result.json")))["history"]
-    assert len(hist) == 2
-    for m in hist:
-        assert m["rollout_logprob_drift_max"] <= 1e-4, m
-        assert m["actor/grad_norm"] > 0, m
-        if "--moe_router_replay" in layout:
-            assert m["moe/routing_flip_tokens"] == 0.0, m
-    if "--moe_router_replay" in layout:
-        counts = [json.load(open(dump / f"rank{r}.json")) for r in (0, 1)]
-        assert all(c["replay_forward"] > 0 and c["replayed_flips"] == 0 for c in counts), counts
-    model = transformers.AutoModelForCausalLM.from_pretrained(save, dtype=torch.float32)
-    assert type(model).__name__ == arch
-    before = load_file(os.path.join(path, "model.safetensors"))
-    after = {k: v for f in glob.glob(os.path.join(save, "*.safetensors")) for k, v in load_file(f).items()}
-    assert set(before) == set(after)
-    assert any(not torch.equal(before[k], after[k]) for k in before)
+    family_grpo_job(ppo_setup, hybrid_actors[actor], arch, layout, tmp_path)
