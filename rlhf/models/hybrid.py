@@ -144,11 +144,8 @@ def check_hybrid_fit(spec, tp: int) -> None:
 
 
 def check_hybrid_layout(spec, *, pp: int, ep: int, cp: int, value_head: bool, use_te: bool) -> None:
-    """Layouts a hybrid model does not run in yet, refused by name before any weight is read (EP runs: the experts are
-    megatron's own MoE layer)."""
-    if pp > 1:
-        raise ValueError(f"--pp {pp} with {spec.model_type}: pipeline stages of a hybrid stack are not wired yet "
-                         "(each stage's slice of the layer pattern); use --pp 1")
+    """Layouts a hybrid model does not run in yet, refused by name before any weight is read (PP and EP run: each
+    stage builds its slice of the layer pattern, the experts are megatron's own MoE layer)."""
     if cp > 1:
         raise ValueError(f"--context_parallel_size {cp} with {spec.model_type}: the DeltaNet's recurrent state is not "
                          "passed between context-parallel ranks (megatron-core 0.16.1 has no GatedDeltaNet CP); use "
@@ -255,22 +252,24 @@ def _zero_centered(module):
 
 
 def hybrid_block_spec(config, spec):
-    """The local layers of a hybrid stack (PP 1): megatron's per-layer specs of ``rlhf.models.layer_specs`` with
-    zero-centred norms, and a ``GatedDeltaNetLayer`` in place of the softmax attention where ``layer_types`` says
-    ``linear_attention``."""
+    """This pipeline stage's local layers of a hybrid stack: megatron's per-layer specs of ``rlhf.models.layer_specs``
+    (the stage's slice) with zero-centred norms, and a ``GatedDeltaNetLayer`` in place of the softmax attention where
+    ``layer_types`` says ``linear_attention`` for the layer's global number (the stage's offset added)."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from rlhf.models.layer_specs import local_block_spec
 
     block = local_block_spec(config)
+    offset = get_transformer_layer_offset(config)
     gdn = ModuleSpec(module=_gdn_class(), submodules=GatedDeltaNetSubmodules(
         in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
     layers = []
     for i, layer in enumerate(block.layer_specs):
         attn = layer.submodules.self_attention
-        if spec.linear_attention["layers"][i]:
+        if spec.linear_attention["layers"][offset + i]:
             attn = gdn
         else:
             attn = _swap(attn, q_layernorm=_zero_centered(attn.submodules.q_layernorm),

@@ -3,15 +3,17 @@
     torchrun --nproc_per_node 2 tests/models/_hybrid_worker.py WORKDIR NAME [NAME ...]
 
 For each tiny model WORKDIR/hf/NAME (transformers' own classes, rlhf.models.tiny.TINY_HYBRIDS): converts HF ->
-megatron in-process at TP 2, then (``layouts``)
-* logits vs transformers (fp32, eager attention) at TP 1, TP 2 (MoE: sequence parallelism) and EP 2 (MoE) on 2 rows
+megatron in-process at TP 2 and at PP 2, then (``layouts``)
+* logits vs transformers (fp32, eager attention) at TP 1, TP 2 (MoE: sequence parallelism), PP 2 (each stage its
+  slice of the layer pattern) and EP 2 (MoE) on 2 rows
   of SEQ tokens (two of the delta rule's 64-token chunks);
-* one training step's loss and every gradient vs transformers' own backward at the same layouts (TP 1 and EP 2: DP 2);
+* one training step's loss and every gradient vs transformers' own backward at the same layouts (TP 1 and EP 2: DP 2;
+  PP 2: two micro-batches through the pipeline schedule);
 * packed micro-batches at the same layouts against the same sequences padded, with the controls: the delta rule's
   state, or the convolution's window, carried across the packed boundaries;
 * controls at TP 1: the same logits with one term removed (CONTROLS), which must then differ from transformers.
 Rank 0 writes WORKDIR/result-<first NAME>.json. The families worker's helpers (tests/models/_families_worker.py) are
-reused; its 4-rank job runs PP and EP layouts, which these models refuse.
+reused.
 """
 import contextlib
 import json
@@ -34,8 +36,8 @@ SEQ = 80
 
 
 def layouts(spec):
-    """TP 1 and TP 2 (sequence parallelism for MoE); EP 2 for MoE."""
-    return [(1, 1, 1), (2, 1, 1)] + ([(1, 1, 2)] if spec.num_experts else [])
+    """TP 1, TP 2 (sequence parallelism for MoE) and PP 2; EP 2 for MoE."""
+    return [(1, 1, 1), (2, 1, 1), (1, 2, 1)] + ([(1, 1, 2)] if spec.num_experts else [])
 
 
 def _zero(pattern):
@@ -89,22 +91,24 @@ def no_reset(what):
         setattr(gd, name, orig)
 
 
-def packed_check(plan, ckpt, tp, ep=1, lengths=(7, 70, 1, 12)):
-    """max |packed - padded| logits over sequences of ``lengths`` (packed: 90 tokens, two chunks); and the same
-    with the state, and the convolution, not reset at the boundaries."""
+def packed_check(plan, ckpt, tp, pp=1, ep=1, lengths=(7, 70, 1, 12)):
+    """max |packed - padded| logits over sequences of ``lengths`` (packed: 90 tokens, two chunks; at PP 2 on the
+    last stage); and the same with the state, and the convolution, not reset at the boundaries."""
     from rlhf.models.packing import make_packed_batch, split_packed
 
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(3, plan.spec.vocab_size, (len(lengths), max(lengths)), generator=g)
     mask = torch.arange(max(lengths)) < torch.tensor(lengths).unsqueeze(1)
     ids = ids.masked_fill(~mask, 0)
-    mesh, model = build(plan, ckpt, tp, 1, ep)
+    mesh, model = build(plan, ckpt, tp, pp, ep)
     padded = logits_of(model, mesh, plan, ids)
     mb = make_packed_batch(ids, mask)
 
     def packed_diff():
         with torch.no_grad():
             out = run_microbatches(model, [mb], forward_only=True)
+        if not mesh.is_last_stage:
+            return max_over_ranks(0.0)
         packed = gather_vocab_parallel(out[0]["output"])[..., : plan.spec.vocab_size].double()
         parts = split_packed(mb, packed)
         return max_over_ranks(max((padded[i, :n] - p).abs().max().item()
@@ -123,11 +127,12 @@ def logits_check(work, name, plan, ckpt, results):
         ref = hf_model(os.path.join(work, "hf", name))(input_ids=ids).logits.double()
     results[f"ref_scale/{name}"] = ref.abs().max().item()
     for tp, pp, ep in layouts(plan.spec):
-        progress(f"logits {name} tp{tp} ep{ep}")
+        progress(f"logits {name} tp{tp} pp{pp} ep{ep}")
         mesh, model = build(plan, ckpt, tp, pp, ep)
         ours = logits_of(model, mesh, plan, ids)
-        results[f"logits/{name}/{layout_name(tp, pp, ep)}"] = max_over_ranks((ours - ref).abs().max().item())
-        for key, v in packed_check(plan, ckpt, tp, ep).items():
+        results[f"logits/{name}/{layout_name(tp, pp, ep)}"] = max_over_ranks(
+            0.0 if ours is None else (ours - ref).abs().max().item())
+        for key, v in packed_check(plan, ckpt, tp, pp, ep).items():
             results[f"{key}/{name}/{layout_name(tp, pp, ep)}"] = v
     for control, edit in CONTROLS.get(name, {}).items():
         mesh, model = build(plan, ckpt, 1, 1, 1)
@@ -143,7 +148,7 @@ def grad_check(work, name, plan, ckpt, results):
     dist.broadcast_object_list(box, src=0)
     ref_loss, ref = box[0]
     for tp, pp, ep in layouts(plan.spec):
-        progress(f"grads {name} tp{tp} ep{ep}")
+        progress(f"grads {name} tp{tp} pp{pp} ep{ep}")
         loss, grads = our_step(plan, ckpt, tp, pp, ep, data)
         results[f"grads/{name}/{layout_name(tp, pp, ep)}"] = {"loss": loss, "ref_loss": ref_loss,
                                                               **compare(grads, ref)}
@@ -156,6 +161,7 @@ def main():
     results = {}
     for name in names:
         plan, ckpt = convert(work, name, 2, 1, 1)
+        convert(work, name, 1, 2, 1)  # a second layout for the round trip
         logits_check(work, name, plan, ckpt, results)
         grad_check(work, name, plan, ckpt, results)
     if dist.get_rank() == 0:

@@ -97,15 +97,14 @@ def test_tp_must_split_whole_key_heads_and_kv_groups():
         check_parallel_fit(spec_from_hf_config(_config(num_key_value_heads=1)), 2, 1)
 
 
-@pytest.mark.parametrize("kw,flag", [(dict(pp=2), "--pp 2"), (dict(cp=2), "--context_parallel_size 2"),
-                                     (dict(value_head=True), "value head"),
+@pytest.mark.parametrize("kw,flag", [(dict(cp=2), "--context_parallel_size 2"), (dict(value_head=True), "value head"),
                                      (dict(use_te=True), "--transformer_impl local")])
 def test_layouts_not_wired_are_refused_by_name(kw, flag):
     spec = spec_from_hf_config(_config())
     args = {**dict(pp=1, ep=1, cp=1, value_head=False, use_te=False), **kw}
     with pytest.raises(ValueError, match=flag):
         check_hybrid_layout(spec, **args)
-    check_hybrid_layout(spec, pp=1, ep=1, cp=1, value_head=False, use_te=False)
+    check_hybrid_layout(spec, pp=2, ep=1, cp=1, value_head=False, use_te=False)  # PP runs (test_hybrid_equivalence)
 
 
 def test_lora_and_vllm_are_refused_by_name():

@@ -2,6 +2,7 @@
 refused by name for them: rlhf.models.spec_families.vllm_refusal):
 
 * qwen3_next (dense) at --tp 2: the DeltaNet's heads and the attention split over the TP ranks, sequence parallel;
+  and at --pp 2: the first stage two DeltaNet layers, the second a DeltaNet and the gated attention;
 * qwen3_next's MoE form with the experts over 2 EP ranks and --moe_router_replay rollout (R3): the generator's
   routing replayed in every actor forward (tests/ppo/_routing_worker.py counts the tokens whose experts differ from
   the replayed ones: none), the routing-flip metric at 0;
@@ -16,15 +17,16 @@ import pytest
 from ppo_common import family_grpo_job
 
 MEGATRON = {"--rollout_backend": "megatron", "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None}
-CASES = {
-    "qwen3_next": ("Qwen3NextForCausalLM", {"--tp": 2, **MEGATRON}),
-    "qwen3_next-moe": ("Qwen3NextForCausalLM", {"--ep": 2, "--moe_router_replay": "rollout",
-                                                "--moe_routing_flip_interval": 1, **MEGATRON}),
-    "qwen3_5_text": ("Qwen3_5ForCausalLM", {"--packing_samples": "", **MEGATRON}),
+CASES = {  # case: (tiny model, architecture, layout)
+    "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM", {"--tp": 2, **MEGATRON}),
+    "qwen3_next-pp2": ("qwen3_next", "Qwen3NextForCausalLM", {"--pp": 2, **MEGATRON}),
+    "qwen3_next-moe": ("qwen3_next-moe", "Qwen3NextForCausalLM", {"--ep": 2, "--moe_router_replay": "rollout",
+                                                                  "--moe_routing_flip_interval": 1, **MEGATRON}),
+    "qwen3_5_text": ("qwen3_5_text", "Qwen3_5ForCausalLM", {"--packing_samples": "", **MEGATRON}),
 }
 
 
 @pytest.mark.parametrize("actor", list(CASES))
 def test_grpo_with_each_hybrid_family(ppo_setup, hybrid_actors, tmp_path, actor):
-    arch, layout = CASES[actor]
-    family_grpo_job(ppo_setup, hybrid_actors[actor], arch, layout, tmp_path)
+    model, arch, layout = CASES[actor]
+    family_grpo_job(ppo_setup, hybrid_actors[model], arch, layout, tmp_path)
