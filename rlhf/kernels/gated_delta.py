@@ -175,11 +175,17 @@ def gated_delta_backend(x: Tensor) -> str:
 
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
                            cu_seqlens: Tensor | None = None) -> Tensor:
-    """The chunked gated delta rule of one Gated DeltaNet layer (q, k already l2-normed), no state in or out:
-    fla's kernel or the torch twin (``gated_delta_backend``). Returns o ``(B, T, H, Dv)``."""
+    """The chunked gated delta rule of one Gated DeltaNet layer (q, k already l2-normed, in fp32 or v's dtype), no
+    state in or out: fla's kernel or the torch twin (``gated_delta_backend``). fla's takes q, k and v in one dtype,
+    bf16 or fp16 (it asserts both): q and k are cast to v's, and an fp32 model runs the twin. Returns o
+    ``(B, T, H, Dv)``."""
     path = gated_delta_backend(q)
+    if path == "fla" and v.dtype == torch.float32:
+        _log_once("gated delta rule", "torch twin (fla's chunk_gated_delta_rule refuses fp32; an fp32 model)")
+        path = "torch"
     if path == "fla":
         _log_once("gated delta rule", "flash-linear-attention chunk_gated_delta_rule")
+        q, k = q.to(v.dtype), k.to(v.dtype)
         o, _ = _fla()(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                       cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
                       use_qk_l2norm_in_kernel=False)

@@ -227,15 +227,18 @@ def _gdn_class():
                 key = key.repeat_interleave(nv // self.num_key_heads, dim=2)
             g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)  # (B, S, H_local), fp32
             out = gd.chunk_gated_delta_rule(query, key, value, g, beta.sigmoid(), cu_seqlens=cu)  # (B, S, H, Dv)
-            dtype = out.dtype
-            # transformers' gated norm: norm, then gate. Its weight is shared by this rank's heads only, so its
-            # gradient sums over TP (megatron-core 0.16.1 sums only q/k_layernorm's and sequence-parallel ones)
+            dtype = value.dtype  # the model's (the rule ran in fp32 from the fp32 q and k)
+            # transformers' gated norm (Qwen3NextRMSNormGated): the rule's output in the model's dtype, normed in
+            # fp32, scaled in the model's dtype, then gated in fp32. Its weight is shared by this rank's heads only,
+            # so its gradient sums over TP (megatron-core 0.16.1 sums only q/k_layernorm's and sequence-parallel ones)
             from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
             weight = self.out_norm.weight  # (under sequence parallelism finalize_model_grads sums it)
             if tp > 1 and not getattr(weight, "sequence_parallel", False):
                 weight = copy_to_tensor_model_parallel_region(weight)
-            y = F.rms_norm(out.reshape(-1, self.value_head_dim), (self.value_head_dim,), weight, self.out_norm.eps)
+            h = out.to(dtype).reshape(-1, self.value_head_dim).float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.out_norm.eps)
+            y = weight * h.to(dtype)
             y = (y * F.silu(gate.reshape(-1, self.value_head_dim).float())).to(dtype)
             y = y.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()  # (S, B, V_local)
             return self.out_proj(y)

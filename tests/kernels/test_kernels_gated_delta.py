@@ -106,3 +106,25 @@ def test_dispatch_is_named_once_in_the_log(caplog, monkeypatch):
     lines = [r.getMessage() for r in caplog.records if "gated delta rule" in r.getMessage()]
     assert lines == ["gated delta rule: torch twin (rlhf.kernels.gated_delta; fla needs CUDA)"]
     assert gd.gated_delta_backend(q) == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fla_gets_the_dtypes_it_takes(monkeypatch, dtype):
+    """fla's chunk_gated_delta_rule (fla/ops/gated_delta_rule/chunk.py, fla-org/flash-linear-attention at 0315a70)
+    asserts ``q.dtype == k.dtype == v.dtype`` and ``q.dtype != torch.float32``; the layer hands over fp32 q and k
+    (l2-normed in fp32) and v in the model's dtype. A stand-in with fla's asserts, dispatched to as on CUDA."""
+    calls = []
+
+    def fake_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+                 use_qk_l2norm_in_kernel=False):
+        assert q.dtype == k.dtype == v.dtype
+        assert q.dtype != torch.float32, "ChunkGatedDeltaRuleFunction does not support float32"
+        calls.append(q.dtype)
+        return gd.torch_chunk_gated_delta_rule(q, k, v, g, beta)[0], None
+
+    monkeypatch.setattr(gd, "gated_delta_backend", lambda x: "fla")
+    monkeypatch.setattr(gd, "_fla", lambda: fake_fla)
+    q, k, v, decay, beta = (y.float() for y in _inputs(1, 8, 2, 4, 4))
+    out = gd.chunk_gated_delta_rule(q, k, v.to(dtype), decay, beta.to(dtype))
+    assert calls == ([torch.bfloat16] if dtype == torch.bfloat16 else [])  # fp32: the twin, named in the log
+    assert out.shape == v.shape and torch.isfinite(out.float()).all()

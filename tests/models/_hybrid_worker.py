@@ -11,7 +11,8 @@ megatron in-process at TP 2 and at PP 2, then (``layouts``)
   PP 2: two micro-batches through the pipeline schedule);
 * packed micro-batches at the same layouts against the same sequences padded, with the controls: the delta rule's
   state, or the convolution's window, carried across the packed boundaries;
-* controls at TP 1: the same logits with one term removed (CONTROLS), which must then differ from transformers.
+* controls at TP 1: the same logits with one term removed (CONTROLS), which must then differ from transformers;
+* bf16 at TP 1: the distance of our logits, and of transformers' own bf16 forward, to the fp32 reference.
 Rank 0 writes WORKDIR/result-<first NAME>.json. The families worker's helpers (tests/models/_families_worker.py) are
 reused.
 """
@@ -134,6 +135,13 @@ def logits_check(work, name, plan, ckpt, results):
             0.0 if ours is None else (ours - ref).abs().max().item())
         for key, v in packed_check(plan, ckpt, tp, pp, ep).items():
             results[f"{key}/{name}/{layout_name(tp, pp, ep)}"] = v
+    # bf16 (TP 1): ours as close to the fp32 reference as transformers' own bf16 forward
+    mesh, model = build(plan, ckpt, 1, 1, 1, params_dtype=torch.bfloat16, bf16=True)
+    ours = logits_of(model, mesh, plan, ids)
+    with torch.no_grad():
+        hf16 = hf_model(os.path.join(work, "hf", name)).to(torch.bfloat16)(input_ids=ids).logits.double()
+    results[f"bf16/{name}"] = {"ours": max_over_ranks((ours - ref).abs().max().item()),
+                               "transformers": (hf16 - ref).abs().max().item()}
     for control, edit in CONTROLS.get(name, {}).items():
         mesh, model = build(plan, ckpt, 1, 1, 1)
         edit(model)
