@@ -322,3 +322,50 @@ def layer_numels(spec, tp: int, ep: int, layer: int) -> list[int]:
         return out + [2 * i * h, i * h]
     f, s = spec.moe_ffn_hidden_size // tp, spec.shared_expert_size // tp
     return out + [spec.num_experts * h] + [2 * f * h, f * h] * (spec.num_experts // ep) + [2 * s * h, s * h, h]
+
+
+CHUNK = 64
+"""The delta rule's chunk length (fla's ``chunk_gated_delta_rule`` and the torch twin's)."""
+DELTANET_KERNELS = ("fla", "torch")
+
+
+def _deltanet_widths(spec, tp: int):
+    la = spec.linear_attention
+    hv, dk, dv = la["num_value_heads"] / tp, la["key_head_dim"], la["value_head_dim"]
+    qk, v = la["num_key_heads"] / tp * dk, hv * dv
+    return hv, dk, dv, qk, v, 2 * qk + 2 * v + 2 * hv, 2 * qk + v  # ..., in_proj's width, the convolution's
+
+
+def deltanet_saved_bytes_per_token(spec, tp: int, e: int, kernel: str) -> float:
+    """Bytes a Gated DeltaNet mixer (``GatedDeltaNetLayer``) saves for backward per token on one TP rank, ``e`` the
+    model dtype's bytes (the memory planner adds the layer's norms and MLP).
+
+    Both kernels: in_proj's output and the convolution's pre-activation (model dtype), the fp32 q and k the l2 norm
+    keeps, the gated norm's fp32 input, normed copy, gate and gated product, its scaled output and out_proj's input
+    (model dtype), the decay's and beta's per-head terms. The delta rule, per value head:
+    ``fla`` (fla/ops/gated_delta_rule/chunk.py saves q, k, v, g, beta and A; the chunk states are recomputed in the
+    backward): q and k cast to the model dtype, A (``CHUNK`` per token), beta, fp32 g, and the convolution's output
+    (v is a view of it);
+    ``torch`` (the twin, fp32): per token the chunk's decay, system, q.k and intra rows (``CHUNK`` each, and one copy
+    batched matmul makes), about ten ``Dk``-wide and three ``Dv``-wide tensors (padded q, k, v, k beta, w, u, the
+    decayed q and k, the new v, the matmuls' copies) and the chunk states (``Dk Dv / CHUNK``); measured per storage
+    in tests/models/test_spec_hybrid.py."""
+    if kernel not in DELTANET_KERNELS:
+        raise ValueError(f"deltanet_kernel must be one of {DELTANET_KERNELS}, got {kernel!r}")
+    hv, dk, dv, qk, v, proj, conv = _deltanet_widths(spec, tp)
+    outside = e * (proj + conv) + 4 * 2 * qk + 4 * 4 * v + e * 2 * v + 4 * 6 * hv
+    if kernel == "fla":
+        return outside + e * conv + hv * (e * (2 * dk + CHUNK + 1) + 4)
+    return outside + hv * 4 * (5 * CHUNK + 10 * dk + 3 * dv + dk * dv / CHUNK + 4)
+
+
+def deltanet_working_bytes_per_token(spec, tp: int, e: int, kernel: str) -> float:
+    """Bytes alive at the peak of a Gated DeltaNet mixer's forward without autograd, per token on one TP rank:
+    in_proj's output and the convolution's (model dtype), then the delta rule: the twin's fp32 decay, system, intra
+    and one product (``CHUNK`` each per value head) beside its ``Dk``- and ``Dv``-wide tensors; fla's A (fp32, then
+    in the model dtype), w, u, the new v, the output and the chunk states (not measured here: no CUDA)."""
+    hv, dk, dv, qk, v, proj, conv = _deltanet_widths(spec, tp)
+    outside = e * (proj + conv)
+    if kernel == "fla":
+        return outside + hv * (4 * CHUNK + e * (CHUNK + 2 * dk + 3 * dv + dk * dv / CHUNK))
+    return outside + hv * 4 * (4 * CHUNK + 6 * dk + 4 * dv)

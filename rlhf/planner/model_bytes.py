@@ -17,7 +17,8 @@ Per rank, at the pipeline stage that needs most:
   path and the GPU path without transformer-engine), times the tokens of a micro-batch and the micro-batches a
   1F1B pipeline stage holds; only each layer's input with ``--gradient_checkpointing`` (plus one layer being
   recomputed). Plus a backward working set and the head: the fused log-prob kernel never holds
-  ``[tokens, vocab]`` fp32 logits, only one chunk. Forward-only phases hold a working set, nothing saved.
+  ``[tokens, vocab]`` fp32 logits, only one chunk. Forward-only phases hold a working set, nothing saved. A hybrid's
+  Gated DeltaNet layers count their own (``deltanet_kernel``: fla's saved tensors on CUDA, the torch twin's).
 * vLLM: weights at ``--vllm_tensor_parallel_size``; its memory pool is ``--vllm_gpu_memory_utilization`` of the
   device (weights + profiled activations + KV cache, KV = 2 x layers x KV heads x head_dim x bytes per token).
   Sleep mode releases all of it outside rollout; weight sync wakes the weights only.
@@ -86,12 +87,16 @@ class PlanConfig:
     """vLLM's default token budget per scheduler step, which its start-up profile run uses."""
     weight_sync_bucket_mb: int = 512
     layer_impl: str = "te"
+    deltanet_kernel: str = "fla"
+    """The hybrids' delta rule: ``fla`` (CUDA) or ``torch`` (the twin a CPU runs): what its layers save differs."""
     reserved_gib: float = 3.0
 
     def __post_init__(self) -> None:
         world = self.nnodes * self.gpus_per_node
         if self.layer_impl not in LAYER_IMPLS:
             raise ValueError(f"--layer_impl must be one of {LAYER_IMPLS}, got {self.layer_impl!r}")
+        if self.deltanet_kernel not in ("fla", "torch"):
+            raise ValueError(f"deltanet_kernel must be fla or torch, got {self.deltanet_kernel!r}")
         if self.cp < 1 or world % (self.tp * self.pp * self.cp):
             raise ValueError(f"--tp {self.tp} x --pp {self.pp}" + (f" x --cp {self.cp}" if self.cp != 1 else "") +
                              f" does not divide the {world} GPUs (--nnodes {self.nnodes} x --gpus_per_node "
@@ -252,9 +257,15 @@ def _attention_widths(spec: ModelSpec, tp: int) -> tuple[float, float]:
 
 
 
-def layer_saved_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_bytes: int, impl: str) -> float:
+def _deltanet_layer(spec: ModelSpec, layer: int | None) -> bool:
+    return layer is not None and spec.linear_attention is not None and bool(spec.linear_attention["layers"][layer])
+
+
+def layer_saved_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_bytes: int, impl: str,
+                                layer: int | None = None, deltanet_kernel: str = "fla") -> float:
     """Bytes one transformer layer saves for backward per token (no sequence parallelism: the h-wide tensors
-    are whole on every TP rank).
+    are whole on every TP rank). ``layer``: the hybrids' layer (a Gated DeltaNet mixer in place of the attention:
+    ``rlhf.models.hybrid.deltanet_saved_bytes_per_token``; the gated attention also keeps its gate, twice q wide).
 
     te:    norm input + normed output for attention and MLP (TE's fused LayerNormLinear keeps both), the QKV
            projection output (V is a view of it), rotated Q and K, the attention output (flash attention keeps
@@ -268,22 +279,35 @@ def layer_saved_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_by
     q, kv = _attention_widths(spec, tp)
     heads = spec.num_attention_heads / tp
     e = dtype_bytes
+    norms = e * 4 * h if impl == "te" else 2 * (2 * 4 * h + e * h)
+    if _deltanet_layer(spec, layer):
+        from rlhf.models.hybrid import deltanet_saved_bytes_per_token
+
+        return norms + deltanet_saved_bytes_per_token(spec, tp, e, deltanet_kernel) + e * 4 * i + 8
+    gate = e * 2 * q if spec.attention_gate else 0
     if impl == "te":
-        return e * (4 * h + (q + 2 * kv) + q + kv + q + 4 * i) + 4 * heads + 8
-    norms = 2 * (2 * 4 * h + e * h)
-    return norms + e * ((q + 2 * kv) + 4 * q + 4 * i + heads * seq_len) + 8
+        return norms + e * ((q + 2 * kv) + q + kv + q + 4 * i) + gate + 4 * heads + 8
+    return norms + e * ((q + 2 * kv) + 4 * q + 4 * i + heads * seq_len) + gate + 8
 
 
-def layer_working_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_bytes: int, impl: str) -> float:
+def layer_working_bytes_per_token(spec: ModelSpec, tp: int, seq_len: int, dtype_bytes: int, impl: str,
+                                  layer: int | None = None, deltanet_kernel: str = "fla") -> float:
     """Bytes alive at the peak of one layer's forward without autograd (also the estimate of one layer's backward
     temporaries): the largest of the attention block (layer input, normed copies, QKV output, rotated Q and K,
     GQA-expanded K and V; with ``local`` the [S, S] scores and probabilities per head), the MLP block (with
     ``local`` five h-wide tensors the layer still references: input, attention output, residual sum, normed
-    copies; then fc1 output, SiLU output, gated product) and, with ``local``, an RMSNorm computing in fp32."""
+    copies; then fc1 output, SiLU output, gated product) and, with ``local``, an RMSNorm computing in fp32. A hybrid's
+    DeltaNet ``layer``: its mixer's (``rlhf.models.hybrid.deltanet_working_bytes_per_token``) in place of the
+    attention block."""
     h, i = spec.hidden_size, mlp_width(spec) / tp
     q, kv = _attention_widths(spec, tp)
     heads = spec.num_attention_heads / tp
     e = dtype_bytes
+    if _deltanet_layer(spec, layer):
+        from rlhf.models.hybrid import deltanet_working_bytes_per_token
+
+        mixer = e * 3 * h + deltanet_working_bytes_per_token(spec, tp, e, deltanet_kernel)
+        return max(mixer, e * (5 * h + 4 * i), 3 * 4 * h + 3 * e * h)
     if impl == "te":
         return e * max(2 * h + (q + 2 * kv) + q + kv + q, 4 * h + 4 * i) + 4 * heads
     attn = e * (3 * h + (q + 2 * kv) + q + kv + 2 * q + 2 * heads * seq_len)
@@ -355,27 +379,31 @@ def activation_bytes(spec: ModelSpec, cfg: PlanConfig, stage: int, value_head: b
     tokens, resp = b * s, b * cfg.generate_max_len
     local = tokens / cfg.cp  # a rank's share of the tokens, in the layers and the head
     layers = spec.num_layers // cfg.pp
+    # the stage's layers: a hybrid's differ by kind (rlhf.models.hybrid), the others' are alike
+    kinds = list(range(stage * layers, (stage + 1) * layers)) if spec.linear_attention is not None else [None] * layers
+    kernel = cfg.deltanet_kernel
     if cfg.cp > 1:
         # a training step's peak: a layer's backward on top of everything saved; with recompute the recomputed
         # forward's working set is alive there too
         work = cp_layer_bytes(spec, cfg, b, saved=False, backward=train and not cfg.gradient_checkpointing)
         scores = 0  # megatron's score buffer is not used by the CP attention
     else:
-        work = layer_working_bytes_per_token(spec, cfg.tp, s, e, impl) * tokens
-        scores = scores_buffer_bytes(spec, cfg.tp, b, s, e, impl)
+        work = max(layer_working_bytes_per_token(spec, cfg.tp, s, e, impl, k, kernel) for k in kinds) * tokens
+        attention = [k for k in kinds if k is None or not spec.linear_attention["layers"][k]]
+        scores = scores_buffer_bytes(spec, cfg.tp, b, s, e, impl) if attention else 0
     head = head_bytes(spec, cfg, local, resp / cfg.cp, value_head, train) if stage == cfg.pp - 1 else 0.0
     if not train:
         return scores + max(work, head)
     n_micro = max(1, cfg.train_batch_size // cfg.dp // b)
     in_flight = min(cfg.pp - stage, n_micro)
     if cfg.cp > 1:
-        full = cp_layer_bytes(spec, cfg, b, saved=True)
+        per_layer = [cp_layer_bytes(spec, cfg, b, saved=True)] * layers
     else:
-        full = layer_saved_bytes_per_token(spec, cfg.tp, s, e, impl) * tokens
-    if cfg.gradient_checkpointing:
-        saved = layers * spec.hidden_size * e * local * in_flight + full  # layer inputs + one recomputed layer
+        per_layer = [layer_saved_bytes_per_token(spec, cfg.tp, s, e, impl, k, kernel) * tokens for k in kinds]
+    if cfg.gradient_checkpointing:  # layer inputs + one recomputed layer
+        saved = layers * spec.hidden_size * e * local * in_flight + max(per_layer)
     else:
-        saved = layers * full * in_flight
+        saved = sum(per_layer) * in_flight
     return saved + scores + max(work, head)
 
 
