@@ -1,6 +1,7 @@
-"""Qwen3-Next (``qwen3_next``) and Qwen3.5's text model (``qwen3_5_text``): Gated DeltaNet layers and gated softmax
-attention in one stack, on megatron-core 0.16.1's own layers. Qwen3.5's layers are Qwen3-Next's; its checkpoints keep
-the DeltaNet's input projections apart (``rlhf.models.hf_hybrid``) and its rotary is multimodal (``text_rope``).
+"""Qwen3-Next (``qwen3_next``) and Qwen3.5's text models (``qwen3_5_text``, and ``qwen3_5_moe_text``, every layer
+MoE): Gated DeltaNet layers and gated softmax attention in one stack, on megatron-core 0.16.1's own layers. Qwen3.5's
+layers are Qwen3-Next's; its checkpoints keep the DeltaNet's input projections apart (``rlhf.models.hf_hybrid``) and
+its rotary is multimodal (``text_rope``).
 
 What each ``config.json`` field becomes (``hybrid_fields`` reads them; the rest are refused by name):
 
@@ -87,8 +88,15 @@ def hybrid_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     experts = int(cfg.get("num_experts") or 0)
     mlp_only = set(cfg.get("mlp_only_layers") or [])
     step = int(cfg.get("decoder_sparse_step") or 1)
+    if cfg["model_type"] == "qwen3_5_moe_text":  # transformers makes every layer MoE, renormalises the top k
+        for key, ok in (("mlp_only_layers", not mlp_only), ("decoder_sparse_step", step == 1),
+                        ("norm_topk_prob", cfg.get("norm_topk_prob", True) is True), ("num_experts", experts > 0)):
+            if not ok:
+                _refuse(source, f"{key}={cfg.get(key)!r} (Qwen3.5-MoE's layers are all MoE, their top k "
+                                "renormalised; transformers' Qwen3_5MoeForCausalLM reads no such field)")
     moe_layers = [i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(layers)]
-    la["split_in_proj"] = cfg["model_type"] == "qwen3_5_text"  # in_proj_qkv, _z, _b, _a apart (hf_hybrid)
+    # in_proj_qkv, _z, _b, _a apart (hf_hybrid)
+    la["split_in_proj"] = cfg["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text")
     out = dict(linear_attention={**la, "layers": tuple(t == "linear_attention" for t in types)},
                attention_gate=True, zero_centered_norm=True, qk_norm=True, qkv_bias=False)
     if any(moe_layers):

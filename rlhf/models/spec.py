@@ -15,7 +15,7 @@ from typing import Any
 from rlhf.models.reward_config import head_prefix, is_openrlhf_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_5_vl", "deepseek_v3",
-                         "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_text")
+                         "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 """MoE families whose fields ``_moe_fields`` reads; deepseek_v3, glm4_moe and gpt_oss: rlhf.models.spec_families"""
 CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -23,7 +23,7 @@ CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qw
                    "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                    "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                    "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-                   "qwen3_5_text": "Qwen3_5ForCausalLM"}
+                   "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 SEQ_CLS_ARCHS = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                  "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
                  "mixtral": "MixtralForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification"}
@@ -167,6 +167,8 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     unknown = sorted(set(cfg) - _BENIGN_KEYS - FAMILY_KEYS.get(model_type, set()))
     if unknown:
         raise ValueError(f"{source}: unknown config field(s) {unknown} for model_type={model_type!r}")
+    if model_type == "qwen3_5_moe_text" and "intermediate_size" not in cfg:  # no dense MLP: every layer is MoE
+        cfg = {**cfg, "intermediate_size": cfg.get("moe_intermediate_size")}
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in cfg:
             raise ValueError(f"{source}: missing required config field {key!r}")
@@ -218,17 +220,18 @@ def _family_spec(cfg: dict[str, Any], family: dict[str, Any], source: str) -> Mo
         raise ValueError(f"{source}: a sequence-classification head on {model_type} is not supported (a reward model "
                          "or critic of this family); use a rule reward and a group estimator (--advantage_estimator "
                          "group_norm, rloo, reinforce_baseline)")
-    if model_type not in ("gpt_oss", "qwen3_next", "qwen3_5_text") and (cfg.get("use_sliding_window") or cfg.get("sliding_window") or
+    if model_type not in ("gpt_oss", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text") and (
+            cfg.get("use_sliding_window") or cfg.get("sliding_window") or
                                     any(t != "full_attention" for t in cfg.get("layer_types") or [])):
         raise ValueError(f"{source}: unsupported config field sliding_window / layer_types for {model_type}")
     from rlhf.models.rope import parse_rope
 
-    if model_type == "qwen3_5_text":  # rlhf.models.hybrid.text_rope
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):  # rlhf.models.hybrid.text_rope
         from rlhf.models.hybrid import text_rope
 
         cfg = text_rope(cfg, source)
     rope_theta, rope_scaling = parse_rope(cfg, source, partial_ok=model_type in ("glm4_moe", "qwen3_next",
-                                                                                   "qwen3_5_text"))
+                                                                                   "qwen3_5_text", "qwen3_5_moe_text"))
     if family.get("mla") is not None and rope_scaling is not None and rope_scaling["rope_type"] != "yarn":
         raise ValueError(f"{source}: unsupported config field rope_type={rope_scaling['rope_type']!r} with "
                          "multi-latent attention (megatron's MLA RoPE: default or yarn)")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-FAMILY_TYPES = ("deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_text")
+FAMILY_TYPES = ("deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 # Read here; keys common to every family are in rlhf.models.spec._BENIGN_KEYS.
 _ROUTER_KEYS = {"n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group",
@@ -40,7 +40,7 @@ FAMILY_KEYS = {
     "qwen3_next": {"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                    "linear_num_value_heads", "full_attention_interval", "partial_rotary_factor"},
 }
-FAMILY_KEYS["qwen3_5_text"] = FAMILY_KEYS["qwen3_next"]
+FAMILY_KEYS["qwen3_5_text"] = FAMILY_KEYS["qwen3_5_moe_text"] = FAMILY_KEYS["qwen3_next"]
 """aux_loss_alpha / seq_aux: DeepSeek's load-balancing loss switches, as HF's router_aux_loss_coef (ours is
 --aux_loss_coef); ep_size: DeepSeek's own inference code's expert parallelism (ours is --expert_model_parallel_size)"""
 
@@ -72,7 +72,7 @@ def family_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         _refuse(source, "mlp_bias=True")
     if model_type == "gpt_oss":
         return _gpt_oss(cfg, source)
-    if model_type in ("qwen3_next", "qwen3_5_text"):  # rlhf.models.hybrid
+    if model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):  # rlhf.models.hybrid
         from rlhf.models.hybrid import hybrid_fields
 
         return {**hybrid_fields(cfg, source), "rotary_percent": _partial_rotary(cfg, source)}

@@ -56,7 +56,8 @@ def make_tiny_hf(out: str, model_type: str = "llama", seq_cls: bool = False, see
                "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
                "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
                "gpt_oss": transformers.GptOssConfig, "qwen3_next": transformers.Qwen3NextConfig,
-               "qwen3_5_text": transformers.Qwen3_5TextConfig}[model_type]
+               "qwen3_5_text": transformers.Qwen3_5TextConfig,
+               "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig}[model_type]
     cfg = cfg_cls(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   **dims)
     if seq_cls:
@@ -194,6 +195,16 @@ TINY_HYBRIDS = {
                                                            "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
                                                            "mrope_interleaved": True},
                                           layer_types=["linear_attention"] * 3 + ["full_attention"])),
+    # Qwen3.5's MoE text model: every layer MoE (4 experts top 2, renormalised; the gated shared expert), the
+    # DeltaNet's projections apart, the multimodal rotary (transformers' default sections)
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                                                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                                  linear_num_value_heads=4, linear_key_head_dim=16,
+                                                  linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+                                                  num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  shared_expert_intermediate_size=48, max_position_embeddings=256,
+                                                  tie_word_embeddings=False,
+                                                  layer_types=["linear_attention"] * 3 + ["full_attention"])),
 }
 """Tiny hybrid (Gated DeltaNet) models built by transformers' own classes: name -> (model_type, overrides of
 ``make_tiny_hf``). ``_randomize`` draws their dt_bias, the zero-initialised (1 + w) norms and the gated norm."""

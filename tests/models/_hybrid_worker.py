@@ -75,7 +75,8 @@ CONTROLS = {"qwen3_next": {"attention_gate_zeroed": _attention_gate_zeroed, "dt_
                            "qk_norm_zeroed": _zero("k_layernorm")},
             "qwen3_5_text": {"attention_gate_zeroed": _attention_gate_zeroed, "dt_bias_zeroed": _zero("dt_bias")},
             "qwen3_next-moe": {"shared_expert_zeroed": _zero("shared_experts.linear_fc2"),
-                               "shared_expert_gate_zeroed": _zero("shared_experts.gate_weight")}}
+                               "shared_expert_gate_zeroed": _zero("shared_experts.gate_weight")},
+            "qwen3_5_moe_text": {"shared_expert_gate_zeroed": _zero("shared_experts.gate_weight")}}
 
 
 @contextlib.contextmanager

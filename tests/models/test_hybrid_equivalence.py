@@ -30,11 +30,13 @@ NAMES = tuple(TINY_HYBRIDS)
 LOGIT_TOL, GRAD_TOL = 1e-5, 1e-5
 LAYOUTS = {"qwen3_next": ["tp1pp1", "tp2pp1", "tp1pp2"],
            "qwen3_next-moe": ["tp1pp1", "tp2pp1", "tp1pp2", "tp1pp1ep2"],
-           "qwen3_5_text": ["tp1pp1", "tp2pp1", "tp1pp2"]}
+           "qwen3_5_text": ["tp1pp1", "tp2pp1", "tp1pp2"],
+           "qwen3_5_moe_text": ["tp1pp1", "tp2pp1", "tp1pp2", "tp1pp1ep2"]}
 CONTROLS = {"qwen3_next": ["attention_gate_zeroed", "dt_bias_zeroed", "deltanet_norm_zeroed", "conv_one_tap",
                            "qk_norm_zeroed"],
             "qwen3_next-moe": ["shared_expert_zeroed", "shared_expert_gate_zeroed"],
-            "qwen3_5_text": ["attention_gate_zeroed", "dt_bias_zeroed"]}
+            "qwen3_5_text": ["attention_gate_zeroed", "dt_bias_zeroed"],
+            "qwen3_5_moe_text": ["shared_expert_gate_zeroed"]}
 CASES = [(m, lay) for m in NAMES for lay in LAYOUTS[m]]
 
 

@@ -60,6 +60,26 @@ def test_qwen3_5_text_reads_as_transformers_builds_it():
         spec_from_hf_config(cfg)
 
 
+def test_qwen3_5_moe_text_reads_as_transformers_builds_it():
+    """Qwen3.5's MoE text model: every layer MoE (transformers reads no mlp_only_layers, decoder_sparse_step or
+    norm_topk_prob for it: given, they are refused by name), the projections apart, no dense intermediate_size."""
+    import transformers
+
+    cfg = transformers.Qwen3_5MoeTextConfig(vocab_size=300, **TINY_HYBRIDS["qwen3_5_moe_text"][1]).to_dict()
+    cfg = {k: v for k, v in cfg.items() if v is not None and k != "intermediate_size"}
+    spec = spec_from_hf_config(cfg)
+    assert spec.moe_layers == (True,) * 4 and spec.linear_attention["split_in_proj"] and spec.moe_norm_topk
+    assert (spec.num_experts, spec.moe_topk, spec.shared_expert_size, spec.rotary_percent) == (4, 2, 48, 0.25)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3_5MoeTextConfig(**cfg))
+    assert type(hf).__name__ == "Qwen3_5MoeForCausalLM"
+    assert spec.num_params == sum(p.numel() for p in hf.parameters())
+    for changes in (dict(mlp_only_layers=[1]), dict(decoder_sparse_step=2), dict(norm_topk_prob=False)):
+        key = next(iter(changes))
+        with pytest.raises(ValueError, match=f"{key}="):
+            spec_from_hf_config({**cfg, **changes})
+
+
 def test_full_attention_interval_gives_the_layer_pattern():
     cfg = _config(full_attention_interval=2)
     del cfg["layer_types"]

@@ -7,7 +7,8 @@ refused by name for them: rlhf.models.spec_families.vllm_refusal):
   routing replayed in every actor forward (tests/ppo/_routing_worker.py counts the tokens whose experts differ from
   the replayed ones: none), the routing-flip metric at 0;
 * qwen3_5_text at DP 2 with --packing_samples: the trainer feeds packed sequences (the recurrent state and the
-  convolution reset at each boundary), the generator one sequence at a time.
+  convolution reset at each boundary), the generator one sequence at a time;
+* qwen3_5_moe_text (every layer MoE) at EP 2 with R3.
 
 The generator feeds the whole sequence for every token (no state carried between decode steps), so every step's
 largest |generator - trainer| log-prob over the sampled tokens (``rollout_logprob_drift_max``) is fp32 rounding
@@ -23,6 +24,8 @@ CASES = {  # case: (tiny model, architecture, layout)
     "qwen3_next-moe": ("qwen3_next-moe", "Qwen3NextForCausalLM", {"--ep": 2, "--moe_router_replay": "rollout",
                                                                   "--moe_routing_flip_interval": 1, **MEGATRON}),
     "qwen3_5_text": ("qwen3_5_text", "Qwen3_5ForCausalLM", {"--packing_samples": "", **MEGATRON}),
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", {"--ep": 2, "--moe_router_replay": "rollout",
+                                                                      "--moe_routing_flip_interval": 1, **MEGATRON}),
 }
 
 
