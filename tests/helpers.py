@@ -312,7 +312,13 @@ def run_python(args: list[str], timeout: float = 600, **env: str):
 
 
 def tail(proc, n: int = 3000) -> str:
-    return (proc.stdout[-n:] + "\n--- stderr ---\n" + proc.stderr[-n:])
+    """The end of a finished process's output, and the start of the first traceback or ``error:`` line in its
+    stderr when that lies before the end (a job's failing rank: torchrun's own dump fills the last lines)."""
+    err = proc.stderr or ""
+    first = min((i for i in (err.find("Traceback (most recent call last)"), err.find("error:")) if i >= 0),
+                default=-1)
+    head = f"--- first error in stderr ---\n{err[first:first + n]}\n" if 0 <= first < len(err) - n else ""
+    return (proc.stdout or "")[-n:] + "\n" + head + "--- stderr ---\n" + err[-n:]
 
 
 def make_seq_cls_rm(out: str, tokenizer_dir: str, seed: int = 0, scale: float = 1.0, **dims) -> str:

@@ -223,6 +223,7 @@ def prepare_dschat_data(ds: argparse.Namespace, step: int) -> tuple[str, int]:
     ``rlhf.data.presets``) split by ``--data_split``; this step's part of each written as prompt/chosen/rejected
     jsonl under ``--data_output_path``. Returns (our --dataset value, rows)."""
     import json
+    import tempfile
 
     from rlhf.data.config import DataConfig
     from rlhf.data.presets import apply
@@ -235,10 +236,13 @@ def prepare_dschat_data(ds: argparse.Namespace, step: int) -> tuple[str, int]:
         rows = [r.data for r in apply("auto", spec.path, read_source(spec), keys) if r.data is not None]
         part = split_parts(len(rows), ds.data_split, ds.seed)[step - 1]
         path = os.path.join(ds.data_output_path, f"step{step}_{i}_{os.path.basename(spec.path.rstrip('/'))}.jsonl")
-        with open(path + ".tmp", "w") as f:
+        # every rank of the job writes this same file: each its own whole copy under a name of its own, then a rename
+        fd, tmp = tempfile.mkstemp(dir=ds.data_output_path, prefix=os.path.basename(path) + ".", suffix=".tmp")
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as f:
             for j in part:
                 f.write(json.dumps({k: rows[j].get(k) for k in ("prompt", "chosen", "rejected")}) + "\n")
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
         files.append(path)
         total += len(part)
     if not total:

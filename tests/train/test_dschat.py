@@ -72,6 +72,29 @@ def test_flags_without_a_meaning_here_are_named(rm_static, tmp_path, flags, need
                            "--data_output_path", str(tmp_path / "d"), *flags], 1)
 
 
+def test_ranks_writing_the_split_at_once_each_leave_the_whole_file(rm_static, tmp_path, monkeypatch):
+    """Every rank of a dschat job writes the same split files. One rank writing its copy start to end between the
+    other's write and rename (that interleaving, forced here) fails neither, and leaves the whole file."""
+    from rlhf.config import migration
+
+    argv = ["--model_name_or_path", "m", "--output_dir", "o", "--data_path", "Dahoas/rm-static",
+            "--data_output_path", str(tmp_path / "d")]
+    ds = migration.dschat_parser(2).parse_args(argv)
+    real = os.replace
+
+    def the_other_rank_in_between(src, dst):
+        monkeypatch.setattr(os, "replace", real)
+        migration.prepare_dschat_data(ds, 2)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", the_other_rank_in_between)
+    path, rows = migration.prepare_dschat_data(ds, 2)
+    got = [json.loads(ln) for ln in open(path)]
+    want = [rm_static[j] for j in split_parts(60, ds.data_split, ds.seed)[1]]
+    assert rows == 24 and got == [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in want]
+    assert os.listdir(tmp_path / "d") == [os.path.basename(path)]
+
+
 def test_three_steps_chain(rm_static, tmp_path, monkeypatch):
     """DeepSpeed-Chat's pipeline with its own command lines: step 1 (SFT) and step 2 (RM) in this process, step 3
     (PPO, its actor from step 1 and its critic/reward from step 2) through torchrun on 2 ranks with vLLM."""
