@@ -14,7 +14,9 @@ the final weights must be bit-identical to an uninterrupted run's.
 Kill points are events, not wall-clock times, so every phase is hit on any machine speed: ``("startup", s)``
 kills ``s`` seconds after launch, or at the first step's progress line if that comes first; ``("step", k)``
 after the progress line of step k; ``("save", k)`` after the "checkpoint: saving step k" line (mid-save);
-``("export", 0)`` after "exporting HF model" (mid-export). Each is followed by a seeded random delay of up to
+``("export", 0)`` once rank 0 is held in the export (mid-export: its "fault injection: hang at export" line; on a
+slow machine the megatron copy outlasts any delay after "exporting HF model", and a kill timed from that line
+fell before the hold). Each is followed by a seeded random delay of up to
 ``jitter`` seconds. A launch that is to be killed cannot run past its point's phase: rank 0 hangs in the export
 and in every checkpoint save from the point's step on (``RLHF_FAULT_INJECT=hang:...``) until the kill comes.
 """
@@ -187,6 +189,9 @@ def _pattern(task: str, event: str, k: int) -> re.Pattern | None:
             "export": re.compile(r"exporting HF model to ")}.get(event)
 
 
+_HELD_IN_EXPORT = re.compile(r"fault injection: hang at export ")
+
+
 def launch_and_kill(script: str, nproc: int, args: list[str], task: str, point: tuple[str, float], jitter: float,
                     rng: random.Random, timeout: float = 600,
                     later: tuple[tuple[str, float], ...] = ()) -> tuple[bool, str]:
@@ -214,6 +219,8 @@ def launch_and_kill(script: str, nproc: int, args: list[str], task: str, point: 
         # the later points nothing to hit in a fresh launch
         first = re.compile("|".join([_pattern(task, "step", 1).pattern] + [g.pattern for g in guards]))
         job.wait_for(first, timeout=float(k))
+    elif event == "export":  # rank 0 held in the export: the megatron copy written, the HF files not yet
+        job.wait_for(_HELD_IN_EXPORT, timeout=timeout)
     else:
         job.wait_for(_pattern(task, event, int(k)), timeout=timeout)
     hit_at = time.monotonic()
