@@ -28,6 +28,7 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 TE_INSTALL = ("pip install 'transformer-engine[pytorch]>=2.9.0a0,<2.12.0' --no-build-isolation "
               "(RLHF_WITH_TE=1 bash tools/setup_env.sh)")
 _TE_WARNED = False
+_FAMILY_LOGGED: set[str] = set()
 
 
 def te_import_error() -> str | None:
@@ -43,15 +44,23 @@ def te_available() -> bool:
     return torch.cuda.is_available() and te_import_error() is None
 
 
-def resolve_transformer_impl(impl: str | None, *, lora: bool = False, cp: int = 1) -> str:
+def resolve_transformer_impl(impl: str | None, *, lora: bool = False, cp: int = 1,
+                             spec: ModelSpec | None = None) -> str:
     """``--transformer_impl`` (megatron's name): ``local`` (torch layers), ``transformer_engine``, or None (auto:
-    TE when it imports and CUDA is there, else local). Raises ValueError, before any model loads, when TE is asked
+    TE when it imports and CUDA is there, else local; local for LoRA, context parallelism and the 2026 families of
+    ``spec``, whose TE layer names are not mapped). Raises ValueError, before any model loads, when TE is asked
     for and cannot run. A TE that is installed but fails to import is never hidden: auto logs it once."""
     global _TE_WARNED
+    from rlhf.models.families import is_family
+
     if impl not in (None, *TRANSFORMER_IMPLS):
         raise ValueError(f"--transformer_impl {impl!r}: expected one of {', '.join(TRANSFORMER_IMPLS)}")
+    family = spec is not None and is_family(spec)
     if impl == "local":
         return "local"
+    if impl == "transformer_engine" and family:
+        raise ValueError(f"--transformer_impl transformer_engine with {spec.model_type}: its layers run megatron's "
+                         "local spec here (their TE layer names are not mapped yet); use --transformer_impl local")
     if impl == "transformer_engine":
         if cp > 1:
             raise ValueError(f"--transformer_impl transformer_engine with --context_parallel_size {cp}: context "
@@ -68,7 +77,10 @@ def resolve_transformer_impl(impl: str | None, *, lora: bool = False, cp: int = 
             raise ValueError(f"--transformer_impl transformer_engine: Transformer Engine does not import ({err}). "
                              f"Fix: {TE_INSTALL}, or --transformer_impl local")
         return impl
-    if lora or cp > 1 or not torch.cuda.is_available():
+    if family and spec.model_type not in _FAMILY_LOGGED and torch.cuda.is_available() and te_import_error() is None:
+        _FAMILY_LOGGED.add(spec.model_type)
+        log.info("%s runs megatron's local layer spec (its TE layer names are not mapped yet)", spec.model_type)
+    if lora or cp > 1 or family or not torch.cuda.is_available():
         return "local"
     err = te_import_error()
     if err is not None and not err.startswith("ModuleNotFoundError") and not _TE_WARNED:
@@ -92,7 +104,8 @@ def layer_spec(config, spec: ModelSpec, use_te: bool | None = None):
     global _SPEC_LOGGED
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    use_te = te_available() if use_te is None else use_te
+    if use_te is None:  # auto (tools/compare_logits.py): as --transformer_impl's default picks for this spec
+        use_te = resolve_transformer_impl(None, spec=spec) == "transformer_engine"
     if not _SPEC_LOGGED:
         log.info("layer spec: %s", "transformer-engine" if use_te else "local (torch; transformer-engine absent "
                  "or no CUDA; packed THD batches via kernels.varlen_attention; megatron-core's warnings that TE "

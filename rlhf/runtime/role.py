@@ -155,7 +155,7 @@ class ModelRole:
         if lora is not None and te_available():
             log.info("%s: LoRA wraps megatron's local linears: the local layer spec runs instead of TE's", name)
         # --transformer_impl (None: TE where it imports on CUDA); checkpoints are the same under either spec
-        self.transformer_impl = resolve_transformer_impl(transformer_impl, lora=lora is not None)
+        self.transformer_impl = resolve_transformer_impl(transformer_impl, lora=lora is not None, spec=self.spec)
         ep = _check_moe(self.spec, mesh, name, trained=optim is not None, lora=lora is not None,
                         bias_rate=optim.expert_bias_update_rate if optim is not None else 0.0)
         model = build_model(self.spec, tp=mesh.tp, pp=mesh.pp, pp_rank=mesh.pp_rank, value_head=value_head,

@@ -127,6 +127,31 @@ def test_transformer_impl_resolution(monkeypatch):
     assert gpt.resolve_transformer_impl(None, lora=True) == "local"  # LoRA wraps the local linears
 
 
+def test_the_2026_families_run_local_layers_by_default_and_refuse_te_by_name(monkeypatch):
+    """On a CUDA machine with TE, auto picks TE for a Llama and the local spec for a family whose TE layer names
+    are not mapped (DeepSeek-V3's MLA, Qwen3-Next's DeltaNet); asking for TE there is a ValueError naming both."""
+    import transformers
+
+    from rlhf.models.spec import spec_from_hf_config
+    from rlhf.models.tiny import DEFAULT_DIMS, TINY_FAMILIES, TINY_HYBRIDS
+
+    llama = spec_from_hf_config(transformers.LlamaConfig(vocab_size=300, hidden_size=64, num_attention_heads=2,
+                                                         intermediate_size=96, num_hidden_layers=2).to_dict())
+    mla = spec_from_hf_config(transformers.DeepseekV3Config(
+        **{**DEFAULT_DIMS, "vocab_size": 300, "num_attention_heads": 2, **TINY_FAMILIES["deepseek_v3"][1]}).to_dict())
+    hybrid = spec_from_hf_config(transformers.Qwen3NextConfig(vocab_size=300, **TINY_HYBRIDS["qwen3_next"][1])
+                                 .to_dict())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpt, "te_import_error", lambda: None)
+    assert gpt.resolve_transformer_impl(None, spec=llama) == "transformer_engine"
+    assert gpt.resolve_transformer_impl("transformer_engine", spec=llama) == "transformer_engine"
+    for spec in (mla, hybrid):
+        assert gpt.resolve_transformer_impl(None, spec=spec) == "local"
+        with pytest.raises(ValueError, match=f"--transformer_impl transformer_engine with {spec.model_type}: .*"
+                                             "use --transformer_impl local"):
+            gpt.resolve_transformer_impl("transformer_engine", spec=spec)
+
+
 def test_the_flag_fails_before_any_model_loads(tmp_path, capsys):
     """The SFT entry point's body in this process: exit 2 and one error line naming the flag, nothing built."""
     from rlhf.supervised import sft

@@ -8,6 +8,7 @@ EQ = "tests/models/test_families_equivalence.py::"
 SPEC = "tests/models/test_spec_families.py::"
 PACK = "tests/models/test_families_packing.py::"
 MX = "tests/models/test_families_mxfp4.py::"
+TE = "tests/models/test_te_names.py::"
 
 
 def _logits(model, layout="tp1pp1"):
@@ -127,4 +128,16 @@ MUTANTS = [
            find='''    if is_family(spec) and cp > 1:''', replace='''    if is_family(spec) and cp > 99:''',
            claim="context parallelism is refused for the 2026 families before any weight is read",
            tests=(f"{PACK}test_gpt_oss_packed_and_families_under_cp_are_refused",)),
+    Mutant("models-family-auto-picks-te", "rlhf/models/gpt.py",
+           find="    if lora or cp > 1 or family or not torch.cuda.is_available():\n",
+           replace="    if lora or cp > 1 or not torch.cuda.is_available():\n",
+           claim="by default a 2026 family runs megatron's local layers on a CUDA machine with TE, not a TE spec "
+                 "that then refuses it",
+           tests=(f"{TE}test_the_2026_families_run_local_layers_by_default_and_refuse_te_by_name",)),
+    Mutant("models-family-te-accepted", "rlhf/models/gpt.py",
+           find='    if impl == "transformer_engine" and family:\n',
+           replace='    if impl == "transformer_engine" and family and False:\n',
+           claim="--transformer_impl transformer_engine with a 2026 family is refused by name before any weight is "
+                 "read",
+           tests=(f"{TE}test_the_2026_families_run_local_layers_by_default_and_refuse_te_by_name",)),
 ]
