@@ -45,7 +45,8 @@ def test_moe_layers_read_as_transformers_builds_them():
 
 
 def test_qwen3_5_text_reads_as_transformers_builds_it():
-    """Qwen3.5's text model: the same layers, its DeltaNet's projections apart, the multimodal rotary (plain on text)."""
+    """Qwen3.5's text model: the same layers, its DeltaNet's projections apart, the multimodal rotary (plain on
+    text)."""
     import transformers
 
     kw = dict(TINY_HYBRIDS["qwen3_5_text"][1])
