@@ -44,6 +44,16 @@ def te_available() -> bool:
     return torch.cuda.is_available() and te_import_error() is None
 
 
+def refuse_te_for_family(spec: ModelSpec) -> None:
+    """ValueError for TE layers on a 2026 family (MLA, the sigmoid routers, DeltaNet): their TE layer names are not
+    mapped, so they run megatron's local spec."""
+    from rlhf.models.families import is_family
+
+    if is_family(spec):
+        raise ValueError(f"--transformer_impl transformer_engine with {spec.model_type}: its layers run megatron's "
+                         "local spec here (their TE layer names are not mapped yet); use --transformer_impl local")
+
+
 def resolve_transformer_impl(impl: str | None, *, lora: bool = False, cp: int = 1,
                              spec: ModelSpec | None = None) -> str:
     """``--transformer_impl`` (megatron's name): ``local`` (torch layers), ``transformer_engine``, or None (auto:
@@ -55,13 +65,11 @@ def resolve_transformer_impl(impl: str | None, *, lora: bool = False, cp: int = 
 
     if impl not in (None, *TRANSFORMER_IMPLS):
         raise ValueError(f"--transformer_impl {impl!r}: expected one of {', '.join(TRANSFORMER_IMPLS)}")
-    family = spec is not None and is_family(spec)
     if impl == "local":
         return "local"
-    if impl == "transformer_engine" and family:
-        raise ValueError(f"--transformer_impl transformer_engine with {spec.model_type}: its layers run megatron's "
-                         "local spec here (their TE layer names are not mapped yet); use --transformer_impl local")
     if impl == "transformer_engine":
+        if spec is not None:
+            refuse_te_for_family(spec)
         if cp > 1:
             raise ValueError(f"--transformer_impl transformer_engine with --context_parallel_size {cp}: context "
                              "parallelism runs megatron's local layers here (TE's own CP attention is not wired "
@@ -77,6 +85,7 @@ def resolve_transformer_impl(impl: str | None, *, lora: bool = False, cp: int = 
             raise ValueError(f"--transformer_impl transformer_engine: Transformer Engine does not import ({err}). "
                              f"Fix: {TE_INSTALL}, or --transformer_impl local")
         return impl
+    family = spec is not None and is_family(spec)
     if family and spec.model_type not in _FAMILY_LOGGED and torch.cuda.is_available() and te_import_error() is None:
         _FAMILY_LOGGED.add(spec.model_type)
         log.info("%s runs megatron's local layer spec (its TE layer names are not mapped yet)", spec.model_type)
@@ -112,11 +121,7 @@ def layer_spec(config, spec: ModelSpec, use_te: bool | None = None):
                  "and Apex are absent are not shown: its local layers, torch's norms and optimizers run)")
         _SPEC_LOGGED = True
     if use_te:
-        from rlhf.models.families import is_family
-
-        if is_family(spec):
-            raise ValueError(f"{spec.model_type} runs megatron's local layers here (its TE layer names are not "
-                             "mapped yet): use --transformer_impl local")
+        refuse_te_for_family(spec)
         # MoE: TE's grouped GEMM (TEGroupedMLP; its experts are linear_fc1.weightJ, see rlhf.models.hf_llama)
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm,
                                                           num_experts=spec.num_experts or None,

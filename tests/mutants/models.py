@@ -135,8 +135,8 @@ MUTANTS = [
                  "that then refuses it",
            tests=(f"{TE}test_the_2026_families_run_local_layers_by_default_and_refuse_te_by_name",)),
     Mutant("models-family-te-accepted", "rlhf/models/gpt.py",
-           find='    if impl == "transformer_engine" and family:\n',
-           replace='    if impl == "transformer_engine" and family and False:\n',
+           find='        if spec is not None:\n            refuse_te_for_family(spec)\n',
+           replace='        if False:\n            refuse_te_for_family(spec)\n',
            claim="--transformer_impl transformer_engine with a 2026 family is refused by name before any weight is "
                  "read",
            tests=(f"{TE}test_the_2026_families_run_local_layers_by_default_and_refuse_te_by_name",)),
