@@ -31,6 +31,7 @@ import time
 import uuid
 
 import psutil
+import rank_budget
 from helpers import (JOB_TAG, REPO, ZYGOTE_PY, job_launcher, job_processes, kill_job, leftovers,  # noqa: F401
                      test_env, torchrun_cmd)
 
@@ -42,11 +43,17 @@ class Job:
                  launcher: str | None = None, **env: str):
         self.tag = uuid.uuid4().hex
         cmd = torchrun_cmd(os.path.join(REPO, script), nproc, args, max_restarts, launcher=launcher)
+        self.budget = rank_budget.acquire(nproc)  # given back when the launcher ends (the reader) or at close
+        self.budget_lock = threading.Lock()
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=REPO,
-                                     env=test_env(PYTHONUNBUFFERED="1", **{JOB_TAG: self.tag}, **env),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(cmd, cwd=REPO,
+                                         env=test_env(PYTHONUNBUFFERED="1", **{JOB_TAG: self.tag}, **env),
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         start_new_session=True)
+        except BaseException:
+            self._give_back()
+            raise
         self.lines: list[tuple[float, str]] = []
         self.cond = threading.Condition()
         self.ended_at: float | None = None
@@ -62,6 +69,12 @@ class Job:
         with self.cond:
             self.ended_at = time.monotonic()
             self.cond.notify_all()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        with self.budget_lock:
+            taken, self.budget = self.budget, 0
+        rank_budget.release(taken)
 
     @property
     def log(self) -> str:
@@ -137,6 +150,7 @@ class Job:
         if self.proc.poll() is None:
             kill_job(self.tag, self.proc.pid)
             self.proc.wait(timeout=60)
+        self._give_back()
         left = leftovers(self.tag, grace)
         assert not left, f"processes of the job outlived it: {left}"
 

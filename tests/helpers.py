@@ -14,6 +14,7 @@ import time
 import uuid
 
 import psutil
+from rank_budget import ranks_in, ranks_of_budget
 
 from rlhf.distributed.env import free_port  # noqa: F401  (tests import it from here)
 
@@ -155,7 +156,14 @@ def run_tagged(cmd: list[str], timeout: float, env: dict | None = None, *, full_
     """Run ``cmd`` (text output captured) with every process of it tagged; the environment is ``test_env(**env)``,
     or ``full_env`` as given. On a timeout or an interrupt the whole job is SIGKILLed before
     ``subprocess.TimeoutExpired`` (or the interrupt) propagates; after a normal end, any process of the job still
-    alive 10 s later fails the test (and is killed). ``env[JOB_TAG]`` chooses the tag."""
+    alive 10 s later fails the test (and is killed). ``env[JOB_TAG]`` chooses the tag. A job of several ranks
+    first waits for its share of the suite's rank budget (``rank_budget``); ``timeout`` counts from its start."""
+    with ranks_of_budget(ranks_in(cmd)):
+        return _run_tagged(cmd, timeout, env, full_env, cwd)
+
+
+def _run_tagged(cmd: list[str], timeout: float, env: dict | None, full_env: dict | None,
+                cwd: str) -> subprocess.CompletedProcess:
     env = dict(env or {})
     tag = env.pop(JOB_TAG, None) or uuid.uuid4().hex
     run_env = {**full_env, **env, JOB_TAG: tag} if full_env is not None else test_env(**{JOB_TAG: tag}, **env)
@@ -215,6 +223,11 @@ def spawn_within(fn, args: tuple, nprocs: int, timeout: float = 300) -> None:
     killed and the test fails with ``TimeoutError``. On any way out no rank is left alive."""
     import torch.multiprocessing as mp
 
+    with ranks_of_budget(nprocs):
+        _spawn_within(mp, fn, args, nprocs, timeout)
+
+
+def _spawn_within(mp, fn, args: tuple, nprocs: int, timeout: float) -> None:
     ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
