@@ -70,6 +70,12 @@ def _fits(state: dict, ranks: int) -> bool:
     return used == 0 or used + ranks <= RANK_BUDGET
 
 
+def _grant(state: dict, key: str, ranks: int) -> int:
+    state["holders"][key] = state["holders"].get(key, 0) + ranks
+    _HELD["ranks"] += ranks
+    return ranks
+
+
 def acquire(ranks: int) -> int:
     """Wait for ``ranks`` ranks of the budget; returns what was taken (0: not counted), for ``release``."""
     path = _state_path()
@@ -79,9 +85,7 @@ def acquire(ranks: int) -> int:
     key = str(me)
     with _state(path) as state:
         if _HELD["ranks"] or (not state["queue"] and _fits(state, ranks)):
-            state["holders"][key] = state["holders"].get(key, 0) + ranks
-            _HELD["ranks"] += ranks
-            return ranks
+            return _grant(state, key, ranks)
         state["queue"].append(me)
     deadline = time.monotonic() + WAIT_CAP_S
     try:
@@ -94,9 +98,7 @@ def acquire(ranks: int) -> int:
                         print(f"rank_budget: waited {WAIT_CAP_S:g} s for {ranks} ranks; taking them over the budget "
                               f"(holders: {state['holders']})", file=sys.stderr, flush=True)
                     state["queue"] = [p for p in state["queue"] if p != me]
-                    state["holders"][key] = state["holders"].get(key, 0) + ranks
-                    _HELD["ranks"] += ranks
-                    return ranks
+                    return _grant(state, key, ranks)
     except BaseException:  # pytest-timeout's interrupt while waiting: leave the queue
         with _state(path) as state:
             state["queue"] = [p for p in state["queue"] if p != me]
