@@ -44,14 +44,13 @@ class SessionState:
 @dataclass
 class EndpointConfig:
     """What every request is sampled with: the job's --temperature and --top_p, --generate_max_len per reply, the
-    session budget (--max_len, --max_turns) and the policy version."""
+    session budget (--max_len, --max_turns). A call records the policy version of the round that answered it."""
 
     temperature: float
     top_p: float
     max_tokens: int
     max_len: int
     max_turns: int | None = None
-    version: int = 0
 
 
 class Endpoint:
@@ -190,7 +189,7 @@ class Endpoint:
                         ids, choices)
 
     def _choice(self, st: SessionState, req: Request, number: int, ids: list[int], parent, context,
-                out_ids: list[int], lps: list[float], finished: bool) -> Choice:
+                out_ids: list[int], lps: list[float], finished: bool, version: int) -> Choice:
         kept, text, stopped = cut_at_stop(self.tok, out_ids, req.stop)
         finished = finished and not stopped
         calls = None
@@ -211,6 +210,6 @@ class Endpoint:
             reply = text
         if not st.closed:
             st.session.record(Call(request=number, prompt_ids=list(ids), completion_ids=kept, logprobs=choice.logprobs,
-                                   finished=finished, version=self.cfg.version,
+                                   finished=finished, version=version,
                                    context=context, reply=reply, parent=parent))
         return choice

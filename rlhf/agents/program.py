@@ -96,13 +96,13 @@ class RunAgentExecutor(AgentExecutorBase):
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None,
                       prompt_ids: list[int] | None = None):
-        traj = CURRENT.get()
-        sid, st = self.endpoint.open(traj.index)
+        traj, ep = CURRENT.get(), self.endpoint  # a carried session keeps its endpoint while others come and go
+        sid, st = ep.open(traj.index)
         t0 = time.perf_counter()
         try:
-            value, failure = await self._run(sid, st, prompt, label, traj)
+            value, failure = await self._run(ep, sid, st, prompt, label, traj)
         finally:
-            self.endpoint.close(sid)
+            ep.close(sid)
         if traj is not None:  # the program's own time: the session less its requests' waits
             traj.env_seconds += max(time.perf_counter() - t0 - st.waited_s, 1e-9)
         out = st.session.trajectory()
@@ -123,18 +123,17 @@ class RunAgentExecutor(AgentExecutorBase):
         return {**out, "prompt": prompt, "label": label, "reward": reward, "scores": scores, "extra_logs": extra,
                 "done": failure is None, "failure": failure}
 
-    def _kwargs(self, sid: str, traj) -> dict:
-        ep = self.endpoint
+    def _kwargs(self, ep, sid: str, traj) -> dict:
         kw = {"model": ep.model, "base_url": ep.url(sid), "api_key": API_KEY, "index": traj.index, "seed": traj.seed,
               **self.sampling}
         return {k: v for k, v in kw.items() if k in self.kw_names}
 
-    async def _run(self, sid: str, st, prompt, label, traj) -> tuple[object, str | None]:
+    async def _run(self, ep, sid: str, st, prompt, label, traj) -> tuple[object, str | None]:
         """run_agent under the session's watch: (its value, None) or (None, the failure)."""
         import openai
 
-        kw = self._kwargs(sid, traj)
-        url = self.endpoint.url(sid)
+        kw = self._kwargs(ep, sid, traj)
+        url = ep.url(sid)
         if self.is_async:
             client = openai.AsyncOpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=24 * 3600.0)
             task = asyncio.ensure_future(self.fn(client, prompt, label, **kw))

@@ -32,7 +32,7 @@ from rlhf.agents.environment import Completion, RequestOutput, SamplingParams, _
 from rlhf.agents.executor import (CURRENT, MultiTurnAgentExecutor, TooManyAgentFailures, Trajectory, execute_kwargs,
                                   load_agent_executor)
 from rlhf.agents.program import RunAgentExecutor
-from rlhf.rollout.types import Sample
+from rlhf.rollout.types import AgentOutcome, Sample  # noqa: F401 (AgentOutcome re-exported)
 
 if TYPE_CHECKING:
     from rlhf.agents.flags import AgentPart
@@ -43,27 +43,44 @@ _MIX = 6364136223846793005
 _INC = 1442695040888963407
 
 
-@dataclass
-class AgentOutcome:
-    """What a trajectory's environment said (``Sample.agent``)."""
-
-    reward: float | None
-    """the sum of its step rewards (None: a single-turn executor; the trainer's reward sources score it)"""
-    score: float | None
-    turns: int
-    env_seconds: float
-    cut: bool
-    """ended by the token budget or --max_turns, not by ``done``"""
-    failure: str | None = None
-    extra_logs: dict = field(default_factory=dict)
-    endpoint: dict | None = None
-    """a run_agent session's call counts (``rlhf.agents.tokens.Session.stats``)"""
-
-
 def turn_seed(base: int, j: int, turn: int) -> int:
     """Turn 0 of trajectory j: the plain path's seed of that sample (``base + j``); later turns mixed from it."""
-    s = base + j
+    return trajectory_seed(base + j, turn)
+
+
+def trajectory_seed(s: int, turn: int) -> int:
+    """Turn ``turn`` of the trajectory whose seed is ``s``: ``s`` itself for turn 0, later turns mixed from it."""
     return s if turn == 0 else (s * _MIX + turn * _INC) % (1 << 63)
+
+
+@dataclass
+class Pool:
+    """The trajectories a rollout drives on this rank: a synchronous step's (a pool per run) or the live sessions
+    partial rollouts carry across weight updates (one pool for the job, ``rlhf.agents.carry``). A trajectory is
+    keyed by its number: the step's (prompt-major) or, carried, ``group * n + k``."""
+
+    pending: list = field(default_factory=list)
+    """requests waiting for a round: queued, or parked by a round that stopped before answering them"""
+    turns: Counter = field(default_factory=Counter)
+    foreign: int = 0
+    running: int = 0
+    """trajectories holding a slot of ``bound`` (the rest wait for one)"""
+    left: int = 0
+    """this rank's trajectories not finished"""
+    tasks: dict = field(default_factory=dict)
+    """key -> the trajectory's task (its result dict once done), until the rollout collects it"""
+    seeds: dict = field(default_factory=dict)
+    """key -> the seed of a running trajectory (``trajectory_seed`` of its turns)"""
+    finished: list = field(default_factory=list)
+    """keys finished since the last round (every rank learns of them with the round's requests)"""
+    versions: defaultdict = field(default_factory=lambda: defaultdict(list))
+    """key -> the policy version of each of its answered calls, in order"""
+    calls: defaultdict = field(default_factory=lambda: defaultdict(list))
+    """key -> [(ids fed + sampled, routing)] (an MoE actor's routing)"""
+    bound: asyncio.Semaphore | None = None
+    generated: int = 0
+    """tokens sampled for this rank's requests"""
+    poke: object = lambda: None
 
 
 class _BatchedLLM:
@@ -74,35 +91,35 @@ class _BatchedLLM:
 
     def __init__(self, tokenizer, max_len: int):
         self.tokenizer, self.max_len = tokenizer, max_len
-        self.pending: list[tuple] = []
-        self.turns: Counter = Counter()
+        self.pool = Pool()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.poke = lambda: None
-        self.foreign = 0
 
-    def attach(self, loop, poke) -> None:
-        """A new step: its loop and its readiness check."""
-        self.loop, self.poke, self.pending, self.turns, self.foreign = loop, poke, [], Counter(), 0
+    def attach(self, loop, pool: Pool) -> None:
+        """A round: its loop and the pool whose requests it queues."""
+        self.loop, self.pool = loop, pool
 
-    async def submit(self, j: int, turn: int, ids: list[int], params: tuple) -> tuple[list[int], list[float], bool]:
-        """One request ``(temperature, top_p, max_tokens)`` of trajectory ``j``'s turn ``turn`` (its seed)."""
+    async def submit(self, j: int, turn: int, ids: list[int], params: tuple
+                     ) -> tuple[list[int], list[float], bool, int]:
+        """One request ``(temperature, top_p, max_tokens)`` of trajectory ``j``'s turn ``turn`` (its seed):
+        (sampled ids, their log-probs, ended by EOS, the policy version that sampled them)."""
+        pool = self.pool
         fut = self.loop.create_future()
-        self.pending.append((j, turn, list(ids), params, fut))
-        self.poke()
+        pool.pending.append((j, turn, list(ids), params, fut))
+        pool.poke()
         return await fut
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         if asyncio.get_running_loop() is not self.loop:
             inner = asyncio.run_coroutine_threadsafe(self.generate(prompt_token_ids, sampling_params), self.loop)
             return await asyncio.wrap_future(inner)
-        traj = CURRENT.get()
+        traj, pool = CURRENT.get(), self.pool
         if traj is None:
-            j, turn = -1, self.foreign
-            self.foreign += 1
+            j, turn = -1, pool.foreign
+            pool.foreign += 1
         else:
             j = traj.index
-            turn, self.turns[j] = self.turns[j], self.turns[j] + 1
-        ids, lps, finished = await self.submit(j, turn, prompt_token_ids, _params_tuple(
+            turn, pool.turns[j] = pool.turns[j], pool.turns[j] + 1
+        ids, lps, finished, _ = await self.submit(j, turn, prompt_token_ids, _params_tuple(
             sampling_params, prompt_token_ids, self.max_len))
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return RequestOutput([Completion(ids, text, [{t: _Logprob(lp)} for t, lp in zip(ids, lps)],
@@ -112,7 +129,6 @@ class _BatchedLLM:
 class AgentRollout:
     def __init__(self, cfg: AgentPart, tokenizer, mesh, routing: bool = False):
         self.cfg, self.tokenizer, self.mesh, self.routing = cfg, tokenizer, mesh, routing
-        self._calls: defaultdict = defaultdict(list)  # trajectory -> [(ids fed + sampled, routing)] (``routing``)
         self.executor = load_agent_executor(cfg.agent_func_path)
         self.accepts = execute_kwargs(self.executor)
         self.llm = _BatchedLLM(tokenizer, cfg.max_len)
@@ -142,97 +158,139 @@ class AgentRollout:
         total = len(prompt_idx) * n
         mine = range(mesh.rank * total // mesh.world_size, (mesh.rank + 1) * total // mesh.world_size)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-        results = self.loop.run_until_complete(self._drive(engine, prompts, prompt_idx, n, mine, params, seed,
-                                                           version))
+        starts = [(j, seed * 1_000_003 + j, prompts[prompt_idx[j // n]]) for j in mine]
+        results = self.loop.run_until_complete(self._round(engine, Pool(), starts, params, seed, version))
         parts: list = [None] * mesh.world_size
         dist.all_gather_object(parts, results)
         samples = [self._sample(j // n, r) for j, r in enumerate(r for p in parts for r in p)]
         return samples, self._metrics(samples)
 
-    async def _endpoint(self, params: SamplingParams, version: int):
-        """A run_agent file's endpoint for this step (None for other executors)."""
+    async def _round(self, engine, pool: Pool, starts: list, params: SamplingParams, seed: int, version: int
+                     ) -> list[dict]:
+        """A synchronous step's trajectories ``starts`` run to their ends: their result dicts, in order."""
+        endpoint = await self._endpoint(params)
+        try:
+            await self._drive(engine, pool, starts, params, seed, version)
+        finally:
+            if endpoint is not None:
+                await endpoint.stop()
+        return [pool.tasks.pop(key).result() for key, _, _ in starts]
+
+    def close(self) -> None:
+        """The job's end: sessions still parked (a job stopped between checkpoints) are cancelled, the endpoint
+        partial rollouts kept is stopped and the loop closed."""
+        pool, ep = getattr(self, "carry", None), getattr(self, "_kept_endpoint", None)
+        if self.loop.is_closed():
+            return
+        for t in (pool.tasks.values() if pool is not None else ()):
+            t.cancel()
+        if pool is not None and pool.tasks:
+            self.loop.run_until_complete(asyncio.wait(list(pool.tasks.values()), timeout=5))
+        if ep is not None:
+            self.loop.run_until_complete(ep.stop())
+        self.loop.close()
+
+    async def _endpoint(self, params: SamplingParams, keep: bool = False):
+        """A run_agent file's endpoint for this step (None for other executors); ``keep``: the one partial
+        rollouts keep for the job (its sessions outlive a step)."""
         if not isinstance(self.executor, RunAgentExecutor):
             return None
         from rlhf.agents.endpoint import Endpoint, EndpointConfig
 
-        ep = Endpoint(self.llm, self.tokenizer, EndpointConfig(
-            temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, max_len=self.cfg.max_len,
-            max_turns=self.cfg.max_turns, version=version))
-        await ep.start()
+        ep = getattr(self, "_kept_endpoint", None) if keep else None
+        if ep is None:
+            ep = Endpoint(self.llm, self.tokenizer, EndpointConfig(
+                temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+                max_len=self.cfg.max_len, max_turns=self.cfg.max_turns))
+            await ep.start()
+            if keep:
+                self._kept_endpoint = ep
         self.executor.endpoint, self.executor.timeout_s = ep, self.cfg.agent_timeout_s
         self.executor.sampling = {"max_tokens": params.max_tokens, "temperature": params.temperature,
                                   "top_p": params.top_p}
         return ep
 
-    async def _drive(self, engine, prompts, prompt_idx, n, mine, params, seed, version) -> list[dict]:
-        """This rank's trajectories, turn by turn: one collective round per turn (every rank joins every round,
-        with its queued requests or none, until no rank has any and every rank's trajectories are done). A round
-        starts once every running trajectory waits on a request (at most --agent_max_sessions run at once)."""
+    async def _drive(self, engine, pool: Pool, starts: list, params: SamplingParams, seed: int, version: int,
+                     stop=None) -> None:
+        """The pool's trajectories, ``starts`` ((key, seed, prompt) each) begun now, turn by turn: one collective
+        round per turn (every rank joins every round, with its queued requests or none) until no rank has any and
+        every rank's trajectories are done, or until ``stop(keys every rank finished since the last round)`` says
+        so: that round's requests are then parked in the pool, unanswered, and its trajectories wait there for a
+        later call. A round starts once every running trajectory waits on a request (at most --agent_max_sessions
+        run at once)."""
         ready = asyncio.Event()
-        running, left = [0], [len(mine)]
 
         def poke(*_):
-            if (llm.pending and len(llm.pending) >= running[0]) or not left[0]:
+            if (pool.pending and len(pool.pending) >= pool.running) or not pool.left:
                 ready.set()
 
-        llm, loop = self.llm, asyncio.get_running_loop()
-        llm.attach(loop, poke)
-        self._calls.clear()
-        endpoint = await self._endpoint(params, version)
-        bound = asyncio.Semaphore(self.cfg.agent_max_sessions or max(len(mine), 1))
-
-        async def one(prompt):
-            async with bound:
-                running[0] += 1
-                try:
-                    return await self._one(prompt, params, llm)
-                finally:
-                    running[0] -= 1
-                    left[0] -= 1
-                    poke()
-
-        tasks = []
-        for j in mine:
+        loop = asyncio.get_running_loop()
+        pool.poke = poke
+        self.llm.attach(loop, pool)
+        if pool.bound is None:
+            pool.bound = asyncio.Semaphore(self.cfg.agent_max_sessions or max(len(starts), 1))
+        for key, s0, prompt in starts:
             ctx = contextvars.copy_context()
-            ctx.run(CURRENT.set, Trajectory(seed=seed * 1_000_003 + j, timeout_s=self.cfg.agent_timeout_s, index=j))
-            tasks.append(loop.create_task(one(prompts[prompt_idx[j // n]]), context=ctx))
+            ctx.run(CURRENT.set, Trajectory(seed=s0, timeout_s=self.cfg.agent_timeout_s, index=key))
+            pool.seeds[key] = s0
+            pool.left += 1
+            pool.tasks[key] = loop.create_task(self._session(pool, key, prompt, params), context=ctx)
         base = seed * 1_000_003
-        try:
-            while True:
-                poke()
-                await ready.wait()
-                ready.clear()
-                queued, llm.pending = llm.pending, []
-                parts: list = [None] * self.mesh.world_size
-                dist.all_gather_object(parts, (not left[0], [(j, turn, ids, tuple(p)) for j, turn, ids, p, _ in queued]))
-                requests = [r for _, p in parts for r in p]
-                if not requests and all(done for done, _ in parts):
-                    break
-                if requests:
-                    self._answer(engine, base, requests, queued)
-                await asyncio.sleep(0)
-        finally:
-            if endpoint is not None:
-                await endpoint.stop()
-        results = [t.result() for t in tasks]
-        for j, r in zip(mine, results):
-            r["routed_experts"] = trajectory_routing(self._calls.pop(j, []), r["observation_tokens"][: self.cfg.max_len],
-                                                     r["action_ranges"]) if self.routing else None
-        return results
+        while True:
+            poke()
+            await ready.wait()
+            ready.clear()
+            queued, pool.pending = pool.pending, []
+            finished, pool.finished = pool.finished, []
+            parts: list = [None] * self.mesh.world_size
+            dist.all_gather_object(parts, (not pool.left, finished, [(j, turn, ids, tuple(p), pool.seeds.get(j, 0))
+                                                                     for j, turn, ids, p, _ in queued]))
+            requests = [r for _, _, p in parts for r in p]
+            if stop is not None and stop([k for _, f, _ in parts for k in f]):
+                pool.pending = queued + pool.pending  # parked: answered by a later call, under its weights
+                break
+            if not requests and all(done for done, _, _ in parts):
+                break
+            if requests:
+                self._answer(engine, pool, base, version, requests, queued)
+            await asyncio.sleep(0)
 
-    def _answer(self, engine, base: int, requests: list, queued: list) -> None:
-        """One batched call of the generator for every rank's requests; this rank's futures get theirs."""
-        outs = engine.generate_requests([(ids, mt, t, tp, turn_seed(base, j, turn) if j >= 0 else
+    async def _session(self, pool: Pool, key: int, prompt, params: SamplingParams) -> dict:
+        """One trajectory in its slot of the pool's bound; its result carries its calls' versions and routing."""
+        try:
+            async with pool.bound:
+                pool.running += 1
+                try:
+                    r = await self._one(prompt, params, self.llm)
+                finally:
+                    pool.running -= 1
+            r["call_versions"] = pool.versions.pop(key, [])
+            r["routed_experts"] = trajectory_routing(pool.calls.pop(key, []), r["observation_tokens"][
+                : self.cfg.max_len], r["action_ranges"]) if self.routing else None
+            return r
+        finally:
+            pool.seeds.pop(key, None)
+            pool.left -= 1
+            pool.finished.append(key)
+            pool.poke()
+
+    def _answer(self, engine, pool: Pool, base: int, version: int, requests: list, queued: list) -> None:
+        """One batched call of the generator for every rank's requests; this rank's futures get theirs, with the
+        policy version that sampled them."""
+        outs = engine.generate_requests([(ids, mt, t, tp, trajectory_seed(s0, turn) if j >= 0 else
                                           turn_seed(base + 7_919, 0, turn + 1))
-                                         for j, turn, ids, (t, tp, mt) in requests],
+                                         for j, turn, ids, (t, tp, mt), s0 in requests],
                                         **({"with_routing": True} if self.routing else {}))
-        got = {(j, turn): o for (j, turn, _, _), o in zip(requests, outs)}
+        got = {(j, turn): o for (j, turn, *_), o in zip(requests, outs)}
         for j, turn, ids, _, fut in queued:
             o = got[(j, turn)]
             if self.routing and j >= 0 and o[3] is not None:
-                self._calls[j].append((list(ids) + list(o[0]), o[3]))
+                pool.calls[j].append((list(ids) + list(o[0]), o[3]))
+            if j >= 0:
+                pool.versions[j].append(version)
+            pool.generated += len(o[0])
             if not fut.done():
-                fut.set_result(tuple(o[:3]))
+                fut.set_result((*o[:3], version))
 
     async def _one(self, prompt, params: SamplingParams, llm: _BatchedLLM) -> dict:
         """One trajectory's ``execute``; a custom executor that raises ends its trajectory (prompt only)."""
@@ -286,7 +344,7 @@ class AgentRollout:
                                env_seconds=float(r["env_seconds"]), cut=cut, failure=r["failure"],
                                extra_logs=r["extra_logs"], endpoint=r.get("endpoint"))
         return Sample(i, list(obs[:start]), list(resp), list(lps), finished, action_mask=mask, agent=outcome,
-                      routed_experts=r.get("routed_experts"))
+                      routed_experts=r.get("routed_experts"), versions=token_versions(r, len(obs))[start:])
 
     def _metrics(self, samples: list[Sample]) -> dict[str, float]:
         """agent/*: turns per trajectory, environment seconds (summed over trajectories), the share cut by the
@@ -323,6 +381,19 @@ def trajectory_routing(calls: list, obs: list[int], actions: list) -> object:
             best, length = routed, valid
     need = max((min(b, len(obs)) - 1 for a, b in actions if a < len(obs)), default=0)
     return best[:length] if best is not None and length >= need else None
+
+
+def token_versions(r: dict, length: int) -> list[int]:
+    """The policy version of each of a trajectory's first ``length`` tokens: a run_agent session's own (its calls'),
+    else each action's from its call (the trajectory's calls in order, one per action); a token between actions,
+    the environment's, gets the version of the action before it, and the prompt that of the first call."""
+    if r.get("versions"):
+        return list(r["versions"][:length])
+    calls = r.get("call_versions") or [0]
+    out = [calls[0]] * length
+    for i, (a, _) in enumerate(sorted(r["action_ranges"])):
+        out[a:length] = [calls[min(i, len(calls) - 1)]] * max(length - a, 0)
+    return out
 
 
 def failure_kind(failure: str) -> str:

@@ -44,9 +44,10 @@ def _passing(groups: list[list[PartialSample]], rewards, job) -> list[bool]:
 
 
 def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, sampler, step: int, mesh, timer,
-                          rewards=None) -> tuple[Rollout, dict[str, float]]:
+                          rewards=None, closing: bool = False) -> tuple[Rollout, dict[str, float]]:
     """The step's rollout. ``step`` is the policy version: the weight updates applied so far. ``rewards``
-    (``RewardSources``) scores the groups under ``--dynamic_filtering``."""
+    (``RewardSources``) scores the groups under ``--dynamic_filtering``. ``closing``: a checkpoint follows the
+    step, so an agent's sessions all run to their ends (a live session is not data a checkpoint can hold)."""
     gen, algo, want = job.generation, job.algo, partial.batch_groups
     filtering = algo.dynamic_filtering
     metrics = partial.drop_stale(step)
@@ -63,11 +64,16 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
         due = partial.due(groups, step)  # groups the staleness bound makes this round finish (and the step train)
         waited += sum(due)
         with rollout_phase(roles, timer):  # the synchronous step's memory phase, sync and engine wake-up
-            needed = len(groups) if job.partial.whole_groups else partial.groups_needed(groups, ask)
-            groups, counts = generate_partial(roles.rollout, groups, groups_needed=needed,
-                                              temperature=gen.temperature, top_p=gen.top_p,
-                                              max_tokens=gen.generate_max_len, version=step,
-                                              ignore_eos=gen.ignore_eos, due=due)
+            needed = len(groups) if job.partial.whole_groups or (closing and roles.agent is not None) \
+                else partial.groups_needed(groups, ask)
+            kw = dict(groups_needed=needed, temperature=gen.temperature, top_p=gen.top_p,
+                      max_tokens=gen.generate_max_len, version=step, due=due)
+            if roles.agent is not None:  # live sessions are parked, not aborted (rlhf.agents.carry)
+                from rlhf.agents.carry import agent_round
+
+                groups, counts = agent_round(roles.agent, roles.rollout, prompts, groups, seed=seed, **kw)
+            else:
+                groups, counts = generate_partial(roles.rollout, groups, ignore_eos=gen.ignore_eos, **kw)
         train, m = partial.settle(groups, step, ask)
         rounds += 1
         aborted, generated, new_groups = aborted + counts["aborted"], generated + counts["generated"], \
@@ -90,7 +96,10 @@ def generate_partial_step(roles, job, partial: PartialRollouts, prompts: list, s
     metrics.update({"partial/aborted_samples": float(aborted), "partial/generated_tokens": float(generated),
                     "partial/new_groups": float(new_groups), "partial/due_groups": float(waited)})
     metrics.update(filter_metrics)
-    return make_rollout([grp[0].prompt_index for grp in train], _samples(train), mesh), metrics
+    samples = _samples(train)
+    if roles.agent is not None:  # the trained trajectories' agent/* metrics, as the synchronous step logs them
+        metrics.update(roles.agent._metrics(samples))
+    return make_rollout([grp[0].prompt_index for grp in train], samples, mesh), metrics
 
 
 def mask_offpolicy(exp, version: int, mesh) -> dict[str, float]:
@@ -117,8 +126,9 @@ def drift_by_age(exp, version: int, mesh) -> dict[str, float]:
     """The generator-vs-trainer log-prob drift (``rollout_logprob_drift``) split by token age, over the global
     batch: ``partial/logprob_drift_fresh`` (and ``_max``) over the tokens this step's weights generated, the weights
     the trainer's old log-probs come from, so only a sync or kernel mismatch shows there, as in a synchronous step;
-    ``partial/logprob_drift_carried`` over tokens of earlier versions, which the updates since have moved (what the
-    rollout corrections weigh). Only where the old log-probs are the trainer's own forward."""
+    ``partial/logprob_drift_carried`` (and ``_max``, ``_min``) over tokens of earlier versions, which the updates
+    since have moved (what the rollout corrections weigh; a carried token that did not move is one whose version is
+    wrong). Only where the old log-probs are the trainer's own forward."""
     import torch
 
     from rlhf.algo.ppo_losses import masked_mean
@@ -136,4 +146,5 @@ def drift_by_age(exp, version: int, mesh) -> dict[str, float]:
         if m.any():
             out[f"partial/logprob_drift_{name}"] = masked_mean(diff, m).item()
             out[f"partial/logprob_drift_{name}_max"] = diff.masked_fill(~m, 0).max().item()
+            out[f"partial/logprob_drift_{name}_min"] = diff.masked_fill(~m, float("inf")).min().item()
     return out

@@ -116,8 +116,8 @@ class PPOTrainer:
             metrics.update(sync_weights(roles, timer))
             self.actor_changed = False
         if self.partial is not None:  # --partial_rollout (rlhf.ppo.partial_step)
-            rollout, filtered = generate_partial_step(roles, job, self.partial, self.prompts, self.sampler,
-                                                      self.step, mesh, timer, self.rewards)
+            rollout, filtered = generate_partial_step(roles, job, self.partial, self.prompts, self.sampler, self.step,
+                                                      mesh, timer, self.rewards, self.saves_after(self.step + 1))
         else:
             rollout, filtered = generate_filtered(roles, job, self.prompts, self.sampler, self.rewards, self.step,
                                                   mesh, timer)
@@ -189,6 +189,11 @@ class PPOTrainer:
             extra["partial"] = self.partial.state_dict()
         self.ckpt.save(self.step, self.checkpointed(), extra)
 
+    def saves_after(self, step: int) -> bool:
+        """A checkpoint is written once ``step`` steps are done (--save_steps, and the last step)."""
+        save_steps = self.job.checkpoint.save_steps
+        return (save_steps > 0 and step % save_steps == 0) or step == self.total_steps
+
     def fit(self) -> dict[str, Any]:
         from rlhf.distributed.watchdog import set_phase, set_step
         from rlhf.observability.metrics import MetricsLogger, PhaseTimer
@@ -245,8 +250,7 @@ class PPOTrainer:
             m["time/step_wall"], t_end = now - t_end, now
             history.append(m)
             self.evaluate(logger)  # before the save: a resumed run does not repeat it
-            save_steps = job.checkpoint.save_steps
-            if (save_steps > 0 and self.step % save_steps == 0) or self.step == self.total_steps:
+            if self.saves_after(self.step):
                 self.save()
         logger.close()
         self.export(history)
@@ -278,6 +282,8 @@ class PPOTrainer:
     def close(self) -> None:
         from rlhf.rollout import shutdown
 
+        if self.roles.agent is not None:  # sessions a stopped job leaves parked, and their endpoint
+            self.roles.agent.close()
         shutdown(self.mesh, self.roles.rollout)
 
 

@@ -26,12 +26,13 @@ finished samples included, and its prompt started again.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from rlhf.rollout.partial_config import (PARTIAL_CORRECTIONS, PartialRolloutConfig,  # noqa: F401 (re-exported)
                                          check_partial, decoupled_correction, resolve_correction)
-from rlhf.rollout.types import Sample, engine_share
+from rlhf.rollout.types import Sample, engine_share, sample_from_state, sample_state
 
 
 @dataclass
@@ -58,8 +59,13 @@ class PartialSample:
     """an MoE generator's routing of a finished sample, ``(tokens, layers, top_k)`` expert ids (``Sample``'s), from
     the round it finished in (that round fed the prefix again: vLLM's prefill of the continued request, the megatron
     fallback's first forward of the round); None otherwise"""
+    agent: Sample | None = None
+    """an agent trajectory's sample once it has finished (``rlhf.agents.carry``): its tokens, action mask, outcome
+    and versions; an unfinished one lives as a parked session on the rank that started it"""
 
     def to_sample(self) -> Sample:
+        if self.agent is not None:
+            return dataclasses.replace(self.agent, prompt_index=self.prompt_index)
         return Sample(self.prompt_index, list(self.prompt_ids), list(self.response_ids), list(self.logprobs),
                       self.finished, versions=list(self.versions), routed_experts=self.routed_experts)
 
@@ -189,13 +195,15 @@ def _gather(mesh, groups, mine) -> tuple[list[list[PartialSample]], dict]:
 
 def _copy(s: PartialSample) -> PartialSample:
     return PartialSample(s.group, s.k, s.prompt_index, list(s.prompt_ids), s.seed, list(s.response_ids),
-                         list(s.logprobs), list(s.versions), s.done, s.finished, s.routed_experts)
+                         list(s.logprobs), list(s.versions), s.done, s.finished, s.routed_experts, s.agent)
 
 
 def _state(s: PartialSample) -> dict:
     d = dict(_copy(s).__dict__)
     if d["routed_experts"] is not None:  # the checkpoint's trainer.json: lists of ints
         d["routed_experts"] = d["routed_experts"].tolist()
+    if d["agent"] is not None:
+        d["agent"] = sample_state(d["agent"])
     return d
 
 
@@ -203,6 +211,8 @@ def _from_state(d: dict) -> PartialSample:
     import numpy as np
 
     s = PartialSample(**d)
+    if s.agent is not None:
+        s.agent = sample_from_state(s.agent)
     if s.routed_experts is not None:
         s.routed_experts = np.asarray(s.routed_experts, dtype=np.int16)
     return s

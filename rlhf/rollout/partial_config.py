@@ -119,9 +119,9 @@ def check_partial(job) -> None:
         raise ValueError(f"--vllm_generate_batch_size {p.vllm_generate_batch_size} must be at least "
                          f"--rollout_batch_size {job.batch.rollout_batch_size}")
     name = "--partial_rollout" if p.partial_rollout else "--async_one_step_off"
-    if job.agent.agent_func_path:
-        raise ValueError(f"{name} with --agent_func_path is not supported yet: a multi-turn trajectory "
-                         "cannot be carried between turns of the environment yet")
+    if job.agent.agent_func_path and p.partial_rollout_drop_stale:
+        raise ValueError("--partial_rollout_drop_stale with --agent_func_path: an agent's carried sessions are parked "
+                         "programs, not data, and are never dropped (rlhf.agents.carry); --max_staleness bounds them")
     extra, batch = p.extra_groups(job.batch.rollout_batch_size), job.batch.rollout_batch_size
     if not p.partial_rollout_drop_stale and not p.whole_groups and extra > batch:
         name = (f"--vllm_generate_batch_size {p.vllm_generate_batch_size}" if p.vllm_generate_batch_size is not None

@@ -1,7 +1,8 @@
 """Plain data types of the rollout phase."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -187,3 +188,39 @@ class Sample:
     routed_experts: object = None
     """an MoE generator's experts of each prompt and response token it fed forward, ``(tokens, layers, top_k)``
     ids (vLLM's ``CompletionOutput.routed_experts``; the megatron fallback records its own); None: not recorded"""
+
+
+@dataclass
+class AgentOutcome:
+    """What a trajectory's environment said (``Sample.agent``)."""
+
+    reward: float | None
+    """the sum of its step rewards (None: a single-turn executor; the trainer's reward sources score it)"""
+    score: float | None
+    turns: int
+    env_seconds: float
+    cut: bool
+    """ended by the token budget or --max_turns, not by ``done``"""
+    failure: str | None = None
+    extra_logs: dict = field(default_factory=dict)
+    endpoint: dict | None = None
+    """a run_agent session's call counts (``rlhf.agents.tokens.Session.stats``)"""
+
+
+def sample_state(smp: Sample) -> dict:
+    """A sample as a checkpoint's trainer.json holds it (lists, numbers, strings): a partial rollout's finished
+    agent trajectory carried to a later step."""
+    d = dataclasses.asdict(smp)
+    if smp.routed_experts is not None:
+        d["routed_experts"] = smp.routed_experts.tolist()
+    return d
+
+
+def sample_from_state(d: dict) -> Sample:
+    import numpy as np
+
+    d = dict(d)
+    d["agent"] = AgentOutcome(**d["agent"]) if d["agent"] is not None else None
+    if d["routed_experts"] is not None:
+        d["routed_experts"] = np.asarray(d["routed_experts"], dtype=np.int16)
+    return Sample(**d)

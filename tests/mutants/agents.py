@@ -15,6 +15,11 @@ MINI = SWE + "test_mini_swe_agent_fixes_a_bug_through_the_endpoint_in_the_sandbo
 EVAL_JOB = "tests/ppo/test_agents.py::test_held_out_evaluation_runs_the_agent"
 ROUTE_HAND = "tests/ppo/test_agents.py::test_a_trajectorys_routing_is_its_longest_prefix_call"
 ROUTE_JOB = "tests/ppo/test_routing_replay_ppo.py::test_grpo_with_routing_replay[agent_rollout]"
+CARRY = "tests/ppo/test_agent_partial.py::"
+PARKED = CARRY + "test_parked_sessions_cross_an_update_with_their_versions_and_resume_exactly"
+K0 = CARRY + "test_max_staleness_0_is_the_synchronous_agent_job"
+CARRY_PROGRAM = CARRY + "test_a_run_agent_program_is_carried_through_its_endpoint"
+REFUSED = "tests/ppo/test_partial_buffer.py::test_combinations_not_built_are_refused_by_name"
 
 MUTANTS = [
     Mutant("agents-continuation-reencoded", "rlhf/agents/tokens.py",
@@ -69,8 +74,8 @@ MUTANTS = [
            claim="a program that goes --agent_timeout_s without a request in flight is cancelled",
            tests=(FAILING,)),
     Mutant("agents-sessions-unbounded", "rlhf/agents/rollout.py",
-           find='''        bound = asyncio.Semaphore(self.cfg.agent_max_sessions or max(len(mine), 1))''',
-           replace='''        bound = asyncio.Semaphore(max(len(mine), 1))''',
+           find='''            pool.bound = asyncio.Semaphore(self.cfg.agent_max_sessions or max(len(starts), 1))''',
+           replace='''            pool.bound = asyncio.Semaphore(max(len(starts), 1))''',
            claim="at most --agent_max_sessions trajectories run at once on a rank",
            tests=(FAILING,)),
     Mutant("agents-no-reward-not-left-to-the-rule", "rlhf/ppo/reward_sources.py",
@@ -156,4 +161,36 @@ MUTANTS = [
            replace="remote_rm_timeout=r.remote_rm_timeout)",
            claim="the held-out trajectories are scored by their environments' rewards",
            tests=(EVAL_JOB,)),
+    Mutant("agents-carried-turns-restamped", "rlhf/agents/rollout.py",
+           find="        out[a:length] = [calls[min(i, len(calls) - 1)]] * max(length - a, 0)",
+           replace="        out[a:length] = [calls[-1]] * max(length - a, 0)",
+           claim="with partial rollouts a carried session's turns keep the policy version that sampled each",
+           tests=(PARKED,)),
+    Mutant("agents-endpoint-call-session-version", "rlhf/agents/rollout.py",
+           find="                fut.set_result((*o[:3], version))",
+           replace="                fut.set_result((*o[:3], pool.versions[j][0] if j >= 0 else version))",
+           claim="an endpoint call records the version of the round that answered it, not the session's first",
+           tests=(CARRY_PROGRAM,)),
+    Mutant("agents-live-session-checkpointed", "rlhf/ppo/partial_step.py",
+           find="job.partial.whole_groups or (closing and roles.agent is not None)",
+           replace="job.partial.whole_groups",
+           claim="a step that saves runs every agent session to its end, so a resumed job is the straight one",
+           tests=(PARKED,)),
+    Mutant("agents-carried-seed-shifted", "rlhf/agents/carry.py",
+           find="    starts = [(_key(s, n), s.seed, prompts[s.prompt_index]) for s in new[lo:hi]]",
+           replace="    starts = [(_key(s, n), s.seed + 1, prompts[s.prompt_index]) for s in new[lo:hi]]",
+           claim="a partial round's new trajectory is seeded as the synchronous step seeds that sample",
+           tests=(K0,)),
+    Mutant("agents-partial-drop-stale-allowed", "rlhf/rollout/partial_config.py",
+           find="    if job.agent.agent_func_path and p.partial_rollout_drop_stale:",
+           replace="    if False:",
+           claim="--partial_rollout_drop_stale is refused with agents (parked sessions are never dropped)",
+           tests=(REFUSED,)),
+    Mutant("agents-partial-sessions-on-evals-endpoint", "rlhf/agents/rollout.py",
+           find="        self.executor.endpoint, self.executor.timeout_s = ep, self.cfg.agent_timeout_s",
+           replace="        if self.executor.endpoint is None or not keep:\n            self.executor.endpoint = ep\n"
+                   "        self.executor.timeout_s = self.cfg.agent_timeout_s",
+           claim="with partial rollouts a held-out evaluation's sessions use an endpoint of their own, the next "
+                 "round's the job's again",
+           tests=(CARRY_PROGRAM,)),
 ]

@@ -55,7 +55,7 @@ class ScriptedGen:
         self.fed.append({"ids": list(ids), "params": params, "j": j, "turn": turn})
         out, eos = self.replies.pop(0)
         out = out[: params[2]]
-        return list(out), [-0.1 * (k + 1) for k in range(len(out))], eos
+        return list(out), [-0.1 * (k + 1) for k in range(len(out))], eos, 0
 
 
 def serve(tok, gen, agent, **cfg):

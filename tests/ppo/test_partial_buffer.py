@@ -115,7 +115,8 @@ def test_bad_values_name_the_flag(flags, msg):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--agent_func_path", "x.py"], "--partial_rollout with --agent_func_path is not supported yet"),
+    (["--agent_func_path", "x.py", "--partial_rollout_drop_stale"],
+     "--partial_rollout_drop_stale with --agent_func_path: an agent's carried sessions are parked programs"),
     (["--vllm_generate_batch_size", "2"], "--vllm_generate_batch_size 2 must be at least --rollout_batch_size 4"),
     (["--vllm_generate_batch_size", "9"], "--vllm_generate_batch_size 9 starts 5 groups beyond --rollout_batch_size 4: "
                                           "more groups could come due"),

@@ -116,7 +116,10 @@ def eos_mixtral(family_actors, tmp_path_factory):
     return d
 
 
-def test_rollout_replay_with_partial_rollouts(ppo_setup, eos_mixtral, tmp_path):
+@pytest.mark.parametrize("layout", [{"--ep": 2, "--generate_max_len": 12},
+                                    {"--agent_func_path": "VARIED", "--max_len": 64, "--generate_max_len": 3}],
+                         ids=["ep2", "agent_dp2"])
+def test_rollout_replay_with_partial_rollouts(ppo_setup, eos_mixtral, tmp_path, layout):
     """R3 with --partial_rollout (K = 1), the megatron fallback generating over 2 ranks with the experts over EP 2
     (each rank its share of the groups; a rank whose share is whole keeps feeding the EP collectives): samples are
     stopped unfinished and continued a step later. A finished sample carries the routing of the round it finished
@@ -124,16 +127,23 @@ def test_rollout_replay_with_partial_rollouts(ppo_setup, eos_mixtral, tmp_path):
     token of a step's own weights, continued samples' included, the replayed old-log-prob forward gives the
     generator's log-prob (drift <= 1e-4: the routing lines up with every token), and where all of a step's tokens
     are fresh the trainer's own routing equals the generator's (no flip); carried tokens reach the update one update
-    old."""
+    old. The same with an agent of 1-3 turns over DP 2 (tests/ppo/test_agent_partial.py's environment; the
+    generator's batched turns are refused with EP): sessions parked on either rank, a trajectory replaying the
+    routing of its last call, which fed every earlier turn again at the weights that sampled its last."""
     save = str(tmp_path / "out")
+    if "--agent_func_path" in layout:
+        from test_agent_partial import VARIED
+
+        (tmp_path / "varied_env.py").write_text(VARIED.replace("random.randint(1, 5)", "random.randint(1, 3)"))
+        layout = {**layout, "--agent_func_path": str(tmp_path / "varied_env.py")}
     args = ppo_args({**ppo_setup, "actor": eos_mixtral}, save,
-                    **{"--advantage_estimator": "grpo", "--ep": 2, "--moe_router_replay": "rollout",
+                    **{"--advantage_estimator": "grpo", **layout, "--moe_router_replay": "rollout",
                        "--rollout_backend": "megatron", "--partial_rollout": "", "--max_staleness": 1,
                        "--partial_rollout_oversample": 1, "--rollout_batch_size": 2, "--n_samples_per_prompt": 2,
                        "--train_batch_size": 4, "--micro_train_batch_size": 2, "--micro_rollout_batch_size": 2,
                        "--num_episodes": 1, "--max_samples": 8, "--actor_learning_rate": "1e-3",
                        "--reward_fn": "_rule_reward:char_code_reward", "--reward_pretrain": None,
-                       "--generate_max_len": 12, "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None,
+                       "--vllm_tensor_parallel_size": 1, "--vllm_kv_cache_mb": None,
                        "--moe_routing_flip_interval": 1})
     p = run_torchrun(PPO, 2, args, timeout=600, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.dirname(__file__)}")
     assert p.returncode == 0, tail(p)
