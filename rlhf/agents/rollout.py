@@ -245,7 +245,7 @@ class AgentRollout:
             parts: list = [None] * self.mesh.world_size
             dist.all_gather_object(parts, (not pool.left, finished, [(j, turn, ids, tuple(p), pool.seeds.get(j, 0))
                                                                      for j, turn, ids, p, _ in queued]))
-            requests = [r for _, _, p in parts for r in p]
+            requests = [(rank, *r) for rank, (_, _, p) in enumerate(parts) for r in p]
             if stop is not None and stop([k for _, f, _ in parts for k in f]):
                 pool.pending = queued + pool.pending  # parked: answered by a later call, under its weights
                 break
@@ -275,15 +275,15 @@ class AgentRollout:
             pool.poke()
 
     def _answer(self, engine, pool: Pool, base: int, version: int, requests: list, queued: list) -> None:
-        """One batched call of the generator for every rank's requests; this rank's futures get theirs, with the
-        policy version that sampled them."""
+        """One batched call of the generator for every rank's requests (rank order; each ``(rank, j, turn, ...)``);
+        this rank's futures get theirs, with the policy version that sampled them. A call without a trajectory
+        (j = -1) is seeded from its rank and its number there."""
         outs = engine.generate_requests([(ids, mt, t, tp, trajectory_seed(s0, turn) if j >= 0 else
-                                          turn_seed(base + 7_919, 0, turn + 1))
-                                         for j, turn, ids, (t, tp, mt), s0 in requests],
+                                          turn_seed(base + 7_919 * (rank + 1), 0, turn + 1))
+                                         for rank, j, turn, ids, (t, tp, mt), s0 in requests],
                                         **({"with_routing": True} if self.routing else {}))
-        got = {(j, turn): o for (j, turn, *_), o in zip(requests, outs)}
-        for j, turn, ids, _, fut in queued:
-            o = got[(j, turn)]
+        mine = [o for (rank, *_), o in zip(requests, outs) if rank == self.mesh.rank]  # in this rank's queue order
+        for (j, turn, ids, _, fut), o in zip(queued, mine):
             if self.routing and j >= 0 and o[3] is not None:
                 pool.calls[j].append((list(ids) + list(o[0]), o[3]))
             if j >= 0:

@@ -15,6 +15,7 @@ MINI = SWE + "test_mini_swe_agent_fixes_a_bug_through_the_endpoint_in_the_sandbo
 EVAL_JOB = "tests/ppo/test_agents.py::test_held_out_evaluation_runs_the_agent"
 ROUTE_HAND = "tests/ppo/test_agents.py::test_a_trajectorys_routing_is_its_longest_prefix_call"
 ROUTE_JOB = "tests/ppo/test_routing_replay_ppo.py::test_grpo_with_routing_replay[agent_rollout]"
+OWN = "tests/ppo/test_agents.py::test_each_ranks_calls_get_their_own_answers"
 CARRY = "tests/ppo/test_agent_partial.py::"
 PARKED = CARRY + "test_parked_sessions_cross_an_update_with_their_versions_and_resume_exactly"
 K0 = CARRY + "test_max_staleness_0_is_the_synchronous_agent_job"
@@ -193,4 +194,15 @@ MUTANTS = [
            claim="with partial rollouts a held-out evaluation's sessions use an endpoint of their own, the next "
                  "round's the job's again",
            tests=(CARRY_PROGRAM,)),
+    Mutant("agents-answers-by-call-number", "rlhf/agents/rollout.py",
+           find="        mine = [o for (rank, *_), o in zip(requests, outs) if rank == self.mesh.rank]  # in this rank's queue order",
+           replace="        got = {(j, turn): o for (_, j, turn, *_), o in zip(requests, outs)}\n"
+                   "        mine = [got[(j, turn)] for j, turn, *_ in queued]",
+           claim="each rank's calls get their own answers, calls without a trajectory (numbered per rank) included",
+           tests=(OWN,)),
+    Mutant("agents-foreign-seed-per-job", "rlhf/agents/rollout.py",
+           find="turn_seed(base + 7_919 * (rank + 1), 0, turn + 1))",
+           replace="turn_seed(base + 7_919, 0, turn + 1))",
+           claim="calls without a trajectory on different ranks are seeded apart",
+           tests=(OWN,)),
 ]

@@ -486,3 +486,32 @@ def test_calculator_agent_by_hand(tok):
         if turns == 2:
             assert llm.calls[1][0][len(p_ids) + len(replies[0]):] == \
                 say("\n<|im_start|>user\nCalculator: 408<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_each_ranks_calls_get_their_own_answers():
+    """Two ranks' requests in one round, among them calls of an agent file's own server (no trajectory: j = -1,
+    numbered from 0 on each rank): rank 0's futures get rank 0's answers, not rank 1's call of the same number,
+    and the two ranks' calls without a trajectory are seeded apart."""
+    import asyncio
+    import types
+
+    from rlhf.agents.rollout import AgentRollout, Pool
+
+    class Engine:
+        def generate_requests(self, reqs):
+            self.seeds = [r[4] for r in reqs]
+            return [([i], [-0.5], True) for i in range(len(reqs))]
+
+    roll = AgentRollout.__new__(AgentRollout)
+    roll.routing, roll.mesh = False, types.SimpleNamespace(rank=0)
+    loop = asyncio.new_event_loop()
+    futs = [loop.create_future() for _ in range(2)]
+    p = (1.0, 1.0, 1)
+    queued = [(-1, 0, [4], p, futs[0]), (3, 0, [4], p, futs[1])]
+    requests = [(0, -1, 0, [4], p, 0), (0, 3, 0, [4], p, 30), (1, -1, 0, [5], p, 0), (1, 7, 0, [6], p, 70)]
+    engine, pool = Engine(), Pool()
+    roll._answer(engine, pool, 11, 4, requests, queued)
+    assert [f.result() for f in futs] == [([0], [-0.5], True, 4), ([1], [-0.5], True, 4)]
+    assert engine.seeds[0] != engine.seeds[2] and engine.seeds[1] == 30 and engine.seeds[3] == 70
+    assert pool.versions == {3: [4]} and pool.generated == 2
+    loop.close()
