@@ -47,7 +47,8 @@ class Rollout:
 
     @property
     def generated_tokens(self) -> int:
-        return sum(len(s.response_ids) for s in self.samples)
+        """The tokens the generator sampled: a multi-turn trajectory's actions, not its environment's tokens."""
+        return sum(len(s.response_ids) if s.action_mask is None else sum(s.action_mask) for s in self.samples)
 
 
 @contextlib.contextmanager

@@ -205,4 +205,10 @@ MUTANTS = [
            replace="turn_seed(base + 7_919, 0, turn + 1))",
            claim="calls without a trajectory on different ranks are seeded apart",
            tests=(OWN,)),
+    Mutant("agents-environment-tokens-counted-generated", "rlhf/ppo/stages.py",
+           find="        return sum(len(s.response_ids) if s.action_mask is None else sum(s.action_mask) for s in self.samples)",
+           replace="        return sum(len(s.response_ids) for s in self.samples)",
+           claim="a rollout's generated tokens (tokens_per_s/rollout, dynamic_filtering/generated_tokens) are the "
+                 "sampled ones, not a trajectory's environment tokens",
+           tests=(K0,)),
 ]
