@@ -26,9 +26,10 @@ sys.path.insert(0, REPO)
 
 
 def flags(model: str, train: str, out: str, seed: int, steps: int, lr: str, bf16: bool, tiny: bool = False,
-          program: bool = False, heldout: str | None = None) -> list[str]:
+          program: bool = False, heldout: str | None = None, partial: bool = False) -> list[str]:
     """``program``: calc_program.py through the endpoint (bare questions; the endpoint applies the template);
-    ``heldout``: evaluated at step 0 and after the last (eval/reward: 32 questions x 4 trajectories)."""
+    ``heldout``: evaluated at step 0 and after the last (eval/reward: 32 questions x 4 trajectories); ``partial``:
+    partial rollouts (2 groups beyond the 8 a step trains, sessions parked across an update, at most 1 old)."""
     lengths = ["--max_len", "64", "--prompt_max_len", "16", "--generate_max_len", "12"] if tiny else [
         *([] if program else ["--apply_chat_template"]), "--max_len", "256", "--prompt_max_len", "192",
         "--generate_max_len", "24"]
@@ -43,7 +44,8 @@ def flags(model: str, train: str, out: str, seed: int, steps: int, lr: str, bf16
             "--temperature", "1.0", "--actor_learning_rate", lr, "--lr_scheduler", "constant",
             "--lr_warmup_ratio", "0", "--adam_betas", "0.9", "0.999", "--max_samples", str(8 * steps),
             "--num_episodes", "1", "--seed", str(seed), "--save_path", out,
-            "--tensorboard", os.path.join(out, "tb"), "--save_steps", "-1"] + (["--bf16"] if bf16 else [])
+            "--tensorboard", os.path.join(out, "tb"), "--save_steps", "-1"] + (["--bf16"] if bf16 else []) + (
+                ["--partial_rollout", "--max_staleness", "1"] if partial else [])
 
 
 def summarize(out: str) -> dict:
@@ -140,6 +142,7 @@ def main(argv=None) -> int:
     p.add_argument("--agent", default="executor", help="executor (calc_agent.py, OpenRLHF's API), program "
                    "(calc_program.py through the endpoint), or both, side by side per seed")
     p.add_argument("--heldout", action="store_true", help="held-out reward at step 0 and after the last step")
+    p.add_argument("--partial", action="store_true", help="partial rollouts (--partial_rollout --max_staleness 1)")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -166,13 +169,14 @@ def main(argv=None) -> int:
             for a in (("executor", "program") if args.agent == "both" else (args.agent,))]
     for seed, agent in runs:
         program = agent == "program"
-        name = f"calc_s{seed}" + ("_program" if program else "")
+        name = f"calc_s{seed}" + ("_program" if program else "") + ("_partial" if args.partial else "")
         run_dir = os.path.join(out, name)
         os.makedirs(run_dir, exist_ok=True)
         t0 = time.time()
         key = "program_" if program else ""
         torchrun(args.nproc, "ppo.py", flags(model, data[key + "train"], run_dir, seed, args.steps, lr, args.bf16,
-                                             args.tiny, program, data[key + "heldout"] if args.heldout else None),
+                                             args.tiny, program, data[key + "heldout"] if args.heldout else None,
+                                             args.partial),
                  os.path.join(run_dir, "train.log"), env)
         r = summarize(run_dir)
         r["seconds"] = time.time() - t0
