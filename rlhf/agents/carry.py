@@ -72,9 +72,8 @@ def agent_round(agent, engine, prompts: list, groups: list, *, groups_needed: in
 
 def _pool(agent) -> Pool:
     """The rank's live sessions, for the job: at most --agent_max_sessions at once, else unbounded."""
-    if getattr(agent, "carry", None) is None:
+    if agent.carry is None:
         import asyncio
 
-        agent.carry, agent.next_group = Pool(), 0
-        agent.carry.bound = asyncio.Semaphore(agent.cfg.agent_max_sessions or 1 << 30)
+        agent.carry = Pool(bound=asyncio.Semaphore(agent.cfg.agent_max_sessions or 1 << 30))
     return agent.carry

@@ -133,6 +133,12 @@ class AgentRollout:
         self.accepts = execute_kwargs(self.executor)
         self.llm = _BatchedLLM(tokenizer, cfg.max_len)
         self.loop = asyncio.new_event_loop()  # one for the job: an agent file's clients may outlive a step
+        self.carry: Pool | None = None
+        """partial rollouts: the rank's parked sessions, for the job (``rlhf.agents.carry``)"""
+        self.next_group = 0
+        """partial rollouts: the first group id no round has started yet"""
+        self._kept_endpoint = None
+        """partial rollouts: the endpoint of the carried sessions, for the job"""
         multi = isinstance(self.executor, MultiTurnAgentExecutor)
         program = isinstance(self.executor, RunAgentExecutor)
         if multi:
@@ -179,15 +185,15 @@ class AgentRollout:
     def close(self) -> None:
         """The job's end: sessions still parked (a job stopped between checkpoints) are cancelled, the endpoint
         partial rollouts kept is stopped and the loop closed."""
-        pool, ep = getattr(self, "carry", None), getattr(self, "_kept_endpoint", None)
         if self.loop.is_closed():
             return
-        for t in (pool.tasks.values() if pool is not None else ()):
+        parked = list(self.carry.tasks.values()) if self.carry is not None else []
+        for t in parked:
             t.cancel()
-        if pool is not None and pool.tasks:
-            self.loop.run_until_complete(asyncio.wait(list(pool.tasks.values()), timeout=5))
-        if ep is not None:
-            self.loop.run_until_complete(ep.stop())
+        if parked:
+            self.loop.run_until_complete(asyncio.wait(parked, timeout=5))
+        if self._kept_endpoint is not None:
+            self.loop.run_until_complete(self._kept_endpoint.stop())
         self.loop.close()
 
     async def _endpoint(self, params: SamplingParams, keep: bool = False):
@@ -197,7 +203,7 @@ class AgentRollout:
             return None
         from rlhf.agents.endpoint import Endpoint, EndpointConfig
 
-        ep = getattr(self, "_kept_endpoint", None) if keep else None
+        ep = self._kept_endpoint if keep else None
         if ep is None:
             ep = Endpoint(self.llm, self.tokenizer, EndpointConfig(
                 temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,

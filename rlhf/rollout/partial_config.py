@@ -118,7 +118,6 @@ def check_partial(job) -> None:
     if p.vllm_generate_batch_size is not None and p.vllm_generate_batch_size < job.batch.rollout_batch_size:
         raise ValueError(f"--vllm_generate_batch_size {p.vllm_generate_batch_size} must be at least "
                          f"--rollout_batch_size {job.batch.rollout_batch_size}")
-    name = "--partial_rollout" if p.partial_rollout else "--async_one_step_off"
     if job.agent.agent_func_path and p.partial_rollout_drop_stale:
         raise ValueError("--partial_rollout_drop_stale with --agent_func_path: an agent's carried sessions are parked "
                          "programs, not data, and are never dropped (rlhf.agents.carry); --max_staleness bounds them")
