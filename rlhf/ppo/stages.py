@@ -126,7 +126,9 @@ def generate_filtered(roles, job, prompts: list, sampler, rewards: "RewardSource
         rollout = generate(roles, job, prompts, sampler.next_step()[0], step, mesh, timer, round_=rounds)
     groups, metrics = fill_filtered(kept, dropped, want, seen=seen, rounds=rounds, generated=generated)
     samples = [dataclasses.replace(s, prompt_index=g) for g, (_, grp) in enumerate(groups) for s in grp]
-    return make_rollout([p for p, _ in groups], samples, mesh), {**rollout.metrics, **metrics}
+    # agent/*: the trained trajectories' (from every round), as the partial-rollout step logs them
+    base = roles.agent._metrics(samples) if roles.agent is not None else rollout.metrics
+    return make_rollout([p for p, _ in groups], samples, mesh), {**base, **metrics}
 
 
 def fill_filtered(kept: list, dropped: list, want: int, *, seen: int, rounds: int, generated: int) -> tuple[list, dict]:

@@ -233,4 +233,10 @@ MUTANTS = [
            replace="        if False:",
            claim="a verifiers rollout that ended in an error fails its trajectory, never a scored success",
            tests=(VF + "test_a_rollout_verifiers_ended_in_error_fails",)),
+    Mutant("agents-filtered-step-logs-its-last-round", "rlhf/ppo/stages.py",
+           find="    base = roles.agent._metrics(samples) if roles.agent is not None else rollout.metrics",
+           replace="    base = rollout.metrics",
+           claim="under dynamic filtering a step's agent/* metrics are the trained trajectories', not its last "
+                 "round's",
+           tests=(JOBS + "test_dynamic_filtering_logs_the_trained_trajectories_agent_metrics",)),
 ]

@@ -224,3 +224,33 @@ def test_the_calculator_program_feeds_calc_agents_conversation(tmp_path):
     executor_side.chatml = True
     feedback = enc(executor_side._user("Calculator: 1035"))
     assert [f["ids"] for f in gen.fed] == [start, start + call + feedback, start + call + feedback + call + feedback]
+
+
+SORTED = '''
+async def run_agent(client, prompt, label, model, index, **kw):
+    """A "keep" prompt: two turns, scores by the index's parity (its group passes); a "drop" one: one turn, score 0."""
+    keep = prompt.split()[1] == "keep"
+    msgs = [{"role": "user", "content": prompt}]
+    for _ in range(2 if keep else 1):
+        r = await client.chat.completions.create(model=model, messages=msgs)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "go"}]
+    return {"reward": 0.5, "scores": float(index % 2) if keep else 0.0}
+'''
+
+
+def test_dynamic_filtering_logs_the_trained_trajectories_agent_metrics(ppo_setup, chatml_actor, tmp_path,
+                                                                      monkeypatch, capsys):
+    """Two rounds of dynamic filtering over 4 "keep" and 4 "drop" prompts (shuffled: the first round holds some of
+    each): the batch trained is the 4 "keep" groups, whose trajectories took 2 turns each, so agent/* says 2 turns;
+    the last round's trajectories alone (the rest of the prompts, some of them "drop") took fewer."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say: {w} kilo {i}"}) + "\n"
+                               for i, w in enumerate(["keep", "drop"] * 4)))
+    agent = tmp_path / "sorted.py"
+    agent.write_text(SORTED)
+    m, _ = _job(ppo_setup, chatml_actor, tmp_path / "o", monkeypatch, capsys, agent, "--dynamic_filtering",
+                "--stop_after_steps", "1", **{"--dynamic_filtering_max_rounds": "2", "--prompt_data": str(prompts),
+                                              "--rollout_batch_size": "4", "--n_samples_per_prompt": "2"})
+    s = m[1]
+    assert s["dynamic_filtering/rounds"] == 2.0 and s["dynamic_filtering/pass_rate"] == 0.5, s  # some of each
+    assert s["agent/turns"] == 2.0 and s["agent/endpoint/calls"] == 2.0, s
