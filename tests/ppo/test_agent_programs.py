@@ -62,15 +62,20 @@ async def run_agent(client, prompt, label, model, index, **kw):
 '''
 
 
-@pytest.fixture(scope="module")
-def chatml_actor(tmp_path_factory):
+def make_chatml_actor(work, seed: int, **overrides) -> str:
+    """A tiny Llama (DIMS) with the ChatML tokenizer of test_agent_endpoint, saved under ``work``."""
     from test_agent_endpoint import chatml_tokenizer
 
     from rlhf.models.tiny import make_tiny_hf
 
-    work = tmp_path_factory.mktemp("chatml_actor")
     chatml_tokenizer(work / "tok")
-    return make_tiny_hf(str(work / "actor"), "llama", seed=4, tokenizer_dir=str(work / "tok"), **DIMS)
+    return make_tiny_hf(str(work / "actor"), "llama", seed=seed, tokenizer_dir=str(work / "tok"),
+                        **{**DIMS, **overrides})
+
+
+@pytest.fixture(scope="module")
+def chatml_actor(tmp_path_factory):
+    return make_chatml_actor(tmp_path_factory.mktemp("chatml_actor"), 4)
 
 
 def _job(ppo_setup, actor, out, monkeypatch, capsys, agent, *extra, code=0, **kw):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from test_agent_endpoint import ScriptedGen, bytewise, serve, tok  # noqa: F401 (a fixture)
-from test_agent_programs import _job
+from test_agent_programs import _job, make_chatml_actor
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,15 +83,7 @@ async def run_agent(client, prompt, label, model, index, **kw):
 @pytest.fixture(scope="module")
 def long_actor(tmp_path_factory):
     """The ChatML tiny actor of test_agent_programs with room for the tool environment's prompt (658 tokens)."""
-    from ppo_common import DIMS
-    from test_agent_endpoint import chatml_tokenizer
-
-    from rlhf.models.tiny import make_tiny_hf
-
-    work = tmp_path_factory.mktemp("long_actor")
-    chatml_tokenizer(work / "tok")
-    return make_tiny_hf(str(work / "actor"), "llama", seed=5, tokenizer_dir=str(work / "tok"),
-                        max_position_embeddings=1024, **DIMS)
+    return make_chatml_actor(tmp_path_factory.mktemp("long_actor"), 5, max_position_embeddings=1024)
 
 
 @pytest.fixture
