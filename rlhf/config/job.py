@@ -168,7 +168,7 @@ def validate_common(job: SupervisedJob, world_size: int) -> int:
         if "sft" not in job.task:
             raise ValueError(f"--pretrain {model.pretrain} is a vision-language model ({spec.model_type}): SFT and "
                              "PPO/GRPO (launch/sft.py, launch/ppo.py) take one; reward models, DPO and KTO do not yet")
-        check_vlm_layout(spec, pp=par.pp, cp=par.cp, packing=job.engine.packing_samples,
+        check_vlm_layout(spec, tp=par.tp, pp=par.pp, cp=par.cp, packing=job.engine.packing_samples,
                          lora=bool(job.lora.lora_rank), what=f"--pretrain {model.pretrain}")
     if job.engine.packing_samples:  # what the packed attention path refuses at the first forward
         if spec.sliding_window is not None and batch.max_len > spec.sliding_window and par.cp == 1:

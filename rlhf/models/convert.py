@@ -213,13 +213,15 @@ def _write_hf_tensors(model, spec: ModelSpec, dtype: torch.dtype, writer, ckpt: 
     expert-bias correction kept in fp32 as transformers keeps it), then the checkpoint's MTP tensors as they are."""
     from rlhf.models.hf_families import fuse_experts, mapped_buffers
     from rlhf.models.mtp import mtp_tensors
+    from rlhf.models.vlm import saved_hf_name
 
     def tensors():
         for name, tensor in [*model.named_parameters(), *mapped_buffers(model)]:
             yield from hf_from_megatron(name, tensor.detach(), spec)
 
     for hf_name, t in fuse_experts(tensors(), spec):
-        writer.add(hf_name, (t if hf_name.endswith("e_score_correction_bias") else t.to(dtype)).clone())
+        writer.add(saved_hf_name(spec, hf_name),
+                   (t if hf_name.endswith("e_score_correction_bias") else t.to(dtype)).clone())
     for hf_name, t in mtp_tensors(ckpt, spec).items():
         writer.add(hf_name, t)
 

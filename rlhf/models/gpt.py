@@ -392,7 +392,7 @@ def build_model(spec: ModelSpec, *, tp: int, pp: int, pp_rank: int, value_head: 
         from rlhf.models.vlm import check_vlm_layout, vlm_model_class
 
         group = cp_group_of_job()
-        check_vlm_layout(spec, pp=pp, cp=1 if group is None else group.size())
+        check_vlm_layout(spec, tp=tp, pp=pp, cp=1 if group is None else group.size())
         if value_head:
             raise ValueError(f"a value head on {spec.model_type} (a critic or reward model) is not supported; use "
                              "a group estimator (--advantage_estimator group_norm, rloo, reinforce_baseline)")

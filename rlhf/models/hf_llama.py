@@ -275,6 +275,10 @@ def expected_hf_names(spec: ModelSpec) -> set[str]:
         from rlhf.models.hf_families import layer_hf_names
 
         return names.union(*(layer_hf_names(spec, i) for i in range(spec.num_layers)))
+    if spec.vision is not None:
+        from rlhf.models.vlm import vision_hf_names
+
+        names |= vision_hf_names(spec)
     if spec.linear_attention is not None:
         from rlhf.models.hf_hybrid import layer_hf_names as hybrid_names
 
@@ -294,10 +298,6 @@ def expected_hf_names(spec: ModelSpec) -> set[str]:
             names |= {p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"}
         if spec.qk_norm:
             names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
-    if spec.vision is not None:
-        from rlhf.models.vlm import vision_hf_names
-
-        names |= vision_hf_names(spec)
     return names
 
 

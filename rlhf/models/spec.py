@@ -15,7 +15,8 @@ from typing import Any
 from rlhf.models.reward_config import head_prefix, is_openrlhf_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_5_vl", "deepseek_v3",
-                         "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+                         "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5",
+                         "qwen3_5_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 """MoE families whose fields ``_moe_fields`` reads; deepseek_v3, glm4_moe and gpt_oss: rlhf.models.spec_families"""
 CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -23,7 +24,8 @@ CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qw
                    "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                    "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                    "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-                   "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                   "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                   "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 SEQ_CLS_ARCHS = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                  "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
                  "mixtral": "MixtralForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification"}
@@ -149,14 +151,15 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{source}: unsupported model_type={model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    from rlhf.models.vlm import is_vlm_config, split_vlm_config
+    from rlhf.models.vlm import LANGUAGE_MODEL_TYPES, is_vlm_config, split_vlm_config
 
-    if is_vlm_config(cfg):  # the language model is a qwen2 decoder with the multimodal rotary
+    if is_vlm_config(cfg):  # the language model (a qwen2 or qwen3_5_text decoder) with the multimodal rotary
         text, vision, mrope = split_vlm_config(cfg, source)
-        lm = spec_from_hf_config({**text, "model_type": "qwen2"}, source)
-        if sum(mrope) != lm.head_dim // 2:
-            raise ValueError(f"{source}: rope_parameters.mrope_section={mrope} must sum to head_dim / 2 = "
-                             f"{lm.head_dim // 2}")
+        lm = spec_from_hf_config({**text, "model_type": LANGUAGE_MODEL_TYPES[model_type]}, source)
+        half = int(lm.head_dim * lm.rotary_percent) // 2
+        if sum(mrope) != half:
+            raise ValueError(f"{source}: rope_parameters.mrope_section={mrope} must sum to the rotary dimension / 2 "
+                             f"= {half}")
         if lm.is_seq_cls:
             raise ValueError(f"{source}: a sequence-classification head on {model_type} is not supported")
         from dataclasses import replace

@@ -239,21 +239,9 @@ def make_tiny_vlm(out: str, seed: int = 0, tokenizer_dir: str | None = None, tex
     ``Qwen2VLImageProcessorPil``, ``min_pixels``/``max_pixels`` = ``pixels``). The defaults: a 2-layer language
     model of hidden 64 with 2 heads of 32 (one KV head; vLLM's CPU attention takes head_dim 32) and a 2-block vision
     tower of hidden 32, patch 14, merge 2."""
-    import json
-
     import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    if tokenizer_dir is None:
-        tok = make_tokenizer(out, vocab_size=vocab_size, seed=seed, texts=texts)
-    else:
-        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    missing = [t for t in VLM_SPECIAL_TOKENS if t not in tok.get_vocab()]
-    if missing:
-        tok.add_special_tokens({"additional_special_tokens": missing})
-    tok.chat_template = VLM_CHAT_TEMPLATE
-    tok.save_pretrained(out)
-    ids = dict(zip(VLM_SPECIAL_TOKENS, tok.convert_tokens_to_ids(list(VLM_SPECIAL_TOKENS))))
+    tok, ids = _vlm_tokenizer(out, seed, tokenizer_dir, texts, vocab_size)
     head_dim = hidden_size // num_attention_heads
     if sum(mrope_section) != head_dim // 2:
         raise ValueError(f"mrope_section {mrope_section} must sum to head_dim / 2 = {head_dim // 2}")
@@ -278,8 +266,68 @@ def make_tiny_vlm(out: str, seed: int = 0, tokenizer_dir: str | None = None, tex
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out)
-    proc = Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1])
-    proc.save_pretrained(out)
+    _save_image_processor(out, pixels, 14)
+    return out
+
+
+def _vlm_tokenizer(out: str, seed: int, tokenizer_dir: str | None, texts: list[str] | None, vocab_size: int):
+    """(the tokenizer with the vision tokens and ``VLM_CHAT_TEMPLATE``, saved into ``out``; their ids)."""
+    import transformers
+
+    if tokenizer_dir is None:
+        tok = make_tokenizer(out, vocab_size=vocab_size, seed=seed, texts=texts)
+    else:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    missing = [t for t in VLM_SPECIAL_TOKENS if t not in tok.get_vocab()]
+    if missing:
+        tok.add_special_tokens({"additional_special_tokens": missing})
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    tok.save_pretrained(out)
+    return tok, dict(zip(VLM_SPECIAL_TOKENS, tok.convert_tokens_to_ids(list(VLM_SPECIAL_TOKENS))))
+
+
+def _save_image_processor(out: str, pixels: tuple[int, int], patch: int) -> None:
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1], patch_size=patch).save_pretrained(out)
     with open(os.path.join(out, "preprocessor_config.json")) as f:
         json.load(f)  # written, and readable
+
+
+TINY_QWEN3_5_VL_PIXELS = (64 * 64, 128 * 128)
+"""(min_pixels, max_pixels) of the tiny Qwen3.5's image processor (patch 16, merge 2: 32-pixel cells)"""
+
+
+def make_tiny_qwen3_5_vl(out: str, moe: bool = False, seed: int = 0, tokenizer_dir: str | None = None,
+                         texts: list[str] | None = None, vocab_size: int = 256,
+                         pixels: tuple[int, int] = TINY_QWEN3_5_VL_PIXELS, **text_overrides: Any) -> str:
+    """A randomly initialised (seeded) Qwen3.5 vision-language HF folder (``qwen3_5``, or ``qwen3_5_moe`` with
+    ``moe``), built by transformers' ``Qwen3_5(Moe)ForConditionalGeneration``: the text model of
+    ``TINY_HYBRIDS`` (three DeltaNet layers, one gated attention) with heads of 32, half of them rotated by the
+    interleaved multimodal rotary over all three axes (``mrope_section`` [3, 3, 2]); a 2-block vision tower of hidden
+    32, patch 16, merge 2; the tokenizer, chat template and image processor of ``make_tiny_vlm``."""
+    import transformers
+
+    tok, ids = _vlm_tokenizer(out, seed, tokenizer_dir, texts, vocab_size)
+    name = "qwen3_5_moe_text" if moe else "qwen3_5_text"
+    text = {**TINY_HYBRIDS[name][1], "head_dim": 32, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
+            "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "partial_rotary_factor": 0.5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                "mrope_section": [3, 3, 2], "mrope_interleaved": True}, **text_overrides}
+    text.pop("tie_word_embeddings", None)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=text["hidden_size"],
+                  num_position_embeddings=64)
+    cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    cfg = cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = (transformers.Qwen3_5MoeForConditionalGeneration if moe
+             else transformers.Qwen3_5ForConditionalGeneration)(cfg)
+    _randomize(model)
+    model.save_pretrained(out)
+    _save_image_processor(out, pixels, 16)
     return out

@@ -1,15 +1,22 @@
-"""Vision-language models: the Qwen2.5-VL family (``model_type`` ``qwen2_5_vl``), docs/vlm.md.
+"""Vision-language models: Qwen2.5-VL (``model_type`` ``qwen2_5_vl``) and Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``),
+docs/vlm.md.
 
-The language model is megatron-core's GPTModel with its multimodal rotary embedding (``position_embedding_type
-"mrope"``, megatron's ``MultimodalRotaryEmbedding`` with the config's ``mrope_section``): a Qwen2 decoder whose
-query/key rotation takes three position ids per token (time, height, width). The vision tower and its merger are
-transformers' own ``Qwen2_5_VisionTransformerPretrainedModel`` (megatron-core 0.16.1 has no Qwen2.5-VL vision
-encoder), held beside the language model on the first pipeline stage, replicated over tensor parallelism (every TP
-rank computes the same features and gets the same gradients, as megatron's replicated norms do) and trained
-data-parallel by megatron's DDP, or frozen (``--freeze_vision_tower``).
+The language model is megatron-core's GPTModel: for Qwen2.5-VL a Qwen2 decoder with megatron's multimodal rotary
+(``position_embedding_type "mrope"``, its ``MultimodalRotaryEmbedding`` with the config's ``mrope_section``: the
+rotary dimensions split into time, height and width blocks); for Qwen3.5 the hybrid DeltaNet / gated-attention
+decoder of ``rlhf.models.hybrid`` with the *interleaved* multimodal rotary (``mrope_interleaved``: frequency i turns
+by the time position, except every third from 1 (height) and from 2 (width) within their sections), computed here
+(``interleaved_mrope``) from megatron's own ``inv_freq``. Qwen3.5's tower has no deepstack features.
 
-Layouts: the language model at any TP that fits it (``check_parallel_fit``); pipeline and context parallelism,
-sequence packing and LoRA are refused by name (``check_vlm_layout``).
+The vision tower and its merger are transformers' own (``Qwen2_5_VisionTransformerPretrainedModel``,
+``Qwen3_5VisionModel``, ``Qwen3_5MoeVisionModel``; megatron-core 0.16.1 has no such encoder), held beside the
+language model on the first pipeline stage, replicated over tensor parallelism (every TP rank computes the same
+features and gets the same gradients, as megatron's replicated norms do) and trained data-parallel by megatron's
+DDP, or frozen (``--freeze_vision_tower``).
+
+Layouts: the language model at any TP that fits it (``check_parallel_fit``) and, for qwen3_5_moe, any EP;
+pipeline and context parallelism, sequence parallelism (an MoE model at TP > 1), sequence packing and LoRA are
+refused by name (``check_vlm_layout``).
 
 A batch with images carries, beside ``input_ids`` (B, S) whose image placeholders are already expanded (one
 ``image_token_id`` per merged patch):
@@ -32,8 +39,11 @@ from typing import Any, Sequence
 
 import torch
 
-VLM_MODEL_TYPES = ("qwen2_5_vl",)
-VLM_ARCHS = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe")
+VLM_ARCHS = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+             "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+LANGUAGE_MODEL_TYPES = {"qwen2_5_vl": "qwen2", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+"""The model_type of each vision-language family's language model (its decoder's spec: ``rlhf.models.spec``)."""
 VISION_KEYS = ("pixel_values", "image_grid_thw", "mrope_position_ids", "image_mask")
 """The batch entries of a vision-language batch (``rlhf.models.vlm``)."""
 _TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -55,12 +65,13 @@ def split_vlm_config(cfg: dict[str, Any], source: str) -> tuple[dict[str, Any], 
             raise ValueError(f"{source}: missing required config field {key!r}")
     drop = ("text_config", "vision_config", "model_type", "vision_token_id", *_TOP_KEYS)
     text = {k: v for k, v in {**cfg, **nested}.items() if k not in drop}  # pre-5 configs repeat some inside
-    mrope = None
+    mrope, interleaved = None, False
     for name in ("rope_parameters", "rope_scaling"):
         block = text.get(name)
         if isinstance(block, dict) and "mrope_section" in block:
             mrope = [int(x) for x in block["mrope_section"]]
-            block = {k: v for k, v in block.items() if k != "mrope_section"}
+            interleaved = bool(block.get("mrope_interleaved", False))
+            block = {k: v for k, v in block.items() if k not in ("mrope_section", "mrope_interleaved")}
             if block.get("rope_type", block.get("type")) == "mrope":
                 block["rope_type"] = "default"
                 block.pop("type", None)
@@ -72,6 +83,14 @@ def split_vlm_config(cfg: dict[str, Any], source: str) -> tuple[dict[str, Any], 
     text["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings") or nested.get("tie_word_embeddings"))
     vision_cfg = dict(cfg["vision_config"])
     vision = {"vision_config": vision_cfg, **{k: int(cfg[k] if k in cfg else nested[k]) for k in _TOP_KEYS}}
+    if interleaved != (cfg["model_type"] != "qwen2_5_vl"):
+        raise ValueError(f"{source}: unsupported config field rope_parameters.mrope_interleaved={interleaved} for "
+                         f"model_type={cfg['model_type']!r} (transformers' rotary for it is "
+                         f"{'sectioned' if interleaved else 'interleaved'})")
+    vision["mrope_interleaved"] = interleaved
+    if vision_cfg.get("deepstack_visual_indexes"):
+        raise ValueError(f"{source}: unsupported config field vision_config.deepstack_visual_indexes (Qwen3-VL's "
+                         "deepstack features are not wired)")
     out_hidden = vision_cfg.get("out_hidden_size")
     if out_hidden is not None and int(out_hidden) != int(text.get("hidden_size", -1)):
         raise ValueError(f"{source}: vision_config.out_hidden_size={out_hidden} must equal the language model's "
@@ -79,11 +98,15 @@ def split_vlm_config(cfg: dict[str, Any], source: str) -> tuple[dict[str, Any], 
     return text, vision, mrope
 
 
-def check_vlm_layout(spec, *, pp: int = 1, cp: int = 1, packing: bool = False, lora: bool = False,
+def check_vlm_layout(spec, *, tp: int = 1, pp: int = 1, cp: int = 1, packing: bool = False, lora: bool = False,
                      what: str = "a vision-language model") -> None:
     """Refuse, before any weight is read, the layouts the vision-language path does not run."""
     if spec.vision is None:
         return
+    if spec.num_experts and tp > 1:
+        raise ValueError(f"--tp {tp} with {what} ({spec.model_type}): an MoE model at TP > 1 runs sequence "
+                         "parallelism, whose split of the embeddings the image features are not scattered into "
+                         "yet; use --tp 1 with --expert_model_parallel_size and data parallelism")
     if pp > 1:
         raise ValueError(f"--pp {pp} with {what} ({spec.model_type}): pipeline parallelism is not supported for "
                          "vision-language models (the vision tower and the 3-D positions live on the first stage "
@@ -175,14 +198,33 @@ def vision_batch(rows: Sequence[dict | None], input_ids: torch.Tensor, image_tok
 
 # ------------------------------------------------------------------------------------------------- the model
 def vision_tower(spec, dtype: torch.dtype = torch.float32):
-    """transformers' Qwen2.5-VL vision tower and merger for ``spec`` (randomly initialised; loaded after)."""
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    cfg = Qwen2_5_VLVisionConfig(**{k: v for k, v in copy.deepcopy(spec.vision["vision_config"]).items()
-                                    if k not in ("model_type", "transformers_version")})
+    """transformers' vision tower and merger of ``spec``'s family (randomly initialised; loaded after)."""
+    if spec.model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as Config
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as Tower
+    elif spec.model_type == "qwen3_5":
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig as Config
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel as Tower
+    else:
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeVisionConfig as Config
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel as Tower
+    cfg = Config(**{k: v for k, v in copy.deepcopy(spec.vision["vision_config"]).items()
+                    if k not in ("model_type", "transformers_version")})
     cfg._attn_implementation = "sdpa"
-    return Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg, dtype=dtype)
+    return Tower._from_config(cfg, dtype=dtype)
+
+
+def interleaved_mrope(inv_freq: torch.Tensor, positions: torch.Tensor, section: Sequence[int]) -> torch.Tensor:
+    """(S, B, 1, 2 * F) rotary angles of the interleaved multimodal rotary (Qwen3.5; transformers 5.19's
+    ``Qwen3_5TextRotaryEmbedding.apply_interleaved_mrope``) in megatron's layout, from ``inv_freq`` (F,) and
+    ``positions`` (3, B, S): frequency i turns by the time position, except i = 1, 4, .. < 3 * section[1] by the
+    height and i = 2, 5, .. < 3 * section[2] by the width; the F angles are repeated (rotate-half layout)."""
+    freqs = positions.to(inv_freq.dtype)[..., None] * inv_freq  # (3, B, S, F)
+    out = freqs[0].clone()
+    for axis in (1, 2):
+        idx = slice(axis, 3 * int(section[axis]), 3)
+        out[..., idx] = freqs[axis, ..., idx]
+    return torch.cat((out, out), dim=-1).transpose(0, 1).unsqueeze(2).contiguous()
 
 
 def vlm_model_class(base):
@@ -192,8 +234,9 @@ def vlm_model_class(base):
         """LlamaGPT with megatron's multimodal rotary and transformers' vision tower on the first stage."""
 
         def __init__(self, spec, config, padded_vocab, pre_process, post_process, value_head, use_te=None):
+            self.interleaved = bool(spec.vision.get("mrope_interleaved"))  # Qwen3.5: computed here, plain RoPE's
             super().__init__(spec, config, padded_vocab, pre_process, post_process, value_head, use_te=use_te,
-                             position_embedding_type="mrope")
+                             position_embedding_type="rope" if self.interleaved else "mrope")  # inv_freq
             self.image_token_id = spec.vision["image_token_id"]
             if pre_process:
                 self.visual = vision_tower(spec, config.params_dtype)
@@ -239,6 +282,8 @@ def vlm_model_class(base):
                 decoder_input = emb
             pre = self._preprocess(input_ids=input_ids, position_ids=pos, decoder_input=decoder_input)
             decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = pre[:5]
+            if self.interleaved:
+                rotary_pos_emb = interleaved_mrope(self.rotary_pos_emb.inv_freq, pos, self.config.mrope_section)
             hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                                   rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                                   rotary_pos_sin=rotary_pos_sin, sequence_len_offset=sequence_len_offset)
@@ -250,6 +295,16 @@ def vlm_model_class(base):
 # --------------------------------------------------------------------------------------------- HF names
 def is_vision_param(name: str) -> bool:
     return name.startswith("visual.")
+
+
+def saved_hf_name(spec, name: str) -> str:
+    """The name an HF tensor is saved under: Qwen3.5's folders name the language model ``model.language_model.*``
+    and the tower ``model.visual.*`` (transformers 5.19 maps no other layout for them); everything else as read."""
+    if spec.vision is None or spec.model_type == "qwen2_5_vl":
+        return name
+    if name.startswith("model."):
+        return "model.language_model." + name[len("model."):]
+    return "model." + name if name.startswith("visual.") else name
 
 
 def vision_hf_names(spec) -> set[str]:

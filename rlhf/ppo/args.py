@@ -213,8 +213,8 @@ def check_vision_job(job: PPOJobConfig, sources: dict) -> None:
 
     what = f"--pretrain {job.models.pretrain}"
     par = job.parallel
-    check_vlm_layout(spec, pp=par.pp, cp=par.cp, packing=job.engine.packing_samples, lora=bool(job.lora.lora_rank),
-                     what=what)
+    check_vlm_layout(spec, tp=par.tp, pp=par.pp, cp=par.cp, packing=job.engine.packing_samples,
+                     lora=bool(job.lora.lora_rank), what=what)
     refused = [(get_estimator(job.algo.advantage_estimator).needs_critic,
                 f"--advantage_estimator {job.algo.advantage_estimator} trains a critic, and a vision-language model "
                 "has no value head here: use group_norm (GRPO), rloo, reinforce_baseline or dr_grpo"),

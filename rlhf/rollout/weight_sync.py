@@ -146,7 +146,8 @@ class WeightSync:
             off = 0
             for p, n in zip(params, numels):
                 shards = [of_rank[r, off:off + n].view(p.shape) for r in range(tp)]
-                out.append((p.name, full_from_tp_shards(p.name, shards, p.partition_dim), e * self.experts_per_rank))
+                full = full_from_tp_shards(p.name, shards, p.partition_dim, self.spec)  # (DeltaNet: its sections)
+                out.append((p.name, full, e * self.experts_per_rank))
                 off += n
         return out
 

@@ -67,11 +67,12 @@ def _write_hf_in_process(engine, mesh, spec, cfg: dict, tokenizer_src: str, out:
     from rlhf.rollout.weight_sync import WeightSync
 
     from rlhf.models.mtp import mtp_tensors
+    from rlhf.models.vlm import saved_hf_name
 
     writer = HFShardedWriter(out) if mesh.is_rank0 else None
     for name, tensor in WeightSync(engine, mesh, spec=spec).iter_hf_tensors():
         if writer is not None:
-            writer.add(name, tensor.to(torch.float32).clone())
+            writer.add(saved_hf_name(spec, name), tensor.to(torch.float32).clone())
     if writer is None:
         return
     for name, tensor in mtp_tensors(tokenizer_src, spec).items():  # DeepSeek's MTP layers (the source folder's)

@@ -1,19 +1,21 @@
-"""Qwen2.5-VL checks on 2 ranks, run by test_vlm.py:
+"""Vision-language checks on 2 ranks, run by test_vlm.py (Qwen2.5-VL) and test_vlm_qwen3_5.py (Qwen3.5):
 
-    torchrun --nproc_per_node 2 tests/models/_vlm_worker.py WORKDIR
+    torchrun --nproc_per_node 2 tests/models/_vlm_worker.py WORKDIR [HF_SUBDIR]
 
-WORKDIR/hf holds a tiny random Qwen2.5-VL (rlhf.models.tiny.make_tiny_vlm), WORKDIR/images two PNGs. One batch of
-three rows (an image then text; text, a second image of another size, text; text only) is built by the data layer
-(rlhf.data.vision: the processor, the expanded placeholders; rlhf.models.vlm.vision_batch: the 3-D positions).
+WORKDIR/HF_SUBDIR (default hf) holds a tiny random model (rlhf.models.tiny.make_tiny_vlm, make_tiny_qwen3_5_vl),
+WORKDIR/images two PNGs. One batch of three rows (an image then text; text, a second image of another size, text;
+text only) is built by the data layer (rlhf.data.vision: the processor, the expanded placeholders;
+rlhf.models.vlm.vision_batch: the 3-D positions).
 
-* logits at TP1 (DP2) and TP2 against transformers' Qwen2_5_VLForConditionalGeneration, row by row; the controls
-  at TP1: the pixels zeroed (the images' features matter) and plain positions (the 3-D rotary matters);
-* one training step's loss and every gradient (vision tower included) at DP2 and TP2 against one unsharded model
+* logits at TP1 (DP2) and TP2 (an MoE model: EP2 instead) against transformers' own ...ForConditionalGeneration,
+  row by row; the controls at TP1: the pixels zeroed (the images' features matter), plain positions (the 3-D rotary
+  matters) and, for the interleaved rotary (Qwen3.5), the sectioned one in its place;
+* one training step's loss and every gradient (vision tower included) at both layouts against one unsharded model
   without DDP;
-* the HF round trip: the TP2 model's full tensors (the weight sync's gather) written as an HF folder, read back by
-  transformers: every tensor equal to the source's, bit for bit.
+* the HF round trip: the second layout's model exported by the trainer's HF writer (the weight sync's gather), read
+  back by transformers: the same tensor names as the source's, every tensor equal, bit for bit.
 
-Rank 0 writes WORKDIR/result.json.
+Rank 0 writes WORKDIR/result-HF_SUBDIR.json.
 """
 import json
 import os
@@ -23,23 +25,25 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _mp_equivalence import full_grads  # noqa: E402
 
 from rlhf.distributed import initialize_mesh  # noqa: E402
 from rlhf.models.convert import fill_from_hf  # noqa: E402
 from rlhf.models.gpt import build_model  # noqa: E402
-from rlhf.models.hf_llama import full_from_tp_shards, hf_from_megatron, tp_partition_dim  # noqa: E402
+from rlhf.models.hf_llama import hf_from_megatron  # noqa: E402
 from rlhf.models.pipeline import gather_vocab_parallel, run_microbatches  # noqa: E402
 from rlhf.models.spec import load_hf_config, padded_vocab_size, spec_from_hf_config  # noqa: E402
 
 
-def batch_rows(work, spec):
+def batch_rows(work, hf, spec):
     """(input_ids (B, S), the rows' image dicts, the rows' ids) of the three rows, through the data layer."""
     from PIL import Image
     from transformers import AutoTokenizer
 
     from rlhf.data.vision import VisionPart, expand_placeholders, process, vision_data
 
-    hf = os.path.join(work, "hf")
     tok = AutoTokenizer.from_pretrained(hf)
     vd = vision_data(spec, hf, VisionPart())
     imgs = [Image.open(os.path.join(work, "images", n)).convert("RGB") for n in ("a.png", "b.png")]
@@ -59,11 +63,16 @@ def batch_rows(work, spec):
     return input_ids, mms, rows
 
 
-def hf_reference(work, rows, mms, image_token_id):
+def hf_class(spec):
     import transformers
 
-    m = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(work, "hf"),
-                                                                        dtype=torch.float32).eval()
+    from rlhf.models.vlm import VLM_ARCHS
+
+    return getattr(transformers, VLM_ARCHS[spec.model_type])
+
+
+def hf_reference(hf, spec, rows, mms, image_token_id):
+    m = hf_class(spec).from_pretrained(hf, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for ids, mm in zip(rows, mms):
@@ -95,44 +104,84 @@ def lm_loss(batch, logits):
     return (loss * mask).sum() / mask.sum(), {}
 
 
-def grads_of(model, mesh, spec, named=None):
-    out = {}
-    for name, p in (named or model.named_parameters()):
-        g = p.main_grad if hasattr(p, "main_grad") else p.grad
-        g = torch.zeros_like(p) if g is None else g.detach().clone()  # an unused parameter: no gradient
-        shards = [torch.empty_like(g) for _ in range(mesh.tp)]
-        dist.all_gather(shards, g.contiguous(), group=mesh.tp_group)
-        for hf_name, t in hf_from_megatron(name, full_from_tp_shards(name, shards, tp_partition_dim(p)), spec):
-            out[hf_name] = t.clone()
-    return out
+def sectioned_mrope(inv_freq, positions, section):
+    """The control of the interleaved rotary: Qwen2.5-VL's sectioned split (time, height, width blocks) instead."""
+    freqs = positions.to(inv_freq.dtype)[..., None] * inv_freq  # (3, B, S, F)
+    out = torch.cat([freqs[i % 3, ..., a:a + n] for i, (a, n) in enumerate(
+        zip([0, section[0], section[0] + section[1]], section))], dim=-1)
+    return torch.cat((out, out), dim=-1).transpose(0, 1).unsqueeze(2).contiguous()
+
+
+def controls(model, mesh, spec, batch, refs, rows, results):
+    import rlhf.models.vlm as vlm
+
+    no_pixels = {**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}
+    results["control/pixels_zeroed"] = max_row_diff(full_logits(model, mesh, spec, no_pixels), refs, rows)
+    plain = {k: v for k, v in batch.items() if k != "mrope_position_ids"}
+    results["control/plain_positions"] = max_row_diff(full_logits(model, mesh, spec, plain), refs, rows)
+    if spec.vision["mrope_interleaved"]:
+        real, vlm.interleaved_mrope = vlm.interleaved_mrope, sectioned_mrope
+        try:
+            results["control/sectioned_rotary"] = max_row_diff(full_logits(model, mesh, spec, batch), refs, rows)
+        finally:
+            vlm.interleaved_mrope = real
+
+
+def round_trip(ddp, mesh, spec, hf, results):
+    """The trainer's HF writer on this layout's shards, read back by transformers against the source."""
+    from rlhf.runtime.export import _write_hf_in_process
+
+    class _Engine:  # what WeightSync reads of an engine
+        pass
+
+    eng = _Engine()
+    eng.model, eng.spec = ddp.module, spec
+    out = os.path.join(os.path.dirname(hf), "exported-" + os.path.basename(hf))
+    _write_hf_in_process(eng, mesh, spec, load_hf_config(hf), hf, out)
+    if mesh.is_rank0:
+        from safetensors import safe_open
+
+        src = hf_class(spec).from_pretrained(hf, dtype=torch.float32).state_dict()
+        back = hf_class(spec).from_pretrained(out, dtype=torch.float32).state_dict()
+        saved = set().union(*(safe_open(os.path.join(d, f), "pt").keys() for d in (out,)
+                              for f in os.listdir(d) if f.endswith(".safetensors")))
+        source = set().union(*(safe_open(os.path.join(hf, f), "pt").keys() for f in os.listdir(hf)
+                               if f.endswith(".safetensors")))
+        results["round_trip/names_match"] = saved == source and sorted(back) == sorted(src)
+        results["round_trip/max_abs_diff"] = max((back[k] - src[k]).abs().max().item() for k in src)
+        results["round_trip/vision_tensors"] = sum(".visual." in "." + k for k in saved)
+
+
+def layouts(spec):
+    """(name, tp, ep): TP 1 and TP 2; an MoE model (no sequence parallelism with images): TP 1 and EP 2."""
+    return [("tp1", 1, 1), ("ep2", 1, 2) if spec.num_experts else ("tp2", 2, 1)]
 
 
 def main():
     work = sys.argv[1]
+    name = sys.argv[2] if len(sys.argv) > 2 else "hf"
     torch.set_num_threads(1)
-    hf = os.path.join(work, "hf")
+    hf = os.path.join(work, name)
     spec = spec_from_hf_config(load_hf_config(hf))
     padded = padded_vocab_size(spec.vocab_size)
     from rlhf.data.collate import vision_entries
 
-    input_ids, mms, rows = batch_rows(work, spec)
+    input_ids, mms, rows = batch_rows(work, hf, spec)
     attention = torch.zeros_like(input_ids)
     for b, r in enumerate(rows):
         attention[b, :len(r)] = 1
     batch = {"input_ids": input_ids, "attention_mask": attention, **vision_entries(mms, input_ids)}
-    refs = hf_reference(work, rows, mms, spec.vision["image_token_id"])
+    refs = hf_reference(hf, spec, rows, mms, spec.vision["image_token_id"])
     results = {"image_tokens": int(batch["image_mask"].sum()), "rows": [len(r) for r in rows]}
-    for tp in (1, 2):
-        mesh = initialize_mesh(tp, 1)
-        model = build_model(spec, tp=tp, pp=1, pp_rank=0, padded_vocab=padded)
-        fill_from_hf(model, hf, spec, padded, tp=tp, pp=1, tp_rank=mesh.tp_rank, pp_rank=0)
+    for layout, tp, ep in layouts(spec):
+        mesh = initialize_mesh(tp, 1, ep=ep)
+        model = build_model(spec, tp=tp, pp=1, pp_rank=0, padded_vocab=padded, ep=ep)
+        fill_from_hf(model, hf, spec, padded, tp=tp, pp=1, tp_rank=mesh.tp_rank, pp_rank=0, ep=ep,
+                     ep_rank=mesh.ep_rank)
         model.eval()
-        results[f"logits/tp{tp}"] = max_row_diff(full_logits(model, mesh, spec, batch), refs, rows)
-        if tp == 1:  # the controls
-            no_pixels = {**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}
-            results["control/pixels_zeroed"] = max_row_diff(full_logits(model, mesh, spec, no_pixels), refs, rows)
-            plain = {k: v for k, v in batch.items() if k != "mrope_position_ids"}
-            results["control/plain_positions"] = max_row_diff(full_logits(model, mesh, spec, plain), refs, rows)
+        results[f"logits/{layout}"] = max_row_diff(full_logits(model, mesh, spec, batch), refs, rows)
+        if layout == "tp1":
+            controls(model, mesh, spec, batch, refs, rows, results)
         # one step's gradients over the 3 rows (every rank the same batch: DP replicas must agree too)
         from rlhf.models.ddp import wrap_ddp
 
@@ -140,44 +189,31 @@ def main():
         ddp = wrap_ddp(model)
         ddp.zero_grad_buffer()
         run_microbatches(ddp, [batch], loss_fn=lm_loss)
-        grads = grads_of(ddp.module, mesh, spec)
-        if tp == 1:
+        grads = full_grads(ddp, mesh, spec)
+        if layout == "tp1":
             ref = build_model(spec, tp=1, pp=1, pp_rank=0, padded_vocab=padded)
             fill_from_hf(ref, hf, spec, padded, tp=1, pp=1, tp_rank=0, pp_rank=0)
             loss, _ = lm_loss(batch, ref(input_ids, None, None, **{k: batch[k] for k in (
                 "pixel_values", "image_grid_thw", "mrope_position_ids", "image_mask")}))
             loss.backward()
             ref_grads = {}
-            for name, p in ref.named_parameters():
+            for pname, p in ref.named_parameters():
                 g = torch.zeros_like(p) if p.grad is None else p.grad.detach()
-                for hf_name, t in hf_from_megatron(name, g, spec):
+                for hf_name, t in hf_from_megatron(pname, g, spec):
                     ref_grads[hf_name] = t.clone()
             results["grads/vision_tensors"] = sum(k.startswith("visual.") for k in ref_grads)
             results["grads/vision_grad_norm"] = sum(v.norm().item() ** 2 for k, v in ref_grads.items()
                                                     if k.startswith("visual.")) ** 0.5
+            del ref
         rel = {k: (grads[k] - ref_grads[k]).abs().max().item() / (ref_grads[k].abs().max().item() + 1e-12)
                for k in ref_grads}
-        results[f"grads/tp{tp}/max_rel_diff"] = max(rel.values())
-        results[f"grads/tp{tp}/names_match"] = sorted(grads) == sorted(ref_grads)
-        if tp == 2:  # the HF round trip from the TP2 shards
-            from rlhf.rollout.weight_sync import WeightSync
-
-            class _Engine:  # what WeightSync reads of an engine
-                pass
-
-            eng = _Engine()
-            eng.model, eng.spec = ddp.module, spec
-            full = dict(WeightSync(eng, mesh).iter_hf_tensors())
-            if mesh.is_rank0:
-                from safetensors.torch import load_file
-
-                src = load_file(os.path.join(hf, "model.safetensors"))
-                results["round_trip/names_match"] = sorted(full) == sorted(src)
-                results["round_trip/max_abs_diff"] = max((full[k] - src[k]).abs().max().item() for k in src)
-                results["round_trip/vision_tensors"] = sum(k.startswith("visual.") for k in full)
+        results[f"grads/{layout}/max_rel_diff"] = max(rel.values())
+        results[f"grads/{layout}/names_match"] = sorted(grads) == sorted(ref_grads)
+        if layout != "tp1":
+            round_trip(ddp, mesh, spec, hf, results)
         del ddp, model
     if dist.get_rank() == 0:
-        with open(os.path.join(work, "result.json"), "w") as f:
+        with open(os.path.join(work, f"result-{name}.json"), "w") as f:
             json.dump(results, f, indent=2)
 
 

@@ -77,7 +77,7 @@ def test_megatron_vlm_equals_transformers_at_tp1_tp2_grads_and_round_trip(vlm):
     (relative 1e-5); the HF folder written from the TP2 shards is the source, bit for bit."""
     proc = run_torchrun(os.path.join(REPO, "tests", "models", "_vlm_worker.py"), 2, [str(vlm)], timeout=300)
     assert proc.returncode == 0, tail(proc)
-    r = json.load(open(vlm / "result.json"))
+    r = json.load(open(vlm / "result-hf.json"))
     assert r["image_tokens"] == 16 + 15, r  # 112x112 -> 8x8 patches; 84x140 -> 6x10 -> 15 merged
     for tp in (1, 2):
         assert r[f"logits/tp{tp}"] <= 1e-5, r

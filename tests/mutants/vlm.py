@@ -1,10 +1,13 @@
 """Planted bugs of the vision-language path's data parallelism (docs/vlm.md): the tower stepped on one rank's
 gradients, its gradient scaled by the layout, its gradient lost, and every rank given the same batch (which would
 hide the first). The test is the GRPO job at DP 2 with different images per rank against a one-rank job on both
-ranks' samples (tests/ppo/test_vlm_dp.py)."""
+ranks' samples (tests/ppo/test_vlm_dp.py). Qwen3.5's form: the interleaved rotary taken as sectioned, its export
+under the language model's plain names, the DeltaNet's TP sections not undone by the weight gather (the 2-rank
+equivalence and export job, tests/models/test_vlm_qwen3_5.py)."""
 from tests.mutants import Mutant
 
 DP = "tests/ppo/test_vlm_dp.py::test_vision_tower_at_dp2_with_different_images_equals_one_rank"
+Q35 = "tests/models/test_vlm_qwen3_5.py::test_qwen3_5_vl_equals_transformers_grads_and_export[qwen3_5]"
 
 MUTANTS = [
     Mutant("vlm-tower-outside-ddp", "rlhf/runtime/role.py",
@@ -32,4 +35,25 @@ MUTANTS = [
            find='''local=samples[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]''', replace='''local=samples[:per]''',
            claim="each data-parallel rank trains on its own share of the rollout (different prompts and images)",
            tests=(DP,)),
+    Mutant("vlm-qwen3_5-rotary-sectioned", "rlhf/models/vlm.py",
+           find='''    for axis in (1, 2):
+        idx = slice(axis, 3 * int(section[axis]), 3)
+        out[..., idx] = freqs[axis, ..., idx]''',
+           replace='''    start = int(section[0])
+    for axis in (1, 2):  # Qwen2.5-VL's blocks
+        idx = slice(start, start + int(section[axis]))
+        out[..., idx] = freqs[axis, ..., idx]
+        start += int(section[axis])''',
+           claim="Qwen3.5's multimodal rotary interleaves time, height and width over the frequencies",
+           tests=(Q35,)),
+    Mutant("vlm-qwen3_5-export-plain-names", "rlhf/models/vlm.py",
+           find='''    if spec.vision is None or spec.model_type == "qwen2_5_vl":
+        return name''', replace='''    return name''',
+           claim="a Qwen3.5 export names the language model model.language_model.* and the tower model.visual.*",
+           tests=(Q35,)),
+    Mutant("vlm-weight-gather-deltanet-sections-dropped", "rlhf/rollout/weight_sync.py",
+           find='''full_from_tp_shards(p.name, shards, p.partition_dim, self.spec)''',
+           replace='''full_from_tp_shards(p.name, shards, p.partition_dim)''',
+           claim="the weight gather (HF export, weight sync) rebuilds a DeltaNet's in_proj / conv1d from TP shards",
+           tests=(Q35,)),
 ]
