@@ -19,12 +19,15 @@ split one group's rows evenly); ``linear_fc1`` is ``[gate ; up]`` per TP shard. 
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Callable, Iterator
 
 import torch
 
 from rlhf.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 # get(hf_name, rows) -> tensor; rows is a (start, stop) slice of dim 0 or None for the whole tensor.
 HFGetter = Callable[..., torch.Tensor]
@@ -301,6 +304,9 @@ def expected_hf_names(spec: ModelSpec) -> set[str]:
     return names
 
 
+_MTP_LOGGED: set[str] = set()
+
+
 def check_hf_names(found: set[str], spec: ModelSpec, source: str) -> None:
     """Raise on any HF tensor we would not consume, or any we need and do not find."""
     expected = expected_hf_names(spec)
@@ -311,6 +317,12 @@ def check_hf_names(found: set[str], spec: ModelSpec, source: str) -> None:
         from rlhf.models.hf_families import is_mtp_name
 
         optional |= {n for n in found if is_mtp_name(n, spec)}
+    mtp = {n for n in found if n.startswith("mtp.")} if spec.linear_attention is not None else set()
+    if mtp:  # Qwen3-Next's / Qwen3.5's MTP layer: not read, as transformers ignores it (^mtp.*)
+        optional |= mtp
+        if source not in _MTP_LOGGED:
+            _MTP_LOGGED.add(source)
+            log.info("%s: its %d mtp.* tensors (the multi-token-prediction layer) are not read", source, len(mtp))
     unknown = sorted(found - expected - optional)
     if unknown:
         raise ValueError(f"{source}: unknown checkpoint key(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")

@@ -86,3 +86,19 @@ def test_qwen3_5_vl_config_fields_and_layouts_refused_by_name(work):
     bad["vision_config"]["deepstack_visual_indexes"] = [0]
     with pytest.raises(ValueError, match="deepstack_visual_indexes"):
         spec_from_hf_config(bad)
+
+
+def test_released_mtp_tensors_are_not_read_and_other_extras_refused(work):
+    """Qwen3.5's (and Qwen3-Next's) released folders carry the MTP layer as ``mtp.*``, which transformers ignores
+    on load: not read here either (logged), while any other unknown tensor is still refused by name."""
+    from rlhf.models.hf_llama import check_hf_names, expected_hf_names
+    from rlhf.models.spec import load_hf_config, spec_from_hf_config
+
+    spec = spec_from_hf_config(load_hf_config(str(work / "qwen3_5")))
+    names = expected_hf_names(spec)
+    assert "lm_head.weight" in names and any(n.startswith("visual.") for n in names)
+    check_hf_names(names | {"mtp.fc.weight", "mtp.layers.0.mlp.gate_proj.weight"}, spec, "folder")
+    with pytest.raises(ValueError, match="unknown checkpoint key.*model.extra.weight"):
+        check_hf_names(names | {"model.extra.weight"}, spec, "folder")
+    with pytest.raises(ValueError, match="missing checkpoint key"):
+        check_hf_names(names - {"visual.merger.linear_fc1.weight"}, spec, "folder")

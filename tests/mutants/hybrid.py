@@ -169,4 +169,9 @@ MUTANTS = [
         return (f"{spec.model_type}: vLLM''',
            claim="vLLM is refused as a hybrid's generator",
            tests=(f"{SPEC}test_lora_and_vllm_are_refused_by_name",)),
+    Mutant("hybrid-mtp-tensors-refused", "rlhf/models/hf_llama.py",
+           find='''    mtp = {n for n in found if n.startswith("mtp.")} if spec.linear_attention is not None else set()''',
+           replace='''    mtp = set()''',
+           claim="a released Qwen3.5 / Qwen3-Next folder's mtp.* tensors are not read (as transformers ignores them)",
+           tests=("tests/models/test_vlm_qwen3_5.py::test_released_mtp_tensors_are_not_read_and_other_extras_refused",)),
 ]
