@@ -196,8 +196,9 @@ def validate(args: argparse.Namespace, world_size: int) -> PPOSetup:
 def check_vision_job(job: PPOJobConfig, sources: dict) -> None:
     """A vision-language actor (``rlhf.models.vlm``): what its path runs, before any model. Refused by name: the
     layouts ``check_vlm_layout`` refuses, a critic or reward model on it (no value head on a VLM yet: group
-    estimators and rule rewards), the megatron fallback generator (it feeds no images), partial rollouts and the
-    one-step-off mode (a continued request would need its images re-attached), agents, a distillation teacher."""
+    estimators and rule rewards), partial rollouts and the one-step-off mode (a continued request would need its
+    images re-attached), agents, a distillation teacher. Either generator takes the images: vLLM, or the megatron
+    one (``rlhf.rollout.megatron_generator``: the tower in every forward), the one Qwen3.5's form runs with."""
     spec = sources["--pretrain"]["spec"]
     for flag, src in (("--reward_pretrain", sources.get("--reward_pretrain")),
                       ("--critic_pretrain", sources.get("--critic_pretrain")),
@@ -218,8 +219,6 @@ def check_vision_job(job: PPOJobConfig, sources: dict) -> None:
     refused = [(get_estimator(job.algo.advantage_estimator).needs_critic,
                 f"--advantage_estimator {job.algo.advantage_estimator} trains a critic, and a vision-language model "
                 "has no value head here: use group_norm (GRPO), rloo, reinforce_baseline or dr_grpo"),
-               (job.rollout.rollout_backend == "megatron",
-                "--rollout_backend megatron: the fallback generator feeds no images; generate with vLLM"),
                (job.partial.partial_rollout or job.partial.async_one_step_off,
                 "--partial_rollout / --async_one_step_off: a carried sample's continued request does not re-attach "
                 "its images yet"),

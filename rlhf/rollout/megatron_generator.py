@@ -58,15 +58,19 @@ class MegatronRollout:
 
     @torch.no_grad()
     def _next_token(self, ids: torch.Tensor, temperature: float, top_p: float, gen, recorder=None,
-                    last: torch.Tensor | None = None):
+                    last: torch.Tensor | None = None, mm: dict | None = None):
         """ids (n, L) -> (token (n,), logprob (n,)) identical on every rank of this DP replica; ``recorder`` (a
         ``RoutingRecorder``) gets the routing of this forward. ``gen``: one ``torch.Generator`` for every row, or a
         list of one per row; ``last``: each row's last real position (rows right-padded: the causal mask keeps the
-        padding out of every real position), default the last column."""
+        padding out of every real position), default the last column. ``mm``: the images of a vision-language
+        prompt (``ImagePrompt.mm``), the same for every row: the tower runs in each forward and the 3-D positions
+        are those of the whole sequence so far (``rlhf.models.vlm.vision_batch``), as the trainer's."""
+        from rlhf.data.collate import vision_entries
         from rlhf.models.pipeline import gather_vocab_parallel
 
         mesh = self.mesh
         mb = {"input_ids": ids} if recorder is None else {"input_ids": ids, "routing_recorder": recorder}
+        mb.update(vision_entries([mm] * ids.shape[0], ids) if mm is not None else {})
         outs = self.actor.forward([mb])
         result = torch.empty(2, ids.shape[0], dtype=torch.float64)
         if mesh.is_last_stage:
@@ -104,8 +108,10 @@ class MegatronRollout:
         local: list[Sample] = []
         for i, prompt in enumerate(prompts[lo: lo + per]):
             gen = torch.Generator().manual_seed(seed * 1_000_003 + lo + i)
-            for row, lps, ended, routed in self._sample(prompt, n, temperature, top_p, max_tokens, gen, ignore_eos):
-                local.append(Sample(lo + i, list(prompt), row, lps, ended, routed_experts=routed))
+            mm = getattr(prompt, "mm", None)  # an ``ImagePrompt``'s images
+            for row, lps, ended, routed in self._sample(prompt, n, temperature, top_p, max_tokens, gen, ignore_eos,
+                                                        mm):
+                local.append(Sample(lo + i, list(prompt), row, lps, ended, mm=mm, routed_experts=routed))
         keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
         return gather_samples(local if keep else [], mesh)
 
@@ -124,7 +130,8 @@ class MegatronRollout:
         return [(s.response_ids, s.logprobs, s.finished) + ((s.routed_experts,) if with_routing else ())
                 for s in gather_samples(local if keep else [], mesh)]
 
-    def _sample(self, prompt, n: int, temperature: float, top_p: float, max_tokens: int, gen, ignore_eos: bool):
+    def _sample(self, prompt, n: int, temperature: float, top_p: float, max_tokens: int, gen, ignore_eos: bool,
+                mm: dict | None = None):
         """``n`` replies to one prompt: ``(token ids, log-probs, ended by EOS, routing)`` each, cut after EOS; routing
         (an MoE actor's; else None): the experts of the prompt and response tokens fed forward, (P + R - 1, layers,
         top_k) expert ids, each token's from the forward that first fed it."""
@@ -135,7 +142,7 @@ class MegatronRollout:
         recorder, routed = self._recorder(), []
         for _ in range(max_tokens):
             fed = ids.shape[1] - sum(r.shape[1] for r in routed)
-            tok, lp = self._next_token(ids, temperature, top_p, gen, recorder)
+            tok, lp = self._next_token(ids, temperature, top_p, gen, recorder, mm=mm)
             if recorder is not None:  # the positions this forward fed for the first time
                 from rlhf.models.routing_replay import merge_stages
 

@@ -1,9 +1,12 @@
 """Planted bugs of the vLLM generator's weight reload: its "Failed to load weights" warnings dropped where a layer
 did own a weight, or not checked after a sync; and of the start-up warnings that mean nothing here
-(rlhf/compat/quiet.py): shown after all, or dropped beyond the expected ones."""
+(rlhf/compat/quiet.py): shown after all, or dropped beyond the expected ones. The megatron generator with images
+(Qwen3.5's vision form, tests/ppo/test_vlm_jobs.py): the images not fed, the sequence's 3-D positions not fed, the
+images not handed on with the sample to the trainer."""
 from tests.mutants import Mutant
 
 _T = "tests/ppo/test_engine_weights.py::"
+_VLM = "tests/ppo/test_vlm_jobs.py::test_grpo_with_images_from_the_megatron_generator[qwen3_5]"
 MUTANTS = [
     Mutant("generator-untied-head-silenced", "rlhf/compat/vllm.py",
            find="elif all(owners[id(p)] != name for p in own):", replace="elif True:",
@@ -33,4 +36,19 @@ MUTANTS = [
            replace="        pass\n",
            claim="megatron-core's Transformer Engine / Apex fallback warnings are not shown once rlhf is imported",
            tests=("tests/test_compat.py::test_megatrons_fallback_warnings_are_not_shown",)),
+    Mutant("generator-megatron-images-not-fed", "rlhf/rollout/megatron_generator.py",
+           find="mb.update(vision_entries([mm] * ids.shape[0], ids) if mm is not None else {})", replace="",
+           claim="the megatron generator feeds a prompt's images through the tower in its forwards",
+           tests=(_VLM,)),
+    Mutant("generator-megatron-plain-positions", "rlhf/rollout/megatron_generator.py",
+           find="mb.update(vision_entries([mm] * ids.shape[0], ids) if mm is not None else {})",
+           replace="mb.update({k: v for k, v in (vision_entries([mm] * ids.shape[0], ids) if mm is not None else {})"
+                   ".items() if k != 'mrope_position_ids'})",
+           claim="the megatron generator's forwards take the sequence's 3-D (multimodal rotary) positions",
+           tests=(_VLM,)),
+    Mutant("generator-megatron-sample-without-images", "rlhf/rollout/megatron_generator.py",
+           find="local.append(Sample(lo + i, list(prompt), row, lps, ended, mm=mm, routed_experts=routed))",
+           replace="local.append(Sample(lo + i, list(prompt), row, lps, ended, routed_experts=routed))",
+           claim="a sample the megatron generator drew from an image prompt carries its images to the trainer",
+           tests=(_VLM,)),
 ]
