@@ -16,7 +16,7 @@ from rlhf.models.reward_config import head_prefix, is_openrlhf_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_5_vl", "deepseek_v3",
                          "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5",
-                         "qwen3_5_moe")
+                         "qwen3_5_moe", "qwen3_vl")
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 """MoE families whose fields ``_moe_fields`` reads; deepseek_v3, glm4_moe and gpt_oss: rlhf.models.spec_families"""
 CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -25,7 +25,8 @@ CAUSAL_LM_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qw
                    "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                    "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
                    "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                   "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+                   "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                   "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 SEQ_CLS_ARCHS = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                  "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
                  "mixtral": "MixtralForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification"}

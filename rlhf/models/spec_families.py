@@ -248,7 +248,15 @@ def vllm_refusal(spec, tp: int, dtype: str, on_cuda: bool) -> str | None:
       vllm/model_executor/layers/fused_moe/activation.py), and it splits the KV heads over its TP ranks without
       replicating them.
     * deepseek_v3 on CPU: its MLA backend takes bf16 weights only ("expect weight to be bfloat16, float16, int8,
-      fp8_e4m3 or uint8")."""
+      fp8_e4m3 or uint8").
+    * qwen3_vl without torchvision: vLLM's processor for it builds transformers' ``Qwen2VLVideoProcessor``, which
+      imports torchvision (the CPU torch here has none: "requires the Torchvision library")."""
+    if spec.model_type == "qwen3_vl":
+        import importlib.util
+
+        if importlib.util.find_spec("torchvision") is None:
+            return ("qwen3_vl: vLLM's Qwen3-VL processor needs torchvision (its video processor), which is not "
+                    "installed: use --rollout_backend megatron")
     if spec.linear_attention is not None:
         return (f"{spec.model_type}: vLLM is not wired as its generator here (the Gated DeltaNet's weights are not "
                 "mapped for its weight sync): use --rollout_backend megatron")

@@ -331,3 +331,32 @@ def make_tiny_qwen3_5_vl(out: str, moe: bool = False, seed: int = 0, tokenizer_d
     model.save_pretrained(out)
     _save_image_processor(out, pixels, 16)
     return out
+
+
+def make_tiny_qwen3_vl(out: str, seed: int = 0, tokenizer_dir: str | None = None, texts: list[str] | None = None,
+                       vocab_size: int = 256, pixels: tuple[int, int] = TINY_QWEN3_5_VL_PIXELS) -> str:
+    """A randomly initialised (seeded) Qwen3-VL HF folder built by transformers' ``Qwen3VLForConditionalGeneration``:
+    a 3-layer Qwen3 decoder of hidden 64 (2 heads of 32, one KV head, q/k norms) with the interleaved multimodal
+    rotary (``mrope_section`` [6, 5, 5]); a 3-block vision tower of hidden 32, patch 16, merge 2, whose blocks 0 and 1
+    feed deepstack features into decoder layers 0 and 1; the tokenizer, chat template and image processor of
+    ``make_tiny_vlm``."""
+    import transformers
+
+    tok, ids = _vlm_tokenizer(out, seed, tokenizer_dir, texts, vocab_size)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
+                                 "mrope_interleaved": True},
+                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0, 1])
+    cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                                     video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                                     vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLForConditionalGeneration(cfg)
+    _randomize(model)
+    model.save_pretrained(out)
+    _save_image_processor(out, pixels, 16)
+    return out

@@ -1,18 +1,19 @@
-"""Vision-language models: Qwen2.5-VL (``model_type`` ``qwen2_5_vl``) and Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``),
-docs/vlm.md.
+"""Vision-language models: Qwen2.5-VL (``model_type`` ``qwen2_5_vl``), Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``) and
+Qwen3-VL (``qwen3_vl``), docs/vlm.md.
 
 The language model is megatron-core's GPTModel: for Qwen2.5-VL a Qwen2 decoder with megatron's multimodal rotary
 (``position_embedding_type "mrope"``, its ``MultimodalRotaryEmbedding`` with the config's ``mrope_section``: the
 rotary dimensions split into time, height and width blocks); for Qwen3.5 the hybrid DeltaNet / gated-attention
 decoder of ``rlhf.models.hybrid`` with the *interleaved* multimodal rotary (``mrope_interleaved``: frequency i turns
 by the time position, except every third from 1 (height) and from 2 (width) within their sections), computed here
-(``interleaved_mrope``) from megatron's own ``inv_freq``. Qwen3.5's tower has no deepstack features.
+(``interleaved_mrope``) from megatron's own ``inv_freq``; for Qwen3-VL a Qwen3 decoder with that rotary, and the
+tower's deepstack features added to the first decoder layers' outputs (``deepstack``). Qwen3.5's tower has none.
 
 The vision tower and its merger are transformers' own (``Qwen2_5_VisionTransformerPretrainedModel``,
-``Qwen3_5VisionModel``, ``Qwen3_5MoeVisionModel``; megatron-core 0.16.1 has no such encoder), held beside the
-language model on the first pipeline stage, replicated over tensor parallelism (every TP rank computes the same
-features and gets the same gradients, as megatron's replicated norms do) and trained data-parallel by megatron's
-DDP, or frozen (``--freeze_vision_tower``).
+``Qwen3_5VisionModel``, ``Qwen3_5MoeVisionModel``, ``Qwen3VLVisionModel``; megatron-core 0.16.1 has no such
+encoder), held beside the language model on the first pipeline stage, replicated over tensor parallelism (every TP
+rank computes the same features and gets the same gradients, as megatron's replicated norms do) and trained
+data-parallel by megatron's DDP, or frozen (``--freeze_vision_tower``).
 
 Layouts: the language model at any TP that fits it (``check_parallel_fit``) and, for qwen3_5_moe, any EP;
 pipeline and context parallelism, sequence parallelism (an MoE model at TP > 1), sequence packing and LoRA are
@@ -34,15 +35,17 @@ ones, broadcast to three).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Sequence
 
 import torch
 
-VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe")
+VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl")
 VLM_ARCHS = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration",
-             "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-LANGUAGE_MODEL_TYPES = {"qwen2_5_vl": "qwen2", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+             "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+LANGUAGE_MODEL_TYPES = {"qwen2_5_vl": "qwen2", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
+                        "qwen3_vl": "qwen3"}
 """The model_type of each vision-language family's language model (its decoder's spec: ``rlhf.models.spec``)."""
 VISION_KEYS = ("pixel_values", "image_grid_thw", "mrope_position_ids", "image_mask")
 """The batch entries of a vision-language batch (``rlhf.models.vlm``)."""
@@ -70,7 +73,7 @@ def split_vlm_config(cfg: dict[str, Any], source: str) -> tuple[dict[str, Any], 
         block = text.get(name)
         if isinstance(block, dict) and "mrope_section" in block:
             mrope = [int(x) for x in block["mrope_section"]]
-            interleaved = bool(block.get("mrope_interleaved", False))
+            interleaved = bool(block.get("mrope_interleaved", cfg["model_type"] != "qwen2_5_vl"))
             block = {k: v for k, v in block.items() if k not in ("mrope_section", "mrope_interleaved")}
             if block.get("rope_type", block.get("type")) == "mrope":
                 block["rope_type"] = "default"
@@ -88,9 +91,14 @@ def split_vlm_config(cfg: dict[str, Any], source: str) -> tuple[dict[str, Any], 
                          f"model_type={cfg['model_type']!r} (transformers' rotary for it is "
                          f"{'sectioned' if interleaved else 'interleaved'})")
     vision["mrope_interleaved"] = interleaved
-    if vision_cfg.get("deepstack_visual_indexes"):
-        raise ValueError(f"{source}: unsupported config field vision_config.deepstack_visual_indexes (Qwen3-VL's "
-                         "deepstack features are not wired)")
+    deepstack = list(vision_cfg.get("deepstack_visual_indexes") or [])
+    if deepstack and cfg["model_type"] != "qwen3_vl":
+        raise ValueError(f"{source}: unsupported config field vision_config.deepstack_visual_indexes for "
+                         f"model_type={cfg['model_type']!r} (only Qwen3-VL's tower has deepstack features)")
+    if len(deepstack) > int(text.get("num_hidden_layers", 0)):
+        raise ValueError(f"{source}: vision_config.deepstack_visual_indexes={deepstack} feeds more decoder layers "
+                         f"than the language model's num_hidden_layers={text.get('num_hidden_layers')}")
+    vision["deepstack"] = len(deepstack)
     out_hidden = vision_cfg.get("out_hidden_size")
     if out_hidden is not None and int(out_hidden) != int(text.get("hidden_size", -1)):
         raise ValueError(f"{source}: vision_config.out_hidden_size={out_hidden} must equal the language model's "
@@ -205,6 +213,9 @@ def vision_tower(spec, dtype: torch.dtype = torch.float32):
     elif spec.model_type == "qwen3_5":
         from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig as Config
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel as Tower
+    elif spec.model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig as Config
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
     else:
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeVisionConfig as Config
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel as Tower
@@ -241,8 +252,9 @@ def vlm_model_class(base):
             if pre_process:
                 self.visual = vision_tower(spec, config.params_dtype)
 
-        def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor | None:
-            """(N, H) merged features of every image of the batch, row by row (padding dropped)."""
+        def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor):
+            """((N, H) merged features of every image of the batch, row by row (padding dropped), the tower's
+            deepstack features (Qwen3-VL: one (N, H) per deepstack layer; else none)), or None without images."""
             patches, grids = [], []
             for b in range(image_grid_thw.shape[0]):
                 g = image_grid_thw[b]
@@ -253,7 +265,7 @@ def vlm_model_class(base):
             if not patches:
                 return None
             out = self.visual(torch.cat(patches).to(self.visual.dtype), grid_thw=torch.cat(grids))
-            return out.pooler_output
+            return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
 
         def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                     attention_mask: torch.Tensor | None = None, *, packed_seq_params=None, output="head",
@@ -272,6 +284,7 @@ def vlm_model_class(base):
                 mask = image_mask if image_mask is not None else input_ids == self.image_token_id
                 feats = (self.image_features(pixel_values, image_grid_thw)
                          if pixel_values is not None and image_grid_thw is not None else None)
+                feats, deep = feats if feats is not None else (None, [])
                 n = int(mask.sum())
                 if n != (0 if feats is None else feats.shape[0]):
                     raise ValueError(f"{n} image placeholders in the batch but "
@@ -280,16 +293,49 @@ def vlm_model_class(base):
                     emb = emb.transpose(0, 1).masked_scatter(mask.unsqueeze(-1), feats.to(emb.dtype))
                     emb = emb.transpose(0, 1).contiguous()
                 decoder_input = emb
+            else:
+                deep = []
             pre = self._preprocess(input_ids=input_ids, position_ids=pos, decoder_input=decoder_input)
             decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = pre[:5]
             if self.interleaved:
                 rotary_pos_emb = interleaved_mrope(self.rotary_pos_emb.inv_freq, pos, self.config.mrope_section)
-            hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                                  rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
-                                  rotary_pos_sin=rotary_pos_sin, sequence_len_offset=sequence_len_offset)
+            with deepstack(self.decoder, mask if deep else None, deep):
+                hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                                      rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                                      rotary_pos_sin=rotary_pos_sin, sequence_len_offset=sequence_len_offset)
             return self._head(hidden, output)
 
     return QwenVLGPT
+
+
+@contextlib.contextmanager
+def deepstack(decoder, mask: torch.Tensor | None, features: Sequence[torch.Tensor]):
+    """Qwen3-VL's deepstack (transformers 5.19's ``Qwen3VLTextModel._deepstack_process``): the output of decoder
+    layer j (j < len(features)) gains ``features[j]`` (N, H) at the image placeholders ``mask`` (B, S), for the
+    forward inside the block (megatron's recompute included: the hooks stay until the block returns). Dense
+    decoders only: each TP rank holds the whole sequence (no sequence parallelism), so every rank adds the same."""
+    if not features:
+        yield
+        return
+    B, S = mask.shape
+    adds = []
+    for f in features:
+        z = torch.zeros(B, S, f.shape[-1], dtype=f.dtype, device=f.device)
+        adds.append(z.masked_scatter(mask.unsqueeze(-1), f).transpose(0, 1))  # (S, B, H), megatron's layout
+
+    def hook_for(add):
+        def hook(module, args, out):
+            if isinstance(out, tuple):
+                return (out[0] + add.to(out[0].dtype), *out[1:])
+            return out + add.to(out.dtype)
+        return hook
+
+    handles = [decoder.layers[j].register_forward_hook(hook_for(a)) for j, a in enumerate(adds)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 # --------------------------------------------------------------------------------------------- HF names

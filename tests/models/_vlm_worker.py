@@ -9,7 +9,8 @@ rlhf.models.vlm.vision_batch: the 3-D positions).
 
 * logits at TP1 (DP2) and TP2 (an MoE model: EP2 instead) against transformers' own ...ForConditionalGeneration,
   row by row; the controls at TP1: the pixels zeroed (the images' features matter), plain positions (the 3-D rotary
-  matters) and, for the interleaved rotary (Qwen3.5), the sectioned one in its place;
+  matters), for the interleaved rotary (Qwen3.5, Qwen3-VL) the sectioned one in its place, and for Qwen3-VL the
+  deepstack features left out of the first decoder layers;
 * one training step's loss and every gradient (vision tower included) at both layouts against one unsharded model
   without DDP;
 * the HF round trip: the second layout's model exported by the trainer's HF writer (the weight sync's gather), read
@@ -84,6 +85,27 @@ def hf_reference(hf, spec, rows, mms, image_token_id):
     return out
 
 
+def hf_grads(hf, spec, rows, mms, image_token_id):
+    """transformers' own backward of ``lm_loss`` over the rows (each row alone: no padding), by the checkpoint's
+    read names (``model.layers.*``, ``visual.*``, ``lm_head.weight``)."""
+    m = hf_class(spec).from_pretrained(hf, dtype=torch.float32).train()
+    total = sum(len(r) - 1 for r in rows)
+    for ids, mm in zip(rows, mms):
+        x = torch.tensor([ids])
+        kw = {"mm_token_type_ids": (x == image_token_id).int()}
+        if mm is not None:
+            kw.update(pixel_values=mm["pixel_values"], image_grid_thw=mm["image_grid_thw"])
+        logits = m(input_ids=x, **kw).logits[0].float()
+        (torch.nn.functional.cross_entropy(logits[:-1], x[0, 1:], reduction="sum") / total).backward()
+    out = {}
+    for name, p in m.named_parameters():
+        for new, old in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+            if name.startswith(new):
+                name = old + name[len(new):]
+        out[name] = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+    return out
+
+
 def full_logits(model, mesh, spec, batch):
     with torch.no_grad():
         out = run_microbatches(model, [batch], forward_only=True)
@@ -119,6 +141,14 @@ def controls(model, mesh, spec, batch, refs, rows, results):
     results["control/pixels_zeroed"] = max_row_diff(full_logits(model, mesh, spec, no_pixels), refs, rows)
     plain = {k: v for k, v in batch.items() if k != "mrope_position_ids"}
     results["control/plain_positions"] = max_row_diff(full_logits(model, mesh, spec, plain), refs, rows)
+    if spec.vision.get("deepstack"):  # Qwen3-VL: the tower's deepstack features left out of the decoder layers
+        import contextlib
+
+        real, vlm.deepstack = vlm.deepstack, lambda *a: contextlib.nullcontext()
+        try:
+            results["control/deepstack_dropped"] = max_row_diff(full_logits(model, mesh, spec, batch), refs, rows)
+        finally:
+            vlm.deepstack = real
     if spec.vision["mrope_interleaved"]:
         real, vlm.interleaved_mrope = vlm.interleaved_mrope, sectioned_mrope
         try:
@@ -204,6 +234,14 @@ def main():
             results["grads/vision_tensors"] = sum(k.startswith("visual.") for k in ref_grads)
             results["grads/vision_grad_norm"] = sum(v.norm().item() ** 2 for k, v in ref_grads.items()
                                                     if k.startswith("visual.")) ** 0.5
+            results["grads/deepstack_grad_norm"] = sum(v.norm().item() ** 2 for k, v in ref_grads.items()
+                                                       if k.startswith("visual.deepstack_")) ** 0.5
+            theirs = hf_grads(hf, spec, rows, mms, spec.vision["image_token_id"])
+            common = sorted(set(theirs) & set(ref_grads))  # a fused-expert HF layout's names differ
+            results["grads/vs_transformers/tensors"] = len(common)
+            results["grads/tensors"] = len(ref_grads)
+            results["grads/vs_transformers/max_rel_diff"] = max(
+                (ref_grads[k] - theirs[k]).abs().max().item() / (theirs[k].abs().max().item() + 1e-12) for k in common)
             del ref
         rel = {k: (grads[k] - ref_grads[k]).abs().max().item() / (ref_grads[k].abs().max().item() + 1e-12)
                for k in ref_grads}

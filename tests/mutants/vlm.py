@@ -3,11 +3,13 @@ gradients, its gradient scaled by the layout, its gradient lost, and every rank 
 hide the first). The test is the GRPO job at DP 2 with different images per rank against a one-rank job on both
 ranks' samples (tests/ppo/test_vlm_dp.py). Qwen3.5's form: the interleaved rotary taken as sectioned, its export
 under the language model's plain names, the DeltaNet's TP sections not undone by the weight gather (the 2-rank
-equivalence and export job, tests/models/test_vlm_qwen3_5.py)."""
+equivalence and export job, tests/models/test_vlm_qwen3_5.py). Qwen3-VL's deepstack: not added, added one layer
+late, its features detached (the same job on the tiny Qwen3-VL)."""
 from tests.mutants import Mutant
 
 DP = "tests/ppo/test_vlm_dp.py::test_vision_tower_at_dp2_with_different_images_equals_one_rank"
 Q35 = "tests/models/test_vlm_qwen3_5.py::test_qwen3_5_vl_equals_transformers_grads_and_export[qwen3_5]"
+Q3VL = "tests/models/test_vlm_qwen3_5.py::test_qwen3_5_vl_equals_transformers_grads_and_export[qwen3_vl]"
 
 MUTANTS = [
     Mutant("vlm-tower-outside-ddp", "rlhf/runtime/role.py",
@@ -56,4 +58,21 @@ MUTANTS = [
            replace='''full_from_tp_shards(p.name, shards, p.partition_dim)''',
            claim="the weight gather (HF export, weight sync) rebuilds a DeltaNet's in_proj / conv1d from TP shards",
            tests=(Q35,)),
+    Mutant("vlm-qwen3_vl-deepstack-not-added", "rlhf/models/vlm.py",
+           find='''    if not features:
+        yield
+        return''', replace='''    if True:
+        yield
+        return''',
+           claim="Qwen3-VL's deepstack features are added to the first decoder layers' outputs",
+           tests=(Q3VL,)),
+    Mutant("vlm-qwen3_vl-deepstack-one-layer-late", "rlhf/models/vlm.py",
+           find="decoder.layers[j].register_forward_hook", replace="decoder.layers[j + 1].register_forward_hook",
+           claim="deepstack feature j goes into decoder layer j's output (transformers' layer_idx)",
+           tests=(Q3VL,)),
+    Mutant("vlm-qwen3_vl-deepstack-detached", "rlhf/models/vlm.py",
+           find="adds.append(z.masked_scatter(mask.unsqueeze(-1), f)",
+           replace="adds.append(z.masked_scatter(mask.unsqueeze(-1), f.detach())",
+           claim="the deepstack mergers of Qwen3-VL's tower train (their features carry the loss's gradient)",
+           tests=(Q3VL,)),
 ]

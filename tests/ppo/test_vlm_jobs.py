@@ -108,6 +108,7 @@ def test_sft_then_grpo_with_images(task):
 
 MEGATRON_GENERATOR = {  # family: (transformers' class, layout)
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", ("--tp", "2")),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", ("--tp", "2")),
     "qwen3_5": ("Qwen3_5ForConditionalGeneration", ("--tp", "2")),
     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", ("--ep", "2", "--moe_router_replay", "rollout",
                                                            "--moe_routing_flip_interval", "1")),
@@ -121,13 +122,17 @@ def test_grpo_with_images_from_the_megatron_generator(task, tmp_path, family):
     DeltaNet here): it runs the tower and
     the sequence's 3-D positions in every forward, so its log-probs are the trainer's (fp32 rounding), held-out prompts too; the export loads as the family."""
     from rlhf.demo.vision_task import corpus
-    from rlhf.models.tiny import make_tiny_qwen3_5_vl
+    from rlhf.models.tiny import make_tiny_qwen3_5_vl, make_tiny_qwen3_vl
 
     work, paths = task
     arch, layout = MEGATRON_GENERATOR[family]
-    model = (work / "model" if family == "qwen2_5_vl" else
-             make_tiny_qwen3_5_vl(str(tmp_path / "model"), moe=family.endswith("moe"), seed=1, texts=corpus(),
-                                  vocab_size=300))
+    if family == "qwen2_5_vl":
+        model = work / "model"
+    elif family == "qwen3_vl":
+        model = make_tiny_qwen3_vl(str(tmp_path / "model"), seed=1, texts=corpus(), vocab_size=300)
+    else:
+        model = make_tiny_qwen3_5_vl(str(tmp_path / "model"), moe=family.endswith("moe"), seed=1, texts=corpus(),
+                                     vocab_size=300)
     out = tmp_path / "grpo"
     proc = _grpo(model, paths, out, *layout, vllm=("--rollout_backend", "megatron"))
     assert proc.returncode == 0, tail(proc)
