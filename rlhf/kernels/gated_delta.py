@@ -192,3 +192,19 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         return o
     _log_once("gated delta rule", "torch twin (rlhf.kernels.gated_delta; fla needs CUDA)")
     return torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)[0]
+
+
+def gated_delta_rule_with_state(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                initial_state: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``chunk_gated_delta_rule`` from ``initial_state`` ``(B, H, Dk, Dv)`` (None: zeros), returning the final state
+    too: the megatron generator's decode steps (``rlhf.rollout.decode_cache``), a prompt's prefill then one token
+    at a time. fla's kernel on CUDA in bf16/fp16, else the torch twin. Returns (o ``(B, T, H, Dv)``, state fp32)."""
+    if gated_delta_backend(q) == "fla" and v.dtype != torch.float32:
+        _log_once("gated delta rule with state", "flash-linear-attention chunk_gated_delta_rule")
+        o, state = _fla()(q.to(v.dtype), k.to(v.dtype), v, g=g, beta=beta, initial_state=initial_state,
+                          output_final_state=True, use_qk_l2norm_in_kernel=False)
+        return o, state.float()
+    _log_once("gated delta rule with state", "torch twin (rlhf.kernels.gated_delta)")
+    o, state = torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                            chunk_size=min(64, q.shape[1]))  # a decode step: one chunk of one
+    return o, state

@@ -287,11 +287,13 @@ def _gpt_model_class():
 
         def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                     attention_mask: torch.Tensor | None = None, *, packed_seq_params=None,
-                    output: Literal["head", "hidden"] = "head") -> torch.Tensor:
+                    output: Literal["head", "hidden"] = "head", inference_context=None) -> torch.Tensor:
             """input_ids (B, S). Returns, on the last stage, with ``output="head"`` the head's output: logits
             (B, S, V_local) for a causal LM with padded vocab columns at ``PAD_LOGIT``, values (B, S) for a value
             head; with ``output="hidden"`` the final hidden states (B, S, H).
-            On other stages: the hidden states (S, B, H) for the next stage."""
+            On other stages: the hidden states (S, B, H) for the next stage. ``inference_context``: the megatron
+            generator's decode cache (``rlhf.rollout.decode_cache``): ``input_ids`` are the tokens after the ones
+            it holds, at positions from its ``sequence_len_offset``."""
             if position_ids is None and input_ids is not None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
             from rlhf.models import context_parallel as cpm
@@ -306,12 +308,12 @@ def _gpt_model_class():
                 input_ids, position_ids, packed_seq_params = pad_inputs(
                     input_ids, position_ids, packed_seq_params, self.config.tensor_model_parallel_size)
             pre = self._preprocess(input_ids=input_ids, position_ids=position_ids,
-                                   packed_seq_params=packed_seq_params)
+                                   packed_seq_params=packed_seq_params, inference_context=inference_context)
             decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = pre[:5]
             hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                                   rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                                   rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
-                                  sequence_len_offset=sequence_len_offset)
+                                  sequence_len_offset=sequence_len_offset, inference_context=inference_context)
             return self._head(hidden, output, seq)
 
         _head = _model_head

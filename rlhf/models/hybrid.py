@@ -169,9 +169,8 @@ def check_hybrid_layout(spec, *, pp: int, ep: int, cp: int, value_head: bool, us
 def check_hybrid_job(spec, *, lora: bool = False, what: str = "--pretrain") -> None:
     """Job features a hybrid model does not run with yet, refused by name before any model is built: LoRA (its
     targets miss the DeltaNet's projections). The generator is the megatron one (vLLM is refused by
-    ``rlhf.models.spec_families.vllm_refusal``): it feeds the whole sequence forward for every token, so the
-    DeltaNet's recurrence and convolution run from the sequence's start each time and no state is carried between
-    decode steps (correct, and as slow as its attention without a KV cache)."""
+    ``rlhf.models.spec_families.vllm_refusal``): after a prompt's prefill it feeds one token per forward, the
+    DeltaNet's convolution window and recurrent state carried between decode steps (``rlhf.rollout.decode_cache``)."""
     if spec.linear_attention is None:
         return
     if lora:
@@ -209,9 +208,13 @@ def _gdn_class():
                     inference_params=None, **kwargs):
             from rlhf.kernels import gated_delta as gd
 
-            if inference_context is not None or inference_params is not None:
-                raise ValueError("Gated DeltaNet: megatron's inference contexts (a recurrent-state cache) are not "
-                                 "supported")
+            cache = getattr(inference_context, "recurrent", None)  # rlhf.rollout.decode_cache.DecodeCache
+            if (inference_context is not None and cache is None) or inference_params is not None:
+                raise ValueError("Gated DeltaNet: megatron's inference contexts are not supported (the megatron "
+                                 "generator's DecodeCache carries the recurrent state)")
+            if cache is not None and packed_seq_params is not None:
+                raise ValueError("Gated DeltaNet: a decode cache takes unpacked rows")
+            prev = cache.get(self.layer_number) if cache is not None else None
             qkvzba, _ = self.in_proj(hidden_states)  # (S, B, D_local): sequence-parallel input gathered
             seq_len, batch = qkvzba.shape[:2]
             qkvzba = qkvzba.transpose(0, 1)  # (B, S, D_local)
@@ -224,8 +227,13 @@ def _gdn_class():
                     raise ValueError(f"Gated DeltaNet: a packed micro-batch is one row, got {batch}")
                 cu = packed_seq_params.cu_seqlens_q_padded
                 cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-            qkv = gd.causal_conv1d(qkv.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                   activation="silu", cu_seqlens=cu).transpose(1, 2)  # (B, S, conv_dim_local)
+            x = qkv.transpose(1, 2)  # (B, conv_dim_local, S)
+            if cache is not None:  # the window of the last K - 1 inputs before these (zeros before a prompt)
+                width = self.conv1d.weight.shape[-1]
+                x = torch.cat([x.new_zeros(batch, x.shape[1], width - 1) if prev is None else prev[0], x], dim=-1)
+                window = x[..., x.shape[-1] - (width - 1):]
+            qkv = gd.causal_conv1d(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu",
+                                   cu_seqlens=cu)[..., x.shape[-1] - seq_len:].transpose(1, 2)  # (B, S, conv_local)
             query, key, value = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
             query = gd.l2norm(query.reshape(batch, seq_len, -1, self.key_head_dim).float())
             key = gd.l2norm(key.reshape(batch, seq_len, -1, self.key_head_dim).float())
@@ -234,7 +242,12 @@ def _gdn_class():
                 query = query.repeat_interleave(nv // self.num_key_heads, dim=2)
                 key = key.repeat_interleave(nv // self.num_key_heads, dim=2)
             g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)  # (B, S, H_local), fp32
-            out = gd.chunk_gated_delta_rule(query, key, value, g, beta.sigmoid(), cu_seqlens=cu)  # (B, S, H, Dv)
+            if cache is not None:  # from the state after the tokens before these; the state after them kept
+                out, state = gd.gated_delta_rule_with_state(query, key, value, g, beta.sigmoid(),
+                                                            None if prev is None else prev[1])
+                cache[self.layer_number] = (window, state)
+            else:
+                out = gd.chunk_gated_delta_rule(query, key, value, g, beta.sigmoid(), cu_seqlens=cu)  # (B,S,H,Dv)
             dtype = value.dtype  # the model's (the rule ran in fp32 from the fp32 q and k)
             # transformers' gated norm (Qwen3NextRMSNormGated): the rule's output in the model's dtype, normed in
             # fp32, scaled in the model's dtype, then gated in fp32. Its weight is shared by this rank's heads only,

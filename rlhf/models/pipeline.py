@@ -36,6 +36,8 @@ def _forward_step(loss_fn: LossFn | None, output: str, device: torch.device, dat
     # MoE routing replay or recording (rlhf.models.routing_replay), when the batch carries routing or a recorder
     with cpm.stream_length(cp_stream), routing_for_forward(model, batch) as watch_backward:
         vision = {k: batch[k] for k in VISION_KEYS if k in batch}  # a vision-language batch (rlhf.models.vlm)
+        if batch.get("inference_context") is not None:  # the megatron generator's decode cache
+            vision["inference_context"] = batch["inference_context"]
         out = model(batch["input_ids"], batch.get("position_ids"), batch.get("megatron_attention_mask"),
                     output=output, packed_seq_params=batch.get("packed_seq_params"), **vision)
         watch_backward(out)  # full recompute: its backward's routing (rlhf.models.routing_replay)

@@ -1,9 +1,12 @@
 """FALLBACK generation with the actor's own megatron model, for machines without vLLM.
 
-It is a plain sampling loop: a full forward per new token (no KV cache), so it is slow and meant for
-correctness, tests and debugging, never for speed. ``build_rollout`` logs a warning when it is chosen. It
-shares the actor's weights, so a "weight sync" is a no-op. Sampling follows vLLM's semantics:
-``log_softmax(logits / temperature)`` log-probs, optional nucleus (top-p) filtering, stop at EOS.
+It is a plain sampling loop meant for correctness, tests and debugging, not for speed: ``generate`` feeds a
+prompt once and then one token per step through a decode cache (``rlhf.rollout.decode_cache``: megatron's KV cache
+for softmax attention, the convolution window and recurrent state for Gated DeltaNet layers) where the model allows
+one, else the whole sequence per token (named once in the log); the partial-rollout rounds and the agents' requests
+always feed whole sequences. ``build_rollout`` logs a warning when it is chosen. It shares the actor's weights, so
+a "weight sync" is a no-op. Sampling follows vLLM's semantics: ``log_softmax(logits / temperature)`` log-probs,
+optional nucleus (top-p) filtering, stop at EOS.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ class MegatronRollout:
     reads_actor_params = True
     needs_sync = False  # it generates with the actor's own parameters
     name = "megatron-fallback"
+    use_decode_cache = True
+    """feed each drawn token alone through a ``DecodeCache`` where the model allows (tests compare both ways)"""
 
     def __init__(self, mesh, actor, cfg: RolloutConfig, announce: bool = True):
         """``announce``: log the fallback's warning (False for a generator that is not the policy's, such as an
@@ -35,7 +40,7 @@ class MegatronRollout:
         if mesh.is_rank0 and announce:
             log.warning("=" * 100)
             log.warning("ROLLOUT FALLBACK: vLLM is not available (or --rollout_backend megatron); generating with "
-                        "the megatron actor, one full forward per token, NO KV cache. Expect it to be slow.")
+                        "the megatron actor, one forward per token, unbatched across prompts. Expect it to be slow.")
             log.warning("=" * 100)
 
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
@@ -46,6 +51,21 @@ class MegatronRollout:
 
     def load_weights(self, weights: Iterable, version: int) -> None:
         self.version = version  # the fallback reads the actor's parameters directly
+
+    def _decode_cache(self, rows: int, length: int):
+        """A fresh ``DecodeCache`` for ``rows`` samples of up to ``length`` tokens, or None where the model takes
+        whole sequences (the reason logged once)."""
+        from rlhf.rollout.decode_cache import cache_refusal, new_cache
+
+        if not self.use_decode_cache:
+            return None
+        if not hasattr(self, "_cache_refusal"):
+            why = cache_refusal(self.actor.spec, getattr(self.actor.module, "config", None), self.mesh.cp)
+            self._cache_refusal = why
+            if self.mesh.is_rank0:
+                log.info("megatron generator: " + (f"whole sequences per token, no decode cache: {why}" if why else
+                                                   "decode cache (the prompt once, then one token per forward)"))
+        return None if self._cache_refusal else new_cache(rows, length)
 
     def _recorder(self):
         """An MoE actor's routing recorder (``rlhf.models.routing_replay``): the fallback records the experts of
@@ -58,19 +78,22 @@ class MegatronRollout:
 
     @torch.no_grad()
     def _next_token(self, ids: torch.Tensor, temperature: float, top_p: float, gen, recorder=None,
-                    last: torch.Tensor | None = None, mm: dict | None = None):
+                    last: torch.Tensor | None = None, mm: dict | None = None, cache=None):
         """ids (n, L) -> (token (n,), logprob (n,)) identical on every rank of this DP replica; ``recorder`` (a
         ``RoutingRecorder``) gets the routing of this forward. ``gen``: one ``torch.Generator`` for every row, or a
         list of one per row; ``last``: each row's last real position (rows right-padded: the causal mask keeps the
         padding out of every real position), default the last column. ``mm``: the images of a vision-language
         prompt (``ImagePrompt.mm``), the same for every row: the tower runs in each forward and the 3-D positions
-        are those of the whole sequence so far (``rlhf.models.vlm.vision_batch``), as the trainer's."""
+        are those of the whole sequence so far (``rlhf.models.vlm.vision_batch``), as the trainer's. ``cache``: a
+        ``DecodeCache`` holding the tokens before ``ids``."""
         from rlhf.data.collate import vision_entries
         from rlhf.models.pipeline import gather_vocab_parallel
 
         mesh = self.mesh
         mb = {"input_ids": ids} if recorder is None else {"input_ids": ids, "routing_recorder": recorder}
         mb.update(vision_entries([mm] * ids.shape[0], ids) if mm is not None else {})
+        if cache is not None:
+            mb["inference_context"] = cache
         outs = self.actor.forward([mb])
         result = torch.empty(2, ids.shape[0], dtype=torch.float64)
         if mesh.is_last_stage:
@@ -140,9 +163,15 @@ class MegatronRollout:
         tokens, lps = [], []
         done = torch.zeros(n, dtype=torch.bool)
         recorder, routed = self._recorder(), []
+        cache = self._decode_cache(n, len(prompt) + max_tokens)
         for _ in range(max_tokens):
             fed = ids.shape[1] - sum(r.shape[1] for r in routed)
-            tok, lp = self._next_token(ids, temperature, top_p, gen, recorder, mm=mm)
+            if cache is None:
+                tok, lp = self._next_token(ids, temperature, top_p, gen, recorder, mm=mm)
+            else:  # the tokens the cache does not hold yet: the prompt, then the last drawn token
+                tok, lp = self._next_token(ids[:, cache.sequence_len_offset:], temperature, top_p, gen, recorder,
+                                           mm=mm, cache=cache)
+                cache.advance(ids.shape[1] - cache.sequence_len_offset)
             if recorder is not None:  # the positions this forward fed for the first time
                 from rlhf.models.routing_replay import merge_stages
 

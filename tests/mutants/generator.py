@@ -2,10 +2,12 @@
 did own a weight, or not checked after a sync; and of the start-up warnings that mean nothing here
 (rlhf/compat/quiet.py): shown after all, or dropped beyond the expected ones. The megatron generator with images
 (Qwen3.5's vision form, tests/ppo/test_vlm_jobs.py): the images not fed, the sequence's 3-D positions not fed, the
-images not handed on with the sample to the trainer."""
+images not handed on with the sample to the trainer. Its decode cache (tests/ppo/test_decode_cache.py): off, the
+prompt not prefilled, a DeltaNet layer's recurrent state or convolution window not carried between steps."""
 from tests.mutants import Mutant
 
 _T = "tests/ppo/test_engine_weights.py::"
+_DC = "tests/ppo/test_decode_cache.py::test_cached_decode_equals_transformers_and_whole_sequences"
 _VLM = "tests/ppo/test_vlm_jobs.py::test_grpo_with_images_from_the_megatron_generator[qwen3_5]"
 MUTANTS = [
     Mutant("generator-untied-head-silenced", "rlhf/compat/vllm.py",
@@ -51,4 +53,20 @@ MUTANTS = [
            replace="local.append(Sample(lo + i, list(prompt), row, lps, ended, routed_experts=routed))",
            claim="a sample the megatron generator drew from an image prompt carries its images to the trainer",
            tests=(_VLM,)),
+    Mutant("generator-decode-cache-off", "rlhf/rollout/megatron_generator.py",
+           find="    use_decode_cache = True\n", replace="    use_decode_cache = False\n",
+           claim="the megatron generator feeds one token per forward after the prompt where the model allows",
+           tests=(_DC + "[llama]",)),
+    Mutant("generator-decode-cache-prompt-not-prefilled", "rlhf/rollout/megatron_generator.py",
+           find="self._next_token(ids[:, cache.sequence_len_offset:]", replace="self._next_token(ids[:, -1:]",
+           claim="the decode cache's first forward feeds the whole prompt",
+           tests=(_DC + "[llama]",)),
+    Mutant("generator-decode-cache-state-not-carried", "rlhf/models/hybrid.py",
+           find="None if prev is None else prev[1])", replace="None)",
+           claim="a Gated DeltaNet layer's recurrent state is carried from one decode step to the next",
+           tests=(_DC + "[qwen3_next]",)),
+    Mutant("generator-decode-cache-conv-window-not-carried", "rlhf/models/hybrid.py",
+           find="if prev is None else prev[0], x], dim=-1)", replace="if True else prev[0], x], dim=-1)",
+           claim="a Gated DeltaNet layer's convolution sees the K - 1 inputs before a decode step's token",
+           tests=(_DC + "[qwen3_next]",)),
 ]
