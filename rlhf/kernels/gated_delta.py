@@ -9,8 +9,10 @@ sequence boundary. ``recurrent_gated_delta_rule`` is the one-token-at-a-time def
 against (in fp64).
 
 Dispatch (``gated_delta_backend``): fla for CUDA tensors when it imports, unless ``RLHF_KERNELS_FORCE_TORCH=1``;
-the torch twin otherwise. Each choice is logged once. The convolution always runs the twin (a depthwise conv of
-width 4: cheap next to the delta rule, and packed-aware).
+the torch twin otherwise. The convolution likewise: causal-conv1d's ``causal_conv1d_fn`` (its ``seq_idx`` for a
+packed stream, channel-last as it requires) for CUDA tensors when the package imports, else the twin. Each choice
+is logged once. Neither CUDA path has run on a GPU in this project's checks yet (tests/gpu/gpu_check_kernels.py
+compares them with the twins where the packages are installed).
 
 Shapes: q, k ``(B, T, H, Dk)``, v ``(B, T, H, Dv)`` (q/k already repeated to the value heads), g and beta
 ``(B, T, H)`` (g: the log decay, <= 0), state ``(B, H, Dk, Dv)``; the convolution's x ``(B, D, T)``, weight
@@ -134,14 +136,21 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, activat
     start: the window restarts at every boundary, as if each sequence ran alone."""
     width = weight.shape[-1]
     t = x.shape[-1]
+    fn = _causal_conv1d_pkg() if x.is_cuda and os.environ.get("RLHF_KERNELS_FORCE_TORCH") != "1" else None
+    if fn is not None and activation in (None, "silu", "swish"):
+        _log_once("causal conv1d", "causal-conv1d causal_conv1d_fn")
+        seq_idx = None
+        if cu_seqlens is not None:  # (1, T) int32: the sequence of each token; causal-conv1d wants channel-last x
+            seq_idx = _sequence_ids(cu_seqlens, t, x.device)[None].to(torch.int32)
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        return fn(x, weight, bias, seq_idx=seq_idx, activation=activation)
+    _log_once("causal conv1d", "torch twin (rlhf.kernels.gated_delta)")
     if cu_seqlens is None:
         out = F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=x.shape[1])[..., :t]
     else:
         # position of each token within its sequence; tap j may read x[t - j] only where that is >= 0
-        starts = torch.zeros(t, dtype=torch.long, device=x.device)
         bounds = cu_seqlens.to(device=x.device, dtype=torch.long)
-        starts[bounds[1:-1][bounds[1:-1] < t]] = 1
-        seq_id = starts.cumsum(0)
+        seq_id = _sequence_ids(cu_seqlens, t, x.device)
         first = torch.cat([bounds[:1], bounds[1:-1]])  # each sequence's first token
         pos = torch.arange(t, device=x.device) - first[seq_id.clamp(max=first.numel() - 1)]
         out = 0
@@ -155,6 +164,24 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, activat
     elif activation is not None:
         raise ValueError(f"causal_conv1d: activation {activation!r} (silu or None)")
     return out
+
+
+def _causal_conv1d_pkg():
+    """causal-conv1d's ``causal_conv1d_fn`` (Dao-AILab/causal-conv1d, causal_conv1d/causal_conv1d_interface.py), or
+    None where it does not import."""
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except Exception:  # not installed, or built against another torch / CUDA
+        return None
+    return causal_conv1d_fn
+
+
+def _sequence_ids(cu_seqlens: Tensor, t: int, device) -> Tensor:
+    """(T,) long: the index of the sequence each of a packed stream's ``t`` tokens belongs to."""
+    starts = torch.zeros(t, dtype=torch.long, device=device)
+    bounds = cu_seqlens.to(device=device, dtype=torch.long)
+    starts[bounds[1:-1][bounds[1:-1] < t]] = 1
+    return starts.cumsum(0)
 
 
 def _fla():

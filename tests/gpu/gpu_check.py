@@ -254,6 +254,7 @@ def _kernels(c: Check) -> None:
     try:
         gpu_check_kernels.check_logprobs(report)
         gpu_check_kernels.check_varlen_attention(report)
+        gpu_check_kernels.check_gated_delta(report)
     finally:  # the launches after this one get the whole GPU, not what this process's allocator keeps cached
         torch.cuda.empty_cache()
 

@@ -105,3 +105,54 @@ def check_varlen_attention(report: Report) -> None:
                    f"{path} path, T={T} seqs={lengths} GQA 8:2: max|out-ref|={err:.1e}, max relative grad error "
                    f"{gerr:.1e}; "
                    f"{t_k * 1e3:.2f} ms", figures=dict(max_err=err, max_rel_grad_err=gerr, ms=t_k * 1e3))
+
+
+def check_gated_delta(report: Report) -> None:
+    """The Gated DeltaNet kernels' CUDA paths (flash-linear-attention's ``chunk_gated_delta_rule``, causal-conv1d's
+    ``causal_conv1d_fn``) against the torch twins, on a packed stream and from an initial state (the decode cache).
+    A package that does not import is reported as not checked (a failed check: the path ran nowhere)."""
+    import torch
+
+    from rlhf.kernels import gated_delta as gd
+
+    lengths = [300, 1, 77, 512]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+    T, H, dk, dv = int(cu[-1]), 4, 128, 128
+    g0 = torch.Generator(device="cuda").manual_seed(0)
+    q = gd.l2norm(torch.randn(1, T, H, dk, device="cuda", generator=g0))
+    k = gd.l2norm(torch.randn(1, T, H, dk, device="cuda", generator=g0))
+    v = torch.randn(1, T, H, dv, device="cuda", generator=g0)
+    g = -torch.rand(1, T, H, device="cuda", generator=g0) * 0.3
+    beta = torch.rand(1, T, H, device="cuda", generator=g0)
+    ref, _ = gd.torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+    if gd._fla() is None:
+        report("kernels.chunk_gated_delta_rule[fla]", False, "flash-linear-attention does not import: not checked")
+    else:
+        out = gd.chunk_gated_delta_rule(q, k, v.bfloat16(), g, beta, cu_seqlens=cu)
+        err = (out.float() - ref.float()).abs().max().item()
+        state = torch.randn(1, H, dk, dv, device="cuda", generator=g0) * 0.1
+        o1, s1 = gd.gated_delta_rule_with_state(q[:, :64], k[:, :64], v[:, :64].bfloat16(), g[:, :64], beta[:, :64],
+                                                state)
+        r1, rs = gd.torch_chunk_gated_delta_rule(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64],
+                                                 initial_state=state, output_final_state=True)
+        serr = max((o1.float() - r1.float()).abs().max().item(), (s1 - rs).abs().max().item())
+        report("kernels.chunk_gated_delta_rule[fla,bf16]", err < 5e-2 and serr < 5e-2,
+               f"packed T={T} seqs={lengths}: max|fla-twin|={err:.1e}; from a state: {serr:.1e}",
+               figures=dict(max_err=err, state_err=serr))
+    x = torch.randn(1, 256, T, device="cuda", generator=g0)
+    w = torch.randn(256, 4, device="cuda", generator=g0) * 0.5
+    b = torch.randn(256, device="cuda", generator=g0) * 0.1
+    if gd._causal_conv1d_pkg() is None:
+        report("kernels.causal_conv1d[causal-conv1d]", False, "causal-conv1d does not import: not checked")
+        return
+    import os
+
+    out = gd.causal_conv1d(x, w, b, activation="silu", cu_seqlens=cu)
+    os.environ["RLHF_KERNELS_FORCE_TORCH"] = "1"
+    try:
+        twin = gd.causal_conv1d(x, w, b, activation="silu", cu_seqlens=cu)
+    finally:
+        del os.environ["RLHF_KERNELS_FORCE_TORCH"]
+    err = (out - twin).abs().max().item()
+    report("kernels.causal_conv1d[causal-conv1d,fp32]", err < 1e-4, f"packed T={T}: max|pkg-twin|={err:.1e}",
+           figures=dict(max_err=err))
