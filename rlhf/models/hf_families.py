@@ -179,8 +179,11 @@ def layer_hf_names(spec: ModelSpec, layer: int) -> set[str]:
 
 
 def is_mtp_name(name: str, spec: ModelSpec) -> bool:
-    """A tensor of DeepSeek's / GLM's MTP layers (``model.layers.N..N+m-1``, N = num_hidden_layers): transformers
-    ignores them; the converter keeps them beside the checkpoint (``rlhf.models.mtp``)."""
+    """A tensor of DeepSeek's / GLM's MTP layers (``model.layers.N..N+m-1``, N = num_hidden_layers) or of
+    Qwen3-Next's / Qwen3.5's (``mtp.*``): transformers ignores them; the converter keeps them beside the checkpoint
+    and every export writes them back (``rlhf.models.mtp``)."""
+    if spec.linear_attention is not None:
+        return name.startswith("mtp.")
     m = re.match(r"^model\.layers\.(\d+)\.", name)
     return bool(spec.mtp_layers and m and spec.num_layers <= int(m[1]) < spec.num_layers + spec.mtp_layers)
 

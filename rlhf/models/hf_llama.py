@@ -318,11 +318,12 @@ def check_hf_names(found: set[str], spec: ModelSpec, source: str) -> None:
 
         optional |= {n for n in found if is_mtp_name(n, spec)}
     mtp = {n for n in found if n.startswith("mtp.")} if spec.linear_attention is not None else set()
-    if mtp:  # Qwen3-Next's / Qwen3.5's MTP layer: not read, as transformers ignores it (^mtp.*)
+    if mtp:  # Qwen3-Next's / Qwen3.5's MTP layer: not trained, as transformers ignores it (^mtp.*); kept verbatim
         optional |= mtp
         if source not in _MTP_LOGGED:
             _MTP_LOGGED.add(source)
-            log.info("%s: its %d mtp.* tensors (the multi-token-prediction layer) are not read", source, len(mtp))
+            log.info("%s: its %d mtp.* tensors (the multi-token-prediction layer) are not trained; every export "
+                     "writes them back as read", source, len(mtp))
     unknown = sorted(found - expected - optional)
     if unknown:
         raise ValueError(f"{source}: unknown checkpoint key(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")

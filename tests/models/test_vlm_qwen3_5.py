@@ -31,6 +31,12 @@ def work(tmp_path_factory):
             make_tiny_qwen3_vl(str(work / name), seed=3)
         else:
             make_tiny_qwen3_5_vl(str(work / name), moe=moe, seed=3)
+    from safetensors.torch import load_file, save_file  # a released folder's MTP layer (transformers ignores it)
+
+    tensors = load_file(str(work / "qwen3_5" / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    tensors.update({"mtp.fc.weight": torch.randn(64, 128, generator=g), "mtp.norm.weight": torch.randn(64, generator=g)})
+    save_file(tensors, str(work / "qwen3_5" / "model.safetensors"), metadata={"format": "pt"})
     os.makedirs(work / "images")
     g = torch.Generator().manual_seed(0)
     for name, (h, w) in (("a.png", (112, 112)), ("b.png", (84, 140))):
@@ -48,7 +54,8 @@ def test_qwen3_5_vl_equals_transformers_grads_and_export(work, family):
     TP2, 5e-7 at EP2), and transformers' own backward's (relative 1e-4: measured 8.8e-7 on Qwen3-VL, 1.4e-6 on
     Qwen3.5, 2.6e-6 on its MoE form, every tensor of the dense ones); the trainer's HF export from the second layout
     is read by transformers: the source's names (``model.language_model.*``, ``model.visual.*``) and tensors, bit for
-    bit. Qwen3-VL's control: the deepstack features left out (measured 0.55 off)."""
+    bit, the folder's mtp.* tensors (two planted in the dense one) written back as read. Qwen3-VL's control: the
+    deepstack features left out (measured 0.55 off)."""
     proc = run_torchrun(os.path.join(REPO, "tests", "models", "_vlm_worker.py"), 2, [str(work), family],
                         timeout=400)
     assert proc.returncode == 0, tail(proc)
@@ -72,6 +79,7 @@ def test_qwen3_5_vl_equals_transformers_grads_and_export(work, family):
         assert r["grads/deepstack_grad_norm"] > 0, r  # the deepstack mergers train through the hooks
     assert r["round_trip/names_match"] and r["round_trip/max_abs_diff"] == 0.0, r
     assert r["round_trip/vision_tensors"] == r["grads/vision_tensors"], r
+    assert r["round_trip/mtp_tensors"] == (2 if family == "qwen3_5" else 0) and r["round_trip/mtp_equal"], r
 
 
 def test_qwen3_5_vl_config_fields_and_layouts_refused_by_name(work):
@@ -118,7 +126,8 @@ def test_qwen3_5_vl_config_fields_and_layouts_refused_by_name(work):
 
 def test_released_mtp_tensors_are_not_read_and_other_extras_refused(work):
     """Qwen3.5's (and Qwen3-Next's) released folders carry the MTP layer as ``mtp.*``, which transformers ignores
-    on load: not read here either (logged), while any other unknown tensor is still refused by name."""
+    on load: not trained here either (logged; the exports write them back as read: the fixture's dense folder holds
+    two, checked by the round trip above), while any other unknown tensor is still refused by name."""
     from rlhf.models.hf_llama import check_hf_names, expected_hf_names
     from rlhf.models.spec import load_hf_config, spec_from_hf_config
 

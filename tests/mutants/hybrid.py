@@ -176,4 +176,9 @@ MUTANTS = [
            replace='''    mtp = set()''',
            claim="a released Qwen3.5 / Qwen3-Next folder's mtp.* tensors are not read (as transformers ignores them)",
            tests=("tests/models/test_vlm_qwen3_5.py::test_released_mtp_tensors_are_not_read_and_other_extras_refused",)),
+    Mutant("hybrid-mtp-tensors-not-exported", "rlhf/models/mtp.py",
+           find="    if not spec.mtp_layers and spec.linear_attention is None:\n",
+           replace="    if not spec.mtp_layers:\n",
+           claim="an export of a Qwen3.5 / Qwen3-Next folder writes its mtp.* tensors back as read",
+           tests=("tests/models/test_vlm_qwen3_5.py::test_qwen3_5_vl_equals_transformers_grads_and_export[qwen3_5]",)),
 ]
