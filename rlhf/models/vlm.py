@@ -15,9 +15,9 @@ encoder), held beside the language model on the first pipeline stage, replicated
 rank computes the same features and gets the same gradients, as megatron's replicated norms do) and trained
 data-parallel by megatron's DDP, or frozen (``--freeze_vision_tower``).
 
-Layouts: the language model at any TP that fits it (``check_parallel_fit``) and, for qwen3_5_moe, any EP;
-pipeline and context parallelism, sequence parallelism (an MoE model at TP > 1), sequence packing and LoRA are
-refused by name (``check_vlm_layout``).
+Layouts: the language model at any TP that fits it (``check_parallel_fit``; an MoE model at TP > 1 runs sequence
+parallelism: ``whole_embedding``, the features scattered in, then the slice) and, for qwen3_5_moe, any EP; pipeline
+and context parallelism, sequence packing and LoRA are refused by name (``check_vlm_layout``).
 
 A batch with images carries, beside ``input_ids`` (B, S) whose image placeholders are already expanded (one
 ``image_token_id`` per merged patch):
@@ -111,10 +111,6 @@ def check_vlm_layout(spec, *, tp: int = 1, pp: int = 1, cp: int = 1, packing: bo
     """Refuse, before any weight is read, the layouts the vision-language path does not run."""
     if spec.vision is None:
         return
-    if spec.num_experts and tp > 1:
-        raise ValueError(f"--tp {tp} with {what} ({spec.model_type}): an MoE model at TP > 1 runs sequence "
-                         "parallelism, whose split of the embeddings the image features are not scattered into "
-                         "yet; use --tp 1 with --expert_model_parallel_size and data parallelism")
     if pp > 1:
         raise ValueError(f"--pp {pp} with {what} ({spec.model_type}): pipeline parallelism is not supported for "
                          "vision-language models (the vision tower and the 3-D positions live on the first stage "
@@ -274,13 +270,18 @@ def vlm_model_class(base):
                     image_mask: torch.Tensor | None = None) -> torch.Tensor:
             if packed_seq_params is not None:
                 raise ValueError("packed sequences are not supported for vision-language models")
-            B, S = input_ids.shape
+            B, seq = input_ids.shape
             if mrope_position_ids is None:  # text only: plain positions on all three axes
-                mrope_position_ids = torch.arange(S, device=input_ids.device).expand(B, 3, S)
+                mrope_position_ids = torch.arange(seq, device=input_ids.device).expand(B, 3, seq)
+            sp = self.config.sequence_parallel  # an MoE model at TP > 1: padded to a multiple of TP, scattered
+            if sp:
+                input_ids, mrope_position_ids, image_mask = sp_pad(input_ids, mrope_position_ids, image_mask,
+                                                                   self.config.tensor_model_parallel_size)
             pos = mrope_position_ids.transpose(0, 1)  # (3, B, S), megatron's layout
             decoder_input = None
             if self.pre_process:
-                emb = self.embedding(input_ids=input_ids, position_ids=None)  # (S, B, H)
+                emb = whole_embedding(self.embedding, input_ids) if sp else self.embedding(input_ids=input_ids,
+                                                                                           position_ids=None)
                 mask = image_mask if image_mask is not None else input_ids == self.image_token_id
                 feats = (self.image_features(pixel_values, image_grid_thw)
                          if pixel_values is not None and image_grid_thw is not None else None)
@@ -292,6 +293,11 @@ def vlm_model_class(base):
                 if n:
                     emb = emb.transpose(0, 1).masked_scatter(mask.unsqueeze(-1), feats.to(emb.dtype))
                     emb = emb.transpose(0, 1).contiguous()
+                if sp:  # this rank's S / TP positions; the scatter's backward all-gathers, so every rank's tower
+                    # gets the whole sequence's gradient, as without sequence parallelism (not summed over TP)
+                    from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+                    emb = scatter_to_sequence_parallel_region(emb)
                 decoder_input = emb
             else:
                 deep = []
@@ -303,9 +309,40 @@ def vlm_model_class(base):
                 hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                                       rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                                       rotary_pos_sin=rotary_pos_sin, sequence_len_offset=sequence_len_offset)
-            return self._head(hidden, output)
+            return self._head(hidden, output, seq)
 
     return QwenVLGPT
+
+
+def sp_pad(input_ids: torch.Tensor, positions: torch.Tensor, image_mask: torch.Tensor | None, tp: int):
+    """Sequence parallelism: (B, S) ids, (B, 3, S) positions and (B, S) image mask padded to a multiple of ``tp``
+    (the text rule continues; padding is no image)."""
+    from rlhf.models.sequence_parallel import padded_length
+
+    B, S = input_ids.shape
+    pad = padded_length(S, tp) - S
+    if pad == 0:
+        return input_ids, positions, image_mask
+    tail = positions[..., -1:] + torch.arange(1, pad + 1, device=positions.device)
+    input_ids = torch.cat([input_ids, input_ids.new_zeros(B, pad)], dim=1)
+    if image_mask is not None:
+        image_mask = torch.cat([image_mask, image_mask.new_zeros(B, pad)], dim=1)
+    return input_ids, torch.cat([positions, tail], dim=-1), image_mask
+
+
+def whole_embedding(embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """megatron's word embedding of the whole sequence, (S, B, H) on every TP rank, under sequence parallelism
+    (whose own forward reduce-scatters it before the image features could go in; the caller scatters after).
+    VocabParallelEmbedding without its reduce-scatter all-reduces over the vocab shards instead; no position
+    embedding or dropout in these models."""
+    words = embedding.word_embeddings
+    keep = words.reduce_scatter_embeddings
+    words.reduce_scatter_embeddings = False
+    try:
+        out = words(input_ids)  # (B, S, H)
+    finally:
+        words.reduce_scatter_embeddings = keep
+    return out.transpose(0, 1).contiguous()
 
 
 @contextlib.contextmanager

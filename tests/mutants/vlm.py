@@ -4,7 +4,8 @@ hide the first). The test is the GRPO job at DP 2 with different images per rank
 ranks' samples (tests/ppo/test_vlm_dp.py). Qwen3.5's form: the interleaved rotary taken as sectioned, its export
 under the language model's plain names, the DeltaNet's TP sections not undone by the weight gather (the 2-rank
 equivalence and export job, tests/models/test_vlm_qwen3_5.py). Qwen3-VL's deepstack: not added, added one layer
-late, its features detached (the same job on the tiny Qwen3-VL)."""
+late, its features detached (the same job on the tiny Qwen3-VL). Sequence parallelism (the MoE form at TP 2): the
+tower's gradient summed over TP on top, the padding taken as image tokens."""
 from tests.mutants import Mutant
 
 DP = "tests/ppo/test_vlm_dp.py::test_vision_tower_at_dp2_with_different_images_equals_one_rank"
@@ -75,4 +76,17 @@ MUTANTS = [
            replace="adds.append(z.masked_scatter(mask.unsqueeze(-1), f.detach())",
            claim="the deepstack mergers of Qwen3-VL's tower train (their features carry the loss's gradient)",
            tests=(Q3VL,)),
+    Mutant("vlm-sp-tower-grads-summed-over-tp", "rlhf/models/vlm.py",
+           find="""                self.visual = vision_tower(spec, config.params_dtype)
+""", replace="""                self.visual = vision_tower(spec, config.params_dtype)
+                for p in self.visual.parameters():  # summed over TP by finalize_model_grads
+                    p.sequence_parallel = bool(config.sequence_parallel)
+""",
+           claim="under sequence parallelism each TP rank's tower already gets the whole sequence's gradient",
+           tests=(Q35.replace("[qwen3_5]", "[qwen3_5_moe]"),)),
+    Mutant("vlm-sp-padding-is-image", "rlhf/models/vlm.py",
+           find="image_mask = torch.cat([image_mask, image_mask.new_zeros(B, pad)], dim=1)",
+           replace="image_mask = torch.cat([image_mask, image_mask.new_ones(B, pad)], dim=1)",
+           claim="the sequence-parallel padding of a vision batch takes no image features",
+           tests=(Q35.replace("[qwen3_5]", "[qwen3_5_moe]"),)),
 ]
