@@ -317,14 +317,14 @@ def vlm_model_class(base):
 def sp_pad(input_ids: torch.Tensor, positions: torch.Tensor, image_mask: torch.Tensor | None, tp: int):
     """Sequence parallelism: (B, S) ids, (B, 3, S) positions and (B, S) image mask padded to a multiple of ``tp``
     (the text rule continues; padding is no image)."""
-    from rlhf.models.sequence_parallel import padded_length
+    from rlhf.models.sequence_parallel import pad_inputs
 
     B, S = input_ids.shape
-    pad = padded_length(S, tp) - S
+    input_ids, _, _ = pad_inputs(input_ids, None, None, tp)
+    pad = input_ids.shape[1] - S
     if pad == 0:
         return input_ids, positions, image_mask
     tail = positions[..., -1:] + torch.arange(1, pad + 1, device=positions.device)
-    input_ids = torch.cat([input_ids, input_ids.new_zeros(B, pad)], dim=1)
     if image_mask is not None:
         image_mask = torch.cat([image_mask, image_mask.new_zeros(B, pad)], dim=1)
     return input_ids, torch.cat([positions, tail], dim=-1), image_mask

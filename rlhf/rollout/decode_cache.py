@@ -11,12 +11,9 @@ Where the cache is not wired the generator feeds whole sequences, named once in 
 """
 from __future__ import annotations
 
-import logging
+import functools
 
 import torch
-
-log = logging.getLogger(__name__)
-_PATCHED = []
 
 
 def cache_refusal(spec, config, cp: int) -> str | None:
@@ -36,11 +33,12 @@ def cache_refusal(spec, config, cp: int) -> str | None:
     return None
 
 
-def kv_memory_on_the_layers_device() -> None:
-    """megatron-core 0.16.1's ``Attention._allocate_memory`` puts the KV cache on ``torch.cuda.current_device()``:
-    on the layer's own device instead (the host, on a CPU machine)."""
-    if _PATCHED:
-        return
+@functools.cache
+def _cache_class():
+    """``DecodeCache``, built once (megatron is imported on first use). megatron-core 0.16.1's
+    ``Attention._allocate_memory`` puts the KV cache on ``torch.cuda.current_device()``: patched here, once, to the
+    layer's own device (the host, on a CPU machine)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.transformer.attention import Attention
 
     def _allocate_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
@@ -49,17 +47,9 @@ def kv_memory_on_the_layers_device() -> None:
                            dtype=dtype, device=device)
 
     Attention._allocate_memory = _allocate_memory
-    _PATCHED.append(True)
-
-
-def new_cache(batch: int, length: int):
-    """A cache for ``batch`` rows of up to ``length`` tokens (prompt and reply)."""
-    from megatron.core.inference.contexts import StaticInferenceContext
-
-    kv_memory_on_the_layers_device()
 
     class DecodeCache(StaticInferenceContext):
-        def __init__(self):
+        def __init__(self, batch: int, length: int):
             super().__init__(batch, length)
             self.recurrent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -68,4 +58,9 @@ def new_cache(batch: int, length: int):
             self.sequence_len_offset += fed
             self.enable_decode_mode()
 
-    return DecodeCache()
+    return DecodeCache
+
+
+def new_cache(batch: int, length: int):
+    """A cache for ``batch`` rows of up to ``length`` tokens (prompt and reply)."""
+    return _cache_class()(batch, length)

@@ -42,6 +42,14 @@ class MegatronRollout:
             log.warning("ROLLOUT FALLBACK: vLLM is not available (or --rollout_backend megatron); generating with "
                         "the megatron actor, one forward per token, unbatched across prompts. Expect it to be slow.")
             log.warning("=" * 100)
+        from rlhf.rollout.decode_cache import cache_refusal
+
+        self.cache_refusal = cache_refusal(actor.spec, getattr(actor.module, "config", None), mesh.cp)
+        """why ``generate`` feeds whole sequences per token (None: it uses the decode cache)"""
+        if mesh.is_rank0:
+            log.info("megatron generator: " + (f"whole sequences per token, no decode cache: {self.cache_refusal}"
+                                               if self.cache_refusal else
+                                               "decode cache (the prompt once, then one token per forward)"))
 
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         pass
@@ -54,18 +62,12 @@ class MegatronRollout:
 
     def _decode_cache(self, rows: int, length: int):
         """A fresh ``DecodeCache`` for ``rows`` samples of up to ``length`` tokens, or None where the model takes
-        whole sequences (the reason logged once)."""
-        from rlhf.rollout.decode_cache import cache_refusal, new_cache
+        whole sequences (``cache_refusal``)."""
+        from rlhf.rollout.decode_cache import new_cache
 
-        if not self.use_decode_cache:
+        if not self.use_decode_cache or self.cache_refusal:
             return None
-        if not hasattr(self, "_cache_refusal"):
-            why = cache_refusal(self.actor.spec, getattr(self.actor.module, "config", None), self.mesh.cp)
-            self._cache_refusal = why
-            if self.mesh.is_rank0:
-                log.info("megatron generator: " + (f"whole sequences per token, no decode cache: {why}" if why else
-                                                   "decode cache (the prompt once, then one token per forward)"))
-        return None if self._cache_refusal else new_cache(rows, length)
+        return new_cache(rows, length)
 
     def _recorder(self):
         """An MoE actor's routing recorder (``rlhf.models.routing_replay``): the fallback records the experts of

@@ -182,10 +182,11 @@ def round_trip(ddp, mesh, spec, hf, results):
         results["round_trip/vision_tensors"] = sum(".visual." in "." + k for k in saved)
         from safetensors.torch import load_file  # tensors transformers ignores (Qwen3.5's mtp.*): written back as read
 
-        src_raw = {k: v for f in os.listdir(hf) if f.endswith(".safetensors")
-                   for k, v in load_file(os.path.join(hf, f)).items() if k.startswith("mtp.")}
-        out_raw = {k: v for f in os.listdir(out) if f.endswith(".safetensors")
-                   for k, v in load_file(os.path.join(out, f)).items() if k.startswith("mtp.")}
+        def mtp(d):
+            return {k: v for f in os.listdir(d) if f.endswith(".safetensors")
+                    for k, v in load_file(os.path.join(d, f)).items() if k.startswith("mtp.")}
+
+        src_raw, out_raw = mtp(hf), mtp(out)
         results["round_trip/mtp_tensors"] = len(src_raw)
         results["round_trip/mtp_equal"] = sorted(src_raw) == sorted(out_raw) and all(
             torch.equal(src_raw[k], out_raw[k]) for k in src_raw)
