@@ -56,6 +56,10 @@ $PIP install -q --no-deps "verifiers==0.3.1" "aiofiles==25.1.0" "aiolimiter==1.3
   "griffelib==2.4.1" "msgpack==1.2.4" "openai-agents==0.24.0" "openai-harmony==0.0.8" "prime-pydantic-config==0.4.3" \
   "prime-sandboxes==0.5.1" "prime-tunnel==0.1.15" "protobuf-py==0.1.1" "pyqwest==0.12.0" "renderers==0.1.12" \
   "tomli-w==1.2.0"
+# verifiers 0.4.0, its current release (rlhf/agents/verifiers_v1.py), has 0.3.1's package name, so it goes to a
+# folder of its own that only the episode worker puts on its path; --no-deps: it pins openai<3 and mcp==2.0.0, and
+# its v1 stack imports and runs with this stack's openai 3 and mcp 2.3 (the packages it needs are installed above).
+$PIP install -q --no-deps --upgrade --target "$VENV/verifiers-v1" "verifiers==0.4.0"
 "$VENV/bin/python" -c "import torch, megatron.core, transformers, vllm; print('env ok: torch', torch.__version__)" \
   2>&1 | grep -v -i warn || true
 rm -f "$VENV"/.rlhf-setup-*

@@ -32,6 +32,7 @@ from rlhf.agents.environment import Completion, RequestOutput, SamplingParams, _
 from rlhf.agents.executor import (CURRENT, MultiTurnAgentExecutor, TooManyAgentFailures, Trajectory, execute_kwargs,
                                   load_agent_executor)
 from rlhf.agents.program import RunAgentExecutor
+from rlhf.agents.verifiers_v1 import close_worker
 from rlhf.rollout.types import AgentOutcome, Sample  # noqa: F401 (AgentOutcome re-exported)
 
 if TYPE_CHECKING:
@@ -184,7 +185,7 @@ class AgentRollout:
 
     def close(self) -> None:
         """The job's end: sessions still parked (a job stopped between checkpoints) are cancelled, the endpoint
-        partial rollouts kept is stopped and the loop closed."""
+        partial rollouts kept is stopped, the loop closed and the verifiers 0.4.0 worker ended."""
         if self.loop.is_closed():
             return
         parked = list(self.carry.tasks.values()) if self.carry is not None else []
@@ -195,6 +196,7 @@ class AgentRollout:
         if self._kept_endpoint is not None:
             self.loop.run_until_complete(self._kept_endpoint.stop())
         self.loop.close()
+        close_worker()
 
     async def _endpoint(self, params: SamplingParams, keep: bool = False):
         """A run_agent file's endpoint for this step (None for other executors); ``keep``: the one partial

@@ -23,6 +23,10 @@ CARRY_PROGRAM = CARRY + "test_a_run_agent_program_is_carried_through_its_endpoin
 REFUSED = "tests/ppo/test_partial_buffer.py::test_combinations_not_built_are_refused_by_name"
 VF = "tests/ppo/test_agent_verifiers.py::"
 VF_TOOL = VF + "test_a_verifiers_tool_env_drives_the_endpoint"
+VF1 = "tests/ppo/test_agent_verifiers_v1.py::"
+VF1_TOOL = VF1 + "test_a_verifiers_v1_tool_taskset_drives_the_endpoint"
+VF1_FAILING = VF1 + "test_a_failing_v1_episode_fails_and_the_worker_ends_with_its_programs"
+VF1_JOB = VF1 + "test_verifiers_v1_tasksets_in_a_ppo_job"
 
 MUTANTS = [
     Mutant("agents-continuation-reencoded", "rlhf/agents/tokens.py",
@@ -233,6 +237,36 @@ MUTANTS = [
            replace="        if False:",
            claim="a verifiers rollout that ended in an error fails its trajectory, never a scored success",
            tests=(VF + "test_a_rollout_verifiers_ended_in_error_fails",)),
+    Mutant("agents-verifiers-v1-label-not-the-answer", "rlhf/agents/verifiers_v1_worker.py",
+           find="        fields[\"answer\"] = str(label)",
+           replace="        fields[\"answer\"] = \"\"",
+           claim="the job's label is the verifiers 0.4.0 task's answer, which its reward grades against",
+           tests=(VF1_TOOL,)),
+    Mutant("agents-verifiers-v1-error-scored", "rlhf/agents/verifiers_v1.py",
+           find="        if res.get(\"error\"):",
+           replace="        if False:",
+           claim="a verifiers 0.4.0 episode with an error on it fails its trajectory, never a scored success",
+           tests=(VF1_FAILING,)),
+    Mutant("agents-verifiers-v1-sampling-dropped", "rlhf/agents/verifiers_v1.py",
+           find="        sampling = {k: v for k, v in",
+           replace="        sampling = {} and {k: v for k, v in",
+           claim="the session's max_tokens, temperature and top-p are the verifiers 0.4.0 episode's sampling",
+           tests=(VF1_TOOL,)),
+    Mutant("agents-verifiers-v1-missing-requirement-runs", "rlhf/agents/verifiers_v1_worker.py",
+           find="        except metadata.PackageNotFoundError:\n            raise",
+           replace="        except metadata.PackageNotFoundError:\n            continue\n            raise",
+           claim="a harness script whose dependency the job lacks fails by name instead of running",
+           tests=(VF1 + "test_harness_scripts_run_with_the_jobs_packages",)),
+    Mutant("agents-verifiers-v1-code-harness-on-the-host", "rlhf/agents/verifiers_v1_worker.py",
+           find="                if harness.EXECUTES_CODE:",
+           replace="                if False:",
+           claim="a verifiers 0.4.0 harness that runs the model's commands is refused, never run on the host",
+           tests=(VF1_FAILING,)),
+    Mutant("agents-verifiers-v1-worker-outlives-the-job", "rlhf/agents/rollout.py",
+           find="        self.loop.close()\n        close_worker()",
+           replace="        self.loop.close()",
+           claim="the verifiers 0.4.0 worker ends with the job",
+           tests=(VF1_JOB,)),
     Mutant("agents-filtered-step-logs-its-last-round", "rlhf/ppo/stages.py",
            find="    base = roles.agent._metrics(samples) if roles.agent is not None else rollout.metrics",
            replace="    base = rollout.metrics",
