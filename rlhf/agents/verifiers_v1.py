@@ -56,7 +56,11 @@ class EpisodeWorker:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            res = json.loads(line)
+            try:
+                res = json.loads(line)
+            except ValueError:
+                log.warning("verifiers worker wrote a line that is not the protocol's: %r", line[:200])
+                continue
             with self.lock:
                 loop, fut = self.pending.pop(res["id"], (None, None))
             if fut is not None:
