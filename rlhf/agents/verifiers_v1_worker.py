@@ -49,18 +49,30 @@ def check_requirements(reqs: list[str]) -> None:
             log.warning("verifiers harness script asks for %s; it runs with the job's %s %s", text, req.name, have)
 
 
+def publish_script(directory: str, data: bytes) -> str:
+    """``data`` at its content-addressed path in ``directory``, written once and renamed into place, so an episode
+    running the script never reads it half-written while another publishes it."""
+    import hashlib
+    import uuid
+
+    path = os.path.join(directory, f"{hashlib.sha256(data).hexdigest()}.py")
+    if not os.path.exists(path):
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    return path
+
+
 def install_job_interpreter() -> None:
     """Replace ``SubprocessRuntime.prepare_uv_script`` (uv sync + an index) by the job's interpreter."""
-    import hashlib
-
     from verifiers.v1.runtimes.subprocess import SubprocessRuntime
 
     async def prepare_uv_script(self, script, env=None, *, activate=True):
         data = script.encode() if isinstance(script, str) else script
         check_requirements(script_requirements(data.decode()))
-        path = f"{self.scripts_dir}/{hashlib.sha256(data).hexdigest()}.py"
-        await self.write(path, data)
-        return [sys.executable, path]
+        return [sys.executable, publish_script(self.scripts_dir, data)]
 
     SubprocessRuntime.prepare_uv_script = prepare_uv_script
     log.info("verifiers harness scripts run with the job's interpreter (%s), not uv", sys.executable)
@@ -123,15 +135,10 @@ class Worker:
         errors = [f"{e.type}: {e.message}" for e in ep.errors]
         metrics = {}
         for tr in ep.traces:
-            errors += [f"{e.type}: {e.message}" for e in getattr(tr, "errors", []) or []]
-            if getattr(tr, "error", None) is not None:
-                errors.append(f"{tr.error.type}: {tr.error.message}")
-            for name, v in (getattr(tr, "metrics", None) or {}).items():
-                if isinstance(v, (int, float)):
-                    metrics[name] = float(v)
+            errors += [f"{e.type}: {e.message}" for e in tr.errors]
+            metrics.update({name: float(v) for name, v in tr.metrics.items() if v is not None})
         reward = sum(float(tr.reward) for tr in ep.traces)
-        return {"reward": reward, "metrics": metrics, "error": "; ".join(errors) or None,
-                "turns": sum(len(getattr(tr, "turns", []) or []) for tr in ep.traces)}
+        return {"reward": reward, "metrics": metrics, "error": "; ".join(errors) or None}
 
 
 def _version() -> str:

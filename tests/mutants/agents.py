@@ -257,6 +257,12 @@ MUTANTS = [
            replace="        except metadata.PackageNotFoundError:\n            continue\n            raise",
            claim="a harness script whose dependency the job lacks fails by name instead of running",
            tests=(VF1 + "test_harness_scripts_run_with_the_jobs_packages",)),
+    Mutant("agents-verifiers-v1-script-rewritten-in-place", "rlhf/agents/verifiers_v1_worker.py",
+           find="    if not os.path.exists(path):\n        os.makedirs(directory, exist_ok=True)",
+           replace="    if True:\n        os.makedirs(directory, exist_ok=True)",
+           claim="a harness script is published once at its content's path, never rewritten while an episode "
+                 "reads it",
+           tests=(VF1 + "test_harness_scripts_run_with_the_jobs_packages",)),
     Mutant("agents-verifiers-v1-code-harness-on-the-host", "rlhf/agents/verifiers_v1_worker.py",
            find="                if harness.EXECUTES_CODE:",
            replace="                if False:",

@@ -202,10 +202,18 @@ def test_a_failing_v1_episode_fails_and_the_worker_ends_with_its_programs(taskse
     assert _group_alive(pid) == []
 
 
-def test_harness_scripts_run_with_the_jobs_packages(caplog):
+def test_harness_scripts_run_with_the_jobs_packages(caplog, tmp_path):
     """A PEP 723 script's dependencies are read from its block and checked against the job's environment: one the
-    job lacks fails by name; one at another version is logged once."""
-    from rlhf.agents.verifiers_v1_worker import check_requirements, script_requirements
+    job lacks fails by name; one at another version is logged once. The script is published once at its
+    content's path and never rewritten (a running episode reads it meanwhile), no temporary file left."""
+    from rlhf.agents.verifiers_v1_worker import check_requirements, publish_script, script_requirements
+
+    path = publish_script(str(tmp_path / "scripts"), b"print(1)\n")
+    first = os.stat(path)
+    os.utime(path, ns=(first.st_atime_ns, first.st_mtime_ns - 10**9))
+    assert publish_script(str(tmp_path / "scripts"), b"print(1)\n") == path
+    assert os.stat(path).st_mtime_ns == first.st_mtime_ns - 10**9 and os.listdir(tmp_path / "scripts") == [
+        os.path.basename(path)]
 
     script = '# /// script\n# requires-python = ">=3.10"\n# dependencies = ["openai", "mcp==0.0.1"]\n# ///\nprint(1)\n'
     assert script_requirements(script) == ["openai", "mcp==0.0.1"]
