@@ -68,7 +68,7 @@ class EpisodeWorker:
         with self.lock:
             waiting, self.pending = list(self.pending.values()), {}
         for loop, fut in waiting:
-            err = RuntimeError(f"the verifiers worker exited (code {self.proc.poll()})")
+            err = RuntimeError("the verifiers worker exited")
             loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_exception(err))
 
     def _send(self, msg: dict) -> None:

@@ -104,10 +104,15 @@ def task_of(env, prompt, label):
 class Worker:
     def __init__(self):
         self.envs: dict[str, object] = {}
+        self.loading: dict[str, asyncio.Lock] = {}
         self.stack = None
 
     async def env(self, spec: dict):
         key = json.dumps(spec, sort_keys=True)
+        async with self.loading.setdefault(key, asyncio.Lock()):  # the step's first episodes arrive together
+            return await self._load(key, spec)
+
+    async def _load(self, key: str, spec: dict):
         if key not in self.envs:
             from verifiers.v1.utils.loaders import load_environment
 
@@ -145,14 +150,14 @@ def _version() -> str:
     return metadata.version("verifiers")
 
 
-async def serve(out) -> None:
+async def serve(requests, out) -> None:
     import contextlib
 
     install_job_interpreter()
     worker = Worker()
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), requests)
     lock = asyncio.Lock()
     tasks: dict[int, asyncio.Task] = {}
 
@@ -185,10 +190,14 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("RLHF_VERIFIERS_LOG", "WARNING"), stream=sys.stderr,
                         format="[verifiers-v1 worker] %(levelname)s %(name)s: %(message)s")
     log.setLevel(min(log.getEffectiveLevel(), logging.INFO))
-    # the protocol has stdout's descriptor to itself: anything else printed goes to stderr
-    proto = os.fdopen(os.dup(1), "w")
+    # the protocol has its own descriptors: what anything else prints goes to stderr, and the programs verifiers
+    # starts (which inherit stdin) read /dev/null, never the requests
+    requests, proto = os.fdopen(os.dup(0), "rb", buffering=0), os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    asyncio.run(serve(proto))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    asyncio.run(serve(requests, proto))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ VF = "tests/ppo/test_agent_verifiers.py::"
 VF_TOOL = VF + "test_a_verifiers_tool_env_drives_the_endpoint"
 VF1 = "tests/ppo/test_agent_verifiers_v1.py::"
 VF1_TOOL = VF1 + "test_a_verifiers_v1_tool_taskset_drives_the_endpoint"
-VF1_FAILING = VF1 + "test_a_failing_v1_episode_fails_and_the_worker_ends_with_its_programs"
+VF1_FAILING = VF1 + "test_a_failing_v1_episode_fails_and_code_harnesses_are_refused"
 VF1_JOB = VF1 + "test_verifiers_v1_tasksets_in_a_ppo_job"
 
 MUTANTS = [
@@ -268,6 +268,12 @@ MUTANTS = [
            replace="                if False:",
            claim="a verifiers 0.4.0 harness that runs the model's commands is refused, never run on the host",
            tests=(VF1_FAILING,)),
+    Mutant("agents-verifiers-v1-worker-killed-not-closed", "rlhf/agents/verifiers_v1.py",
+           find="                self.proc.stdin.close()\n                self.proc.wait(timeout=10)",
+           replace="                pass",
+           claim="closing the verifiers 0.4.0 worker lets it end the programs and tool servers it started, which "
+                 "run in sessions of their own, instead of killing it under them",
+           tests=(VF1 + "test_closing_the_worker_mid_episode_ends_its_programs",)),
     Mutant("agents-verifiers-v1-worker-outlives-the-job", "rlhf/agents/rollout.py",
            find="        self.loop.close()\n        close_worker()",
            replace="        self.loop.close()",

@@ -5,6 +5,7 @@ against the rank's endpoint. First against a scripted generator (a tool of an MC
 run by verifiers and answered, the sampled ids fed back verbatim, the task's reward returned), then in a PPO job."""
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 
@@ -119,19 +120,6 @@ def tasksets(tmp_path_factory):
     sys.path.remove(str(where))
 
 
-def _group_alive(pgid: int) -> list[int]:
-    alive = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                alive.append(int(p))
-    return alive
-
-
 def _workers() -> list[int]:
     """Live episode workers of this machine."""
     found = []
@@ -173,11 +161,10 @@ def test_a_verifiers_v1_tool_taskset_drives_the_endpoint(tasksets, tok, answer, 
     assert t["endpoint"]["continued"] == 1.0 and t["endpoint"]["new_segments"] == 0.0, t["endpoint"]
 
 
-def test_a_failing_v1_episode_fails_and_the_worker_ends_with_its_programs(tasksets, tok):
+def test_a_failing_v1_episode_fails_and_code_harnesses_are_refused(tasksets, tok):
     """A task whose reward raises: verifiers records the error on its trace; the program raises, so the trajectory
     fails with reward 0 and its reason, never a scored success. A harness that runs the model's commands (bash) is
-    refused by name. Closing the worker ends it and every process of its group (the harness programs and tool
-    servers it started)."""
+    refused by name."""
     from rlhf.agents import verifiers_v1
 
     gen = ScriptedGen([(bytewise(tok, " hi") + [tok.eos_token_id], True)])
@@ -196,10 +183,78 @@ def test_a_failing_v1_episode_fails_and_the_worker_ends_with_its_programs(taskse
     with pytest.raises(RuntimeError, match="harness 'bash' runs the model's commands, and its local runtime is the "
                                            "host: not carried"):
         serve(tok, ScriptedGen([]), go_bash)
-    pid = verifiers_v1.worker().proc.pid
-    assert _group_alive(pid), "the worker should be running"
-    verifiers_v1.close_worker()
-    assert _group_alive(pid) == []
+
+
+class HangingGen(ScriptedGen):
+    """A generator that takes every request and answers (an EOS) only when released."""
+
+    def __init__(self):
+        super().__init__([])
+        self.released = asyncio.Event()
+
+    async def submit(self, j, turn, ids, params):
+        self.fed.append({"ids": list(ids), "params": params, "j": j, "turn": turn})
+        await self.released.wait()
+        return [0], [-0.1], True, 0
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for p in os.listdir("/proc"):
+        try:
+            if p.isdigit():
+                children.setdefault(int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]), []).append(int(p))
+        except OSError:
+            pass
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pids) -> list[int]:
+    alive = []
+    for p in pids:
+        try:
+            if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.append(p)
+        except OSError:
+            pass
+    return alive
+
+
+def test_closing_the_worker_mid_episode_ends_its_programs(tasksets, tok):
+    """The worker closed while an episode waits on the model: the worker and every process it started (the harness
+    program and the tool server, each in a session of its own) are gone, and the waiting session fails by name."""
+    from rlhf.agents import verifiers_v1
+
+    gen = HangingGen()
+    agent = verifiers_v1.episode_agent("vf1_tools")
+
+    async def go(client, ep, sid):
+        try:
+            await closed_mid_episode(client, ep, sid)
+        finally:
+            gen.released.set()  # the endpoint's session ends, so the endpoint stops at once
+
+    async def closed_mid_episode(client, ep, sid):
+        t = asyncio.ensure_future(agent(client, "add 2 and 3", "5", model="m", base_url=ep.url(sid), index=0))
+        for _ in range(600):
+            if gen.fed:
+                break
+            await asyncio.sleep(0.1)
+        w = verifiers_v1.worker()
+        started = _descendants(w.proc.pid)
+        cmdlines = [open(f"/proc/{p}/cmdline", "rb").read() for p in _alive(started)]
+        assert any(b"vf1_calc" in c for c in cmdlines) and len(cmdlines) >= 2, cmdlines
+        await asyncio.to_thread(verifiers_v1.close_worker)
+        assert _alive(started | {w.proc.pid}) == []
+        with pytest.raises(RuntimeError, match="the verifiers worker exited"):
+            await t
+
+    serve(tok, gen, go)
 
 
 def test_harness_scripts_run_with_the_jobs_packages(caplog, tmp_path):
