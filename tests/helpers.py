@@ -111,6 +111,26 @@ def job_processes(tag: str) -> list[psutil.Process]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """The pids of every live descendant of ``pid`` (children in sessions of their own included), [] if it is gone."""
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(pids) -> list[int]:
+    """Those of ``pids`` that are still running (a zombie is not)."""
+    out = []
+    for p in pids:
+        try:
+            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def kill_job(tag: str, root: int | None = None) -> None:
     """SIGKILL every process of the job (the tree under ``root`` and everything tagged), until none is left: a
     process forked while the first ones were being killed is caught by the next round."""

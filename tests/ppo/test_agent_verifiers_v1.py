@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from helpers import alive, descendants
 from test_agent_endpoint import ScriptedGen, bytewise, serve, tok  # noqa: F401 (a fixture)
 from test_agent_programs import _job
 from test_agent_verifiers import long_actor  # noqa: F401 (a fixture)
@@ -198,33 +199,6 @@ class HangingGen(ScriptedGen):
         return [0], [-0.1], True, 0
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for p in os.listdir("/proc"):
-        try:
-            if p.isdigit():
-                children.setdefault(int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]), []).append(int(p))
-        except OSError:
-            pass
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pids) -> list[int]:
-    alive = []
-    for p in pids:
-        try:
-            if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-                alive.append(p)
-        except OSError:
-            pass
-    return alive
-
-
 def test_closing_the_worker_mid_episode_ends_its_programs(tasksets, tok):
     """The worker closed while an episode waits on the model: the worker and every process it started (the harness
     program and the tool server, each in a session of its own) are gone, and the waiting session fails by name."""
@@ -246,11 +220,11 @@ def test_closing_the_worker_mid_episode_ends_its_programs(tasksets, tok):
                 break
             await asyncio.sleep(0.1)
         w = verifiers_v1.worker()
-        started = _descendants(w.proc.pid)
-        cmdlines = [open(f"/proc/{p}/cmdline", "rb").read() for p in _alive(started)]
+        started = set(descendants(w.proc.pid))
+        cmdlines = [open(f"/proc/{p}/cmdline", "rb").read() for p in alive(started)]
         assert any(b"vf1_calc" in c for c in cmdlines) and len(cmdlines) >= 2, cmdlines
         await asyncio.to_thread(verifiers_v1.close_worker)
-        assert _alive(started | {w.proc.pid}) == []
+        assert alive(started | {w.proc.pid}) == []
         with pytest.raises(RuntimeError, match="the verifiers worker exited"):
             await t
 

@@ -24,6 +24,7 @@ import pytest
 
 from rlhf.sandbox import Run, SandboxConfig, run_program
 from rlhf.sandbox.uids import uid_range
+from helpers import descendants
 from tests.sandbox.conftest import CFG, run_uid
 
 PREFIX = os.path.realpath(sys.base_prefix)
@@ -192,7 +193,7 @@ def test_the_programs_run_as_a_host_uid_of_their_own_in_the_runs_cgroup(mode, ho
 
     def watch():
         while not done.is_set():
-            for pid in _descendants(os.getpid()):
+            for pid in descendants(os.getpid()):
                 try:
                     cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
                     if "bwrap" in cmd.split("\x00")[0] or "python" in cmd.split("\x00")[0] and "-I\x00-S" in cmd:
@@ -233,23 +234,6 @@ def test_the_programs_run_as_a_host_uid_of_their_own_in_the_runs_cgroup(mode, ho
     status = dict(ln.split(":\t", 1) for ln in program[0]["status"].splitlines() if ":\t" in ln)
     assert status["CapEff"] == status["CapPrm"] == status["CapBnd"] == "0000000000000000"
     assert status["NoNewPrivs"] == "1" and status["Seccomp"] == "2", status
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                ppid = int(open(f"/proc/{e}/stat").read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(e))
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def test_root_only_files_are_closed_to_the_program(mode, host):
