@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 import rlhf.kernels as kernels
+from rlhf.compat.main_grad import COMM_ARGS, MainGradLinear, into_main_grad, main_grad, needs_no_comm
 
 log = logging.getLogger(__name__)
 _state: dict[str, Any] = {}
@@ -122,13 +123,10 @@ def cpu_vendor() -> str:
     return _cpuinfo_field("vendor_id")
 
 
-_ARGS = ("bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel", "grad_output_buffer")
-
-
 class Fp32GemmLinear(torch.autograd.Function):
     """``y = x @ w.T (+ b)`` for bf16 ``x``/``w``, multiplied by the fp32 GEMM: the bf16 operands convert to fp32
     exactly and the products accumulate in fp32, as a bf16 GEMM does too; outputs and grads round to bf16 once.
-    A trained weight's gradient goes straight into its fp32 ``main_grad`` (``_into_main_grad``), unrounded."""
+    A trained weight's gradient goes straight into its fp32 ``main_grad`` (``rlhf.compat.main_grad.into_main_grad``), unrounded."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -148,7 +146,7 @@ class Fp32GemmLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = (g2 @ w.float()).to(x2.dtype).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            gw = _into_main_grad(w, g2, x2.float())
+            gw = into_main_grad(w, g2, x2.float())
             if gw is None:
                 gw = (g2.t() @ x2.float()).to(w.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -156,73 +154,17 @@ class Fp32GemmLinear(torch.autograd.Function):
         return gx, gw, gb
 
 
-class MainGradLinear(torch.autograd.Function):
-    """megatron's fp32 linear (``torch.matmul``, torch's default GEMM), its weight gradient accumulated straight
-    into the weight's ``main_grad`` by one ``addmm_`` (what megatron's ``gradient_accumulation_fusion`` does on
-    CUDA), instead of a fresh gradient that DDP's hook then adds there: one pass over every weight less per
-    micro-batch."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.has_bias = b is not None
-        y = torch.matmul(x, w.t())
-        return y + b if b is not None else y
-
-    @staticmethod
-    def backward(ctx, gy: torch.Tensor):
-        x, w = ctx.saved_tensors
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = gy.matmul(w)
-        g2 = gy.reshape(-1, gy.shape[-1])
-        if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.shape[-1])
-            gw = _into_main_grad(w, g2, x2)
-            if gw is None:
-                gw = g2.t().matmul(x2)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = g2.sum(0)
-        return gx, gw, gb
-
-
-def _main_grad(w: torch.Tensor) -> torch.Tensor | None:
-    """The fp32 gradient buffer megatron's DDP gave a trained ``w`` (its hook skips its own add once
-    ``grad_added_to_main_grad`` is set, until the next ``zero_grad_buffer``), else None."""
-    mg = getattr(w, "main_grad", None)
-    if mg is None or not hasattr(w, "grad_added_to_main_grad") or mg.dtype != torch.float32 or mg.shape != w.shape:
-        return None
-    return mg
-
-
-def _into_main_grad(w: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor | None:
-    """``main_grad += g2.T @ x2`` (fp32) when ``w`` has one; returns the placeholder gradient autograd hands on
-    (uninitialized, as megatron's fused path returns), or None where ``w`` has no ``main_grad``."""
-    mg = _main_grad(w)
-    if mg is None:
-        return None
-    mg.addmm_(g2.t(), x2)
-    w.grad_added_to_main_grad = True
-    # megatron-core 0.16.1 marks an LM head tied to the embedding on the same stage zero_out_wgrad: the lookup's
-    # gradient reaches .grad through autograd, summed with this placeholder, and DDP's hook adds that sum to
-    # main_grad. An uninitialized placeholder there gave tied bf16 models NaN grad norms; megatron's own is zeros.
-    if getattr(w, "zero_out_wgrad", False):
-        return torch.zeros(w.shape, dtype=w.dtype)
-    return torch.empty(w.shape, dtype=w.dtype)
-
-
 def _forward_impl(self, input, weight, *args, **kwargs):
     """A layer's ``_forward_impl``: ``OneDNNLinear`` (fp32) or ``Fp32GemmLinear`` (bf16) where chosen and the call
     needs no communication inside the layer, ``MainGradLinear`` for such an fp32 call on torch's GEMM whose weight
     has a ``main_grad``, else megatron's own, called exactly as given."""
-    got = {**dict(zip(_ARGS, args)), **kwargs}
-    plain = not (got.get("allreduce_dgrad") or got.get("sequence_parallel") or got.get("gradient_accumulation_fusion")
-                 or got.get("grad_output_buffer") is not None or input.device.type != "cpu")
+    got = {**dict(zip(COMM_ARGS, args)), **kwargs}
+    plain = needs_no_comm(got) and input.device.type == "cpu"
     if plain and input.dtype == weight.dtype == torch.float32 and _state.get("fp32") == "onednn":
         return OneDNNLinear.apply(input, weight, got.get("bias"))
     if plain and input.dtype == weight.dtype == torch.bfloat16 and _state.get("bf16") == "fp32":
         return Fp32GemmLinear.apply(input, weight, got.get("bias"))
-    if plain and input.dtype == weight.dtype == torch.float32 and _main_grad(weight) is not None:
+    if plain and input.dtype == weight.dtype == torch.float32 and main_grad(weight) is not None:
         return MainGradLinear.apply(input, weight, got.get("bias"))
     return type(self)._forward_impl(self, input, weight, *args, **kwargs)
 

@@ -14,7 +14,9 @@ reads the whole ``[tokens, vocab]`` logits. With the fused path on, on CUDA:
 * SFT's LM head fused with its loss (``head_nll_sum``): Liger's ``LigerFusedLinearCrossEntropyFunction``
   (``liger_kernel/ops/fused_linear_cross_entropy.py``, reduction ``sum``, fp32 weight-gradient accumulation) over
   the scored tokens only, at TP 1; ``kernels.fused_linear_logprobs`` (vocab-parallel) at TP > 1. DPO and the RL
-  losses already read the hidden states through ``kernels.fused_linear_logprobs``.
+  losses already read the hidden states through ``kernels.fused_linear_logprobs``;
+* weight gradients (opt-in, ``wgrad``): accumulated into megatron's fp32 ``main_grad`` inside the GEMM
+  (``rlhf.compat.main_grad``), instead of written in bf16 and then added by DDP's hook.
 
 On CPU the torch twins run (``kernels.swiglu``, ``kernels.rope``, ``torch.nn.RMSNorm``) and SFT's fused head is
 ``kernels.fused_linear_logprobs``' torch path. ``--use_liger_kernel`` (OpenRLHF's ``--ds.use_liger_kernel``) turns it
@@ -34,9 +36,10 @@ LIGER_INSTALL = "pip install liger-kernel==0.8.5"
 PARTS_ENV = "RLHF_FUSED_PARTS"
 """Which of the fused kernels run when the path is on, comma-separated (default ``DEFAULT_PARTS``); for measuring
 each one's share (tests/gpu/gpu_speed.py), the others then run their torch twins."""
-PARTS = ("norm", "swiglu", "rope", "head")
+PARTS = ("norm", "swiglu", "rope", "head", "wgrad")
 DEFAULT_PARTS = ("swiglu", "rope", "head")
-"""Liger's RMSNorm is opt-in (``RLHF_FUSED_PARTS=norm,swiglu,rope,head``): on an H200 (bench/results/gpu_speed_*,
+"""``wgrad`` is opt-in until a GPU has measured it (``RLHF_FUSED_PARTS=swiglu,rope,head,wgrad``). Liger's RMSNorm is
+opt-in (``RLHF_FUSED_PARTS=norm,swiglu,rope,head``): on an H200 (bench/results/gpu_speed_*,
 docs/gpus.md) the step with it was slower than with torch's own fused RMSNorm kernel (``torch.nn.RMSNorm``, one
 kernel each way) at both shapes measured: 89,969 against 122,890 tokens/s at SmolLM2-135M's (its Python wrapper
 costs about 0.4 ms of host time per backward call, and that step is bound by the host), 58,794 against 60,014 at

@@ -138,6 +138,24 @@ def _set_vision_trainable(model, freeze: bool, mesh: ParallelMesh, name: str) ->
         log.info("%s: vision tower (%d parameters on this rank) %s", name, sum(p.numel() for p in tower),
                  "frozen (--freeze_vision_tower)" if freeze else "trained, replicated over TP, data-parallel")
 
+def _route_layers(model: torch.nn.Module, device: torch.device, fused_on: bool) -> None:
+    """The device's kernels in the model's layers: on CUDA with the fused path, Liger's RMSNorm and the weight
+    gradients into main_grad where their parts are on (rlhf.models.fused); on CPU the GEMM of this CPU
+    (rlhf.compat.onednn: oneDNN's, not MKL's generic one on AMD)."""
+    from rlhf.models import fused
+
+    if fused_on and device.type == "cuda" and fused.part_on("norm"):
+        fused.fuse_norms(model)
+    if fused_on and device.type == "cuda" and fused.part_on("wgrad"):
+        from rlhf.compat.main_grad import use_main_grad_linears
+
+        use_main_grad_linears(model, device)
+    if device.type == "cpu":
+        from rlhf.compat.onednn import use_onednn_linears
+
+        use_onednn_linears(model)
+
+
 class ModelRole:
     """A (possibly trainable) megatron model for one role, at this rank's TP/PP position."""
 
@@ -188,12 +206,7 @@ class ModelRole:
 
         # --use_liger_kernel (rlhf.models.fused): the Triton SwiGLU and RoPE, SFT's fused head; Liger's RMSNorm opt-in
         self.fused = fused.enabled(mesh.device, use_te=self.transformer_impl == "transformer_engine")
-        if self.fused and mesh.device.type == "cuda" and fused.part_on("norm"):
-            fused.fuse_norms(model)
-        if mesh.device.type == "cpu":
-            from rlhf.compat.onednn import use_onednn_linears
-
-            use_onednn_linears(model)  # fp32: oneDNN's GEMM, not MKL's generic one on AMD (rlhf/compat/onednn.py)
+        _route_layers(model, mesh.device, self.fused)
         self.model = model  # the bare LlamaGPT
         self.module: torch.nn.Module = model
         self.config = model.config

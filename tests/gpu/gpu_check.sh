@@ -8,7 +8,7 @@
 #   resume      a resume on CUDA (bit for bit)                                      deadline 100 s
 #   speed       the SFT step side by side with transformers and transformers + Liger at Llama-3.2-1B's and
 #               SmolLM2-135M's shapes: tokens/s, MFU, peak memory, ratios (tests/gpu/gpu_speed.py)   deadline 420 s
-#   speed_variants  which fused kernel pays at which shape (RLHF_FUSED_PARTS)        deadline 330 s
+#   speed_variants  which fused kernel pays at which shape (RLHF_FUSED_PARTS; first wgrad) deadline 420 s
 # One PASS/FAIL/NOT RUN line per check (a FAIL line carries the failing log's traceback and last lines), then
 # "N passed, M failed, K not run". A check that would start with under 30 s of its part's deadline left, or whose
 # launch the deadline cuts, is NOT RUN, so each part ends inside its call; rerun what a part did not reach by name

@@ -234,3 +234,29 @@ def test_head_nll_sum_liger_matches_fp64():
     torch.testing.assert_close(hidden.grad.double(), hd.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(weight.grad.double(), wd.grad, atol=1e-4, rtol=1e-4)
     assert torch.all(weight.grad[vocab:] == 0)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="torch's fp32-output bf16 GEMM (addmm out_dtype) is CUDA's only")
+def test_bf16_weight_gradient_accumulates_into_main_grad_on_the_device():
+    """The fused part ``wgrad``: two micro-batches' bf16 weight gradients added into the fp32 ``main_grad`` inside
+    cuBLAS's GEMM (``rlhf.compat.main_grad``), against fp64; the forward and the input gradient as megatron's own."""
+    from rlhf.compat import main_grad
+
+    assert main_grad.bf16_accumulation_works(DEVICE)
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(96, 64, generator=g).bfloat16().to(DEVICE).requires_grad_()
+    w.main_grad, w.grad_added_to_main_grad = torch.randn(96, 64, generator=g).to(DEVICE), False
+    want = w.main_grad.double().cpu()
+    for rows in (37, 300):
+        x = torch.randn(2, rows, 64, generator=g).bfloat16()
+        gy = torch.randn(2, rows, 96, generator=g).bfloat16()
+        xd = x.to(DEVICE).requires_grad_()
+        y = main_grad.MainGradLinear.apply(xd, w, None)
+        y.backward(gy.to(DEVICE))
+        want += gy.double().reshape(-1, 96).T @ x.double().reshape(-1, 64)
+        wd = w.detach().double().cpu()
+        torch.testing.assert_close(y.double().cpu(), x.double() @ wd.T, **LAYER_TOL[torch.bfloat16])
+        torch.testing.assert_close(xd.grad.double().cpu(), gy.double() @ wd, **LAYER_TOL[torch.bfloat16])
+    assert w.grad_added_to_main_grad
+    # fp32 sums of at most 674 exact bf16 products: relative error ~1e-6 of the sums' scale (~25), never bf16's 4e-3
+    torch.testing.assert_close(w.main_grad.double().cpu(), want, atol=2e-4, rtol=1e-5)

@@ -1,6 +1,6 @@
 """Planted bugs of the 2026 families and of MoE at TP > 1 (rlhf/models: spec_families, families, hf_families,
 layer_specs, sequence_parallel, mxfp4, mtp): each removes one term the equivalence with transformers relies on, or one
-refusal. The equivalence tests run one 4-rank job (tests/models/test_families_equivalence.py, about 2 minutes a
+refusal; and of the weight gradients accumulated into megatron's main_grad (rlhf/compat/main_grad.py). The equivalence tests run one 4-rank job (tests/models/test_families_equivalence.py, about 2 minutes a
 mutant); the rest are in-process."""
 from tests.mutants import Mutant
 
@@ -9,6 +9,9 @@ SPEC = "tests/models/test_spec_families.py::"
 PACK = "tests/models/test_families_packing.py::"
 MX = "tests/models/test_families_mxfp4.py::"
 TE = "tests/models/test_te_names.py::"
+MG = "tests/models/test_main_grad.py::"
+MGF = "rlhf/compat/main_grad.py"
+MG_STEP = MG + "test_a_bf16_step_through_megatrons_ddp_matches_its_own_weight_gradients"
 
 
 def _logits(model, layout="tp1pp1"):
@@ -140,4 +143,23 @@ MUTANTS = [
            claim="--transformer_impl transformer_engine with a 2026 family is refused by name before any weight is "
                  "read",
            tests=(f"{TE}test_the_2026_families_run_local_layers_by_default_and_refuse_te_by_name",)),
+    Mutant("models-wgrad-ddp-adds-again", MGF,
+           find="    w.grad_added_to_main_grad = True\n", replace="",
+           claim="a weight gradient accumulated into main_grad in the GEMM is not added again by DDP's hook",
+           tests=(MG_STEP, "tests/models/test_onednn.py::test_weight_grad_accumulates_into_main_grad[MainGradLinear-dtype0]")),
+    Mutant("models-wgrad-rounded-to-bf16", MGF,
+           find="        torch.addmm(mg, g2.t(), x2, out_dtype=torch.float32, out=mg)",
+           replace="        mg.add_(torch.mm(g2.t(), x2).float())",
+           claim="bf16 weight gradients go into main_grad unrounded (fp32 output of the bf16 GEMM), checked before use",
+           tests=(MG + "test_the_check_before_use_and_its_named_fallback", MG_STEP)),
+    Mutant("models-wgrad-check-skipped", MGF,
+           find="    if not bf16_accumulation_works(device):\n        return 0\n", replace="",
+           claim="where torch's fp32-output bf16 GEMM is missing or wrong, megatron's own layers stay (logged once)",
+           tests=(MG + "test_the_check_before_use_and_its_named_fallback",)),
+    Mutant("models-wgrad-comm-call-routed", MGF,
+           find='    return not (got.get("allreduce_dgrad") or got.get("sequence_parallel")',
+           replace='    return not (got.get("sequence_parallel")',
+           claim="a layer call that all-reduces its input gradient inside the layer (column-parallel at TP > 1) keeps "
+                 "megatron's own path",
+           tests=(MG + "test_only_calls_without_communication_on_trained_weights_are_routed[call2-False]",)),
 ]
