@@ -130,8 +130,11 @@ def script_graph(root: str = ROOT) -> dict[str, set[str]]:
     """Script -> the scripts it imports (paths relative to ``root``), anywhere in its source: a dotted name
     (``examples.rlvr.run``, ``from examples.demo import make_data``) is a file under ``root``; a bare one
     (``gpu_harness``, ``_machine``) a file of the importer's own folder, else of an ``ON_PATH`` folder."""
-    files = {os.path.relpath(os.path.join(d, f), root) for top in SCRIPT_DIRS
-             for d, _, fs in os.walk(os.path.join(root, top)) for f in fs if f.endswith(".py")}
+    files = set()
+    for top in SCRIPT_DIRS:
+        for d, dirs, fs in os.walk(os.path.join(root, top)):
+            dirs[:] = [x for x in dirs if not x.startswith(".")]  # a venv (bench/.venv-trl) holds no script of ours
+            files.update(os.path.relpath(os.path.join(d, f), root) for f in fs if f.endswith(".py"))
 
     def resolve(name: str, here: str) -> str | None:
         parts = name.split(".")
