@@ -4,9 +4,10 @@
 
 The carry is the working tree as the device tool copies it (tracked files and untracked ones git does not ignore)
 plus ``tests/gpu/wheels`` (ignored by git, named in the call's ``carry``): the wheels the machine lacks
-(megatron-core, transformers, regex, liger-kernel; tests/gpu/gpu_check.sh's header has the command that fetches
-them). Where a wheel is not there yet, its size is measured by zipping the installed package's files (deflate, as a
-wheel is), so the check runs on any machine with the project's venv.
+(megatron-core, transformers, regex, liger-kernel; and for the GRPO part TRL with what its ``datasets`` needs beyond
+the machine's own pyarrow, pandas and xxhash: trl, datasets, dill, multiprocess; tests/gpu/gpu_check.sh's header has
+the command that fetches them). Where a wheel is not there yet, its size is measured by zipping the installed
+package's files (deflate, as a wheel is), from the project's venv or TRL's (bench/.venv-trl).
 """
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ import zipfile
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIMIT = 64 << 20
 WHEELS = {"megatron-core": "megatron_core", "transformers": "transformers", "regex": "regex",
-          "liger-kernel": "liger_kernel"}
+          "liger-kernel": "liger_kernel", "trl": "trl", "datasets": "datasets", "dill": "dill",
+          "multiprocess": "multiprocess"}
 """Distribution name -> wheel file prefix, for every package the GPU machine lacks."""
+FETCHED_BYTES = {"trl": 992_576, "datasets": 608_276, "dill": 120_019, "multiprocess": 150_281}
+"""The grpo part's wheels (trl-1.12.0, datasets-5.2.0, dill-0.4.1, multiprocess-0.70.19 for CPython 3.12), as
+``pip download`` fetched them: their size where neither they nor TRL's venv are here."""
 
 
 def tree_bytes(repo: str = REPO) -> int:
@@ -38,7 +43,16 @@ def wheel_bytes(dist: str, prefix: str, wheels_dir: str) -> tuple[int, str]:
             return os.path.getsize(os.path.join(wheels_dir, found[0])), found[0]
     from importlib import metadata
 
-    d = metadata.distribution(dist)
+    try:
+        d = metadata.distribution(dist)
+    except metadata.PackageNotFoundError:
+        import glob
+
+        found = [x for site in glob.glob(os.path.join(REPO, "bench", ".venv-trl", "lib", "python*", "site-packages"))
+                 for x in metadata.distributions(name=dist, path=[site])]
+        if not found:  # a CI machine: neither TRL's venv nor the fetched wheels
+            return FETCHED_BYTES[dist], f"{dist}: not here; its wheel's size as fetched from PyPI on 2026-12-08"
+        d = found[0]
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         for f in d.files or []:

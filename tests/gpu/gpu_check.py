@@ -23,7 +23,11 @@ Parts (``PARTS``; each has its own deadline, ``PART_BUDGET_S``):
   fp32 ``main_grad`` inside the GEMM, fused part ``wgrad``, beside the default at both shapes), and 16 rows a
   micro-batch against 8;
 * ``rl_update``: the actor's RL update side by side (tests/gpu/gpu_rl_update.py: ours with the fused log-prob against
-  transformers + Liger's fused linear GRPO loss and plain transformers), at both shapes; not yet run on a GPU.
+  transformers + Liger's fused linear GRPO loss and plain transformers), at both shapes; not yet run on a GPU;
+* ``decode``: the megatron generator's decode side by side (tests/gpu/gpu_decode.py: ours with its decode cache
+  against transformers' generate with its dynamic and its static KV cache), at both shapes; not yet run on a GPU;
+* ``grpo``: the whole GRPO step side by side (tests/gpu/gpu_grpo.py: ours colocated with the megatron generator
+  against TRL's GRPOTrainer, with and without ``use_liger_kernel``), at both shapes; not yet run on a GPU.
 
 Output: an environment header, ``# start <check>`` before each check, one ``PASS``/``FAIL``/``NOT RUN`` line per
 check (a FAIL line is followed by the failing log's traceback and last lines, indented with ``|``), and
@@ -62,9 +66,12 @@ PARTS: dict[str, tuple[str, ...]] = {
     "speed": ("speed_1b", "speed_135m"),
     "speed_variants": ("speed_variants",),
     "rl_update": ("rl_1b", "rl_135m"),
+    "decode": ("decode_1b", "decode_135m"),
+    "grpo": ("grpo_135m", "grpo_1b"),
 }
 """Each part's checks, most telling first: the ones a deadline leaves out are the last."""
-PART_BUDGET_S = {"fp32": 200, "bf16": 220, "resume": 100, "speed": 420, "speed_variants": 420, "rl_update": 300}
+PART_BUDGET_S = {"fp32": 200, "bf16": 220, "resume": 100, "speed": 420, "speed_variants": 420, "rl_update": 300,
+                 "decode": 300, "grpo": 480}
 """Measured on an H200 (2026-11-27, bench/results/gpu_*_figures.json): fp32 162 s (kernels 24, SFT padded with its
 export 48, packed 35, PPO 33, RM 22), bf16 178 s (SFT packed 30, PPO 30, MoE SFT 29, RM 28, SFT padded 22, MoE GRPO
 with replay 39), resume 63 s; speed 328 s and speed_variants 233 s (2026-11-28); each budget is that plus about
@@ -228,7 +235,21 @@ CHECKS: dict[str, Callable[[Check], None]] = {
     "speed_1b": lambda c: _speed(c, "llama32_1b"), "speed_135m": lambda c: _speed(c, "smollm2_135m"),
     "speed_variants": lambda c: _speed(c, None),
     "rl_1b": lambda c: _rl(c, "llama32_1b"), "rl_135m": lambda c: _rl(c, "smollm2_135m"),
+    "decode_1b": lambda c: _decode(c, "llama32_1b"), "decode_135m": lambda c: _decode(c, "smollm2_135m"),
+    "grpo_135m": lambda c: _grpo(c, "smollm2_135m"), "grpo_1b": lambda c: _grpo(c, "llama32_1b"),
 }
+
+
+def _grpo(c: Check, shape: str) -> None:
+    import gpu_grpo
+
+    gpu_grpo.check_grpo(c, shape)
+
+
+def _decode(c: Check, shape: str) -> None:
+    import gpu_speed
+
+    gpu_speed.check_decode(c, shape)
 
 
 def _rl(c: Check, shape: str) -> None:

@@ -9,6 +9,9 @@
 #   speed       the SFT step side by side with transformers and transformers + Liger at Llama-3.2-1B's and
 #               SmolLM2-135M's shapes: tokens/s, MFU, peak memory, ratios (tests/gpu/gpu_speed.py)   deadline 420 s
 #   speed_variants  which fused kernel pays at which shape (RLHF_FUSED_PARTS; first wgrad) deadline 420 s
+#   rl_update   the actor's RL update against transformers + Liger's fused GRPO loss  deadline 300 s
+#   decode      the megatron generator's decode against transformers' generate     deadline 300 s
+#   grpo        the whole GRPO step against TRL's GRPOTrainer (+ use_liger_kernel)  deadline 480 s
 # One PASS/FAIL/NOT RUN line per check (a FAIL line carries the failing log's traceback and last lines), then
 # "N passed, M failed, K not run". A check that would start with under 30 s of its part's deadline left, or whose
 # launch the deadline cuts, is NOT RUN, so each part ends inside its call; rerun what a part did not reach by name
@@ -41,7 +44,11 @@
 #
 #   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 #      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d tests/gpu/wheels"
-#   pip download $P megatron-core==0.16.1 regex==2026.11.15 transformers==5.19.0 liger-kernel==0.8.5
+#   pip download $P megatron-core==0.16.1 regex==2026.11.15 transformers==5.19.0 liger-kernel==0.8.5 \
+#     trl==1.12.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+#
+# (the last four for the grpo part: TRL 1.12.0 and what its datasets needs beyond the machine's pyarrow, pandas and
+# xxhash; about 1.8 MB)
 #
 # (the versions tools/setup_env.sh resolved on a CPU machine; the machine's own torch, triton, safetensors, numpy,
 # accelerate, tokenizers and huggingface_hub are used: its huggingface_hub 1.33 satisfies transformers 5.19, while a

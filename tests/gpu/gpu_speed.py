@@ -253,3 +253,40 @@ def check_rl(c: harness.Check, shape_name: str) -> None:
     c.report.add(f"rl_{name}", all(t for t in tps.values()), f"{shape_name} actor update, {shape['batch']} x "
                  f"{shape['max_len']} tokens a step: {text}; " + ", ".join(f"{k} {x:.3f}" for k, x in ratios.items()),
                  dict(results=results, ratios=ratios), c.log(f"rl_{name}_ours"))
+
+
+DECODE = dict(prompts=4, n_samples_per_prompt=8, prompt_len=128, tokens=256, rounds=2)
+DECODE_REHEARSAL = dict(prompts=2, n_samples_per_prompt=2, prompt_len=16, tokens=16, rounds=1)
+
+
+def check_decode(c: harness.Check, shape_name: str) -> None:
+    """The megatron generator's decode side by side (tests/gpu/gpu_decode.py) on the speed check's model at
+    ``shape_name``: ours (decode cache) against transformers' generate with its dynamic and its static KV cache; new
+    tokens/s, peak memory, ratios. A PASS when all three ran (no goal is set for decode)."""
+    name = SHORT[shape_name]
+    model = _prepare(c, name, shape_name, REHEARSAL if c.rehearse else SHAPE)[0]
+    script = os.path.join(HERE, "gpu_decode.py")
+    common = [x for k, v in (DECODE_REHEARSAL if c.rehearse else DECODE).items() for x in (f"--{k}", str(v))]
+    common += ["--model", model, "--device", "cpu" if c.rehearse else "cuda"]
+    from rlhf.distributed.env import free_port
+
+    results: dict[str, dict] = {}
+    for v, cmd in (("ours", ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                             str(free_port()), script, "--impl", "ours"]),
+                   ("hf", [script, "--impl", "hf"]), ("hf_static", [script, "--impl", "hf_static"])):
+        out = os.path.join(c.out, f"decode_{name}_{v}.json")
+        try:
+            rc = c.launch([sys.executable, *cmd, *common, "--json", out], f"decode_{name}_{v}")
+        except harness.OutOfTime as e:
+            results[v] = dict(rc=None, why=str(e))
+            continue
+        results[v] = json.load(open(out)) if rc == 0 and os.path.exists(out) else dict(rc=rc)
+        c.report.figures["checks"].setdefault(c.current, {}).update(results)
+        c.report.write()
+    tps = {v: r.get("tokens_per_s") for v, r in results.items()}
+    ratios = {f"ours/{v}": tps["ours"] / t for v, t in tps.items() if v != "ours" and t and tps.get("ours")}
+    text = "; ".join(f"{v} {r['tokens_per_s']:.0f} new tok/s peak {r['peak_gib']:.1f} GiB" if r.get("tokens_per_s")
+                     else f"{v} not measured (rc={r.get('rc')})" for v, r in results.items())
+    c.report.add(f"decode_{name}", all(t for t in tps.values()), f"{shape_name} decode: {text}; "
+                 + ", ".join(f"{k} {x:.3f}" for k, x in ratios.items()), dict(results=results, ratios=ratios),
+                 c.log(f"decode_{name}_ours"))
