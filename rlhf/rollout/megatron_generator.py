@@ -1,12 +1,13 @@
 """FALLBACK generation with the actor's own megatron model, for machines without vLLM.
 
-It is a plain sampling loop meant for correctness, tests and debugging, not for speed: ``generate`` feeds a
-prompt once and then one token per step through a decode cache (``rlhf.rollout.decode_cache``: megatron's KV cache
-for softmax attention, the convolution window and recurrent state for Gated DeltaNet layers) where the model allows
-one, else the whole sequence per token (named once in the log); the partial-rollout rounds and the agents' requests
-always feed whole sequences. ``build_rollout`` logs a warning when it is chosen. It shares the actor's weights, so
-a "weight sync" is a no-op. Sampling follows vLLM's semantics: ``log_softmax(logits / temperature)`` log-probs,
-optional nucleus (top-p) filtering, stop at EOS.
+It is a plain sampling loop meant for correctness, tests and debugging, not for speed: ``generate`` samples the
+replies of prompts of one length as one batch (``max_batch_rows``), feeds them once and then one token per step
+through a decode cache (``rlhf.rollout.decode_cache``: megatron's KV cache for softmax attention, the convolution
+window and recurrent state for Gated DeltaNet layers) where the model allows one, else the whole sequence per token
+(named once in the log); the partial-rollout rounds and the agents' requests always feed whole sequences.
+``build_rollout`` logs a warning when it is chosen. It shares the actor's weights, so a "weight sync" is a no-op.
+Sampling follows vLLM's semantics: ``log_softmax(logits / temperature)`` log-probs, optional nucleus (top-p)
+filtering, stop at EOS.
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ class MegatronRollout:
     name = "megatron-fallback"
     use_decode_cache = True
     """feed each drawn token alone through a ``DecodeCache`` where the model allows (tests compare both ways)"""
+    max_batch_rows = 64
+    """``generate`` samples the replies of prompts of one length together, up to this many rows a batch (1: each
+    prompt's replies alone, as before; the tokens drawn are the same either way)"""
 
     def __init__(self, mesh, actor, cfg: RolloutConfig, announce: bool = True):
         """``announce``: log the fallback's warning (False for a generator that is not the policy's, such as an
@@ -40,7 +44,8 @@ class MegatronRollout:
         if mesh.is_rank0 and announce:
             log.warning("=" * 100)
             log.warning("ROLLOUT FALLBACK: vLLM is not available (or --rollout_backend megatron); generating with "
-                        "the megatron actor, one forward per token, unbatched across prompts. Expect it to be slow.")
+                        "the megatron actor, one forward per token, only prompts of one length batched together. "
+                        "Expect it to be slow.")
             log.warning("=" * 100)
         from rlhf.rollout.decode_cache import cache_refusal
 
@@ -82,9 +87,9 @@ class MegatronRollout:
     def _next_token(self, ids: torch.Tensor, temperature: float, top_p: float, gen, recorder=None,
                     last: torch.Tensor | None = None, mm: dict | None = None, cache=None):
         """ids (n, L) -> (token (n,), logprob (n,)) identical on every rank of this DP replica; ``recorder`` (a
-        ``RoutingRecorder``) gets the routing of this forward. ``gen``: one ``torch.Generator`` for every row, or a
-        list of one per row; ``last``: each row's last real position (rows right-padded: the causal mask keeps the
-        padding out of every real position), default the last column. ``mm``: the images of a vision-language
+        ``RoutingRecorder``) gets the routing of this forward. ``gen``: one ``torch.Generator`` for every row, a
+        list of one per row, or of one per equal block of rows; ``last``: each row's last real position (rows
+        right-padded: the causal mask keeps the padding out of every real position), default the last column. ``mm``: the images of a vision-language
         prompt (``ImagePrompt.mm``), the same for every row: the tower runs in each forward and the 3-D positions
         are those of the whole sequence so far (``rlhf.models.vlm.vision_batch``), as the trainer's. ``cache``: a
         ``DecodeCache`` holding the tokens before ``ids``."""
@@ -117,8 +122,12 @@ class MegatronRollout:
                 tok = probs.argmax(-1)
             elif isinstance(gen, torch.Generator):
                 tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-            else:
+            elif len(gen) == probs.shape[0]:
                 tok = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, gen)])
+            else:  # one generator per block of rows (a prompt's replies), each block drawn as alone
+                per = probs.shape[0] // len(gen)
+                tok = torch.cat([torch.multinomial(probs[k * per:(k + 1) * per], 1, generator=g).squeeze(-1)
+                                 for k, g in enumerate(gen)])
             result[0] = tok.double()
             result[1] = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         if mesh.pp > 1:
@@ -130,15 +139,34 @@ class MegatronRollout:
         mesh = self.mesh
         per = len(prompts) // mesh.dp
         lo = mesh.dp_rank * per
-        local: list[Sample] = []
-        for i, prompt in enumerate(prompts[lo: lo + per]):
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + lo + i)
-            mm = getattr(prompt, "mm", None)  # an ``ImagePrompt``'s images
-            for row, lps, ended, routed in self._sample(prompt, n, temperature, top_p, max_tokens, gen, ignore_eos,
-                                                        mm):
-                local.append(Sample(lo + i, list(prompt), row, lps, ended, mm=mm, routed_experts=routed))
+        mine = list(prompts[lo: lo + per])
+        replies: dict[int, list] = {}
+        for batch in self._batches(mine, n):
+            gens = [torch.Generator().manual_seed(seed * 1_000_003 + lo + i) for i in batch]
+            mm = getattr(mine[batch[0]], "mm", None)  # an ``ImagePrompt``'s images (such a prompt is batched alone)
+            out = self._sample([mine[i] for i in batch], n, temperature, top_p, max_tokens, gens, ignore_eos, mm)
+            replies.update(zip(batch, out))
+        local = [Sample(lo + i, list(prompt), row, lps, ended, mm=getattr(prompt, "mm", None), routed_experts=routed)
+                 for i, prompt in enumerate(mine) for row, lps, ended, routed in replies[i]]
         keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
         return gather_samples(local if keep else [], mesh)
+
+    def _batches(self, prompts: Sequence, n: int) -> list[list[int]]:
+        """The prompts' indices in the batches ``generate`` samples together: prompts of one length (no padding:
+        the decode cache's rows share one offset), each with its ``n`` replies, up to ``max_batch_rows`` rows (at
+        least one prompt). A prompt with images, and every prompt of an actor whose forwards are collectives over
+        the EP group (its ranks must feed the same number of batches), is a batch of its own."""
+        alone = self.mesh.ep > 1 and bool(self.actor.spec.num_experts)
+        out, by_len = [], {}
+        for i, p in enumerate(prompts):
+            if alone or getattr(p, "mm", None) is not None:
+                out.append([i])
+            else:
+                by_len.setdefault(len(p), []).append(i)
+        per = max(1, self.max_batch_rows // max(n, 1))
+        for idx in by_len.values():
+            out += [idx[k:k + per] for k in range(0, len(idx), per)]
+        return sorted(out)
 
     def generate_requests(self, requests: Sequence[tuple], with_routing: bool = False) -> list[tuple]:
         """``VLLMRollout.generate_requests``: each DP replica samples a contiguous share, one request at a time
@@ -149,23 +177,26 @@ class MegatronRollout:
         local: list[Sample] = []
         for i, (prompt, max_tokens, temperature, top_p, seed) in enumerate(requests[lo:hi]):
             gen = torch.Generator().manual_seed(seed)
-            (row, lps, ended, routed), = self._sample(prompt, 1, temperature, top_p, max_tokens, gen, False)
+            ((row, lps, ended, routed),), = self._sample([prompt], 1, temperature, top_p, max_tokens, [gen], False)
             local.append(Sample(lo + i, [], row, lps, ended, routed_experts=routed if with_routing else None))
         keep = mesh.tp_rank == 0 and mesh.pp_rank == 0
         return [(s.response_ids, s.logprobs, s.finished) + ((s.routed_experts,) if with_routing else ())
                 for s in gather_samples(local if keep else [], mesh)]
 
-    def _sample(self, prompt, n: int, temperature: float, top_p: float, max_tokens: int, gen, ignore_eos: bool,
+    def _sample(self, prompts, n: int, temperature: float, top_p: float, max_tokens: int, gens, ignore_eos: bool,
                 mm: dict | None = None):
-        """``n`` replies to one prompt: ``(token ids, log-probs, ended by EOS, routing)`` each, cut after EOS; routing
-        (an MoE actor's; else None): the experts of the prompt and response tokens fed forward, (P + R - 1, layers,
-        top_k) expert ids, each token's from the forward that first fed it."""
+        """``n`` replies to each of ``prompts`` (all of one length), drawn by its own generator of ``gens``: per
+        prompt, ``(token ids, log-probs, ended by EOS, routing)`` each, cut after EOS; routing (an MoE actor's; else
+        None): the experts of the prompt and response tokens fed forward, (P + R - 1, layers, top_k) expert ids, each
+        token's from the forward that first fed it."""
         eos = set() if ignore_eos else self.eos_ids
-        ids = torch.tensor([list(prompt)] * n, dtype=torch.long)  # (n, P)
+        prompt = list(prompts[0])
+        ids = torch.tensor([list(p) for p in prompts for _ in range(n)], dtype=torch.long)  # (k n, P)
+        gen = gens[0] if len(gens) == 1 else gens  # several: one per prompt's block of n rows
         tokens, lps = [], []
-        done = torch.zeros(n, dtype=torch.bool)
+        done = torch.zeros(ids.shape[0], dtype=torch.bool)
         recorder, routed = self._recorder(), []
-        cache = self._decode_cache(n, len(prompt) + max_tokens)
+        cache = self._decode_cache(ids.shape[0], len(prompt) + max_tokens)
         for _ in range(max_tokens):
             fed = ids.shape[1] - sum(r.shape[1] for r in routed)
             if cache is None:
@@ -187,13 +218,13 @@ class MegatronRollout:
         toks, lpt = torch.stack(tokens, 1), torch.stack(lps, 1)  # (n, R)
         routing = (torch.cat(routed, 1).long() - 1) if routed else None  # (n, P + R - 1, layers, K) expert ids
         out = []
-        for k in range(n):
+        for k in range(ids.shape[0]):
             row = toks[k].tolist()
             end = next((i + 1 for i, t in enumerate(row) if t in eos), None)
             cut = end or len(row)
             r = None if routing is None else routing[k, : len(prompt) + cut - 1].to(torch.int16).numpy()
             out.append((row[:cut], lpt[k, :cut].tolist(), end is not None, r))
-        return out
+        return [out[j * n:(j + 1) * n] for j in range(len(prompts))]
 
     @torch.no_grad()
     def partial_round(self, mine: list, need: int, *, temperature: float, top_p: float, max_tokens: int,

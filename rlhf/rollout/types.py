@@ -109,7 +109,7 @@ class RolloutConfig:
     enable_sleep_mode: bool = True
     """vLLM sleep mode between rollouts; only on CUDA (vLLM rejects it on CPU, and sleep/wake are no-ops)."""
     backend: str = "auto"
-    """auto | vllm | megatron (the fallback, no KV cache; for machines without vLLM)."""
+    """auto | vllm | megatron (the fallback: the actor's own model with a decode cache; for machines without vLLM)."""
     weight_sync_bucket_mb: int = 512
     """(--weight_sync_bucket_mb) TP-gathered weights are sent to the engine in buckets of about this size."""
     enable_prefix_caching: bool = False

@@ -74,6 +74,8 @@ def run_ours(a) -> dict:
     mesh = initialize_mesh(1, 1, DistEnv.from_environ(), seed=1)
     actor = ModelRole(mesh, a.model, value_head=False, name="actor", bf16=True)
     gen = MegatronRollout(mesh, actor, RolloutConfig(backend="megatron"), announce=False)
+    if a.max_batch_rows:
+        gen.max_batch_rows = a.max_batch_rows
     prompts = prompts_of(actor.spec.vocab_size, a.prompts, a.prompt_len)
     lengths = []
 
@@ -83,7 +85,8 @@ def run_ours(a) -> dict:
         lengths.append(sum(len(s.response_ids) for s in out))
 
     times = _timed(once, mesh.device, a.rounds)
-    return _result(a, times, lengths[-1], _peak(mesh.device), impl="ours", decode_cache=gen.cache_refusal is None)
+    return _result(a, times, lengths[-1], _peak(mesh.device), impl="ours", decode_cache=gen.cache_refusal is None,
+                   max_batch_rows=gen.max_batch_rows)
 
 
 def run_hf(a) -> dict:
@@ -130,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256, help="new tokens per reply")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--max_batch_rows", type=int, default=None,
+                   help="ours: rows sampled together (default the generator's; 1: each prompt's replies alone)")
     a = p.parse_args(argv)
     for flag in ("prompts", "n_samples_per_prompt", "prompt_len", "tokens", "rounds"):
         if getattr(a, flag) < 1:

@@ -3,11 +3,14 @@ did own a weight, or not checked after a sync; and of the start-up warnings that
 (rlhf/compat/quiet.py): shown after all, or dropped beyond the expected ones. The megatron generator with images
 (Qwen3.5's vision form, tests/ppo/test_vlm_jobs.py): the images not fed, the sequence's 3-D positions not fed, the
 images not handed on with the sample to the trainer. Its decode cache (tests/ppo/test_decode_cache.py): off, the
-prompt not prefilled, a DeltaNet layer's recurrent state or convolution window not carried between steps."""
+prompt not prefilled, a DeltaNet layer's recurrent state or convolution window not carried between steps; its
+batches of prompts of one length: one generator for all, lengths mixed, an MoE actor at EP > 1 batched."""
 from tests.mutants import Mutant
 
 _T = "tests/ppo/test_engine_weights.py::"
 _DC = "tests/ppo/test_decode_cache.py::test_cached_decode_equals_transformers_and_whole_sequences"
+_TOG = "tests/ppo/test_decode_cache.py::test_prompts_of_one_length_are_drawn_together_as_alone"
+_BATCHED = "tests/ppo/test_decode_cache.py::test_which_prompts_are_batched"
 _VLM = "tests/ppo/test_vlm_jobs.py::test_grpo_with_images_from_the_megatron_generator[qwen3_5]"
 MUTANTS = [
     Mutant("generator-untied-head-silenced", "rlhf/compat/vllm.py",
@@ -49,8 +52,8 @@ MUTANTS = [
            claim="the megatron generator's forwards take the sequence's 3-D (multimodal rotary) positions",
            tests=(_VLM,)),
     Mutant("generator-megatron-sample-without-images", "rlhf/rollout/megatron_generator.py",
-           find="local.append(Sample(lo + i, list(prompt), row, lps, ended, mm=mm, routed_experts=routed))",
-           replace="local.append(Sample(lo + i, list(prompt), row, lps, ended, routed_experts=routed))",
+           find='ended, mm=getattr(prompt, "mm", None), routed_experts=routed)',
+           replace="ended, routed_experts=routed)",
            claim="a sample the megatron generator drew from an image prompt carries its images to the trainer",
            tests=(_VLM,)),
     Mutant("generator-decode-cache-off", "rlhf/rollout/megatron_generator.py",
@@ -69,4 +72,16 @@ MUTANTS = [
            find="if prev is None else prev[0], x], dim=-1)", replace="if True else prev[0], x], dim=-1)",
            claim="a Gated DeltaNet layer's convolution sees the K - 1 inputs before a decode step's token",
            tests=(_DC + "[qwen3_next]",)),
+    Mutant("generator-batch-shares-one-generator", "rlhf/rollout/megatron_generator.py",
+           find="        gen = gens[0] if len(gens) == 1 else gens  # several", replace="        gen = gens[0]  # several",
+           claim="prompts batched together each draw their replies from their own generator, as if alone",
+           tests=(_TOG + "[llama]",)),
+    Mutant("generator-batch-mixes-lengths", "rlhf/rollout/megatron_generator.py",
+           find="                by_len.setdefault(len(p), []).append(i)", replace="                by_len.setdefault(0, []).append(i)",
+           claim="only prompts of one length are batched together (no padding in the decode cache's shared offset)",
+           tests=(_TOG + "[llama]", _BATCHED + "[1-0-want0]")),
+    Mutant("generator-batch-moe-ep-batched", "rlhf/rollout/megatron_generator.py",
+           find="        alone = self.mesh.ep > 1 and bool(self.actor.spec.num_experts)", replace="        alone = False",
+           claim="an MoE actor at EP > 1 samples each prompt alone, so its EP ranks feed the same number of batches",
+           tests=(_BATCHED + "[2-4-want3]",)),
 ]

@@ -80,3 +80,54 @@ def test_cached_decode_equals_transformers_and_whole_sequences(generator):
     assert worst <= 1e-5, worst
     if "moe" in path:  # the routing of every prompt and reply token, one record per token fed
         assert all(s.routed_experts.shape[0] == len(s.prompt_ids) + len(s.response_ids) - 1 for s in cached)
+
+
+def test_prompts_of_one_length_are_drawn_together_as_alone(generator):
+    """``generate`` samples the replies of prompts of one length as one batch (three 7-token prompts: 9 rows, one
+    prefill, then (9, 1) per step; the 11-token prompt alone), each prompt's replies drawn by its own generator: the
+    same tokens as with every prompt alone (``max_batch_rows`` 1), log-probs within 1e-5, the order kept."""
+    gen, _ = generator
+    gen.use_decode_cache = True  # the test above leaves it off
+    prompts = [PROMPTS[0], PROMPTS[1], [p + 1 for p in PROMPTS[0]], [p + 2 for p in PROMPTS[0]]]
+    runs = {}
+    for rows in (64, 1):
+        gen.max_batch_rows, fed, forward = rows, [], gen.actor.forward
+
+        def watch(mbs, *a, **kw):
+            fed.append(tuple(mbs[0]["input_ids"].shape))
+            return forward(mbs, *a, **kw)
+
+        gen.actor.forward = watch
+        try:
+            runs[rows] = gen.generate(prompts, n=3, temperature=1.0, top_p=1.0, max_tokens=12, seed=7,
+                                      ignore_eos=True), fed
+        finally:
+            gen.actor.forward = forward
+            gen.max_batch_rows = type(gen).max_batch_rows
+    (together, fed), (alone, fed_alone) = runs[64], runs[1]
+    assert fed == [(9, 7)] + [(9, 1)] * 11 + [(3, 11)] + [(3, 1)] * 11, fed
+    assert len(fed_alone) == 4 * 12  # the control: a prompt at a time
+    assert [s.prompt_index for s in together] == [s.prompt_index for s in alone] == [i for i in range(4) for _ in "abc"]
+    assert [s.response_ids for s in together] == [s.response_ids for s in alone]
+    diff = max(abs(a - b) for x, y in zip(together, alone) for a, b in zip(x.logprobs, y.logprobs))
+    assert diff <= 1e-5, diff
+
+
+@pytest.mark.parametrize("ep,experts,want", [
+    (1, 0, [[0, 2], [1], [3], [4]]), (1, 4, [[0, 2], [1], [3], [4]]), (2, 0, [[0, 2], [1], [3], [4]]),
+    (2, 4, [[0], [1], [2], [3], [4]])])
+def test_which_prompts_are_batched(ep, experts, want):
+    """Prompts of one length together, up to ``max_batch_rows`` rows (here 2 prompts of 3 replies: 7 // 3); a prompt
+    with images alone (index 3); an MoE actor at EP > 1 every prompt alone, so that its EP ranks, whose forwards
+    are collectives, feed the same number of batches whatever their prompts' lengths."""
+    from types import SimpleNamespace
+
+    from rlhf.rollout.megatron_generator import MegatronRollout
+
+    gen = MegatronRollout.__new__(MegatronRollout)
+    gen.mesh, gen.actor = SimpleNamespace(ep=ep), SimpleNamespace(spec=SimpleNamespace(num_experts=experts))
+    gen.max_batch_rows = 7
+    image = type("ImagePrompt", (list,), {})([1, 2, 3])
+    image.mm = {"pixel_values": None}
+    prompts = [[1, 2, 3], [1, 2], [4, 5, 6], image, [7, 8, 9]]
+    assert gen._batches(prompts, 3) == want
