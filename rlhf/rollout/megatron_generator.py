@@ -7,7 +7,8 @@ window and recurrent state for Gated DeltaNet layers) where the model allows one
 (named once in the log); the partial-rollout rounds and the agents' requests always feed whole sequences.
 ``build_rollout`` logs a warning when it is chosen. It shares the actor's weights, so a "weight sync" is a no-op.
 Sampling follows vLLM's semantics: ``log_softmax(logits / temperature)`` log-probs, optional nucleus (top-p)
-filtering, stop at EOS.
+filtering, stop at EOS; the draw (``sample_rows``) runs on the model's device, one uniform per row from a CPU
+generator, so the tokens do not depend on the device.
 """
 from __future__ import annotations
 
@@ -21,6 +22,40 @@ from rlhf.rollout.types import RolloutConfig, Sample
 from rlhf.rollout.vllm_generator import gather_samples
 
 log = logging.getLogger(__name__)
+
+
+def sample_rows(logits: torch.Tensor, temperature: float, top_p: float, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` ``(n, V)`` and its log-prob, by vLLM's semantics: ``log_softmax(logits /
+    temperature)`` in fp64, top-p (the smallest set of most likely tokens whose mass reaches ``top_p``), greedy at
+    temperature 0. Computed on the logits' device; the draw is the inverse of each row's cumulative distribution
+    at one uniform per row from ``gen`` (a CPU ``torch.Generator`` for every row, a list of one per row, or of one
+    per equal block of rows), so the tokens do not depend on the device. Non-finite probabilities are an error."""
+    z = logits.double() / max(temperature, 1e-6)  # (n, V)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    probs = (z - lse).exp_()  # one pass of exp: the log-probs are needed at the drawn tokens only
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p
+        sorted_p[drop] = 0
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    if temperature <= 0:
+        tok = probs.argmax(-1)
+    else:
+        n = probs.shape[0]
+        if isinstance(gen, torch.Generator):
+            u = torch.rand(n, generator=gen, dtype=torch.float64)
+        else:  # one generator per row, or per block of rows (a prompt's replies: drawn as if alone)
+            per = n // len(gen)
+            u = torch.cat([torch.rand(per, generator=g, dtype=torch.float64) for g in gen])
+        cdf = probs.cumsum(-1)
+        total = cdf[:, -1]
+        if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()):
+            raise RuntimeError("megatron generator: the next-token probabilities are not finite (non-finite "
+                               "logits from the model)")
+        tok = torch.searchsorted(cdf, (u.to(probs.device) * total).unsqueeze(-1), right=True).squeeze(-1)
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)  # u * total rounded up to total
+        tok = torch.minimum(tok, last)
+    return tok, (z.gather(-1, tok.unsqueeze(-1)) - lse).squeeze(-1)
 
 
 class MegatronRollout:
@@ -89,10 +124,11 @@ class MegatronRollout:
         """ids (n, L) -> (token (n,), logprob (n,)) identical on every rank of this DP replica; ``recorder`` (a
         ``RoutingRecorder``) gets the routing of this forward. ``gen``: one ``torch.Generator`` for every row, a
         list of one per row, or of one per equal block of rows; ``last``: each row's last real position (rows
-        right-padded: the causal mask keeps the padding out of every real position), default the last column. ``mm``: the images of a vision-language
-        prompt (``ImagePrompt.mm``), the same for every row: the tower runs in each forward and the 3-D positions
-        are those of the whole sequence so far (``rlhf.models.vlm.vision_batch``), as the trainer's. ``cache``: a
-        ``DecodeCache`` holding the tokens before ``ids``."""
+        right-padded: the causal mask keeps the padding out of every real position), default the last column.
+        ``mm``: the images of a vision-language prompt (``ImagePrompt.mm``), the same for every row: the tower runs
+        in each forward and the 3-D positions are those of the whole sequence so far
+        (``rlhf.models.vlm.vision_batch``), as the trainer's. ``cache``: a ``DecodeCache`` holding the tokens before
+        ``ids``."""
         from rlhf.data.collate import vision_entries
         from rlhf.models.pipeline import gather_vocab_parallel
 
@@ -109,27 +145,9 @@ class MegatronRollout:
                 rows = out[:, -1]
             else:
                 rows = out[torch.arange(out.shape[0], device=out.device), last.to(out.device)]
-            # Sampled on the host with a CPU generator: the same tokens whatever the device.
-            logits = gather_vocab_parallel(rows).cpu()[:, : self.actor.spec.vocab_size].double()
-            logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)  # (n, V)
-            probs = logp.exp()
-            if top_p < 1.0:
-                sorted_p, order = probs.sort(dim=-1, descending=True)
-                drop = sorted_p.cumsum(-1) - sorted_p > top_p
-                sorted_p[drop] = 0
-                probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-            if temperature <= 0:
-                tok = probs.argmax(-1)
-            elif isinstance(gen, torch.Generator):
-                tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-            elif len(gen) == probs.shape[0]:
-                tok = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, gen)])
-            else:  # one generator per block of rows (a prompt's replies), each block drawn as alone
-                per = probs.shape[0] // len(gen)
-                tok = torch.cat([torch.multinomial(probs[k * per:(k + 1) * per], 1, generator=g).squeeze(-1)
-                                 for k, g in enumerate(gen)])
-            result[0] = tok.double()
-            result[1] = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+            logits = gather_vocab_parallel(rows)[:, : self.actor.spec.vocab_size]
+            tok, lp = sample_rows(logits, temperature, top_p, gen)
+            result[0], result[1] = tok.double().cpu(), lp.cpu()
         if mesh.pp > 1:
             dist.broadcast(result, src=dist.get_global_rank(mesh.pp_group, mesh.pp - 1), group=mesh.pp_group)
         return result[0].long(), result[1].float()

@@ -4,13 +4,15 @@ did own a weight, or not checked after a sync; and of the start-up warnings that
 (Qwen3.5's vision form, tests/ppo/test_vlm_jobs.py): the images not fed, the sequence's 3-D positions not fed, the
 images not handed on with the sample to the trainer. Its decode cache (tests/ppo/test_decode_cache.py): off, the
 prompt not prefilled, a DeltaNet layer's recurrent state or convolution window not carried between steps; its
-batches of prompts of one length: one generator for all, lengths mixed, an MoE actor at EP > 1 batched."""
+batches of prompts of one length: one generator for all, lengths mixed, an MoE actor at EP > 1 batched; its draw
+(tests/ppo/test_megatron_sampling.py): top-p ignored, the uniform not scaled to the row's mass, non-finite drawn."""
 from tests.mutants import Mutant
 
 _T = "tests/ppo/test_engine_weights.py::"
 _DC = "tests/ppo/test_decode_cache.py::test_cached_decode_equals_transformers_and_whole_sequences"
 _TOG = "tests/ppo/test_decode_cache.py::test_prompts_of_one_length_are_drawn_together_as_alone"
 _BATCHED = "tests/ppo/test_decode_cache.py::test_which_prompts_are_batched"
+_SR = "tests/ppo/test_megatron_sampling.py::"
 _VLM = "tests/ppo/test_vlm_jobs.py::test_grpo_with_images_from_the_megatron_generator[qwen3_5]"
 MUTANTS = [
     Mutant("generator-untied-head-silenced", "rlhf/compat/vllm.py",
@@ -84,4 +86,17 @@ MUTANTS = [
            find="        alone = self.mesh.ep > 1 and bool(self.actor.spec.num_experts)", replace="        alone = False",
            claim="an MoE actor at EP > 1 samples each prompt alone, so its EP ranks feed the same number of batches",
            tests=(_BATCHED + "[2-4-want3]",)),
+    Mutant("generator-draw-ignores-top-p", "rlhf/rollout/megatron_generator.py",
+           find="        sorted_p[drop] = 0\n", replace="",
+           claim="the megatron generator draws only from the top-p nucleus",
+           tests=(_SR + "test_draws_follow_the_nucleus_distribution[0.7-0.8]",)),
+    Mutant("generator-draw-uniform-not-scaled", "rlhf/rollout/megatron_generator.py",
+           find="(u.to(probs.device) * total).unsqueeze(-1)", replace="u.to(probs.device).unsqueeze(-1)",
+           claim="the draw inverts each row's cumulative distribution over its whole (nucleus) mass",
+           tests=(_SR + "test_draws_follow_the_nucleus_distribution[1.3-0.5]",)),
+    Mutant("generator-draw-non-finite-drawn", "rlhf/rollout/megatron_generator.py",
+           find="        if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()):",
+           replace="        if False:",
+           claim="non-finite next-token probabilities are an error, never a drawn token",
+           tests=(_SR + "test_non_finite_logits_are_an_error[nan]",)),
 ]

@@ -187,10 +187,12 @@ def _alone(logits, s, version, temperature, max_tokens, stops):
 
     gen, ids, toks, lps = torch.Generator().manual_seed(s.round_seed(version)), list(s.prompt_ids + s.response_ids), [], []
     while len(s.response_ids) + len(toks) < max_tokens:
-        logp = torch.log_softmax(logits(torch.tensor([ids]))[0, -1] / temperature, dim=-1)
-        t = int(torch.multinomial(logp.exp(), 1, generator=gen))
+        z = logits(torch.tensor([ids]))[0, -1] / temperature
+        cdf = torch.softmax(z, dim=-1).cumsum(-1)
+        u = torch.rand(1, generator=gen, dtype=torch.float64)  # the documented draw: one uniform per row and token,
+        t = int((cdf > u * cdf[-1]).nonzero()[0])  # the first token whose cumulative mass passes it
         toks.append(t)
-        lps.append(float(logp[t].float()))  # the generator hands fp32 log-probs, as vLLM does
+        lps.append(float((z[t] - torch.logsumexp(z, -1)).float()))  # fp32 log-probs out, as vLLM hands them
         ids.append(t)
         if t in stops:
             break

@@ -237,14 +237,17 @@ def test_openrlhf_reward_file_and_its_extra_logs(ppo_setup, tmp_path, monkeypatc
 
 def _sample_like_the_fallback_generator(model, prompt_ids, k, temperature, max_tokens, eos, seed):
     """k replies to one prompt from a transformers model, drawn as rlhf/rollout/megatron_generator.py documents its
-    sampling (one CPU generator per prompt; every step, one multinomial draw per reply from the float64 softmax of
-    logits / temperature; each reply cut after its EOS): independent of the trainer's model, data and reward code."""
+    sampling (one CPU generator per prompt; every step, one uniform per reply, the first token whose cumulative
+    float64 softmax of logits / temperature passes it; each reply cut after its EOS): independent of the trainer's
+    model, data and reward code."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt_ids] * k)  # (k, P)
     for _ in range(max_tokens):
         with torch.no_grad():
             logits = model(input_ids=ids).logits[:, -1].double()  # (k, V)
-        tok = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=gen)  # (k, 1)
+        cdf = torch.softmax(logits / temperature, dim=-1).cumsum(-1)  # (k, V)
+        u = torch.rand(k, generator=gen, dtype=torch.float64)
+        tok = (cdf > (u * cdf[:, -1])[:, None]).int().argmax(-1, keepdim=True)  # (k, 1)
         ids = torch.cat([ids, tok], dim=1)
     rows = ids[:, len(prompt_ids):].tolist()
     return [r[:r.index(eos) + 1] if eos in r else r for r in rows]
