@@ -3,7 +3,8 @@ GPU machine without vLLM runs.
 
 * ``ours``: ``rlhf.rollout.megatron_generator.MegatronRollout`` on megatron's actor in bf16 (``ModelRole``), with its
   decode cache (megatron-core's ``StaticInferenceContext``: the prompt fed once, then one token per forward); it
-  samples each prompt's ``--n_samples_per_prompt`` replies as one batch, prompt after prompt, on the host with a CPU generator;
+  samples the replies of prompts of one length as one batch (up to ``max_batch_rows``; ``--max_batch_rows 1``: a
+  prompt's at a time), drawn on the device;
 * ``hf``: transformers' ``generate`` (bf16 weights, sdpa, its dynamic KV cache), every prompt's replies in one batch
   of ``--prompts`` x ``--n_samples_per_prompt`` rows, as TRL's ``GRPOTrainer`` generates without vLLM;
 * ``hf_static``: the same with ``cache_implementation="static"`` (transformers' preallocated KV cache).
@@ -32,23 +33,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
+from gpu_rl_update import _peak, _sync  # noqa: E402 (the device's sync and peak memory, as the RL update bench's)
+
 
 def prompts_of(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n, length), generator=g).tolist()
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _peak(device) -> float:
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**30
 
 
 def _timed(fn, device, rounds: int) -> list[float]:
@@ -80,8 +70,8 @@ def run_ours(a) -> dict:
     lengths = []
 
     def once(tokens):
-        out = gen.generate(prompts, n=a.n_samples_per_prompt, temperature=1.0, top_p=1.0, max_tokens=tokens or a.tokens, seed=0,
-                           ignore_eos=True)
+        out = gen.generate(prompts, n=a.n_samples_per_prompt, temperature=1.0, top_p=1.0,
+                           max_tokens=tokens or a.tokens, seed=0, ignore_eos=True)
         lengths.append(sum(len(s.response_ids) for s in out))
 
     times = _timed(once, mesh.device, a.rounds)
@@ -97,7 +87,8 @@ def run_hf(a) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(a.model, config=cfg, dtype=torch.bfloat16).to(a.device)
     model.eval()
     prompts = prompts_of(cfg.vocab_size, a.prompts, a.prompt_len)
-    ids = torch.tensor([p for p in prompts for _ in range(a.n_samples_per_prompt)], device=a.device)  # prompt-major, as ours
+    # prompt-major, as ours
+    ids = torch.tensor([p for p in prompts for _ in range(a.n_samples_per_prompt)], device=a.device)
     extra = {"cache_implementation": "static"} if a.impl == "hf_static" else {}
     lengths = []
 
@@ -118,8 +109,8 @@ def _result(a, times, new_tokens: int, peak, **what) -> dict:
     if new_tokens != want:
         raise RuntimeError(f"{what['impl']} drew {new_tokens} tokens in its last round, not {want}")
     s = statistics.median(times)
-    return dict(what, seconds=times, median_s=s, tokens_per_s=want / s, peak_gib=peak, prompts=a.prompts, n=a.n_samples_per_prompt,
-                prompt_len=a.prompt_len, tokens=a.tokens)
+    return dict(what, seconds=times, median_s=s, tokens_per_s=want / s, peak_gib=peak, prompts=a.prompts,
+                n=a.n_samples_per_prompt, prompt_len=a.prompt_len, tokens=a.tokens)
 
 
 def main(argv=None) -> int:
@@ -143,8 +134,8 @@ def main(argv=None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)
-        print(f"{a.impl}: {r['tokens_per_s']:.0f} new tokens/s ({a.prompts} x {a.n_samples_per_prompt} replies of {a.tokens} tokens, "
-              f"median {r['median_s']:.2f} s), peak {r['peak_gib']:.2f} GiB", flush=True)
+        print(f"{a.impl}: {r['tokens_per_s']:.0f} new tokens/s ({a.prompts} x {a.n_samples_per_prompt} replies of "
+              f"{a.tokens} tokens, median {r['median_s']:.2f} s), peak {r['peak_gib']:.2f} GiB", flush=True)
     return 0
 
 

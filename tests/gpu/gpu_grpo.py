@@ -108,12 +108,13 @@ def check_grpo(c: harness.Check, shape_name: str) -> None:
         c.report.figures["checks"].setdefault(c.current, {}).update(results)
         c.report.write()
     tps = {v: r.get("tokens_per_s") for v, r in results.items()}
-    ratios = {f"ours/{v}": tps["ours"] / t for v, t in tps.items() if v != "ours" and t and tps.get("ours")}
+    ratios = gpu_speed.ratios_to_ours(tps)
     text = "; ".join(f"{v} {r['step_s']:.2f} s a step, {r['tokens_per_s']:.0f} generated tok/s, peak "
                      f"{r['peak_gib'] if r.get('peak_gib') is not None else float('nan'):.1f} GiB"
                      if r.get("tokens_per_s") else f"{v} not measured (rc={r.get('rc')})" for v, r in results.items())
     phases = results.get("ours", {}).get("phase_s")
     c.report.add(f"grpo_{name}", all(t for t in tps.values()) and len(tps) >= 2,
-                 f"{shape_name} GRPO, {s['prompts']} prompts x {s['n']} replies of {s['tokens']} tokens a step: {text}; "
+                 f"{shape_name} GRPO, {s['prompts']} prompts x {s['n']} replies of {s['tokens']} tokens a step: "
+                 f"{text}; "
                  + ", ".join(f"{k} {x:.3f}" for k, x in ratios.items()) + f"; ours' phases (s) {json.dumps(phases)}",
                  dict(results=results, ratios=ratios, settings=s), c.log(f"grpo_{name}_ours"))

@@ -218,6 +218,28 @@ def check_variants(c: harness.Check) -> None:
     c.report.add("speed_variants", all(r.get("tokens_per_s") for r in results.values()), text, results)
 
 
+def launch_each(c: harness.Check, runs: list[tuple[str, list[str], str]]) -> dict[str, dict]:
+    """Each ``(variant, argv, log label)`` launched in turn, its ``--json`` file (the argv's last item) read back:
+    its figures, or its exit status, or why it did not start; the figures are written after each launch."""
+    results: dict[str, dict] = {}
+    for v, argv, label in runs:
+        out = argv[-1]
+        try:
+            rc = c.launch(argv, label)
+        except harness.OutOfTime as e:
+            results[v] = dict(rc=None, why=str(e))
+            continue
+        results[v] = json.load(open(out)) if rc == 0 and os.path.exists(out) else dict(rc=rc)
+        c.report.figures["checks"].setdefault(c.current, {}).update(results)
+        c.report.write()
+    return results
+
+
+def ratios_to_ours(tps: dict[str, float | None]) -> dict[str, float]:
+    """``ours/<variant>`` for every variant measured beside ours."""
+    return {f"ours/{v}": tps["ours"] / t for v, t in tps.items() if v != "ours" and t and tps.get("ours")}
+
+
 def check_rl(c: harness.Check, shape_name: str) -> None:
     """The RL update side by side (tests/gpu/gpu_rl_update.py) on the speed check's model at ``shape_name``: ours fused,
     transformers + Liger's fused linear GRPO loss, transformers; tokens/s, peak memory, ratios. A PASS when all
@@ -228,25 +250,16 @@ def check_rl(c: harness.Check, shape_name: str) -> None:
     script = os.path.join(HERE, "gpu_rl_update.py")
     common = ["--model", model, "--steps", str(shape["steps"]), "--micro_rows", str(shape["micro"]), "--batch_rows",
               str(shape["batch"]), "--seq_len", str(shape["max_len"]), "--device", "cpu" if c.rehearse else "cuda"]
-    results: dict[str, dict] = {}
     from rlhf.distributed.env import free_port
 
-    for v, cmd in (("ours", ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                             str(free_port()), script, "--impl", "ours", "--fused", "1"]),
-                   ("hf+liger", [script, "--impl", "hf", "--liger", "1"]), ("hf", [script, "--impl", "hf"])):
-        if c.rehearse and v == "hf+liger":
-            continue
-        out = os.path.join(c.out, f"rl_{name}_{v}.json")
-        try:
-            rc = c.launch([sys.executable, *cmd, *common, "--json", out], f"rl_{name}_{v}")
-        except harness.OutOfTime as e:
-            results[v] = dict(rc=None, why=str(e))
-            continue
-        results[v] = json.load(open(out)) if rc == 0 and os.path.exists(out) else dict(rc=rc)
-        c.report.figures["checks"].setdefault(c.current, {}).update(results)
-        c.report.write()
+    runs = [(v, [sys.executable, *cmd, *common, "--json", os.path.join(c.out, f"rl_{name}_{v}.json")], f"rl_{name}_{v}")
+            for v, cmd in (("ours", ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                                     str(free_port()), script, "--impl", "ours", "--fused", "1"]),
+                           ("hf+liger", [script, "--impl", "hf", "--liger", "1"]), ("hf", [script, "--impl", "hf"]))
+            if not (c.rehearse and v == "hf+liger")]
+    results = launch_each(c, runs)
     tps = {v: r.get("median_tokens_per_s") for v, r in results.items()}
-    ratios = {f"ours/{v}": tps["ours"] / t for v, t in tps.items() if v != "ours" and t and tps.get("ours")}
+    ratios = ratios_to_ours(tps)
     text = "; ".join(f"{v} {r['median_tokens_per_s']:.0f} tok/s peak {r['peak_gib']:.1f} GiB"
                      if r.get("median_tokens_per_s") else f"{v} not measured (rc={r.get('rc')})"
                      for v, r in results.items())
@@ -270,21 +283,14 @@ def check_decode(c: harness.Check, shape_name: str) -> None:
     common += ["--model", model, "--device", "cpu" if c.rehearse else "cuda"]
     from rlhf.distributed.env import free_port
 
-    results: dict[str, dict] = {}
-    for v, cmd in (("ours", ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                             str(free_port()), script, "--impl", "ours"]),
-                   ("hf", [script, "--impl", "hf"]), ("hf_static", [script, "--impl", "hf_static"])):
-        out = os.path.join(c.out, f"decode_{name}_{v}.json")
-        try:
-            rc = c.launch([sys.executable, *cmd, *common, "--json", out], f"decode_{name}_{v}")
-        except harness.OutOfTime as e:
-            results[v] = dict(rc=None, why=str(e))
-            continue
-        results[v] = json.load(open(out)) if rc == 0 and os.path.exists(out) else dict(rc=rc)
-        c.report.figures["checks"].setdefault(c.current, {}).update(results)
-        c.report.write()
+    runs = [(v, [sys.executable, *cmd, *common, "--json", os.path.join(c.out, f"decode_{name}_{v}.json")],
+             f"decode_{name}_{v}")
+            for v, cmd in (("ours", ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                                     str(free_port()), script, "--impl", "ours"]),
+                           ("hf", [script, "--impl", "hf"]), ("hf_static", [script, "--impl", "hf_static"]))]
+    results = launch_each(c, runs)
     tps = {v: r.get("tokens_per_s") for v, r in results.items()}
-    ratios = {f"ours/{v}": tps["ours"] / t for v, t in tps.items() if v != "ours" and t and tps.get("ours")}
+    ratios = ratios_to_ours(tps)
     text = "; ".join(f"{v} {r['tokens_per_s']:.0f} new tok/s peak {r['peak_gib']:.1f} GiB" if r.get("tokens_per_s")
                      else f"{v} not measured (rc={r.get('rc')})" for v, r in results.items())
     c.report.add(f"decode_{name}", all(t for t in tps.values()), f"{shape_name} decode: {text}; "
