@@ -134,13 +134,19 @@ def use_main_grad_linears(model: torch.nn.Module, device: torch.device | str) ->
     """Route ``model``'s megatron linear layers on ``device`` through ``MainGradLinear`` where their weight gets a
     ``main_grad``, if ``bf16_accumulation_works(device)``; returns how many layers were given the routing (0 when
     the check failed)."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
     if not bf16_accumulation_works(device):
         return 0
+    return route_linears(model, _cuda_forward_impl)
+
+
+def route_linears(model: torch.nn.Module, forward_impl) -> int:
+    """Give every megatron ``ColumnParallelLinear`` / ``RowParallelLinear`` of ``model`` ``forward_impl`` as its
+    ``_forward_impl`` (called as ``forward_impl(layer, input, weight, *args, **kwargs)``); returns how many."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
     n = 0
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            m._forward_impl = types.MethodType(_cuda_forward_impl, m)
+            m._forward_impl = types.MethodType(forward_impl, m)
             n += 1
     return n

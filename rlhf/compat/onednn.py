@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import logging
 import os
-import types
 from typing import Any
 
 import torch
 
 import rlhf.kernels as kernels
-from rlhf.compat.main_grad import COMM_ARGS, MainGradLinear, into_main_grad, main_grad, needs_no_comm
+from rlhf.compat.main_grad import (COMM_ARGS, MainGradLinear, into_main_grad, main_grad, needs_no_comm,
+                                   route_linears)
 
 log = logging.getLogger(__name__)
 _state: dict[str, Any] = {}
@@ -220,8 +220,6 @@ def use_onednn_linears(model: torch.nn.Module) -> int:
     """Route ``model``'s megatron linear layers through ``OneDNNLinear`` (fp32) and ``Fp32GemmLinear`` (bf16)
     where ``choose_cpu_gemms`` asks for them (see the module's docstring), and trained fp32 weights on torch's
     GEMM through ``MainGradLinear``. Returns how many layers were given the routing."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
     fp32, bf16 = choose_cpu_gemms()
     bound_onednn_caches()  # no effect where oneDNN already ran: cli_main calls it first
     if fp32 == "onednn" and not onednn_linear_works():
@@ -236,9 +234,4 @@ def use_onednn_linears(model: torch.nn.Module) -> int:
                  "torch's default GEMM (MKL)",
                  "its own bf16 GEMM" if bf16 == "bf16" else "the fp32 GEMM (attention and log-probs too)",
                  *(os.environ[v] for v in _CACHE_VARS))
-    n = 0
-    for m in model.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            m._forward_impl = types.MethodType(_forward_impl, m)
-            n += 1
-    return n
+    return route_linears(model, _forward_impl)
