@@ -53,8 +53,9 @@ def sample_rows(logits: torch.Tensor, temperature: float, top_p: float, gen) -> 
             raise RuntimeError("megatron generator: the next-token probabilities are not finite (non-finite "
                                "logits from the model)")
         tok = torch.searchsorted(cdf, (u.to(probs.device) * total).unsqueeze(-1), right=True).squeeze(-1)
-        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)  # u * total rounded up to total
-        tok = torch.minimum(tok, last)
+        over = tok >= probs.shape[-1]  # u * total rounded up to total: the row's last token with mass
+        if bool(over.any()):
+            tok[over] = probs.shape[-1] - 1 - (probs[over].flip(-1) > 0).to(torch.int8).argmax(-1)
     return tok, (z.gather(-1, tok.unsqueeze(-1)) - lse).squeeze(-1)
 
 
