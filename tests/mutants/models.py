@@ -1,7 +1,8 @@
 """Planted bugs of the 2026 families and of MoE at TP > 1 (rlhf/models: spec_families, families, hf_families,
 layer_specs, sequence_parallel, mxfp4, mtp): each removes one term the equivalence with transformers relies on, or one
-refusal; and of the weight gradients accumulated into megatron's main_grad (rlhf/compat/main_grad.py). The equivalence tests run one 4-rank job (tests/models/test_families_equivalence.py, about 2 minutes a
-mutant); the rest are in-process."""
+refusal; and of the weight gradients accumulated into megatron's main_grad (rlhf/compat/main_grad.py). The
+equivalence tests run one 4-rank job (tests/models/test_families_equivalence.py, about 2 minutes a mutant); the rest
+are in-process."""
 from tests.mutants import Mutant
 
 EQ = "tests/models/test_families_equivalence.py::"
@@ -146,7 +147,8 @@ MUTANTS = [
     Mutant("models-wgrad-ddp-adds-again", MGF,
            find="    w.grad_added_to_main_grad = True\n", replace="",
            claim="a weight gradient accumulated into main_grad in the GEMM is not added again by DDP's hook",
-           tests=(MG_STEP, "tests/models/test_onednn.py::test_weight_grad_accumulates_into_main_grad[MainGradLinear-dtype0]")),
+           tests=(MG_STEP,
+                  "tests/models/test_onednn.py::test_weight_grad_accumulates_into_main_grad[MainGradLinear-dtype0]")),
     Mutant("models-wgrad-rounded-to-bf16", MGF,
            find="        torch.addmm(mg, g2.t(), x2, out_dtype=torch.float32, out=mg)",
            replace="        mg.add_(torch.mm(g2.t(), x2).float())",
